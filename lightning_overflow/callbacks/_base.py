@@ -1,0 +1,72 @@
+"""What every suite callback shares: the board of its trainer, loss observation, settling held schedulers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_overflow._compat import Callback
+from lightning_overflow.events import Event
+from lightning_overflow.health import HealthBoard, StepHealth, board_for
+
+
+class SuiteCallback(Callback):
+    """Base of the suite's callbacks. Subclasses override the template methods, not the wiring below.
+
+    Template methods:
+        ``_contribute(trainer, pl_module, record)``: add device values to the step's one host read.
+        ``_after_batch(trainer, pl_module, outputs)``: act at ``on_train_batch_end`` once held schedulers are back.
+        ``_counters()``: cumulative counters to log (``overflow/...``).
+    """
+
+    def board(self, trainer: pl.Trainer) -> HealthBoard:
+        return board_for(trainer)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.board(trainer).attach(trainer, pl_module)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if trainer.training:
+            self.board(trainer).observe_loss(trainer, loss)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        board = self.board(trainer)
+        board.settle(trainer)
+        self._after_batch(trainer, pl_module, outputs)
+        board.log_counters(trainer)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.board(trainer).summarise(trainer)
+
+    # ---- template methods -------------------------------------------------------------------------------------
+    def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
+        """Add this callback's device statistics to the step's single read (default: nothing)."""
+
+    def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        """Act at the end of a training batch (default: nothing)."""
+
+    def _counters(self) -> dict[str, float]:
+        """Cumulative counters logged under their ``overflow/...`` keys (default: none)."""
+        return {}
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _event(self, trainer: pl.Trainer, kind: str, message: str, rank: int = 0, **details: Any) -> Event:
+        event = Event(
+            step=int(trainer.global_step),
+            kind=kind,
+            rank=rank,
+            source=type(self).__name__,
+            message=message,
+            details=details,
+            epoch=int(trainer.current_epoch),
+        )
+        self.board(trainer).record(event)
+        return event

@@ -1,0 +1,167 @@
+"""GradNormMonitor: log the gradient norm, correctly even where FP32 arithmetic overflows."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torchmetrics.aggregation import MaxMetric, MeanMetric
+from typing_extensions import override
+
+from lightning_overflow import _compat
+from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.callbacks._validation import check_bool, check_int, check_norm_type
+from lightning_overflow.health import StepHealth
+from lightning_overflow.numerics import refine_norms, tensor_norms
+
+__all__ = ["GradNormMonitor"]
+
+
+class GradNormMonitor(SuiteCallback):
+    """Log the gradient norm of every optimizer step: pre-clip, after unscaling, overflow-safe.
+
+    A monitor: it changes nothing in training. The norm is the one the suite computes once per optimizer step
+    (shared with the other suite callbacks); finite gradients whose FP32 norm overflows (values above about 1.8e19)
+    are logged with their true norm, where ``torch.nn.utils.clip_grad_norm_`` reports ``inf``.
+
+    Args:
+        norm_type: ``2`` (default) or ``inf``. The L2 norm is shared with the other callbacks; ``inf`` costs one
+            extra pass over the gradients.
+        per_parameter: also log each parameter's norm as ``grad_norm/<parameter name>``.
+        log_every_n_steps: log the total every this many optimizer steps (default: the Trainer's
+            ``log_every_n_steps``).
+        per_parameter_every_n_steps: log per-parameter norms every this many steps (default:
+            ``log_every_n_steps``). Per-parameter keys cost more to log than to compute; space them out on big models.
+
+    Logged keys (suffixed ``_opt<i>`` when the model has several optimizers):
+
+    ===============================  ===============================================================
+    key                              meaning
+    ===============================  ===============================================================
+    ``grad_norm/total``              norm of all gradients of the optimizer, before any clipping
+    ``grad_norm/<parameter name>``   that parameter's gradient norm (``per_parameter=True``)
+    ``grad_norm/total_epoch_mean``   mean of the finite totals over the epoch (synced across ranks)
+    ``grad_norm/total_epoch_max``    max of the finite totals over the epoch (synced across ranks)
+    ===============================  ===============================================================
+
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> trainer = pl.Trainer(callbacks=[GradNormMonitor(per_parameter=True)], logger=False)
+    """
+
+    def __init__(
+        self,
+        norm_type: float | str = 2.0,
+        per_parameter: bool = False,
+        log_every_n_steps: int | None = None,
+        per_parameter_every_n_steps: int | None = None,
+    ) -> None:
+        self.norm_type = check_norm_type(norm_type)
+        self.per_parameter = check_bool("per_parameter", per_parameter)
+        self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
+        self.per_parameter_every_n_steps = check_int(
+            "per_parameter_every_n_steps", per_parameter_every_n_steps, minimum=1, optional=True
+        )
+        self._epoch: dict[int, tuple[MeanMetric, MaxMetric]] = {}
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(norm_type=self.norm_type, per_parameter=self.per_parameter)
+
+    # ---- wiring -----------------------------------------------------------------------------------------------
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        record = self.board(trainer).step_health(trainer, pl_module, optimizer)
+        self._update_epoch(pl_module, record)
+        if trainer.loggers and self._due(trainer, self._every(trainer)):
+            self._log_step(trainer, record)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        suffix_needed = len(trainer.optimizers) > 1
+        for index, (mean, maximum) in sorted(self._epoch.items()):
+            if not mean.update_called:
+                continue
+            suffix = f"_opt{index}" if suffix_needed else ""
+            # compute() syncs across ranks; every rank has updated the same metrics, so all of them get here.
+            pl_module.log(f"grad_norm/total_epoch_mean{suffix}", mean.compute(), on_epoch=True)
+            pl_module.log(f"grad_norm/total_epoch_max{suffix}", maximum.compute(), on_epoch=True)
+            mean.reset()
+            maximum.reset()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._epoch.clear()
+
+    # ---- the step's values ------------------------------------------------------------------------------------
+    @override
+    def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
+        if math.isinf(self.norm_type):
+            norms = tensor_norms([p.grad for p in record.params], self.norm_type)  # type: ignore[misc]
+        elif self.per_parameter and trainer.loggers and self._due(trainer, self._per_param_every(self._every(trainer))):
+            norms = record.grad_norms
+        else:
+            return
+        record.add(self._key(record), norms)
+
+    def _key(self, record: StepHealth) -> str:
+        return f"{type(self).__name__}.{id(self)}.norms"
+
+    def _every(self, trainer: pl.Trainer) -> int:
+        return self.log_every_n_steps or max(int(trainer.log_every_n_steps), 1)
+
+    def _per_param_every(self, every: int) -> int:
+        return self.per_parameter_every_n_steps or every
+
+    @staticmethod
+    def _due(trainer: pl.Trainer, every: int) -> bool:
+        return (_compat.batches_that_stepped(trainer) + 1) % every == 0
+
+    def _norms(self, record: StepHealth) -> tuple[float, list[float]] | None:
+        """``(total, per-tensor)`` in this monitor's norm type, exact; ``None`` when not read on this step."""
+        key = self._key(record)
+        if math.isinf(self.norm_type):
+            if not record.has(key):
+                return None
+            fast = record.value(key)
+            bad = [i for i, v in enumerate(fast) if not math.isfinite(v)]
+            if bad:  # a non-finite max-abs is a real inf/NaN; refine only to be exact about which
+                grads = [p.grad for p in record.params]
+                fast = refine_norms(grads, torch.tensor(fast), bad, math.inf).tolist()  # type: ignore[arg-type]
+            return (max(fast) if fast else 0.0), fast
+        per_tensor = record.exact_grad_norms or (record.value(key) if record.has(key) else [])
+        return record.total_norm, per_tensor
+
+    def _update_epoch(self, pl_module: pl.LightningModule, record: StepHealth) -> None:
+        norms = self._norms(record) if math.isinf(self.norm_type) else (record.total_norm, [])
+        if norms is None or not math.isfinite(norms[0]):
+            return  # non-finite steps are the detector's business and never enter the statistics
+        metrics = self._epoch.get(record.optimizer_index)
+        if metrics is None:
+            metrics = (MeanMetric(nan_strategy="disable"), MaxMetric(nan_strategy="disable"))
+            metrics = (metrics[0].to(pl_module.device), metrics[1].to(pl_module.device))
+            self._epoch[record.optimizer_index] = metrics
+        metrics[0].update(norms[0])
+        metrics[1].update(norms[0])
+
+    def _log_step(self, trainer: pl.Trainer, record: StepHealth) -> None:
+        norms = self._norms(record)
+        if norms is None:
+            return
+        total, per_tensor = norms
+        suffix = f"_opt{record.optimizer_index}" if len(trainer.optimizers) > 1 else ""
+        metrics = {f"grad_norm/total{suffix}": total}
+        if self.per_parameter and per_tensor:
+            metrics.update({f"grad_norm/{name}{suffix}": value for name, value in zip(record.names, per_tensor)})
+        step = _compat.batches_that_stepped(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_epoch"] = {}  # metrics hold device tensors and process groups; they are rebuilt per fit
+        return state

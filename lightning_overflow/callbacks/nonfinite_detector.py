@@ -1,0 +1,290 @@
+"""NonFiniteDetector: find inf/NaN in the loss, gradients, weights and optimizer state; skip, warn or raise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from typing_extensions import override
+
+from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.callbacks._validation import check_choice, check_float, check_int
+from lightning_overflow.events import WarningCache
+from lightning_overflow.exceptions import NonFiniteError
+from lightning_overflow.health import MAX_NAMES, StepHealth
+from lightning_overflow.numerics import optimizer_state_tensors, tensor_norms, total_norm
+
+__all__ = ["NonFiniteDetector"]
+
+Action = Literal["skip", "raise", "warn"]
+
+HINTS = {
+    "loss": "check this batch for inf/NaN inputs; if the loss uses exp(), compute it with torch.logsumexp or "
+    "subtract the max first; clamp the input of log() with an eps",
+    "grad": "a backward op produced inf/NaN (sqrt, pow, log or a division near 0, or an overflowing activation); "
+    "torch.autograd.set_detect_anomaly(True) names the op",
+    "overflow": "the gradients are finite but their norm lies beyond the FP32 range: lower the learning rate, add "
+    "AutoClip, or check the initialisation and normalisation of deep stacks",
+    "weight": "the weights themselves are non-finite and skipping steps cannot repair them: add Rollback to restore "
+    "the last finite state, and LRBackoff to lower the learning rate",
+    "optimizer_state": "the optimizer state (e.g. Adam's exp_avg_sq) is non-finite and poisons every later step: "
+    "add Rollback to restore the last finite state, and LRBackoff to lower the learning rate",
+    "scaler": "the GradScaler keeps overflowing: the model overflows fp16 even with a small loss scale; try "
+    "precision='bf16-mixed' or lower the learning rate",
+    "consecutive": "the fault repeats on every step: look at the data pipeline and the learning rate; Rollback "
+    "restores the last finite state when the weights are affected",
+}
+
+
+@dataclass
+class Finding:
+    """A detection on one optimizer step, identical on every rank."""
+
+    kind: str  # loss | grad | weight | optimizer_state
+    ranks: tuple[int, ...]
+    names: list[str] = field(default_factory=list)
+    overflow: bool = False
+    hint_key: str = ""
+    detail: str = ""
+
+
+class NonFiniteDetector(SuiteCallback):
+    """Find inf/NaN in the loss, the gradients, the weights and the optimizer state; skip the step, warn or raise.
+
+    Where it looks: the loss of every backward pass (``on_before_backward``, per rank); the gradients before the
+    optimizer step (pre-clip, after unscaling, all-reduced under DDP); every ``check_weights_every_n_steps`` the
+    weights and the optimizer's floating-point state. All of it reaches the host in the suite's one read per step,
+    and the verdict is identical on every rank.
+
+    Under ``16-mixed`` the GradScaler overflows routinely while it calibrates its scale; such steps are left to the
+    scaler. Only ``max_scaler_overflows`` consecutive overflows, or a scale below ``min_loss_scale``, count.
+
+    An intervention when ``action="skip"``: a non-finite step becomes a true no-op (``zero_grad(set_to_none=True)``:
+    weights, moments, weight decay and the optimizer's step counts untouched) and the step-interval LR schedulers
+    are held where they were. ``global_step`` still advances (Lightning counts the attempt).
+
+    Args:
+        action: ``"skip"`` (default) skips the step and goes on; ``"raise"`` raises :class:`NonFiniteError` at the
+            first detection; ``"warn"`` warns once and lets the step happen (a monitor).
+        max_consecutive_skips: with ``action="skip"``, raise :class:`NonFiniteError` after this many consecutive
+            skipped steps (default 20: enough to ride out a bad stretch of data, few enough that a dead run stops
+            before it wastes its schedule).
+        check_weights_every_n_steps: check weights and optimizer state every this many steps (default 100; ``None``
+            or 0 disables). They are also checked whenever the loss or the gradients are non-finite, to name the
+            cause.
+        max_scaler_overflows: under a GradScaler, consecutive overflow steps tolerated as calibration (default 20;
+            the scale falls from 65536 to 1 in 16).
+        min_loss_scale: under a GradScaler, a scale below this is a detection (default 1e-4).
+
+    Attributes:
+        skipped_steps: optimizer steps skipped so far.
+        nonfinite_events: detections so far.
+
+    Raises:
+        NonFiniteError: with ``action="raise"``; after ``max_consecutive_skips``; when the weights or optimizer
+            state are non-finite and no callback in the list can restore them (``action="warn"`` never raises).
+
+    Logged keys:
+
+    ============================  =========================================
+    key                           meaning
+    ============================  =========================================
+    ``overflow/skipped_steps``    cumulative optimizer steps skipped
+    ``overflow/nonfinite_events`` cumulative non-finite detections
+    ============================  =========================================
+
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> trainer = pl.Trainer(callbacks=[NonFiniteDetector(action="skip")], logger=False)
+    """
+
+    def __init__(
+        self,
+        action: Action = "skip",
+        max_consecutive_skips: int = 20,
+        check_weights_every_n_steps: int | None = 100,
+        max_scaler_overflows: int = 20,
+        min_loss_scale: float = 1e-4,
+    ) -> None:
+        self.action = check_choice("action", action, ("skip", "raise", "warn"))
+        self.max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, minimum=1)
+        self.check_weights_every_n_steps = (
+            check_int("check_weights_every_n_steps", check_weights_every_n_steps, minimum=0, optional=True) or None
+        )
+        self.max_scaler_overflows = check_int("max_scaler_overflows", max_scaler_overflows, minimum=1)
+        self.min_loss_scale = check_float("min_loss_scale", min_loss_scale, low=0.0, low_open=True)
+        self.skipped_steps = 0
+        self.nonfinite_events = 0
+        self._consecutive = 0
+        self._scaler_overflows = 0
+        self._warnings = WarningCache()
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(action=self.action)
+
+    # ---- wiring -----------------------------------------------------------------------------------------------
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        record = self.board(trainer).step_health(trainer, pl_module, optimizer)
+        finding = self._judge(record)
+        if finding is None:
+            self._consecutive = 0
+            return
+        self._act(trainer, record, finding)
+
+    @override
+    def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
+        every = self.check_weights_every_n_steps
+        if every is None or record.step % every:
+            return
+        with torch.no_grad():
+            weights = total_norm(tensor_norms([p.detach() for p in _params(record.optimizer)]))
+            states, _ = optimizer_state_tensors(record.optimizer)
+            moments = total_norm(tensor_norms(states))
+        # Per rank: one rank's weights can differ from the others' when something wrote to them locally.
+        bad = (~torch.isfinite(weights)) | (~torch.isfinite(moments))
+        record.add(self._key(), bad.to(torch.float64), per_rank=True)
+
+    def _key(self) -> str:
+        return f"{type(self).__name__}.{id(self)}.state"
+
+    # ---- the decision -----------------------------------------------------------------------------------------
+    def _judge(self, record: StepHealth) -> Finding | None:
+        """What, if anything, is non-finite on this step. Only values identical on every rank are used."""
+        state_flagged = record.has(self._key()) and any(record.value(self._key()))
+        if record.loss_finite and record.grads_finite and not record.grads_beyond_fp32 and not state_flagged:
+            self._scaler_overflows = 0
+            return None
+        if record.loss_finite and record.loss_scale is not None and not state_flagged:
+            return self._judge_scaler(record)
+        state = record.check_state()
+        if state.weight_ranks:
+            return Finding("weight", state.weight_ranks, list(state.weight_names), hint_key="weight")
+        if state.state_ranks:
+            return Finding("optimizer_state", state.state_ranks, list(state.state_names), hint_key="optimizer_state")
+        if not record.loss_finite:
+            return Finding("loss", record.loss_nonfinite_ranks, hint_key="loss")
+        if record.grads_finite and not record.grads_beyond_fp32:
+            return None  # a fast-path flag that the exact check cleared (FP32 overflow of finite values)
+        return self._grad_finding(record)
+
+    def _judge_scaler(self, record: StepHealth) -> Finding | None:
+        """Routine GradScaler overflow is calibration, not divergence, unless it persists or the scale collapses."""
+        self._scaler_overflows += 1
+        scale = record.loss_scale or 0.0
+        if self._scaler_overflows <= self.max_scaler_overflows and scale >= self.min_loss_scale:
+            return None
+        finding = self._grad_finding(record)
+        finding.hint_key = "scaler"
+        finding.detail = f"; {self._scaler_overflows} consecutive GradScaler overflows, loss scale {scale:g}"
+        return finding
+
+    def _grad_finding(self, record: StepHealth) -> Finding:
+        offending = record.offending_grads()
+        if record.grads_finite:
+            names = [name for name, _, _ in offending]
+            return Finding("grad", tuple(range(record.world_size)), names, overflow=True, hint_key="overflow")
+        names = [name for name, _, status in offending if status == "nonfinite"]
+        return Finding("grad", tuple(range(record.world_size)), names, hint_key="grad")
+
+    # ---- the action -------------------------------------------------------------------------------------------
+    def _act(self, trainer: pl.Trainer, record: StepHealth, finding: Finding) -> None:
+        self.nonfinite_events += 1
+        self._consecutive += 1
+        message = self._describe(trainer, record, finding)
+        details = {
+            "where": finding.kind,
+            "ranks": list(finding.ranks),
+            "parameters": finding.names[:MAX_NAMES],
+            "overflow": finding.overflow,
+            "grad_norm": record.total_norm,
+            "loss_scale": record.loss_scale,
+            "optimizer": record.optimizer_index,
+        }
+        self._event(trainer, "nonfinite", message, rank=min(finding.ranks, default=0), **details)
+        state_broken = finding.kind in ("weight", "optimizer_state")
+        if self.action == "warn":
+            self._warnings.warn(f"{finding.kind}:{finding.hint_key}", message + " (shown once)")
+            return
+        if self.action == "raise" or (state_broken and not _state_recovery_in(trainer)):
+            raise self._error(message, record, finding)
+        if not state_broken and record.skip(f"non-finite {finding.kind}"):
+            self.skipped_steps += 1
+            self._event(trainer, "skip", f"skipped optimizer step {record.step}: non-finite {finding.kind}", **details)
+        if self._consecutive >= self.max_consecutive_skips:
+            message = (
+                f"NonFiniteDetector: {self._consecutive} consecutive optimizer steps were non-finite, the last at step "
+                f"{record.step}. Last finding: {message}"
+            )
+            finding.hint_key = "consecutive"
+            self._event(trainer, "abort", message, **details)
+            raise self._error(message, record, finding)
+
+    def _describe(self, trainer: pl.Trainer, record: StepHealth, finding: Finding) -> str:
+        ranks = ", ".join(str(r) for r in finding.ranks)
+        what = {
+            "loss": "the loss was inf/NaN",
+            "grad": "the gradients were finite but their norm lies beyond the FP32 range"
+            if finding.overflow
+            else "the gradients contained inf/NaN",
+            "weight": "the weights contained inf/NaN",
+            "optimizer_state": "the optimizer state contained inf/NaN",
+        }[finding.kind]
+        names = ""
+        if finding.names:
+            more = len(finding.names) - MAX_NAMES
+            names = f" in {', '.join(finding.names[:MAX_NAMES])}" + (f" (+{more} more)" if more > 0 else "")
+        norm = f" (gradient norm {record.total_norm:.4g})" if finding.kind == "grad" else ""
+        verb = {"skip": "The optimizer step was skipped.", "warn": "The optimizer step went ahead.", "raise": ""}
+        done = "" if finding.kind in ("weight", "optimizer_state") else verb[self.action]
+        return (
+            f"NonFiniteDetector: {what}{names}{norm} at step {record.step} (epoch {trainer.current_epoch}) on rank(s) "
+            f"{ranks}{finding.detail}. {done}".rstrip()
+        )
+
+    def _error(self, message: str, record: StepHealth, finding: Finding) -> NonFiniteError:
+        hint = HINTS[finding.hint_key]
+        return NonFiniteError(
+            f"{message} HINT: {hint}.",
+            kind=finding.kind,
+            step=record.step,
+            ranks=finding.ranks,
+            parameters=finding.names[:MAX_NAMES],
+            overflow=finding.overflow,
+            hint=hint,
+        )
+
+    # ---- counters and state -----------------------------------------------------------------------------------
+    @override
+    def _counters(self) -> dict[str, float]:
+        return {"overflow/skipped_steps": self.skipped_steps, "overflow/nonfinite_events": self.nonfinite_events}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "skipped_steps": self.skipped_steps,
+            "nonfinite_events": self.nonfinite_events,
+            "consecutive": self._consecutive,
+            "scaler_overflows": self._scaler_overflows,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.nonfinite_events = int(state_dict.get("nonfinite_events", 0))
+        self._consecutive = int(state_dict.get("consecutive", 0))
+        self._scaler_overflows = int(state_dict.get("scaler_overflows", 0))
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _state_recovery_in(trainer: pl.Trainer) -> bool:
+    """Whether a callback in the list restores weights and optimizer state (Rollback)."""
+    return any(getattr(cb, "restores_state", False) for cb in trainer.callbacks)  # type: ignore[attr-defined]

@@ -1,0 +1,122 @@
+"""Event records and the journal: every skip, detection and remedy as one JSON line.
+
+The journal lives at ``<trainer.log_dir>/overflow_events.jsonl`` (the Trainer's ``default_root_dir`` when it has no
+logger). Decisions are identical on every rank, so rank 0 alone writes them; the ranks that observed a per-rank fault
+are listed in the event itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_overflow.exceptions import OverflowWarning
+
+__all__ = ["JOURNAL_NAME", "Event", "Journal", "WarningCache", "read_journal"]
+
+JOURNAL_NAME = "overflow_events.jsonl"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing that happened to the run.
+
+    Attributes:
+        step: the ``global_step`` of the optimizer step concerned.
+        kind: ``"skip"``, ``"nonfinite"``, ``"scaler_overflow"``, ``"spike"``, ``"clip"``, ``"backoff"``,
+            ``"regrowth"``, ``"rollback"``, ``"abort"``...
+        rank: the lowest rank that observed it (0 for what every rank observes, such as all-reduced gradients).
+        source: the callback that recorded it.
+        message: a sentence for a person.
+        details: the facts behind the message (JSON-serialisable).
+    """
+
+    step: int
+    kind: str
+    rank: int
+    source: str
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+    epoch: int = 0
+    time: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(_jsonable(asdict(self)), sort_keys=False, allow_nan=False)
+
+
+def _jsonable(value: Any) -> Any:
+    # JSON has no inf/NaN; keep them readable as strings rather than producing invalid JSON.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class Journal:
+    """Appends events to a JSON-lines file and keeps counts by kind.
+
+    Args:
+        path: the file to append to, or ``None`` to keep events in memory only.
+        write: whether this process writes (rank 0 does; the others only count).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None, write: bool = True) -> None:
+        self.path = Path(path) if path is not None else None
+        self.write = write
+        self.events: list[Event] = []
+        self.counts: Counter[str] = Counter()
+
+    def record(self, event: Event) -> None:
+        self.events.append(event)
+        self.counts[event.kind] += 1
+        if self.path is None or not self.write:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One write() per line: O_APPEND keeps concurrent writers from interleaving lines.
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(event.to_json() + "\n")
+
+    def summary(self) -> str:
+        """``"3 skip, 1 nonfinite"`` style, most frequent first; empty when nothing happened."""
+        return ", ".join(f"{n} {kind}" for kind, n in self.counts.most_common())
+
+
+def read_journal(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield the events of a journal file; a corrupt line is skipped with an :class:`OverflowWarning` naming it."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError as err:
+                warnings.warn(f"{path}:{number}: skipped a corrupt journal line ({err})", OverflowWarning, stacklevel=2)
+                continue
+            if not isinstance(event, dict) or "step" not in event or "kind" not in event:
+                warnings.warn(f"{path}:{number}: skipped a line that is not an event", OverflowWarning, stacklevel=2)
+                continue
+            yield event
+
+
+class WarningCache:
+    """Shows each warning once per key, so a fault that repeats every step does not flood the console."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def warn(self, key: str, message: str) -> None:
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        warnings.warn(message, OverflowWarning, stacklevel=3)

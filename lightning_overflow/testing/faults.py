@@ -1,0 +1,168 @@
+"""Fault injection at an exact ``(step, rank, kind)``: test recovery paths without provoking NaN by luck."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_overflow._compat import Callback
+
+__all__ = ["FAULT_KINDS", "Fault", "FaultInjector"]
+
+FAULT_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "nan_weight", "inf_weight")
+
+_LOSS_FACTORS = {"nan_loss": float("nan"), "inf_loss": float("inf")}
+_VALUES = {"nan_grad": float("nan"), "inf_grad": float("inf"), "nan_weight": float("nan"), "inf_weight": float("inf")}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault to inject.
+
+    Args:
+        step: the ``trainer.global_step`` at which it fires (the first batch, or backward, of that step).
+        kind: ``"nan_loss"`` / ``"inf_loss"`` (the loss is multiplied by NaN/inf, so the gradients follow),
+            ``"loss_spike"`` (the loss is multiplied by ``factor``), ``"nan_grad"`` / ``"inf_grad"`` (one element
+            of one parameter's gradient, before the DDP all-reduce), ``"nan_weight"`` / ``"inf_weight"`` (one
+            element of one parameter, before the batch).
+        rank: the global rank it fires on (``None``: every rank).
+        parameter: the parameter name for gradient and weight faults (``None``: the first parameter).
+        factor: the multiplier of ``"loss_spike"`` (default 1e3).
+        once: fire on the first execution only; ``False`` fires every time the step is executed (a replay too).
+    """
+
+    step: int
+    kind: str
+    rank: int | None = None
+    parameter: str | None = None
+    factor: float = 1e3
+    once: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"'kind' must be one of {', '.join(map(repr, FAULT_KINDS))} (got {self.kind!r})")
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise ValueError(f"'step' must be an int >= 0 (got {self.step!r})")
+        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
+            raise ValueError(f"'rank' must be an int >= 0 or None (got {self.rank!r})")
+
+
+class FaultInjector(Callback):
+    """Inject :class:`Fault` s into a fit. Put it anywhere in ``callbacks``; it wraps the module's
+    ``training_step`` (automatic optimization) or ``manual_backward`` (manual) for loss faults and restores them at
+    teardown.
+
+    Attributes:
+        fired: ``(step, kind, rank)`` of each fault that fired, in order.
+
+    Example:
+        >>> injector = FaultInjector(Fault(step=3, kind="nan_loss", rank=1))
+    """
+
+    def __init__(self, *faults: Fault) -> None:
+        for fault in faults:
+            if not isinstance(fault, Fault):
+                raise TypeError(f"'faults' must be Fault instances (got {fault!r})")
+        self.faults = list(faults)
+        self.fired: list[tuple[int, str, int]] = []
+        self._done: set[int] = set()
+        self._wrapped: list[tuple[Any, str]] = []
+        self._handles: list[Any] = []
+
+    def _due(self, trainer: pl.Trainer, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
+        due = []
+        for i, fault in enumerate(self.faults):
+            if fault.kind not in kinds or fault.step != trainer.global_step or i in self._done:
+                continue
+            if fault.rank is not None and fault.rank != trainer.global_rank:
+                continue
+            due.append((i, fault))
+        return due
+
+    def _fire(self, trainer: pl.Trainer, i: int, fault: Fault) -> None:
+        if fault.once:
+            self._done.add(i)
+        self.fired.append((int(trainer.global_step), fault.kind, int(trainer.global_rank)))
+
+    # ---- loss faults ------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        name = "training_step" if pl_module.automatic_optimization else "manual_backward"
+        original = getattr(pl_module, name)
+
+        @functools.wraps(original)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if name == "manual_backward":
+                args = (self._faulty_loss(trainer, args[0]), *args[1:])
+                return original(*args, **kwargs)
+            return self._faulty_output(trainer, original(*args, **kwargs))
+
+        setattr(pl_module, name, wrapped)
+        self._wrapped.append((pl_module, name))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for module, name in self._wrapped:
+            if name in vars(module):
+                delattr(module, name)
+        self._wrapped.clear()
+        self._remove_hooks()
+
+    def _faulty_output(self, trainer: pl.Trainer, output: Any) -> Any:
+        if isinstance(output, Tensor):
+            return self._faulty_loss(trainer, output)
+        if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+            return {**output, "loss": self._faulty_loss(trainer, output["loss"])}
+        return output
+
+    def _faulty_loss(self, trainer: pl.Trainer, loss: Tensor) -> Tensor:
+        if not trainer.training:
+            return loss
+        for i, fault in self._due(trainer, ("nan_loss", "inf_loss", "loss_spike")):
+            self._fire(trainer, i, fault)
+            loss = loss * _LOSS_FACTORS.get(fault.kind, fault.factor)
+        return loss
+
+    # ---- gradient and weight faults ---------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        for i, fault in self._due(trainer, ("nan_weight", "inf_weight")):
+            self._fire(trainer, i, fault)
+            with torch.no_grad():
+                _parameter(pl_module, fault.parameter).view(-1)[0] = _VALUES[fault.kind]
+        for i, fault in self._due(trainer, ("nan_grad", "inf_grad")):
+            self._fire(trainer, i, fault)
+            value = _VALUES[fault.kind]
+            # A tensor hook changes the gradient before DDP all-reduces it, as a real fault on one rank would.
+            handle = _parameter(pl_module, fault.parameter).register_hook(functools.partial(_poison, value=value))
+            self._handles.append(handle)
+
+    @override
+    def on_train_batch_end(self, *_: Any) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _poison(grad: Tensor, value: float) -> Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = value
+    return grad
+
+
+def _parameter(pl_module: pl.LightningModule, name: str | None) -> Tensor:
+    params = dict(pl_module.named_parameters())
+    if name is None:
+        return next(iter(params.values()))
+    if name not in params:
+        raise ValueError(f"'parameter' must name a parameter of the model (got {name!r}; have {', '.join(params)})")
+    return params[name]
