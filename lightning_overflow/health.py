@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from lightning_overflow.callbacks._base import SuiteCallback
 
-__all__ = ["HealthBoard", "StateCheck", "StepHealth", "board_for"]
+__all__ = ["SIGNAL_KINDS", "HealthBoard", "Signal", "StateCheck", "StepHealth", "board_for", "nonfinite_labels"]
 
 log = logging.getLogger("pytorch_lightning.lightning_overflow")
 
@@ -54,6 +54,36 @@ def board_for(trainer: pl.Trainer) -> HealthBoard:
     if board is None:
         board = _BOARDS[trainer] = HealthBoard()
     return board
+
+
+SIGNAL_KINDS = ("nonfinite", "nonfinite_burst", "nonfinite_state", "scaler_collapse", "loss_spike", "grad_spike")
+"""What detectors report to interventions:
+
+- ``nonfinite``: one step was non-finite (and skipped); isolated, it is not divergence.
+- ``nonfinite_burst``: several non-finite steps close together.
+- ``nonfinite_state``: the weights or the optimizer state hold inf/NaN.
+- ``scaler_collapse``: the GradScaler kept overflowing or its scale collapsed.
+- ``loss_spike`` / ``grad_spike``: a statistical spike of the loss / the gradient norm.
+"""
+
+
+@dataclass(frozen=True)
+class Signal:
+    """A detector's report for this training batch, identical on every rank.
+
+    Attributes:
+        kind: one of :data:`SIGNAL_KINDS`.
+        step: the ``global_step`` of the optimizer step concerned.
+        reason: a sentence for messages and the journal.
+        source: the callback that raised it.
+        optimizer_index: the optimizer concerned.
+    """
+
+    kind: str
+    step: int
+    reason: str
+    source: str
+    optimizer_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -222,6 +252,7 @@ class HealthBoard:
         self._settled_batch: tuple[int, int] | None = None
         self._logged_step: int | None = None
         self._summarised = False
+        self.signals: list[Signal] = []
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -236,6 +267,28 @@ class HealthBoard:
 
     def record(self, event: Event) -> None:
         self.journal.record(event)
+
+    # ---- signals between detectors and interventions ----------------------------------------------------------
+    def begin_batch(self) -> None:
+        """Forget the previous batch's signals (called by every suite callback's ``on_train_batch_start``)."""
+        self.signals.clear()
+
+    def signal(self, signal: Signal) -> None:
+        """Report a signal for this batch; interventions read :attr:`signals` in ``on_train_batch_end``."""
+        self.signals.append(signal)
+
+    def after_restore(self, trainer: pl.Trainer, extras: dict[str, Any]) -> None:
+        """Tell every suite callback that the training state was restored from a snapshot.
+
+        Args:
+            extras: what each callback's ``_snapshot_extra()`` returned when the snapshot was taken, by state key.
+        """
+        for callback in suite_callbacks(trainer):
+            callback._after_restore(trainer, extras.get(callback.state_key, {}))
+
+    def snapshot_extras(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Every suite callback's ``_snapshot_extra()``, by state key, to store beside a snapshot."""
+        return {cb.state_key: cb._snapshot_extra() for cb in suite_callbacks(trainer)}
 
     # ---- loss observation (on_before_backward) ----------------------------------------------------------------
     def observe_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
@@ -405,8 +458,8 @@ def _check_state(record: StepHealth, names: dict[int, str]) -> StateCheck:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     param_names = [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params]
     states, state_names = optimizer_state_tensors(optimizer, names)
-    bad_weights = _nonfinite(params, param_names)
-    bad_states = _nonfinite(states, state_names)
+    bad_weights = nonfinite_labels(params, param_names)
+    bad_states = nonfinite_labels(states, state_names)
     flags = torch.zeros(2 * record.world_size, dtype=torch.float64, device=record.grad_norms.device)
     flags[record.rank] = float(bool(bad_weights))
     flags[record.world_size + record.rank] = float(bool(bad_states))
@@ -416,7 +469,7 @@ def _check_state(record: StepHealth, names: dict[int, str]) -> StateCheck:
     return StateCheck(weight_ranks, state_ranks, tuple(bad_weights), tuple(bad_states))
 
 
-def _nonfinite(tensors: list[Tensor], labels: list[str]) -> list[str]:
+def nonfinite_labels(tensors: list[Tensor], labels: list[str]) -> list[str]:
     """Labels of the tensors holding inf/NaN (spurious FP32 overflow excluded). One read, more only if needed."""
     if not tensors:
         return []

@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from lightning_overflow._compat import Callback
 from lightning_overflow.events import Event
-from lightning_overflow.health import HealthBoard, StepHealth, board_for
+from lightning_overflow.health import HealthBoard, Signal, StepHealth, board_for
 
 
 class SuiteCallback(Callback):
@@ -20,6 +20,11 @@ class SuiteCallback(Callback):
         ``_contribute(trainer, pl_module, record)``: add device values to the step's one host read.
         ``_after_batch(trainer, pl_module, outputs)``: act at ``on_train_batch_end`` once held schedulers are back.
         ``_counters()``: cumulative counters to log (``overflow/...``).
+        ``_snapshot_extra()`` / ``_after_restore(trainer, extra)``: what to keep beside a rollback snapshot, and
+            how to re-align after a rollback restored one (LRBackoff re-applies its scale there).
+
+    Interventions read ``self.board(trainer).signals`` (detectors' :class:`~lightning_overflow.health.Signal` s of
+    this batch) in ``_after_batch``.
     """
 
     def board(self, trainer: pl.Trainer) -> HealthBoard:
@@ -29,6 +34,10 @@ class SuiteCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.board(trainer).attach(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.board(trainer).begin_batch()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -57,6 +66,13 @@ class SuiteCallback(Callback):
         """Cumulative counters logged under their ``overflow/...`` keys (default: none)."""
         return {}
 
+    def _snapshot_extra(self) -> dict[str, Any]:
+        """Primitives to store beside a rollback snapshot (default: nothing)."""
+        return {}
+
+    def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        """The training state was just restored from a snapshot taken with ``extra`` beside it (default: nothing)."""
+
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _event(self, trainer: pl.Trainer, kind: str, message: str, rank: int = 0, **details: Any) -> Event:
         event = Event(
@@ -70,3 +86,7 @@ class SuiteCallback(Callback):
         )
         self.board(trainer).record(event)
         return event
+
+    def _signal(self, trainer: pl.Trainer, kind: str, reason: str, optimizer_index: int = 0) -> None:
+        signal = Signal(kind, int(trainer.global_step), reason, type(self).__name__, optimizer_index)
+        self.board(trainer).signal(signal)

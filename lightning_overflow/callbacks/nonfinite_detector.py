@@ -77,6 +77,12 @@ class NonFiniteDetector(SuiteCallback):
         max_scaler_overflows: under a GradScaler, consecutive overflow steps tolerated as calibration (default 20;
             the scale falls from 65536 to 1 in 16).
         min_loss_scale: under a GradScaler, a scale below this is a detection (default 1e-4).
+        burst_count, burst_window: ``burst_count`` detections within ``burst_window`` optimizer steps are a burst,
+            which interventions (LRBackoff, Rollback) treat as divergence (defaults 3 in 50). An isolated detection
+            is absorbed by the skip alone: one corrupt sample must not cost the learning rate.
+
+    Signals (read by interventions): ``nonfinite`` on every detection, ``nonfinite_burst`` on a burst,
+    ``nonfinite_state`` for inf/NaN weights or optimizer state, ``scaler_collapse`` for a failing GradScaler.
 
     Attributes:
         skipped_steps: optimizer steps skipped so far.
@@ -107,6 +113,8 @@ class NonFiniteDetector(SuiteCallback):
         check_weights_every_n_steps: int | None = 100,
         max_scaler_overflows: int = 20,
         min_loss_scale: float = 1e-4,
+        burst_count: int = 3,
+        burst_window: int = 50,
     ) -> None:
         self.action = check_choice("action", action, ("skip", "raise", "warn"))
         self.max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, minimum=1)
@@ -115,6 +123,9 @@ class NonFiniteDetector(SuiteCallback):
         )
         self.max_scaler_overflows = check_int("max_scaler_overflows", max_scaler_overflows, minimum=1)
         self.min_loss_scale = check_float("min_loss_scale", min_loss_scale, low=0.0, low_open=True)
+        self.burst_count = check_int("burst_count", burst_count, minimum=1)
+        self.burst_window = check_int("burst_window", burst_window, minimum=1)
+        self._recent: list[int] = []
         self.skipped_steps = 0
         self.nonfinite_events = 0
         self._consecutive = 0
@@ -207,6 +218,7 @@ class NonFiniteDetector(SuiteCallback):
             "optimizer": record.optimizer_index,
         }
         self._event(trainer, "nonfinite", message, rank=min(finding.ranks, default=0), **details)
+        self._raise_signals(trainer, record, finding, message)
         state_broken = finding.kind in ("weight", "optimizer_state")
         if self.action == "warn":
             self._warnings.warn(f"{finding.kind}:{finding.hint_key}", message + " (shown once)")
@@ -224,6 +236,18 @@ class NonFiniteDetector(SuiteCallback):
             finding.hint_key = "consecutive"
             self._event(trainer, "abort", message, **details)
             raise self._error(message, record, finding)
+
+    def _raise_signals(self, trainer: pl.Trainer, record: StepHealth, finding: Finding, message: str) -> None:
+        index = record.optimizer_index
+        self._signal(trainer, "nonfinite", message, index)
+        if finding.kind in ("weight", "optimizer_state"):
+            self._signal(trainer, "nonfinite_state", message, index)
+        if finding.hint_key == "scaler":
+            self._signal(trainer, "scaler_collapse", message, index)
+        self._recent = [s for s in self._recent if record.step - s < self.burst_window] + [record.step]
+        if len(self._recent) >= self.burst_count:
+            burst = f"{len(self._recent)} non-finite steps within {self.burst_window} steps ({message})"
+            self._signal(trainer, "nonfinite_burst", burst, index)
 
     def _describe(self, trainer: pl.Trainer, record: StepHealth, finding: Finding) -> str:
         ranks = ", ".join(str(r) for r in finding.ranks)
@@ -271,6 +295,7 @@ class NonFiniteDetector(SuiteCallback):
             "nonfinite_events": self.nonfinite_events,
             "consecutive": self._consecutive,
             "scaler_overflows": self._scaler_overflows,
+            "recent": list(self._recent),
         }
 
     @override
@@ -279,6 +304,13 @@ class NonFiniteDetector(SuiteCallback):
         self.nonfinite_events = int(state_dict.get("nonfinite_events", 0))
         self._consecutive = int(state_dict.get("consecutive", 0))
         self._scaler_overflows = int(state_dict.get("scaler_overflows", 0))
+        self._recent = [int(s) for s in state_dict.get("recent", [])]
+
+    @override
+    def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        # The state that produced the streak is gone; count afresh from the restored one.
+        self._consecutive = 0
+        self._scaler_overflows = 0
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

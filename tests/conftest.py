@@ -1,0 +1,73 @@
+"""Shared helpers: quiet, fast CPU trainers and bit-exact state comparison."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+warnings.filterwarnings("ignore", message=".*isinstance.*LeafSpec.*")
+
+
+def make_trainer(callbacks: list[Any] | None = None, **kwargs: Any) -> pl.Trainer:
+    """A quiet single-process CPU trainer; keyword arguments override the defaults."""
+    options: dict[str, Any] = {
+        "max_steps": 8,
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks or [], **options)
+
+
+def fit(model: pl.LightningModule, callbacks: list[Any] | None = None, **kwargs: Any) -> pl.Trainer:
+    trainer = make_trainer(callbacks, **kwargs)
+    trainer.fit(model)
+    return trainer
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A deep copy of the optimizer's state dict (tensors cloned)."""
+    state = optimizer.state_dict()
+    return {
+        "state": {k: {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in v.items()} for k, v in state["state"].items()},
+        "param_groups": [dict(g) for g in state["param_groups"]],
+    }
+
+
+def assert_optimizer_state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        for n, t in a["state"][k].items():
+            other = b["state"][k][n]
+            if isinstance(t, torch.Tensor):
+                assert torch.equal(t, other), f"state {k}.{n} differs"
+            else:
+                assert t == other
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    pl.seed_everything(0, verbose=False)
