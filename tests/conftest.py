@@ -71,3 +71,35 @@ def assert_optimizer_state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     pl.seed_everything(0, verbose=False)
+
+
+class MemoryLogger(pl.loggers.Logger):
+    """Keeps every logged metric in memory: ``metrics[key] == [(step, value), ...]``."""
+
+    def __init__(self, save_dir: str | None = None) -> None:
+        super().__init__()
+        self.metrics: dict[str, list[tuple[int, float]]] = {}
+        self._save_dir = save_dir
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def save_dir(self) -> str | None:
+        return self._save_dir
+
+    @property
+    def log_dir(self) -> str | None:
+        return self._save_dir
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        for key, value in metrics.items():
+            self.metrics.setdefault(key, []).append((int(step or 0), float(value)))
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass

@@ -1,0 +1,137 @@
+"""One conformance suite over every exported callback: construct, validate, pickle, state, refit, change nothing."""
+
+from __future__ import annotations
+
+import inspect
+import io
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, fit, weights
+
+import lightning_overflow
+from lightning_overflow import GradNormMonitor, NonFiniteDetector
+from lightning_overflow.testing import TinyRegressor
+
+
+@dataclass
+class Case:
+    """How to exercise one callback: healthy-run arguments and bad arguments with the exact error."""
+
+    healthy: dict[str, Any] = field(default_factory=dict)
+    bad: list[tuple[dict[str, Any], type[Exception], str]] = field(default_factory=list)
+
+
+CASES: dict[type, Case] = {
+    GradNormMonitor: Case(
+        healthy={"per_parameter": True, "norm_type": "inf"},
+        bad=[
+            ({"norm_type": 1}, ValueError, "'norm_type' must be 2 or inf (got 1)"),
+            ({"per_parameter": "yes"}, TypeError, "'per_parameter' must be a bool (got 'yes')"),
+            ({"log_every_n_steps": 0}, ValueError, "'log_every_n_steps' must be >= 1 (got 0)"),
+            ({"per_parameter_every_n_steps": 2.5}, TypeError, "'per_parameter_every_n_steps' must be an int or None (got 2.5)"),
+        ],
+    ),
+    NonFiniteDetector: Case(
+        healthy={"check_weights_every_n_steps": 1},
+        bad=[
+            ({"action": "ignore"}, ValueError, "'action' must be one of 'skip', 'raise', 'warn' (got 'ignore')"),
+            ({"max_consecutive_skips": 0}, ValueError, "'max_consecutive_skips' must be >= 1 (got 0)"),
+            ({"check_weights_every_n_steps": -1}, ValueError, "'check_weights_every_n_steps' must be >= 0 (got -1)"),
+            ({"min_loss_scale": 0}, ValueError, "'min_loss_scale' must be in (0, inf] (got 0)"),
+            ({"burst_window": True}, TypeError, "'burst_window' must be an int (got True)"),
+        ],
+    ),
+}
+
+
+def exported_callbacks() -> list[type]:
+    return [
+        obj
+        for name in lightning_overflow.__all__
+        if inspect.isclass(obj := getattr(lightning_overflow, name)) and issubclass(obj, pl.Callback)
+    ]
+
+
+CALLBACKS = exported_callbacks()
+
+
+def test_every_exported_callback_has_a_case() -> None:
+    assert CALLBACKS and set(CALLBACKS) == set(CASES)
+
+
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda c: c.__name__)
+def test_constructs_with_defaults(cls: type) -> None:
+    callback = cls()
+    assert isinstance(callback, pl.Callback)
+    assert cls.__doc__ and "Args:" in cls.__doc__ and "Example:" in cls.__doc__
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "error", "message"),
+    [(cls, kw, err, msg) for cls in CALLBACKS for kw, err, msg in CASES[cls].bad],
+    ids=lambda v: v.__name__ if inspect.isclass(v) and issubclass(v, pl.Callback) else None,
+)
+def test_rejects_bad_arguments_at_construction(cls: type, kwargs: dict[str, Any], error: type, message: str) -> None:
+    with pytest.raises(error) as info:
+        cls(**kwargs)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda c: c.__name__)
+def test_pickles(cls: type) -> None:
+    callback = cls(**CASES[cls].healthy)
+    fit(TinyRegressor(), [callback], max_steps=2)
+    clone = pickle.loads(pickle.dumps(callback))
+    assert type(clone) is cls and clone.state_dict() == callback.state_dict()
+
+
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda c: c.__name__)
+def test_state_round_trips_through_weights_only_load(cls: type) -> None:
+    callback = cls(**CASES[cls].healthy)
+    fit(TinyRegressor(), [callback], max_steps=3)
+    buffer = io.BytesIO()
+    torch.save(callback.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    fresh = cls(**CASES[cls].healthy)
+    fresh.load_state_dict(loaded)
+    assert _plain(fresh.state_dict()) == _plain(callback.state_dict())
+
+
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda c: c.__name__)
+def test_fits_twice(cls: type) -> None:
+    callback = cls(**CASES[cls].healthy)
+    for _ in range(2):
+        trainer = fit(TinyRegressor(), [callback], max_steps=3)
+        assert trainer.global_step == 3
+
+
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_healthy_run_is_bit_identical_with_and_without(cls: type, optimizer: str) -> None:
+    def run(callbacks: list[Any]) -> dict[str, torch.Tensor]:
+        pl.seed_everything(7, verbose=False)
+        model = TinyRegressor(optimizer=optimizer, dropout=0.1, batch_norm=True, scheduler=_cosine)
+        fit(model, callbacks, max_steps=12)
+        return weights(model)
+
+    assert_bit_identical(run([]), run([cls(**CASES[cls].healthy)]))
+
+
+def _cosine(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,42 @@
+"""DDP with 2 CPU processes: per-rank faults lead to identical decisions on both ranks, and nothing hangs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ddp_utils import run_ddp
+
+from lightning_overflow import GradNormMonitor, NonFiniteDetector
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+
+pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
+
+
+def test_nan_loss_on_rank_1_only_is_skipped_on_both_ranks(tmp_path: Path) -> None:
+    detector = NonFiniteDetector()
+    reports = run_ddp(TinyRegressor(), [GradNormMonitor(), detector, FaultInjector(Fault(3, "nan_loss", rank=1))], tmp_path)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["digest"] == reports[1]["digest"]
+    assert all(r["finite"] and r["global_step"] == 6 for r in reports)
+    assert reports[0]["states"] == reports[1]["states"]
+    assert '"skipped_steps": 1' in reports[0]["states"][1]
+    events = (tmp_path / "overflow_events.jsonl").read_text().splitlines()
+    assert len(events) == 2 and '"rank": 1' in events[0] and '"ranks": [1]' in events[0]
+
+
+def test_action_raise_stops_every_rank_with_the_same_error(tmp_path: Path) -> None:
+    faults = FaultInjector(Fault(2, "inf_loss", rank=1))
+    reports = run_ddp(TinyRegressor(), [NonFiniteDetector(action="raise"), faults], tmp_path)
+    for report in reports:
+        assert report["error"]["type"] == "NonFiniteError"
+        assert report["error"]["attrs"]["step"] == 2 and report["error"]["attrs"]["ranks"] == [1]
+        assert "the loss was inf/NaN at step 2 (epoch 0) on rank(s) 1" in report["error"]["message"]
+
+
+def test_nonfinite_weight_on_one_rank_is_found_by_every_rank(tmp_path: Path) -> None:
+    faults = FaultInjector(Fault(4, "nan_weight", rank=0))
+    reports = run_ddp(TinyRegressor(), [NonFiniteDetector(check_weights_every_n_steps=2), faults], tmp_path)
+    for report in reports:
+        assert report["error"]["type"] == "NonFiniteError"
+        assert report["error"]["attrs"]["kind"] == "weight" and report["error"]["attrs"]["ranks"] == [0]

@@ -1,0 +1,101 @@
+"""GradNormMonitor: the logged norms equal float64 references, at the configured steps, under the contract's keys."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import MemoryLogger, fit
+
+from lightning_overflow import GradNormMonitor
+from lightning_overflow.testing import TinyGAN, TinyRegressor
+
+
+class GradReference(pl.Callback):
+    """Float64 norms of the gradients the optimizer is about to use, per optimizer step."""
+
+    def __init__(self, norm_type: float = 2.0) -> None:
+        self.norm_type = norm_type
+        self.totals: list[float] = []
+        self.per_param: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        grads = {n: p.grad.double() for n, p in pl_module.named_parameters() if id(p) in ids and p.grad is not None}
+        if self.norm_type == math.inf:
+            per = {n: g.abs().max().item() for n, g in grads.items()}
+            self.totals.append(max(per.values()))
+        else:
+            per = {n: g.norm().item() for n, g in grads.items()}
+            self.totals.append(math.sqrt(sum(v * v for v in per.values())))
+        self.per_param.append(per)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_total_and_per_parameter_norms_match_float64(norm_type: float) -> None:
+    logger, reference = MemoryLogger(), GradReference(norm_type)
+    model = TinyRegressor()
+    fit(model, [reference, GradNormMonitor(norm_type=norm_type, per_parameter=True)], max_steps=5, logger=logger,
+        log_every_n_steps=1)
+    totals = [v for _, v in logger.metrics["grad_norm/total"]]
+    assert [s for s, _ in logger.metrics["grad_norm/total"]] == [0, 1, 2, 3, 4]
+    assert totals == pytest.approx(reference.totals, rel=1e-5)
+    names = [n for n, _ in model.named_parameters()]
+    for name in names:
+        logged = [v for _, v in logger.metrics[f"grad_norm/{name}"]]
+        assert logged == pytest.approx([p[name] for p in reference.per_param], rel=1e-5)
+
+
+def test_logging_interval_defaults_to_the_trainers() -> None:
+    logger = MemoryLogger()
+    fit(TinyRegressor(), [GradNormMonitor(per_parameter=True, per_parameter_every_n_steps=6)], max_steps=12,
+        logger=logger, log_every_n_steps=3)
+    assert [s for s, _ in logger.metrics["grad_norm/total"]] == [2, 5, 8, 11]
+    assert [s for s, _ in logger.metrics["grad_norm/net.0.weight"]] == [5, 11]
+
+
+def test_own_interval_overrides_the_trainers() -> None:
+    logger = MemoryLogger()
+    fit(TinyRegressor(), [GradNormMonitor(log_every_n_steps=4)], max_steps=8, logger=logger, log_every_n_steps=1)
+    assert [s for s, _ in logger.metrics["grad_norm/total"]] == [3, 7]
+
+
+def test_epoch_aggregates_are_mean_and_max_of_the_step_totals() -> None:
+    reference = GradReference()
+    trainer = fit(TinyRegressor(n_samples=32), [reference, GradNormMonitor()], max_epochs=1, max_steps=-1,
+                  logger=MemoryLogger(), log_every_n_steps=1)
+    metrics = trainer.callback_metrics
+    assert metrics["grad_norm/total_epoch_mean"].item() == pytest.approx(sum(reference.totals) / 4, rel=1e-5)
+    assert metrics["grad_norm/total_epoch_max"].item() == pytest.approx(max(reference.totals), rel=1e-5)
+
+
+def test_several_optimizers_are_suffixed() -> None:
+    logger = MemoryLogger()
+    fit(TinyGAN(), [GradNormMonitor()], max_steps=4, logger=logger, log_every_n_steps=1)
+    assert {"grad_norm/total_opt0", "grad_norm/total_opt1"} <= set(logger.metrics)
+    assert "grad_norm/total" not in logger.metrics
+
+
+class HugeGrads(pl.Callback):
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for p in pl_module.parameters():
+            p.grad.fill_(1e20)
+
+
+def test_true_norm_of_finite_gradients_where_clip_grad_norm_gives_inf() -> None:
+    logger = MemoryLogger()
+    model = TinyRegressor(optimizer="sgd", lr=0.0)
+    fit(model, [HugeGrads(), GradNormMonitor()], max_steps=1, logger=logger, log_every_n_steps=1)
+    n = sum(p.numel() for p in model.parameters())
+    (_, logged), = logger.metrics["grad_norm/total"]
+    assert logged == pytest.approx(1e20 * math.sqrt(n), rel=1e-6)
+    assert math.isinf(torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0).item())
+
+
+def test_works_without_any_logger() -> None:
+    monitor = GradNormMonitor(per_parameter=True)
+    trainer = fit(TinyRegressor(n_samples=16), [monitor], max_epochs=1, max_steps=-1)
+    assert trainer.callback_metrics["grad_norm/total_epoch_max"] > 0

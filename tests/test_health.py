@@ -1,0 +1,88 @@
+"""The shared step record: one norm computation and one host read per optimizer step, whatever the callbacks."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from conftest import MemoryLogger, fit
+
+import lightning_overflow.health as health
+from lightning_overflow import GradNormMonitor, NonFiniteDetector
+from lightning_overflow.testing import TinyRegressor
+
+STEPS = 6
+
+
+@pytest.fixture
+def count_norms(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    calls: Counter[str] = Counter()
+    original = health.tensor_norms
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["tensor_norms"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(health, "tensor_norms", counting)
+    return calls
+
+
+@pytest.fixture
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts device-to-host reads made from the package's own code (item, tolist, bool of a tensor)."""
+    reads: Counter[str] = Counter()
+    for name in ("item", "tolist", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self: torch.Tensor, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("lightning_overflow"):
+                reads[caller] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return reads
+
+
+def suites() -> list[list[Any]]:
+    return [
+        [GradNormMonitor()],
+        [NonFiniteDetector(check_weights_every_n_steps=None)],
+        [GradNormMonitor(per_parameter=True), NonFiniteDetector(check_weights_every_n_steps=None), GradNormMonitor()],
+    ]
+
+
+@pytest.mark.parametrize("callbacks", suites(), ids=["monitor", "detector", "three"])
+def test_one_norm_computation_per_optimizer_step(callbacks: list[Any], count_norms: Counter[str]) -> None:
+    for order in itertools.permutations(callbacks):
+        count_norms.clear()
+        fit(TinyRegressor(), list(order), max_steps=STEPS, logger=MemoryLogger(), log_every_n_steps=1)
+        assert count_norms["tensor_norms"] == STEPS
+
+
+@pytest.mark.parametrize("callbacks", suites(), ids=["monitor", "detector", "three"])
+def test_one_host_read_per_optimizer_step(callbacks: list[Any], count_reads: Counter[str]) -> None:
+    fit(TinyRegressor(), callbacks, max_steps=STEPS, logger=MemoryLogger(), log_every_n_steps=1)
+    assert count_reads == Counter({"lightning_overflow.distributed": STEPS})
+
+
+def test_every_callback_sees_the_same_record() -> None:
+    seen: list[Any] = []
+
+    class Spy(NonFiniteDetector):
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            seen.append(self.board(trainer).step_health(trainer, pl_module, optimizer))
+
+    fit(TinyRegressor(), [Spy(), Spy(action="warn"), GradNormMonitor()], max_steps=3)
+    assert len(seen) == 6 and seen[0] is seen[1] and seen[2] is seen[3] and seen[0] is not seen[2]
+    assert [r.step for r in seen[::2]] == [0, 1, 2]
+
+
+def test_boards_are_not_stored_on_the_trainer() -> None:
+    trainer = fit(TinyRegressor(), [NonFiniteDetector()], max_steps=2)
+    assert not any(isinstance(v, health.HealthBoard) for v in vars(trainer).values())
+    assert health.board_for(trainer) is health.board_for(trainer)

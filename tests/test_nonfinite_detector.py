@@ -1,0 +1,262 @@
+"""NonFiniteDetector: exact skips, errors with their fields, journal and counters, every training setup."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import MemoryLogger, assert_bit_identical, assert_optimizer_state_equal, fit, optimizer_state, weights
+from pytorch_lightning.plugins import MixedPrecision
+
+from lightning_overflow import NonFiniteDetector, NonFiniteError, OverflowWarning, read_journal
+from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
+
+
+class StepRecorder(pl.Callback):
+    """Weights and optimizer state before and after each optimizer step, and the LR of each step."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+        self.after: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+        self.lrs: list[float] = []
+        self._step = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self._step = trainer.global_step
+        self.before[self._step] = (weights(pl_module), optimizer_state(trainer.optimizers[0]))
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.after[self._step] = (weights(pl_module), optimizer_state(trainer.optimizers[0]))
+
+
+def test_nan_loss_step_is_a_true_no_op_and_training_goes_on() -> None:
+    recorder, detector = StepRecorder(), NonFiniteDetector()
+    model = TinyRegressor(optimizer="adamw")
+    fit(model, [detector, FaultInjector(Fault(3, "nan_loss")), recorder], max_steps=6)
+    before_w, before_opt = recorder.before[3]
+    after_w, after_opt = recorder.after[3]
+    assert_bit_identical(before_w, after_w)
+    assert_optimizer_state_equal(before_opt, after_opt)  # moments and AdamW's step counts untouched
+    assert after_opt["state"][0]["step"].item() == 3.0
+    assert not torch.equal(recorder.after[4][0]["net.0.weight"], after_w["net.0.weight"])  # the next step trains
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert (detector.skipped_steps, detector.nonfinite_events) == (1, 1)
+
+
+@pytest.mark.parametrize("kind", ["nan_grad", "inf_grad", "inf_loss"])
+def test_sgd_with_momentum_and_weight_decay_does_not_move_on_a_skipped_step(kind: str) -> None:
+    recorder = StepRecorder()
+    fit(TinyRegressor(optimizer="sgd"), [NonFiniteDetector(), FaultInjector(Fault(2, kind)), recorder], max_steps=4)
+    assert_bit_identical(recorder.before[2][0], recorder.after[2][0])
+    assert_optimizer_state_equal(recorder.before[2][1], recorder.after[2][1])
+
+
+def test_unprotected_run_is_poisoned_by_the_same_fault() -> None:
+    model = TinyRegressor(optimizer="adamw")
+    fit(model, [FaultInjector(Fault(3, "nan_loss"))], max_steps=6)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_lr_schedule_is_not_consumed_by_a_skipped_step() -> None:
+    def scheduler(opt: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    clean, faulty = StepRecorder(), StepRecorder()
+    fit(TinyRegressor(scheduler=scheduler), [NonFiniteDetector(), clean], max_steps=7)
+    fit(TinyRegressor(scheduler=scheduler), [NonFiniteDetector(), FaultInjector(Fault(3, "nan_loss")), faulty], max_steps=8)
+    # The step after the skipped one runs at the LR the skipped one would have had.
+    assert faulty.lrs[:4] == clean.lrs[:4]
+    assert faulty.lrs[4:] == clean.lrs[3:]
+
+
+def test_journal_and_counters_say_what_happened(tmp_path: Any) -> None:
+    logger = MemoryLogger(str(tmp_path))
+    fit(TinyRegressor(), [NonFiniteDetector(), FaultInjector(Fault(3, "nan_loss"), Fault(5, "nan_grad"))],
+        max_steps=8, logger=logger, log_every_n_steps=1, default_root_dir=tmp_path)
+    events = list(read_journal(tmp_path / "overflow_events.jsonl"))
+    assert [(e["step"], e["kind"]) for e in events] == [(3, "nonfinite"), (3, "skip"), (5, "nonfinite"), (5, "skip")]
+    assert all(e["rank"] == 0 for e in events)
+    assert events[0]["details"]["where"] == "loss"
+    assert events[2]["details"]["where"] == "grad" and events[2]["details"]["parameters"] == ["net.0.weight"]
+    skipped = dict(logger.metrics["overflow/skipped_steps"])
+    assert skipped[2] == 0 and skipped[3] == 1 and skipped[5] == 2 and skipped[7] == 2
+    assert dict(logger.metrics["overflow/nonfinite_events"])[7] == 2
+
+
+def test_action_raise_stops_with_the_documented_fields() -> None:
+    with pytest.raises(NonFiniteError) as info:
+        fit(TinyRegressor(), [NonFiniteDetector(action="raise"), FaultInjector(Fault(3, "nan_loss"))], max_steps=6)
+    error = info.value
+    assert isinstance(error, FloatingPointError)
+    assert (error.kind, error.step, error.ranks, error.parameters, error.overflow) == ("loss", 3, [0], [], False)
+    assert str(error).startswith("NonFiniteDetector: the loss was inf/NaN at step 3 (epoch 0) on rank(s) 0.")
+    assert "HINT: check this batch for inf/NaN inputs" in str(error)
+    assert "logsumexp" in error.hint
+
+
+def test_gradient_error_names_the_parameter() -> None:
+    faults = FaultInjector(Fault(2, "inf_grad", parameter="net.2.bias"))
+    with pytest.raises(NonFiniteError, match=r"gradients contained inf/NaN in net\.2\.bias .* at step 2") as info:
+        fit(TinyRegressor(), [NonFiniteDetector(action="raise"), faults], max_steps=4)
+    assert (info.value.kind, info.value.parameters) == ("grad", ["net.2.bias"])
+
+
+def test_action_warn_warns_once_and_changes_nothing() -> None:
+    model = TinyRegressor()
+    faults = FaultInjector(Fault(2, "nan_loss"), Fault(4, "nan_loss"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        detector = NonFiniteDetector(action="warn")
+        fit(model, [detector, faults], max_steps=6)
+    ours = [w for w in caught if issubclass(w.category, OverflowWarning)]
+    # Once per kind of finding: the NaN loss at step 2, then the weights it poisoned (not once per step).
+    assert len(ours) == 2
+    assert "the loss was inf/NaN at step 2" in str(ours[0].message)
+    assert "the weights contained inf/NaN" in str(ours[1].message) and "at step 3" in str(ours[1].message)
+    assert detector.nonfinite_events >= 2 and detector.skipped_steps == 0
+    assert not all(torch.isfinite(p).all() for p in model.parameters())  # a monitor does not protect
+
+
+def test_consecutive_skips_end_in_an_error() -> None:
+    faults = FaultInjector(*[Fault(s, "nan_loss") for s in range(2, 10)])
+    detector = NonFiniteDetector(max_consecutive_skips=3)
+    with pytest.raises(NonFiniteError, match=r"3 consecutive optimizer steps were non-finite, the last at step 4"):
+        fit(TinyRegressor(), [detector, faults], max_steps=10)
+    assert detector.skipped_steps == 3
+
+
+def test_nonfinite_weights_cannot_be_skipped_away() -> None:
+    with pytest.raises(NonFiniteError, match=r"the weights contained inf/NaN in net\.0\.bias at step 3") as info:
+        fit(TinyRegressor(), [NonFiniteDetector(), FaultInjector(Fault(3, "nan_weight", parameter="net.0.bias"))],
+            max_steps=6)
+    assert info.value.kind == "weight" and "Rollback" in info.value.hint
+
+
+class PoisonAdamState(pl.Callback):
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == 4:
+            state = next(iter(trainer.optimizers[0].state.values()))
+            state["exp_avg_sq"].view(-1)[0] = float("inf")
+
+
+def test_periodic_check_finds_nonfinite_optimizer_state() -> None:
+    with pytest.raises(NonFiniteError, match=r"optimizer state contained inf/NaN in net\.0\.weight\.exp_avg_sq") as info:
+        fit(TinyRegressor(), [NonFiniteDetector(check_weights_every_n_steps=2), PoisonAdamState()], max_steps=8)
+    assert (info.value.kind, info.value.step) == ("optimizer_state", 4)
+
+
+class ScaleGrads(pl.Callback):
+    def __init__(self, step: int, value: float) -> None:
+        self.step, self.value = step, value
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == self.step:
+            for p in pl_module.parameters():
+                p.grad.fill_(self.value)
+
+
+def test_finite_gradients_beyond_fp32_are_told_apart_from_nan() -> None:
+    with pytest.raises(NonFiniteError, match=r"finite but their norm lies beyond the FP32 range") as info:
+        fit(TinyRegressor(), [NonFiniteDetector(action="raise"), ScaleGrads(2, 3e38)], max_steps=4)
+    assert info.value.overflow and info.value.kind == "grad"
+
+
+def test_finite_gradients_of_1e20_are_not_a_detection() -> None:
+    detector = NonFiniteDetector(action="raise")
+    fit(TinyRegressor(optimizer="sgd"), [detector, ScaleGrads(2, 1e20)], max_steps=3)
+    assert detector.nonfinite_events == 0
+
+
+def test_routine_gradscaler_overflow_is_not_reported() -> None:
+    detector = NonFiniteDetector(action="raise")
+    trainer = fit(TinyRegressor(), [detector], max_steps=20, plugins=[MixedPrecision("16-mixed", "cpu")])
+    assert trainer.precision_plugin.scaler.get_scale() < 65536.0  # the scaler did overflow and back off
+    assert detector.nonfinite_events == 0
+
+
+def test_persistent_gradscaler_overflow_is_reported() -> None:
+    faults = FaultInjector(*[Fault(s, "inf_grad") for s in range(0, 12)])
+    detector = NonFiniteDetector(action="raise", max_scaler_overflows=4)
+    with pytest.raises(NonFiniteError, match=r"5 consecutive GradScaler overflows") as info:
+        fit(TinyRegressor(), [detector, faults], max_steps=12, plugins=[MixedPrecision("16-mixed", "cpu")])
+    assert "bf16-mixed" in info.value.hint
+
+
+def test_nan_loss_under_gradscaler_is_real() -> None:
+    detector = NonFiniteDetector()
+    fit(TinyRegressor(), [detector, FaultInjector(Fault(6, "nan_loss"))], max_steps=10,
+        plugins=[MixedPrecision("16-mixed", "cpu")])
+    assert (detector.nonfinite_events, detector.skipped_steps) == (1, 1)
+
+
+def test_bf16_mixed_nonfinite_is_skipped() -> None:
+    recorder, detector = StepRecorder(), NonFiniteDetector()
+    fit(TinyRegressor(), [detector, FaultInjector(Fault(2, "nan_loss")), recorder], max_steps=4, precision="bf16-mixed")
+    assert detector.skipped_steps == 1
+    assert_bit_identical(recorder.before[2][0], recorder.after[2][0])
+
+
+def test_accumulation_skips_the_whole_window() -> None:
+    recorder, detector = StepRecorder(), NonFiniteDetector()
+    fit(TinyRegressor(), [detector, FaultInjector(Fault(1, "nan_loss")), recorder], max_steps=3, accumulate_grad_batches=4)
+    assert detector.skipped_steps == 1
+    # Micro-batches 4..7 form optimizer step 1; the NaN was in the first of them.
+    assert_bit_identical(recorder.before[1][0], recorder.after[1][0])
+    assert not torch.equal(recorder.before[2][0]["net.0.weight"], recorder.after[2][0]["net.0.weight"])
+
+
+class ManualRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.d_before: dict[int, dict[str, torch.Tensor]] = {}
+        self.d_after: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *_: Any) -> None:
+        self.d_before[trainer.global_step] = weights(pl_module.discriminator)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *_: Any) -> None:
+        self.d_after[trainer.global_step - 2] = weights(pl_module.discriminator)
+
+
+def test_manual_optimization_with_two_optimizers() -> None:
+    recorder, detector = ManualRecorder(), NonFiniteDetector()
+    model = TinyGAN()
+    trainer = fit(model, [detector, FaultInjector(Fault(4, "nan_loss")), recorder], max_steps=10)
+    # The fault poisons the discriminator's loss at global step 4 (two optimizer steps per batch).
+    assert detector.skipped_steps == 1 and trainer.global_step == 10
+    assert_bit_identical(recorder.d_before[4], recorder.d_after[4])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_state_survives_a_checkpoint(tmp_path: Any) -> None:
+    detector = NonFiniteDetector()
+    trainer = fit(TinyRegressor(), [detector, FaultInjector(Fault(1, "nan_loss"), Fault(2, "nan_loss"))], max_steps=4)
+    path = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    state = checkpoint["callbacks"][detector.state_key]
+    assert state["skipped_steps"] == 2 and state["recent"] == [1, 2]
+    resumed = NonFiniteDetector()
+    trainer = pl.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[resumed, FaultInjector(Fault(4, "nan_loss"))])
+    trainer.fit(TinyRegressor(), ckpt_path=path)
+    assert (resumed.skipped_steps, resumed.nonfinite_events) == (3, 3)
+
+
+def test_summary_line_at_the_end_of_fit(caplog: pytest.LogCaptureFixture, tmp_path: Any) -> None:
+    with caplog.at_level("INFO", logger="pytorch_lightning.lightning_overflow"):
+        fit(TinyRegressor(), [NonFiniteDetector(), FaultInjector(Fault(1, "nan_loss"))], max_steps=3,
+            default_root_dir=tmp_path)
+    assert "lightning_overflow: 1 nonfinite, 1 skip during this fit" in caplog.text
+
+
+def test_journal_lines_are_valid_json(tmp_path: Any) -> None:
+    fit(TinyRegressor(), [NonFiniteDetector(), FaultInjector(Fault(1, "inf_loss"))], max_steps=3, default_root_dir=tmp_path)
+    lines = (tmp_path / "overflow_events.jsonl").read_text().splitlines()
+    parsed = [json.loads(line) for line in lines]
+    assert parsed[0]["details"]["grad_norm"] in ("nan", "inf") or math.isnan(float(parsed[0]["details"]["grad_norm"]))
