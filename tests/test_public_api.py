@@ -1,0 +1,60 @@
+"""The public surface: explicit ``__all__`` kept in step with the modules, the exception hierarchy."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pickle
+from pathlib import Path
+
+import pytest
+
+import lightning_overflow
+from lightning_overflow import DivergenceError, NonFiniteError, OverflowWarning, RollbackError
+
+MODULES = ["lightning_overflow", "lightning_overflow.numerics", "lightning_overflow.testing",
+           "lightning_overflow.callbacks", "lightning_overflow.exceptions", "lightning_overflow.events"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_all_lists_exactly_the_public_names(name: str) -> None:
+    module = importlib.import_module(name)
+    assert len(set(module.__all__)) == len(module.__all__)
+    for exported in module.__all__:
+        assert hasattr(module, exported), exported
+    defined_here = {
+        n for n, v in vars(module).items()
+        if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == name
+    }
+    assert defined_here <= set(module.__all__)
+
+
+@pytest.mark.parametrize("name", ["lightning_overflow.callbacks", "lightning_overflow.exceptions"])
+def test_the_package_reexports_every_callback_and_error(name: str) -> None:
+    assert set(importlib.import_module(name).__all__) <= set(lightning_overflow.__all__)
+
+
+def test_exception_hierarchy() -> None:
+    assert issubclass(NonFiniteError, FloatingPointError)
+    assert issubclass(DivergenceError, RuntimeError) and issubclass(RollbackError, RuntimeError)
+    assert issubclass(OverflowWarning, UserWarning)
+
+
+def test_errors_keep_their_fields_across_processes() -> None:
+    error = NonFiniteError("msg", kind="loss", step=3, ranks=[1], hint="h")
+    clone = pickle.loads(pickle.dumps(error))
+    assert (str(clone), clone.kind, clone.step, clone.ranks, clone.hint) == ("msg", "loss", 3, [1], "h")
+    div = pickle.loads(pickle.dumps(DivergenceError("d", step=5, history=[{"step": 1}])))
+    assert (div.step, div.history) == (5, [{"step": 1}])
+
+
+def test_numerics_do_not_import_lightning() -> None:
+    for path in Path(lightning_overflow.__file__).parent.joinpath("numerics").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in imported if "lightning" in m and not m.startswith("lightning_overflow.numerics")], path
+
+
+def test_version() -> None:
+    assert lightning_overflow.__version__ == "0.1.0"
