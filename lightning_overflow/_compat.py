@@ -5,11 +5,24 @@ Checked against pytorch-lightning 2.6.6 and torch 2.13.0.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning import Callback
 from torch import Tensor
+
+if importlib.util.find_spec("lightning") is not None and importlib.util.find_spec("lightning.pytorch") is not None:
+    import lightning.pytorch as _unified
+
+    class Callback(pl.Callback, _unified.Callback):  # type: ignore[misc]
+        """A Lightning ``Callback`` in both namespaces: ``pytorch_lightning`` and the unified ``lightning.pytorch``.
+
+        Trainers of either namespace run any object with the hook methods, but ``isinstance`` checks (LightningCLI's
+        ``class_path`` validation, the Trainer's own checks) name one namespace; this base satisfies both.
+        """
+
+else:
+    Callback = pl.Callback  # type: ignore[misc]
 
 __all__ = [
     "Callback",
