@@ -1,0 +1,108 @@
+"""Both Lightning namespaces: callbacks run in either Trainer and LightningCLI configures them from YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_overflow
+from lightning_overflow import GradNormMonitor, NonFiniteDetector
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+
+
+class UnifiedRegressor(L.LightningModule):
+    """The same problem as TinyRegressor, written against ``lightning.pytorch``."""
+
+    def __init__(self, lr: float = 0.01) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(64, 4, generator=gen), torch.randn(64, 1, generator=gen)), batch_size=8)
+
+
+CALLBACK_CLASSES = [getattr(lightning_overflow, n) for n in lightning_overflow.__all__
+                    if isinstance(getattr(lightning_overflow, n), type) and issubclass(getattr(lightning_overflow, n), pl.Callback)]
+
+
+@pytest.mark.parametrize("cls", CALLBACK_CLASSES, ids=lambda c: c.__name__)
+def test_every_callback_is_a_callback_of_both_namespaces(cls: type) -> None:
+    assert issubclass(cls, pl.Callback) and issubclass(cls, L.Callback)
+
+
+def test_unified_trainer_runs_the_suite() -> None:
+    detector = NonFiniteDetector()
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[GradNormMonitor(), detector, FaultInjector(Fault(2, "nan_loss"))])
+    model = UnifiedRegressor()
+    trainer.fit(model)
+    assert detector.skipped_steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+CONFIG = """
+trainer:
+  max_steps: 4
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: lightning_overflow.NonFiniteDetector
+      init_args:
+        action: raise
+        max_consecutive_skips: 5
+    - class_path: lightning_overflow.GradNormMonitor
+      init_args:
+        norm_type: inf
+        per_parameter: true
+"""
+
+
+@pytest.mark.parametrize("namespace", ["pytorch_lightning", "lightning.pytorch"])
+def test_lightning_cli_configures_the_callbacks_from_yaml(namespace: str, tmp_path: Path) -> None:
+    if namespace == "pytorch_lightning":
+        from pytorch_lightning.cli import LightningCLI
+
+        model_class: type = TinyRegressor
+    else:
+        from lightning.pytorch.cli import LightningCLI
+
+        model_class = UnifiedRegressor
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG)
+    cli = LightningCLI(model_class, run=False, args=["--config", str(config)], save_config_callback=None)
+    ours = [cb for cb in cli.trainer.callbacks if type(cb).__module__.startswith("lightning_overflow")]
+    assert [type(cb).__name__ for cb in ours] == ["NonFiniteDetector", "GradNormMonitor"]
+    assert ours[0].action == "raise" and ours[0].max_consecutive_skips == 5
+    assert ours[1].norm_type == float("inf") and ours[1].per_parameter
+    cli.trainer.fit(cli.model)
+    assert cli.trainer.global_step == 4
+
+
+def test_lightning_cli_reports_a_bad_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.replace("action: raise", "action: explode"))
+    with pytest.raises(SystemExit):
+        LightningCLI(UnifiedRegressor, run=False, args=["--config", str(config)], save_config_callback=None)
+    error = capsys.readouterr().err
+    assert "action" in error and "explode" in error
