@@ -359,8 +359,9 @@ class HealthBoard:
 
     def _interpret(self, trainer: pl.Trainer, record: StepHealth) -> None:
         record.loss_nonfinite_ranks = tuple(r for r, v in enumerate(record.value("loss_nonfinite")) if v != 0)
-        count = record.value("loss_count")[0]
-        record.loss_mean = record.value("loss_sum")[0] / count if count else math.nan
+        # Non-finite losses add 0 to the sum: leave them out of the count too, or a NaN step reads as a loss of 0.
+        count = record.value("loss_count")[0] - sum(record.value("loss_nonfinite"))
+        record.loss_mean = record.value("loss_sum")[0] / count if count > 0 else math.nan
         if record.has("loss_scale"):
             record.loss_scale = record.value("loss_scale")[0]
         total = record.value("grad_total")[0]

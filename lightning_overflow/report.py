@@ -138,7 +138,7 @@ def render(runs: Sequence[Run], out: str | Path, title: str = "lightning_overflo
     import matplotlib.pyplot as plt
 
     panels = ("loss", "gradient norm", "LR scale")
-    fig, axes = plt.subplots(len(panels), len(runs), figsize=(6.5 * len(runs), 8.5), squeeze=False, sharex="col")
+    fig, axes = plt.subplots(len(panels), len(runs), figsize=(6.5 * len(runs), 8.5), squeeze=False, sharex="all")
     for column, run in enumerate(runs):
         top = axes[0][column]
         top.set_title(run.label)
@@ -172,7 +172,7 @@ def _plot_loss(ax: Any, run: Run) -> None:
     ax.plot(*_finite(series), lw=1, label=key)
     diverged = [s for s, v in series if not math.isfinite(v)]
     if diverged:
-        ax.axvline(diverged[0], color="red", ls="--", lw=1, label=f"loss non-finite from step {diverged[0]}")
+        ax.axvline(diverged[0], color="red", ls="--", lw=1, label=f"first non-finite loss (step {diverged[0]})")
 
 
 def _plot_grad_norm(ax: Any, run: Run) -> None:

@@ -14,7 +14,7 @@ import torch
 from conftest import assert_bit_identical, fit, weights
 
 import lightning_overflow
-from lightning_overflow import GradNormMonitor, NonFiniteDetector
+from lightning_overflow import AutoClip, GradNormMonitor, LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback
 from lightning_overflow.testing import TinyRegressor
 
 
@@ -44,6 +44,44 @@ CASES: dict[type, Case] = {
             ({"check_weights_every_n_steps": -1}, ValueError, "'check_weights_every_n_steps' must be >= 0 (got -1)"),
             ({"min_loss_scale": 0}, ValueError, "'min_loss_scale' must be in (0, inf] (got 0)"),
             ({"burst_window": True}, TypeError, "'burst_window' must be an int (got True)"),
+        ],
+    ),
+    LossSpikeDetector: Case(
+        healthy={"warmup": 2},
+        bad=[
+            ({"sigmas": 0}, ValueError, "'sigmas' must be in (0, inf] (got 0)"),
+            ({"window": 1}, ValueError, "'window' must be >= 2 (got 1)"),
+            ({"check_grad_norm": 1}, TypeError, "'check_grad_norm' must be a bool (got 1)"),
+        ],
+    ),
+    AutoClip: Case(
+        healthy={},
+        bad=[
+            ({"mode": "adaptive"}, ValueError, "'mode' must be one of 'fixed', 'percentile', 'zscore', 'agc' (got 'adaptive')"),
+            ({"mode": "fixed"}, ValueError, "'max_norm' must be set when mode='fixed' (got None)"),
+            ({"percentile": 150}, ValueError, "'percentile' must be in [0, 100] (got 150)"),
+            ({"max_norm": -1.0}, ValueError, "'max_norm' must be in (0, inf] (got -1)"),
+        ],
+    ),
+    LRBackoff: Case(
+        healthy={"regrow_after": 2},
+        bad=[
+            ({"factor": 1.5}, ValueError, "'factor' must be in (0, 1) (got 1.5)"),
+            ({"factor": "half"}, TypeError, "'factor' must be a number (got 'half')"),
+            ({"cooldown": -1}, ValueError, "'cooldown' must be >= 0 (got -1)"),
+        ],
+    ),
+    Rollback: Case(
+        healthy={"every_n_steps": 1},
+        bad=[
+            ({"every_n_steps": 0}, ValueError, "'every_n_steps' must be >= 1 (got 0)"),
+            ({"dirpath": 3}, TypeError, "'dirpath' must be a path or None (got 3)"),
+            (
+                {"triggers": ("boom",)},
+                ValueError,
+                "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_state', 'scaler_collapse', "
+                "'loss_spike', 'grad_spike' (got 'boom')",
+            ),
         ],
     ),
 }

@@ -74,9 +74,12 @@ class SuiteCallback(Callback):
         """The training state was just restored from a snapshot taken with ``extra`` beside it (default: nothing)."""
 
     # ---- helpers ----------------------------------------------------------------------------------------------
-    def _event(self, trainer: pl.Trainer, kind: str, message: str, rank: int = 0, **details: Any) -> Event:
+    def _event(
+        self, trainer: pl.Trainer, kind: str, message: str, rank: int = 0, step: int | None = None, **details: Any
+    ) -> Event:
+        """Record an event; ``step`` defaults to ``trainer.global_step`` (pass it when reporting a past step)."""
         event = Event(
-            step=int(trainer.global_step),
+            step=int(trainer.global_step) if step is None else int(step),
             kind=kind,
             rank=rank,
             source=type(self).__name__,

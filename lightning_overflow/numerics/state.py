@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import Tensor
 
@@ -38,8 +36,3 @@ def optimizer_state_tensors(
                 labels.append(f"{names.get(id(param), 'param')}.{key}")
     return tensors, labels
 
-
-def parameters_of(optimizer: torch.optim.Optimizer) -> Iterable[Tensor]:
-    """Every parameter the optimizer updates, in param-group order."""
-    for group in optimizer.param_groups:
-        yield from group["params"]

@@ -1,0 +1,403 @@
+"""AutoClip: gradient clipping that follows the run's own statistics, survives NaN, resumes exactly, and reports."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_overflow import _compat
+from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.callbacks._validation import check_choice, check_float, check_int
+from lightning_overflow.health import StepHealth
+from lightning_overflow.numerics.clipping import (
+    PercentileState,
+    ZScoreState,
+    agc_coefficients,
+    clip_coefficient,
+    percentile_threshold,
+    scale_grads_,
+    smallest_coefficient,
+    zscore_threshold,
+)
+
+__all__ = ["AutoClip"]
+
+Mode = Literal["fixed", "percentile", "zscore", "agc"]
+MODES = ("fixed", "percentile", "zscore", "agc")
+
+Stats = Union[PercentileState, ZScoreState]
+
+
+@dataclass
+class _Clip:
+    """What AutoClip did on one optimizer step; committed once the step is known not to have been skipped."""
+
+    record: StepHealth
+    index: int
+    step: int
+    log_step: int
+    log_due: bool
+    total: float
+    threshold: float
+    coef: float
+    stats: Stats | None
+
+
+class AutoClip(SuiteCallback):
+    """Clip gradients before every optimizer step, to a threshold that follows the run's own gradient statistics.
+
+    An intervention: it scales the gradients in ``on_before_optimizer_step``, after unscaling (16-mixed) and the DDP
+    all-reduce, using the pre-clip total norm that the suite computes once per step (exact also where the FP32 norm
+    overflows). The coefficient is a host value from the suite's one read per step, so a step that needs no
+    clipping costs no pass over the gradients, and nothing extra is read from the device.
+
+    Modes:
+
+    - ``"fixed"``: clip the total norm to ``max_norm``, like ``Trainer(gradient_clip_val=...)`` but overflow-safe:
+      finite gradients whose FP32 norm overflows are scaled to ``max_norm`` (``clip_grad_norm_`` zeroes them).
+    - ``"percentile"``: AutoClip (Seetharaman et al., MLSP 2020): the threshold is the ``percentile``-th percentile
+      of the total norms seen so far, this step's included, over the last ``window`` steps.
+    - ``"zscore"``: ZClip (Kumar et al., 2025): EMA mean and variance of the total norm (after ``warmup_steps`` norms
+      that only build them); a norm more than ``z_threshold`` standard deviations above the mean is clipped to
+      ``mean + z_threshold**2 * std / z``, and the statistics are updated with the clipped value.
+    - ``"agc"``: unit-wise adaptive gradient clipping (Brock et al., ICML 2021): each unit's gradient norm is kept
+      within ``clipping`` times its weight norm, floored at ``eps`` so that zero-initialised weights still move.
+
+    ``max_norm`` caps the threshold of the adaptive modes (in ``"agc"``, it caps the total norm on top).
+
+    What never happens: a step whose norm is inf/NaN, or a step that ``NonFiniteDetector`` skipped (whatever the
+    order of the callbacks), changes nothing: no clipping, no statistics, no log. Norms beyond the FP32 range are
+    clipped but kept out of the statistics. Under manual optimization each optimizer has its own statistics. Under
+    DDP the statistics come from the all-reduced norm, so they are identical on every rank.
+
+    Args:
+        mode: ``"fixed"``, ``"percentile"``, ``"zscore"`` (default) or ``"agc"``, as above.
+        max_norm: the threshold of ``"fixed"`` (required there); a cap on the threshold of the other modes
+            (default ``None``: no cap).
+        percentile: ``"percentile"`` mode: the percentile of past norms to clip to, in ``[0, 100]`` (default 10,
+            the paper's: most steps are clipped a little).
+        window: ``"percentile"`` mode: the number of recent norms kept (default 1000; the paper keeps all).
+        alpha: ``"zscore"`` mode: EMA smoothing factor (default 0.97, the paper's).
+        z_threshold: ``"zscore"`` mode: z-score above which a norm is clipped (default 2.5, the paper's).
+        warmup_steps: ``"zscore"`` mode: norms that only build the statistics before clipping starts (default 25,
+            the paper's; at least 2, since a variance needs two norms).
+        clipping: ``"agc"`` mode: the largest ratio of unit gradient norm to unit weight norm (default 0.01, the
+            paper's at batch size 4096; larger batches want smaller values).
+        eps: ``"agc"`` mode: floor on the unit weight norm (default 1e-3, the paper's).
+        exclude: ``"agc"`` mode: parameter names, or module names as prefixes, left out of unit-wise clipping (the
+            paper leaves out the final classifier; default: none).
+        event_below: a clip whose coefficient is below this (default 0.1: the gradients shrunk tenfold) is written
+            to the journal, at most once every :attr:`EVENT_GAP` optimizer steps per optimizer; the event counts
+            those in between.
+
+    Attributes:
+        steps: optimizer steps that went ahead with AutoClip's coefficient applied.
+        clipped_steps: those whose coefficient was below 1.
+
+    Raises:
+        ValueError: at setup when ``Trainer(gradient_clip_val=...)`` is also set (double clipping), or when
+            ``exclude`` names no parameter of the model.
+
+    Logged keys (suffixed ``_opt<i>`` when the model has several optimizers), through the Trainer's loggers:
+
+    =======================  ================================================================================
+    key                      meaning
+    =======================  ================================================================================
+    ``clip/threshold``       the threshold applied at this step (logged steps; not while it is infinite, e.g.
+                             during the z-score warm-up); in ``"agc"`` mode the ``clipping`` ratio
+    ``clip/coef``            the factor applied to the gradients (1.0 = untouched); in ``"agc"`` mode the
+                             smallest unit's
+    ``clip/fraction_epoch``  the fraction of this epoch's optimizer steps whose coefficient was below 1
+    =======================  ================================================================================
+
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> trainer = pl.Trainer(callbacks=[AutoClip(mode="zscore")], logger=False)
+        >>> fixed = AutoClip(mode="fixed", max_norm=1.0)  # gradient_clip_val=1.0, overflow-safe
+        >>> agc = AutoClip(mode="agc", clipping=0.02, exclude=["classifier"])
+    """
+
+    EVENT_GAP = 50
+    """Fewest optimizer steps between two journal events of one optimizer."""
+
+    def __init__(
+        self,
+        mode: Mode = "zscore",
+        max_norm: float | None = None,
+        percentile: float = 10.0,
+        window: int = 1000,
+        alpha: float = 0.97,
+        z_threshold: float = 2.5,
+        warmup_steps: int = 25,
+        clipping: float = 0.01,
+        eps: float = 1e-3,
+        exclude: Sequence[str] = (),
+        event_below: float = 0.1,
+    ) -> None:
+        self.mode: Mode = check_choice("mode", mode, MODES)  # type: ignore[assignment]
+        self.max_norm = check_float("max_norm", max_norm, low=0.0, low_open=True, optional=True)
+        if self.mode == "fixed" and self.max_norm is None:
+            raise ValueError("'max_norm' must be set when mode='fixed' (got None)")
+        self.percentile = check_float("percentile", percentile, low=0.0, high=100.0)
+        self.window = check_int("window", window, minimum=1)
+        self.alpha = check_float("alpha", alpha, low=0.0, high=1.0, low_open=True, high_open=True)
+        self.z_threshold = check_float("z_threshold", z_threshold, low=0.0, low_open=True)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=2)
+        self.clipping = check_float("clipping", clipping, low=0.0, low_open=True)
+        self.eps = check_float("eps", eps, low=0.0, low_open=True)
+        if isinstance(exclude, str) or not all(isinstance(name, str) for name in exclude):
+            raise TypeError(f"'exclude' must be a sequence of parameter names (got {exclude!r})")
+        if exclude and self.mode != "agc":
+            raise ValueError(f"'exclude' applies to mode='agc' only (got mode={self.mode!r})")
+        self.exclude = tuple(exclude)
+        self.event_below = check_float("event_below", event_below, low=0.0, high=1.0)
+        self.steps = 0
+        self.clipped_steps = 0
+        self._stats: dict[int, Stats] = {}
+        self._epoch: dict[int, list[int]] = {}  # optimizer index -> [steps, clipped] this epoch
+        self._pending: list[_Clip] = []
+        self._settled: list[_Clip] = []
+        self._agc: tuple[StepHealth, list[Tensor], list[Tensor]] | None = None
+        self._last_event: dict[int, int] = {}
+        self._quiet_clips: dict[int, int] = {}
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(mode=self.mode)
+
+    # ---- wiring -----------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        clip_val = trainer.gradient_clip_val
+        if clip_val is not None and clip_val > 0:
+            raise ValueError(
+                f"AutoClip(mode={self.mode!r}) and Trainer(gradient_clip_val={clip_val}) would both clip every step's "
+                "gradients (double clipping: AutoClip first, then Lightning's clip_grad_norm_, which zeroes finite "
+                "gradients whose FP32 norm overflows). Remove gradient_clip_val from the Trainer; for a constant "
+                f"threshold use AutoClip(mode='fixed', max_norm={clip_val}), or pass max_norm={clip_val} to cap "
+                "an adaptive mode."
+            )
+        if self.mode == "agc" and self.exclude:
+            names = [name for name, _ in pl_module.named_parameters()]
+            unknown = [e for e in self.exclude if not any(self._matches(e, name) for name in names)]
+            if unknown:
+                raise ValueError(
+                    f"'exclude' must name parameters or modules of the model (got {unknown!r}; parameters: "
+                    f"{', '.join(names[:10])}{', ...' if len(names) > 10 else ''})"
+                )
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        record = self.board(trainer).step_health(trainer, pl_module, optimizer)
+        self._settle()  # earlier steps of this batch are final now
+        if record.skipped or not math.isfinite(record.total_norm):
+            return  # a skipped or non-finite step is the detector's business; nothing here may learn from it
+        threshold, coef, stats = self._clip_agc(record) if self.mode == "agc" else self._clip_total(record)
+        log_step = _compat.batches_that_stepped(trainer)
+        log_due = bool(trainer.loggers) and _compat.should_update_logs(trainer)
+        index = record.optimizer_index
+        clip = _Clip(record, index, record.step, log_step, log_due, record.total_norm, threshold, coef, stats)
+        self._pending.append(clip)
+
+    @override
+    def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        self._settle()
+        self._publish(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle()
+        self._publish(trainer)
+        suffix_needed = len(trainer.optimizers) > 1
+        metrics = {
+            f"clip/fraction_epoch{f'_opt{index}' if suffix_needed else ''}": clipped / steps
+            for index, (steps, clipped) in sorted(self._epoch.items())
+            if steps
+        }
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=_compat.batches_that_stepped(trainer))
+        self._epoch.clear()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._settle()
+        self._settled.clear()
+        self._agc = None
+
+    # ---- the clip ---------------------------------------------------------------------------------------------
+    def _clip_total(self, record: StepHealth) -> tuple[float, float, Stats | None]:
+        """Fixed, percentile and z-score modes: one coefficient for all gradients, from the shared total norm.
+
+        Returns ``(threshold, coef, new statistics)``.
+        """
+        total = torch.tensor(record.total_norm, dtype=torch.float64)
+        previous = self._stats.get(record.optimizer_index)
+        stats: Stats | None = None
+        if self.mode == "fixed":
+            threshold = torch.tensor(self.max_norm, dtype=torch.float64)
+        elif self.mode == "percentile":
+            history = previous if isinstance(previous, PercentileState) else PercentileState.empty(self.window)
+            threshold, stats = percentile_threshold(history, total, self.percentile)
+        else:
+            moments = previous if isinstance(previous, ZScoreState) else ZScoreState.empty()
+            threshold, stats = zscore_threshold(
+                moments, total, alpha=self.alpha, z_threshold=self.z_threshold, warmup_steps=self.warmup_steps
+            )
+        if self.max_norm is not None:
+            threshold = threshold.clamp(max=self.max_norm)
+        coef = clip_coefficient(total, threshold).item()  # host tensors: no device read
+        if coef < 1.0:
+            scale_grads_([p.grad for p in record.params], coef)  # type: ignore[misc]
+        return threshold.item(), coef, stats
+
+    @override
+    def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
+        if self.mode != "agc":
+            return
+        # AGC's unit norms are computed before the suite's one read, so that the smallest coefficient rides on it.
+        params = [p for p, name in zip(record.params, record.names) if not self._excluded(name)]
+        coefs = agc_coefficients(params, self.clipping, self.eps)
+        record.add(self._key(), smallest_coefficient(coefs))
+        self._agc = (record, params, coefs)
+
+    def _clip_agc(self, record: StepHealth) -> tuple[float, float, None]:
+        """Unit-wise mode: the coefficients computed before the read, recomputed in float64 if the FP32 norms
+        overflowed (a rare path, known from the read), then the optional total-norm cap.
+
+        Returns ``(clipping ratio, smallest coefficient, None)``.
+        """
+        if self._agc is None or self._agc[0] is not record:
+            params = [p for p, name in zip(record.params, record.names) if not self._excluded(name)]
+            self._agc = (record, params, agc_coefficients(params, self.clipping, self.eps))
+        _, params, coefs = self._agc
+        self._agc = None
+        if record.grad_status == "overflow":
+            coefs = agc_coefficients(params, self.clipping, self.eps, exact=True)
+            smallest = smallest_coefficient(coefs).item()
+        elif record.has(self._key()):
+            smallest = record.value(self._key())[0]
+        else:
+            smallest = smallest_coefficient(coefs).item()
+        if smallest < 1.0:
+            torch._foreach_mul_([p.grad for p in params], coefs)  # type: ignore[misc]
+        cap = 1.0 if self.max_norm is None else clip_coefficient(record.total_norm, self.max_norm).item()
+        if cap < 1.0:
+            scale_grads_([p.grad for p in record.params], cap)  # type: ignore[misc]
+        return self.clipping, smallest * cap, None
+
+    def _key(self) -> str:
+        return f"{type(self).__name__}.{id(self)}.agc"
+
+    def _excluded(self, name: str) -> bool:
+        return any(self._matches(e, name) for e in self.exclude)
+
+    @staticmethod
+    def _matches(pattern: str, name: str) -> bool:
+        return name == pattern or name.startswith(pattern + ".")
+
+    # ---- commit, log, journal ---------------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Commit the clips of steps that went ahead; forget those a detector skipped after AutoClip ran."""
+        for clip in self._pending:
+            if clip.record.skipped:
+                continue
+            if clip.stats is not None:
+                self._stats[clip.index] = clip.stats
+            epoch = self._epoch.setdefault(clip.index, [0, 0])
+            clipped = clip.coef < 1.0
+            self.steps += 1
+            self.clipped_steps += clipped
+            epoch[0] += 1
+            epoch[1] += clipped
+            clip.record = None  # type: ignore[assignment]  # release the step's tensors
+            self._settled.append(clip)
+        self._pending.clear()
+
+    def _publish(self, trainer: pl.Trainer) -> None:
+        suffix_needed = len(trainer.optimizers) > 1
+        by_step: dict[int, dict[str, float]] = {}
+        for clip in self._settled:
+            if clip.coef < self.event_below:
+                self._journal(trainer, clip)
+            if not clip.log_due:
+                continue
+            suffix = f"_opt{clip.index}" if suffix_needed else ""
+            metrics = by_step.setdefault(clip.log_step, {})
+            metrics[f"clip/coef{suffix}"] = clip.coef
+            if math.isfinite(clip.threshold):
+                metrics[f"clip/threshold{suffix}"] = clip.threshold
+        self._settled.clear()
+        for step, metrics in by_step.items():
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def _journal(self, trainer: pl.Trainer, clip: _Clip) -> None:
+        last = self._last_event.get(clip.index)
+        if last is not None and clip.step - last < self.EVENT_GAP:
+            self._quiet_clips[clip.index] = self._quiet_clips.get(clip.index, 0) + 1
+            return
+        quiet = self._quiet_clips.pop(clip.index, 0)
+        self._last_event[clip.index] = clip.step
+        since = f"; {quiet} more such clip(s) since step {last} were not journaled" if quiet else ""
+        what = f"clipping ratio {clip.threshold:g}" if self.mode == "agc" else f"threshold {clip.threshold:.4g}"
+        message = (
+            f"AutoClip({self.mode}): scaled the gradients of optimizer {clip.index} by {clip.coef:.3g} at step "
+            f"{clip.step}: total norm {clip.total:.4g}, {what}{since}."
+        )
+        self._event(
+            trainer, "clip", message, step=clip.step, mode=self.mode, optimizer=clip.index, grad_norm=clip.total,
+            threshold=clip.threshold, coef=clip.coef, not_journaled=quiet,
+        )
+
+    # ---- state ------------------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        self._settle()
+        return {
+            "mode": self.mode,
+            "stats": {index: stats.to_dict() for index, stats in self._stats.items()},
+            "steps": self.steps,
+            "clipped_steps": self.clipped_steps,
+            "epoch": {index: list(counts) for index, counts in self._epoch.items()},
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps = int(state_dict.get("steps", 0))
+        self.clipped_steps = int(state_dict.get("clipped_steps", 0))
+        self._epoch = {int(i): [int(c) for c in counts] for i, counts in state_dict.get("epoch", {}).items()}
+        self._load_stats(state_dict)
+
+    def _load_stats(self, state_dict: dict[str, Any]) -> None:
+        self._stats = {}
+        if state_dict.get("mode") != self.mode:
+            return
+        for index, stats in state_dict.get("stats", {}).items():
+            if self.mode == "percentile":
+                self._stats[int(index)] = PercentileState.from_dict(stats, window=self.window)
+            elif self.mode == "zscore":
+                self._stats[int(index)] = ZScoreState.from_dict(stats)
+
+    @override
+    def _snapshot_extra(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    @override
+    def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        # The statistics go back with the weights; what was clipped meanwhile stays counted and logged.
+        self._settle()
+        if extra:
+            self._load_stats(extra)

@@ -1,0 +1,336 @@
+"""LRBackoff: multiply the learning rate by ``factor`` on divergence, make it stick, grow it back when stable."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+from typing_extensions import override
+
+from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.callbacks._validation import check_bool, check_float, check_int
+from lightning_overflow.events import Event
+from lightning_overflow.exceptions import DivergenceError
+from lightning_overflow.health import SIGNAL_KINDS, Signal
+from lightning_overflow.numerics.lr_scaling import scale_lr
+
+__all__ = ["DEFAULT_TRIGGERS", "LRBackoff"]
+
+log = logging.getLogger("pytorch_lightning.lightning_overflow")
+
+DEFAULT_TRIGGERS = ("nonfinite_burst", "nonfinite_state", "scaler_collapse", "loss_spike", "grad_spike")
+"""The signals that mean divergence. ``nonfinite`` alone is left out: one corrupt sample must not cost the LR."""
+
+_AT_FLOOR = 1e-9  # relative slack when comparing a scale with its floor
+
+
+class LRBackoff(SuiteCallback):
+    """Multiply the learning rate by ``factor`` when the run diverges; grow it back after a stable stretch.
+
+    An intervention. What it changes: the learning rate of every param group of the optimizer concerned, together
+    with every reference the LR schedulers recompute it from (the groups' ``initial_lr`` / ``max_lr`` / ``min_lr``;
+    the schedulers' ``base_lrs``, ``max_lrs``, ``eta_min``, ``min_lrs``, walking ``SequentialLR`` and
+    ``ChainedScheduler`` children; see :func:`~lightning_overflow.numerics.lr_scaling.scale_lr`). Halving only
+    ``param_group["lr"]`` would be undone on the next step by ``LambdaLR``, ``OneCycleLR``, ``CyclicLR``,
+    ``CosineAnnealingWarmRestarts``, cosine past ``T_max`` and ``SequentialLR`` milestones; scaled this way the
+    schedule continues at exactly ``scale`` times the one configured, whatever torch scheduler runs it. All of it
+    lives in the optimizer and scheduler state, so it is in every checkpoint; a resumed run continues with the same
+    scale and nothing is applied twice. Only the schedulers Lightning knows (``configure_optimizers``) are scaled.
+
+    When it acts: at the end of each training batch (``on_train_batch_end``, after schedulers held for a skipped step
+    are put back, before checkpoint callbacks save), on the detectors' signals of that batch whose kind is in
+    ``triggers``. Every rank sees the same signals, so every rank backs off at the same step.
+
+    - **Backoff**: ``scale *= factor``. Further triggers within ``cooldown`` optimizer steps of a backoff belong to
+      the same burst and are ignored.
+    - **Floor**: the scale never goes below ``min_scale`` (nor a base LR below ``min_lr``); a trigger once the scale
+      sits on the floor raises :class:`DivergenceError` with the history of every backoff.
+    - **Regrowth**: after ``regrow_after`` optimizer steps without a trigger, ``scale /= factor`` (at most 1: never
+      above the configured schedule), as ``GradScaler`` grows its loss scale. A backoff within the growth window
+      after a regrowth means the regrowth came too early: the window is multiplied by ``window_growth`` (metaseq's
+      adaptive loss-scale window), so the run does not oscillate between two learning rates.
+
+    Steps are ``global_step`` steps: under manual optimization every optimizer's step counts.
+
+    Args:
+        factor: the multiplier applied on each backoff, in (0, 1) (default 0.5).
+        triggers: the signal kinds that mean divergence (default :data:`DEFAULT_TRIGGERS`: ``nonfinite_burst``,
+            ``nonfinite_state``, ``scaler_collapse``, ``loss_spike``, ``grad_spike``). An isolated ``nonfinite``
+            step, already skipped by ``NonFiniteDetector``, is not divergence; add ``"nonfinite"`` to back off on
+            every non-finite step.
+        cooldown: optimizer steps after a backoff during which further triggers are part of the same burst
+            (default 20: a burst of non-finite steps or a spike lasting a few steps costs one backoff, while a
+            divergence that goes on after it gets the next one soon).
+        min_scale: the smallest scale, in (0, 1] (default 1e-3, about ten halvings).
+        min_lr: optional floor on the backed-off base learning rate of every param group (its ``initial_lr``, or its
+            ``lr`` without a scheduler, times the scale).
+        regrow_after: optimizer steps without a trigger before the scale grows back by ``1 / factor`` (default
+            1000; ``None`` never regrows).
+        window_growth: multiplier of the growth window after a backoff that follows a regrowth within the window
+            (default 2).
+        per_optimizer: ``True`` (default): each optimizer backs off on its own signals (a GAN's discriminator
+            diverging leaves the generator's LR alone); ``False``: a trigger from any optimizer backs off all of
+            them together, keeping the ratio of their learning rates.
+
+    Attributes:
+        scales: the current LR multiplier of each optimizer (1.0 = as configured).
+        history: one dict per backoff and regrowth (``step``, ``action``, ``optimizer``, ``reason``, ``kinds``,
+            ``scale``), oldest first.
+
+    Raises:
+        DivergenceError: a trigger arrived while the scale was already at its floor.
+
+    Logged keys (``overflow/lr_scale_opt<i>`` for each optimizer when there are several):
+
+    =====================  ================================================
+    key                    meaning
+    =====================  ================================================
+    ``overflow/lr_scale``  current LR multiplier (1.0 = as configured)
+    =====================  ================================================
+
+    ``LearningRateMonitor`` shows the backed-off learning rate. Each backoff and regrowth is one ``"backoff"`` /
+    ``"regrowth"`` line in the journal.
+
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> from lightning_overflow import NonFiniteDetector
+        >>> from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
+        >>> callbacks = [NonFiniteDetector(), LossSpikeDetector(), LRBackoff(factor=0.5)]
+        >>> trainer = pl.Trainer(callbacks=callbacks, logger=False)
+    """
+
+    def __init__(
+        self,
+        factor: float = 0.5,
+        triggers: Sequence[str] = DEFAULT_TRIGGERS,
+        cooldown: int = 10,
+        min_scale: float = 1e-3,
+        min_lr: float | None = None,
+        regrow_after: int | None = 1000,
+        window_growth: float = 2.0,
+        per_optimizer: bool = True,
+    ) -> None:
+        self.factor = check_float("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
+        self.triggers = _check_triggers(triggers)
+        self.cooldown = check_int("cooldown", cooldown, minimum=0)
+        self.min_scale = check_float("min_scale", min_scale, low=0.0, high=1.0, low_open=True)
+        self.min_lr = check_float("min_lr", min_lr, low=0.0, low_open=True, optional=True)
+        self.regrow_after = check_int("regrow_after", regrow_after, minimum=1, optional=True)
+        self.window_growth = check_float("window_growth", window_growth, low=1.0)
+        self.per_optimizer = check_bool("per_optimizer", per_optimizer)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.scales: list[float] = []
+        self._cooldown_until: list[int] = []
+        self._stable_since: list[int] = []
+        self._windows: list[int] = []
+        self._last_regrowth: list[int] = []
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(factor=self.factor, per_optimizer=self.per_optimizer)
+
+    # ---- wiring -----------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":  # a new fit starts at the configured LR; a resumed one loads its state right after this
+            self._reset()
+
+    @override
+    def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        step = int(trainer.global_step)
+        self._track(len(trainer.optimizers), step)
+        fired = self._fired(self.board(trainer).signals, len(self.scales))
+        due: dict[int, list[Signal]] = {}
+        for index, signals in fired.items():
+            self._stable_since[index] = step  # not a stable step, even inside the cooldown
+            if min(s.step for s in signals) >= self._cooldown_until[index]:
+                due[index] = signals
+        if due:
+            self._back_off(trainer, due)
+        for index in range(len(self.scales)):
+            if index not in fired and self._regrowth_due(index, step):
+                self._regrow(trainer, index, step)
+
+    def _fired(self, signals: Sequence[Signal], n_optimizers: int) -> dict[int, list[Signal]]:
+        """The trigger signals of this batch, by the optimizer they concern (all optimizers together when
+        ``per_optimizer=False``)."""
+        relevant = [s for s in signals if s.kind in self.triggers and s.optimizer_index < n_optimizers]
+        if not relevant:
+            return {}
+        if not self.per_optimizer:
+            return {index: relevant for index in range(n_optimizers)}
+        fired: dict[int, list[Signal]] = {}
+        for signal in relevant:
+            fired.setdefault(signal.optimizer_index, []).append(signal)
+        return fired
+
+    # ---- backoff ----------------------------------------------------------------------------------------------
+    def _back_off(self, trainer: pl.Trainer, due: dict[int, list[Signal]]) -> None:
+        # Check every floor first: either every optimizer concerned backs off or the run stops, never half of it.
+        for index, signals in due.items():
+            if self.scales[index] <= self._floor(trainer, index) * (1 + _AT_FLOOR):
+                raise self._diverged(trainer, index, signals)
+        for index, signals in due.items():
+            old = self.scales[index]
+            new = max(old * self.factor, self._floor(trainer, index))
+            self._apply(trainer, index, new / old)
+            self.scales[index] = new
+            first = min(signals, key=lambda s: s.step)
+            self._cooldown_until[index] = first.step + self.cooldown
+            last_regrowth = self._last_regrowth[index]
+            if last_regrowth >= 0 and first.step - last_regrowth <= self._windows[index]:
+                self._windows[index] = math.ceil(self._windows[index] * self.window_growth)
+            entry = self._remember("backoff", first.step, index, _kinds(signals), first.reason, new)
+            message = (
+                f"LRBackoff: {entry['kinds']} at step {first.step}: the learning rate of optimizer {index} is now "
+                f"{new:.4g} x its schedule (was {old:.4g} x; group LRs {_lrs(trainer, index)}). Cause: {first.reason}"
+            )
+            self._journal(trainer, "backoff", message, entry, previous_scale=old, lrs=_lrs(trainer, index))
+            if trainer.global_rank == 0:
+                log.info(message)
+
+    def _floor(self, trainer: pl.Trainer, index: int) -> float:
+        """The smallest scale allowed: ``min_scale``, or higher where ``min_lr`` says so."""
+        floor = self.min_scale
+        if self.min_lr is None:
+            return floor
+        scale = self.scales[index]
+        for group in trainer.optimizers[index].param_groups:
+            base = float(group.get("initial_lr", group["lr"])) / scale  # the configured base LR
+            if base > 0:
+                floor = max(floor, self.min_lr / base)
+        return floor
+
+    def _diverged(self, trainer: pl.Trainer, index: int, signals: list[Signal]) -> DivergenceError:
+        first = min(signals, key=lambda s: s.step)
+        entry = self._remember("abort", first.step, index, _kinds(signals), first.reason, self.scales[index])
+        backoffs = [h for h in self.history if h["action"] == "backoff"]
+        done = "; ".join(f"step {h['step']} ({h['kinds']}) -> {h['scale']:.4g}" for h in backoffs) or "none"
+        message = (
+            f"LRBackoff: {entry['kinds']} at step {first.step} while the learning rate of optimizer {index} was "
+            f"already at its floor ({self.scales[index]:.4g} x its schedule; min_scale={self.min_scale:g}"
+            f"{'' if self.min_lr is None else f', min_lr={self.min_lr:g}'}). Backoffs so far: {done}. "
+            f"Cause: {first.reason} HINT: lower the configured learning rate or lengthen its warm-up, clip the "
+            "gradients (AutoClip), add Rollback to restore the last finite state, and look at the data around "
+            "these steps."
+        )
+        self._journal(trainer, "abort", message, entry)
+        return DivergenceError(message, step=first.step, history=self.history)
+
+    # ---- regrowth ---------------------------------------------------------------------------------------------
+    def _regrowth_due(self, index: int, step: int) -> bool:
+        if self.regrow_after is None or self.scales[index] >= 1.0:
+            return False
+        return step - self._stable_since[index] >= self._windows[index]
+
+    def _regrow(self, trainer: pl.Trainer, index: int, step: int) -> None:
+        old = self.scales[index]
+        new = min(1.0, old / self.factor)
+        self._apply(trainer, index, new / old)
+        self.scales[index] = new
+        self._stable_since[index] = step
+        self._last_regrowth[index] = step
+        reason = f"{self._windows[index]} steps without divergence"
+        entry = self._remember("regrowth", step, index, "", reason, new)
+        message = (
+            f"LRBackoff: {self._windows[index]} stable steps up to step {step}: the learning rate of optimizer "
+            f"{index} grows back to {new:.4g} x its schedule (was {old:.4g} x; group LRs {_lrs(trainer, index)})."
+        )
+        self._journal(trainer, "regrowth", message, entry, previous_scale=old, lrs=_lrs(trainer, index))
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _track(self, n_optimizers: int, step: int) -> None:
+        """Bookkeeping for every optimizer of the run (the count is known once optimizers exist)."""
+        while len(self.scales) < n_optimizers:
+            self.scales.append(1.0)
+            self._cooldown_until.append(-1)
+            self._stable_since.append(step)
+            self._windows.append(self.regrow_after or 0)
+            self._last_regrowth.append(-1)
+
+    def _apply(self, trainer: pl.Trainer, index: int, ratio: float) -> None:
+        if ratio == 1.0:
+            return
+        optimizer = trainer.optimizers[index]
+        schedulers = [
+            config.scheduler
+            for config in trainer.lr_scheduler_configs
+            if getattr(config.scheduler, "optimizer", None) is optimizer
+        ]
+        scale_lr(optimizer, ratio, schedulers)
+
+    def _remember(self, action: str, step: int, index: int, kinds: str, reason: str, scale: float) -> dict[str, Any]:
+        entry = {"step": step, "action": action, "optimizer": index, "kinds": kinds, "reason": reason, "scale": scale}
+        self.history.append(entry)
+        return entry
+
+    def _journal(self, trainer: pl.Trainer, kind: str, message: str, entry: dict[str, Any], **more: Any) -> None:
+        """One journal line, dated by the step that triggered it (the batch is over: ``global_step`` moved on)."""
+        details = {k: v for k, v in entry.items() if k != "step"} | more
+        event = Event(entry["step"], kind, 0, type(self).__name__, message, details, int(trainer.current_epoch))
+        self.board(trainer).record(event)
+
+    # ---- counters, rollback and state -------------------------------------------------------------------------
+    @override
+    def _counters(self) -> dict[str, float]:
+        if len(self.scales) <= 1:
+            return {"overflow/lr_scale": self.scales[0] if self.scales else 1.0}
+        return {f"overflow/lr_scale_opt{i}": scale for i, scale in enumerate(self.scales)}
+
+    @override
+    def _snapshot_extra(self) -> dict[str, Any]:
+        return {"scales": list(self.scales)}
+
+    @override
+    def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        """The optimizer and scheduler state just restored carry the scale of their snapshot: bring them to the
+        current scale, so that a rollback never undoes a backoff (whichever of the two callbacks runs first)."""
+        self._track(len(trainer.optimizers), int(trainer.global_step))
+        snapshot = [float(s) for s in extra.get("scales", [])]
+        for index, scale in enumerate(self.scales):
+            then = snapshot[index] if index < len(snapshot) else 1.0
+            self._apply(trainer, index, scale / then)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scales": list(self.scales),
+            "cooldown_until": list(self._cooldown_until),
+            "stable_since": list(self._stable_since),
+            "windows": list(self._windows),
+            "last_regrowth": list(self._last_regrowth),
+            "history": [dict(h) for h in self.history],
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Only the bookkeeping: the optimizer and scheduler state restored beside it already carry the scale.
+        self.scales = [float(s) for s in state_dict.get("scales", [])]
+        n = len(self.scales)
+        self._cooldown_until = [int(s) for s in state_dict.get("cooldown_until", [-1] * n)]
+        self._stable_since = [int(s) for s in state_dict.get("stable_since", [0] * n)]
+        self._windows = [int(s) for s in state_dict.get("windows", [self.regrow_after or 0] * n)]
+        self._last_regrowth = [int(s) for s in state_dict.get("last_regrowth", [-1] * n)]
+        self.history = [dict(h) for h in state_dict.get("history", [])]
+
+
+def _check_triggers(triggers: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(triggers, str) or not triggers or not all(isinstance(t, str) and t in SIGNAL_KINDS for t in triggers):
+        choices = ", ".join(repr(k) for k in SIGNAL_KINDS)
+        raise ValueError(f"'triggers' must be a non-empty collection of {choices} (got {triggers!r})")
+    return tuple(dict.fromkeys(triggers))
+
+
+def _kinds(signals: Sequence[Signal]) -> str:
+    return ", ".join(dict.fromkeys(s.kind for s in signals))
+
+
+def _lrs(trainer: pl.Trainer, index: int) -> list[float]:
+    return [float(group["lr"]) for group in trainer.optimizers[index].param_groups]

@@ -1,0 +1,76 @@
+"""The recommended composition of the suite: detect, clip, back off, roll back."""
+
+from __future__ import annotations
+
+import os
+
+from lightning_overflow._compat import Callback
+from lightning_overflow.callbacks._validation import check_bool, check_choice, check_float, check_int
+from lightning_overflow.callbacks.auto_clip import MODES, AutoClip
+from lightning_overflow.callbacks.grad_norm_monitor import GradNormMonitor
+from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
+from lightning_overflow.callbacks.lr_backoff import LRBackoff
+from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
+from lightning_overflow.callbacks.rollback import Rollback
+
+__all__ = ["default_callbacks"]
+
+
+def default_callbacks(
+    *,
+    clip: str | None = "zscore",
+    lr_factor: float = 0.5,
+    snapshot_every_n_steps: int = 100,
+    max_rollbacks: int = 3,
+    dirpath: str | os.PathLike[str] | None = None,
+    per_parameter_norms: bool = False,
+    rollback: bool = True,
+) -> list[Callback]:
+    """The suite as we recommend it, ready for ``Trainer(callbacks=default_callbacks())``.
+
+    The escalation ladder it implements:
+
+    1. every step: the gradient norm is logged (``GradNormMonitor``) and clipped when it is an outlier
+       (``AutoClip``, ZClip z-score by default);
+    2. a non-finite step is skipped: nothing changes, not the weights, the moments or the schedule
+       (``NonFiniteDetector``); an isolated one (one corrupt sample) stops there;
+    3. divergence (a burst of non-finite steps, a loss or gradient-norm spike, non-finite weights or moments,
+       a collapsing GradScaler) multiplies the LR by ``lr_factor`` (``LRBackoff``) and, for the kinds that
+       damage the state, restores the last snapshot verified finite (``Rollback``);
+    4. after ``max_rollbacks`` rollbacks within Rollback's window, or the LR backed off to its floor, the run
+       stops with :class:`~lightning_overflow.DivergenceError`, which lists what was tried.
+
+    Args:
+        clip: the ``AutoClip`` mode (``"zscore"``, ``"percentile"``, ``"agc"``; ``"fixed"`` needs a threshold, so
+            build that ``AutoClip`` yourself), or ``None`` for no clipping (use this when the Trainer has
+            ``gradient_clip_val``).
+        lr_factor: the LR multiplier on divergence (default 0.5).
+        snapshot_every_n_steps: Rollback's snapshot interval (default 100). Each snapshot holds the model and
+            optimizer state in host memory, ``keep=2`` of them.
+        max_rollbacks: rollbacks allowed within Rollback's window before ``DivergenceError`` (default 3).
+        dirpath: also write snapshots there (atomically), so a restarted run can roll back past the restart.
+        per_parameter_norms: log ``grad_norm/<parameter>`` too.
+        rollback: include ``Rollback`` (default ``True``).
+
+    Example:
+        >>> [type(cb).__name__ for cb in default_callbacks()]
+        ['GradNormMonitor', 'NonFiniteDetector', 'LossSpikeDetector', 'AutoClip', 'LRBackoff', 'Rollback']
+    """
+    if clip is not None:
+        check_choice("clip", clip, tuple(m for m in MODES if m != "fixed"))
+    factor = check_float("lr_factor", lr_factor, low=0.0, high=1.0, low_open=True, high_open=True)
+    every = check_int("snapshot_every_n_steps", snapshot_every_n_steps, minimum=1)
+    budget = check_int("max_rollbacks", max_rollbacks, minimum=1)
+    per_parameter = check_bool("per_parameter_norms", per_parameter_norms)
+    with_rollback = check_bool("rollback", rollback)
+    callbacks: list[Callback] = [
+        GradNormMonitor(per_parameter=per_parameter),
+        NonFiniteDetector(action="skip"),
+        LossSpikeDetector(),
+    ]
+    if clip is not None:
+        callbacks.append(AutoClip(mode=clip))  # type: ignore[arg-type]
+    callbacks.append(LRBackoff(factor=factor))
+    if with_rollback:
+        callbacks.append(Rollback(every_n_steps=every, max_rollbacks=budget, dirpath=dirpath))
+    return callbacks

@@ -1,0 +1,431 @@
+"""Gradient clipping that survives overflow and NaN: fixed, percentile (AutoClip), z-score (ZClip), unit-wise (AGC).
+
+Pure torch, no Lightning. Every function here is sync-free: thresholds and coefficients stay on the device, the
+coefficient is clamped and always multiplied (never ``if coef < 1:``), so nothing is read back to the host. The
+adaptive statistics are small frozen dataclasses of tensors; each update returns a new state, which makes it easy
+to drop an update (a step that was skipped after all) and to checkpoint the state.
+
+Three rules hold throughout:
+
+- **Non-finite norms never enter the statistics**, and neither do finite norms beyond the FP32 range (3.4e38), an
+  overflow that ``NonFiniteDetector`` treats as a fault. A NaN that entered an EMA or a window would stay there for
+  good and silence the clipper (ZClip's and AutoClip's reference code both have this flaw).
+- **Clipping never turns NaN into finite numbers.** Where the norm is inf/NaN the coefficient is 1: the gradients
+  stay as they are, for a detector or the GradScaler to see (``clip_grad_norm_`` multiplies them by ``max/inf = 0``,
+  which zeroes the finite ones and turns inf into NaN).
+- **Finite gradients whose FP32 norm overflows are scaled down, not zeroed**, given their exact norm (from
+  :func:`~lightning_overflow.numerics.grad_norm_report` or the suite's step record). A coefficient below the
+  smallest normal FP32 number (a norm above about ``8.5e37 * threshold``) would flush to zero; it is clamped there.
+
+A plain PyTorch loop::
+
+    state = ZScoreState.empty()
+    for batch in loader:
+        model(batch).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        total = total_norm(tensor_norms(grads))  # or grad_norm_report(grads).total: exact beyond FP32, one read
+        threshold, state = zscore_threshold(state, total)
+        scale_grads_(grads, clip_coefficient(total, threshold))
+        optimizer.step()
+
+Papers:
+    - Percentile: P. Seetharaman, G. Wichern, B. Pardo, J. Le Roux, "AutoClip: Adaptive Gradient Clipping for
+      Source Separation Networks", IEEE MLSP 2020.
+    - Z-score: A. Kumar, L. Owen, N. R. Chowdhury, F. Güra, "ZClip: Adaptive Spike Mitigation for LLM
+      Pre-Training", arXiv:2504.02507, 2025.
+    - Unit-wise: A. Brock, S. De, S. L. Smith, K. Simonyan, "High-Performance Large-Scale Image Recognition Without
+      Normalization", ICML 2021.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_overflow.numerics.norms import FP32_MAX, tensor_norms, total_norm
+
+__all__ = [
+    "PercentileState",
+    "ZScoreState",
+    "agc_",
+    "agc_coefficients",
+    "clip_coefficient",
+    "clip_grad_norm_",
+    "percentile_threshold",
+    "scale_grads_",
+    "smallest_coefficient",
+    "unitwise_norms",
+    "zscore_threshold",
+]
+
+FP32_TINY = float(torch.finfo(torch.float32).tiny)
+"""The smallest normal FP32 number; a smaller coefficient would flush to zero under ``set_flush_denormal``."""
+
+
+def _as_total(total: Tensor | float, like: Tensor | None = None) -> Tensor:
+    device = like.device if like is not None else (total.device if isinstance(total, Tensor) else None)
+    return torch.as_tensor(total, dtype=torch.float64, device=device).reshape(())
+
+
+def _accepted(total: Tensor) -> Tensor:
+    """Whether a total norm may enter the statistics: finite and within the FP32 range."""
+    return torch.isfinite(total) & (total <= FP32_MAX)
+
+
+def clip_coefficient(total: Tensor | float, threshold: Tensor | float) -> Tensor:
+    """The factor that brings a gradient norm down to ``threshold``: ``min(1, threshold / total)``, in float64.
+
+    The coefficient is 1 where ``total`` is inf/NaN (nothing to fix here: it is a detector's business, and
+    multiplying by ``threshold / inf = 0`` would zero finite gradients and turn inf into NaN), where ``total`` does
+    not exceed ``threshold``, and where ``threshold`` is inf/NaN. It is at least :data:`FP32_TINY`.
+
+    Args:
+        total: the exact total norm (a 0-d tensor or a float; may exceed the FP32 range).
+        threshold: the norm to clip to (``inf`` disables clipping).
+
+    Example:
+        >>> clip_coefficient(torch.tensor(25.0), 5.0)
+        tensor(0.2000, dtype=torch.float64)
+        >>> clip_coefficient(torch.tensor(float("nan")), 5.0)
+        tensor(1., dtype=torch.float64)
+    """
+    total = _as_total(total)
+    threshold = _as_total(threshold, like=total)
+    clip = torch.isfinite(total) & (total > threshold)
+    coef = torch.where(clip, threshold / total, torch.ones_like(total))
+    return coef.clamp(min=FP32_TINY, max=1.0)
+
+
+def scale_grads_(grads: Sequence[Tensor], coef: Tensor | float) -> None:
+    """Multiply every gradient by ``coef`` in place, always (no host read to decide whether it is needed).
+
+    Args:
+        grads: the gradients (any devices and floating dtypes).
+        coef: a 0-d tensor on any device, or a float.
+
+    Example:
+        >>> grads = [torch.tensor([7.0, 24.0])]
+        >>> scale_grads_(grads, clip_coefficient(25.0, 5.0))
+        >>> grads[0]
+        tensor([1.4000, 4.8000])
+    """
+    by_group: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        by_group.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), group in by_group.items():
+        factor = coef.to(device=device, dtype=dtype, non_blocking=True) if isinstance(coef, Tensor) else coef
+        torch._foreach_mul_(group, factor)
+
+
+def clip_grad_norm_(
+    grads: Sequence[Tensor], max_norm: float, total: Tensor | float | None = None
+) -> tuple[Tensor, Tensor]:
+    """Clip the total L2 norm of ``grads`` to ``max_norm``, in place; overflow-safe given the exact total.
+
+    Unlike ``torch.nn.utils.clip_grad_norm_``, finite gradients whose FP32 norm overflows are scaled down to
+    ``max_norm`` (pass their exact ``total``, e.g. ``grad_norm_report(grads).total``), and inf/NaN gradients are
+    left as they are rather than multiplied by 0. Without ``total`` the fast FP32 norm is used (sync-free); an FP32
+    overflow then reads as a non-finite norm and the gradients are left untouched.
+
+    Args:
+        grads: the gradients.
+        max_norm: the largest total norm allowed.
+        total: the exact total norm of ``grads`` (default: computed here, in FP32 per tensor).
+
+    Returns:
+        ``(total, coef)``: the pre-clip total norm and the coefficient applied (float64 tensors).
+
+    Example:
+        >>> grads = [torch.tensor([7.0, 24.0])]
+        >>> clip_grad_norm_(grads, 5.0)
+        (tensor(25., dtype=torch.float64), tensor(0.2000, dtype=torch.float64))
+        >>> grads[0]
+        tensor([1.4000, 4.8000])
+    """
+    if not max_norm > 0:
+        raise ValueError(f"'max_norm' must be in (0, inf] (got {max_norm})")
+    if total is None:
+        total = total_norm(tensor_norms(grads)) if grads else torch.zeros((), dtype=torch.float64)
+    total = _as_total(total)
+    coef = clip_coefficient(total, max_norm)
+    scale_grads_(grads, coef)
+    return total, coef
+
+
+# ---- percentile (AutoClip) ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PercentileState:
+    """The bounded history of total norms behind :func:`percentile_threshold`.
+
+    Attributes:
+        history: float64 ring buffer of the last ``window`` accepted norms; ``nan`` marks an empty slot.
+        count: int64 0-d tensor, the number of norms accepted so far (the next slot is ``count % window``).
+    """
+
+    history: Tensor
+    count: Tensor
+
+    @classmethod
+    def empty(cls, window: int = 1000, device: torch.device | str | None = None) -> PercentileState:
+        """A state with no history yet, keeping the last ``window`` norms."""
+        if window < 1:
+            raise ValueError(f"'window' must be >= 1 (got {window})")
+        history = torch.full((window,), float("nan"), dtype=torch.float64, device=device)
+        return cls(history, torch.zeros((), dtype=torch.int64, device=device))
+
+    @property
+    def window(self) -> int:
+        return self.history.numel()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The state as primitives (one host read): the accepted norms oldest first, and the count.
+
+        Loadable with ``torch.load(weights_only=True)``, writable as JSON, comparable with ``==``.
+        """
+        n = min(int(self.count), self.window)
+        slots = [(int(self.count) - n + i) % self.window for i in range(n)]
+        values = self.history.tolist()
+        return {"window": self.window, "history": [values[i] for i in slots], "count": int(self.count)}
+
+    @classmethod
+    def from_dict(
+        cls, state: dict[str, Any], window: int | None = None, device: torch.device | str | None = None
+    ) -> PercentileState:
+        """Rebuild a state from :meth:`to_dict`; with another ``window``, the most recent norms that fit are kept."""
+        window = int(state["window"]) if window is None else window
+        count = int(state["count"])
+        history = [float(v) for v in state["history"]][-window:]
+        if len(history) < min(count, window):  # the window grew: fewer norms are known than would fit
+            count = len(history)
+        rebuilt = cls.empty(window, device)
+        n = len(history)
+        for i, value in enumerate(history):
+            rebuilt.history[(count - n + i) % window] = value
+        return cls(rebuilt.history, torch.tensor(count, dtype=torch.int64, device=device))
+
+
+def percentile_threshold(
+    state: PercentileState, total: Tensor | float, percentile: float = 10.0
+) -> tuple[Tensor, PercentileState]:
+    """AutoClip's threshold: the ``percentile``-th percentile of the norms seen so far, this step's included.
+
+    The history is bounded to the state's window (the paper keeps every norm). Percentiles interpolate linearly, as
+    ``numpy.percentile`` does. A norm that is not accepted (inf/NaN, or beyond the FP32 range) is neither added nor
+    counted; the threshold then comes from the history alone (``inf`` while it is empty).
+
+    Args:
+        state: the current history.
+        total: this step's total gradient norm, pre-clip.
+        percentile: in ``[0, 100]``; the paper's default 10 clips about nine steps in ten, gently.
+
+    Returns:
+        ``(threshold, new_state)``: a float64 0-d tensor and the updated history.
+
+    Example:
+        >>> state = PercentileState.empty(window=4)
+        >>> for norm in [1.0, 2.0, 3.0, 4.0]:
+        ...     threshold, state = percentile_threshold(state, torch.tensor(norm), percentile=50.0)
+        >>> threshold
+        tensor(2.5000, dtype=torch.float64)
+    """
+    if not 0.0 <= percentile <= 100.0:
+        raise ValueError(f"'percentile' must be in [0, 100] (got {percentile})")
+    history = state.history
+    total = _as_total(total, like=history)
+    ok = _accepted(total)
+    slot = torch.arange(history.numel(), device=history.device) == torch.remainder(state.count, history.numel())
+    updated = torch.where(slot & ok, total, history)
+    threshold = torch.nanquantile(updated, percentile / 100.0)
+    threshold = torch.where(torch.isnan(threshold), torch.full_like(threshold, float("inf")), threshold)
+    return threshold, PercentileState(updated, state.count + ok.to(torch.int64))
+
+
+# ---- z-score (ZClip) ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZScoreState:
+    """The running statistics behind :func:`zscore_threshold` (float64 0-d tensors).
+
+    Attributes:
+        mean: the mean of the warm-up norms, then their exponential moving average.
+        var: the (population) variance of the warm-up norms, then its exponential moving average.
+        count: the number of norms accepted so far; the first ``warmup_steps`` of them only build the statistics.
+    """
+
+    mean: Tensor
+    var: Tensor
+    count: Tensor
+
+    @classmethod
+    def empty(cls, device: torch.device | str | None = None) -> ZScoreState:
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return cls(zero, zero.clone(), zero.clone())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The state as primitives (one host read); loadable with ``torch.load(weights_only=True)``, JSON-able."""
+        return {"mean": self.mean.item(), "var": self.var.item(), "count": int(self.count)}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any], device: torch.device | str | None = None) -> ZScoreState:
+        """Rebuild a state from :meth:`to_dict`."""
+        values = (torch.tensor(float(state[k]), dtype=torch.float64, device=device) for k in ("mean", "var", "count"))
+        return cls(*values)
+
+
+def zscore_threshold(
+    state: ZScoreState,
+    total: Tensor | float,
+    alpha: float = 0.97,
+    z_threshold: float = 2.5,
+    warmup_steps: int = 25,
+    eps: float = 1e-6,
+) -> tuple[Tensor, ZScoreState]:
+    """ZClip's threshold for this step (reciprocal z-score clipping) and the updated statistics.
+
+    During warm-up the norms only build the mean and variance (threshold ``inf``). After it, with
+    ``z = (g - mean) / (std + eps)``: an outlier (``z > z_threshold``) is clipped to
+    ``mean + z_threshold**2 * std / z``, so the larger the spike the harder the clip; otherwise the threshold is the
+    detection boundary ``mean + z_threshold * (std + eps)``, which ``g`` does not exceed. The EMAs are then updated
+    with the clipped norm, as the paper does, so a spike does not inflate the variance that must detect the next one::
+
+        mean <- alpha * mean + (1 - alpha) * g_clipped
+        var  <- alpha * var  + (1 - alpha) * (g_clipped - mean) ** 2
+
+    Norms that are not accepted (inf/NaN, or beyond the FP32 range) leave the state as it is.
+
+    Args:
+        state: the current statistics.
+        total: this step's total gradient norm, pre-clip.
+        alpha: EMA smoothing factor (paper: 0.97).
+        z_threshold: z-score above which a norm is an outlier (paper: 2.5).
+        warmup_steps: norms collected before clipping starts (paper: 25).
+        eps: added to the standard deviation in the z-score (paper: 1e-6).
+
+    Returns:
+        ``(threshold, new_state)``: a float64 0-d tensor and the updated statistics.
+
+    Example:
+        >>> state = ZScoreState.empty()
+        >>> for norm in [1.0, 2.0, 3.0]:
+        ...     _, state = zscore_threshold(state, torch.tensor(norm), warmup_steps=3)
+        >>> state.mean.item(), round(state.var.item(), 6)
+        (2.0, 0.666667)
+        >>> threshold, _ = zscore_threshold(state, torch.tensor(10.0), warmup_steps=3)
+        >>> round(threshold.item(), 4)
+        2.5208
+    """
+    mean, var, count = state.mean, state.var, state.count
+    total = _as_total(total, like=mean)
+    ok = _accepted(total)
+    g = torch.where(ok, total, mean)  # keeps inf/NaN out of the arithmetic below
+
+    # Warm-up: Welford's running mean and population variance (equal to the batch values at the end).
+    n1 = count + 1
+    warm_mean = mean + (g - mean) / n1
+    warm_var = (var * count + (g - mean) * (g - warm_mean)) / n1
+
+    # After warm-up: reciprocal z-score clipping, then the EMA update with the clipped norm.
+    std = var.sqrt()
+    z = (total - mean) / (std + eps)
+    outlier = torch.isfinite(total) & (z > z_threshold)
+    safe_z = torch.where(outlier, z, torch.ones_like(z))
+    target = mean + z_threshold**2 * std / safe_z
+    boundary = torch.maximum(mean + z_threshold * (std + eps), g)  # at least g: an inlier is never touched
+    adaptive = torch.where(outlier, target, boundary)
+    clipped = torch.where(outlier, target, g)
+    ema_mean = alpha * mean + (1.0 - alpha) * clipped
+    ema_var = alpha * var + (1.0 - alpha) * (clipped - ema_mean) ** 2
+
+    warming = count < warmup_steps
+    threshold = torch.where(warming, torch.full_like(adaptive, float("inf")), adaptive)
+    new_mean = torch.where(ok, torch.where(warming, warm_mean, ema_mean), mean)
+    new_var = torch.where(ok, torch.where(warming, warm_var, ema_var), var)
+    return threshold, ZScoreState(new_mean, new_var, count + ok.to(count.dtype))
+
+
+# ---- unit-wise (AGC) ----------------------------------------------------------------------------------------------
+def unitwise_norms(tensors: Sequence[Tensor], exact: bool = False) -> list[Tensor]:
+    """The L2 norm of each unit (output row) of each tensor, broadcastable against it.
+
+    A unit is a slice along the first dimension (an output neuron or channel, as ``nn.Linear`` and ``nn.Conv*``
+    store their weights); a vector or scalar (bias, gain) is one unit. Accumulated in FP32, or in float64 with
+    ``exact=True`` (for values above about 1e19, whose FP32 squares overflow).
+
+    Example:
+        >>> unitwise_norms([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([7.0, 24.0])])
+        [tensor([[5.],
+                [1.]]), tensor(25.)]
+    """
+    dtype = torch.float64 if exact else torch.float32
+    norms = []
+    for t in tensors:
+        if t.dim() <= 1:
+            norms.append(torch.linalg.vector_norm(t, dtype=dtype))
+        else:
+            norms.append(torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())), keepdim=True, dtype=dtype))
+    return norms
+
+
+def agc_coefficients(
+    params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, exact: bool = False
+) -> list[Tensor]:
+    """AGC's per-unit coefficients: ``min(1, clipping * max(|W_i|, eps) / |G_i|)`` for each unit ``i``.
+
+    The floor ``eps`` on the weight norm lets zero-initialised weights move (without it their gradients would be
+    clipped to zero for ever). A unit whose gradient norm is inf/NaN keeps coefficient 1 (left for the detector),
+    and so does a unit whose weights are non-finite.
+
+    Args:
+        params: parameters with gradients.
+        clipping: the largest allowed ratio of gradient norm to weight norm, per unit (paper: 0.01 at batch 4096,
+            larger for smaller batches).
+        eps: floor on the weight norm (paper: 1e-3).
+        exact: compute the norms in float64 (gradients above about 1e19).
+
+    Returns:
+        One coefficient tensor per parameter, in the gradient's dtype, broadcastable against it.
+    """
+    weights = unitwise_norms([p.detach() for p in params], exact)
+    grads = unitwise_norms([p.grad for p in params], exact)  # type: ignore[misc]
+    coefs = []
+    for p, w, g in zip(params, weights, grads):
+        limit = clipping * w.clamp(min=eps)
+        clip = torch.isfinite(g) & (g > limit)
+        coef = torch.where(clip, limit / torch.where(clip, g, torch.ones_like(g)), torch.ones_like(g))
+        coefs.append(coef.clamp(min=FP32_TINY).to(p.grad.dtype))  # type: ignore[union-attr]
+    return coefs
+
+
+def agc_(params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, exact: bool = False) -> Tensor:
+    """Adaptive gradient clipping, unit-wise and in place (Brock et al., 2021); sync-free.
+
+    Parameters without a gradient are ignored. See :func:`agc_coefficients` for the arguments.
+
+    Returns:
+        The smallest coefficient applied (a 0-d float32 tensor; 1 when nothing was clipped).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))
+        >>> w.grad = torch.tensor([[70.0, 240.0]])
+        >>> agc_([w], clipping=0.2)
+        tensor(0.0040)
+        >>> w.grad
+        tensor([[0.2800, 0.9600]])
+    """
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return torch.ones(())
+    coefs = agc_coefficients(params, clipping, eps, exact)
+    torch._foreach_mul_([p.grad for p in params], coefs)  # type: ignore[misc]
+    return smallest_coefficient(coefs)
+
+
+def smallest_coefficient(coefs: Sequence[Tensor]) -> Tensor:
+    """The smallest of several coefficient tensors, as a float32 0-d tensor on the first one's device."""
+    if not coefs:
+        return torch.ones(())
+    device = coefs[0].device
+    return torch.stack([c.amin().to(device=device, dtype=torch.float32) for c in coefs]).amin()

@@ -1,0 +1,215 @@
+"""Running mean and standard deviation that no inf/NaN and no spike can poison, and the spike test built on them.
+
+Pure torch, no Lightning, sync-free: the statistics are device tensors, updated with ``torch.where`` rather than
+branches, so a training loop on a GPU never waits for them. A value enters the statistics only when it is finite
+and not itself a spike. Every adaptive clipper and spike detector we read (ZClip, AutoClip, llm-foundry's
+``KillLossSpike``) lets one NaN into its moving average or history, where it stays for ever and disables the
+detector; and a statistic that takes in the spikes it is meant to find raises its own threshold while the run
+diverges.
+
+The statistics are an exponential moving average with the span of a ``window`` (``alpha = 2 / (window + 1)``, the
+same centre of mass as a window of that many steps), bias-free from the first value: the first ``n < window``
+values get the plain cumulative mean and variance. Several series (the loss and the gradient norm, say) are tracked
+side by side as the channels of one 1-D tensor, with the same few kernels.
+
+A value ``x`` is a spike when the statistics hold at least ``warmup`` values and
+
+.. math::
+
+    x > \\mu + \\max(k\\,\\sigma,\\; (r - 1)\\,|\\mu|)
+
+with ``k`` the ``sigmas`` and ``r`` the ``ratio`` of the test: both the z-score (``k`` standard deviations, as
+OLMo-core) and the relative rise (``r`` times the mean, as llm-foundry's ``2x`` and Megatron-LM's ``10x``) must be
+exceeded. The z-score adapts to the noise of the series; the ratio keeps a near-constant series, whose standard
+deviation is almost zero, from calling every tiny wobble a spike.
+
+Example (a plain PyTorch loop)::
+
+    stats = RunningStats(channels=1, window=128, warmup=50, device=device)
+    for batch in loader:
+        loss = model(batch)
+        spike = stats.observe(loss.detach().reshape(1), sigmas=6.0, ratio=1.5)  # device bool, no sync
+        ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["RunningStats", "ema_alpha", "spike_flags", "spike_threshold", "update_running_stats"]
+
+
+def ema_alpha(window: int) -> float:
+    """The EMA weight with the span of ``window`` steps: ``2 / (window + 1)``.
+
+    Example:
+        >>> ema_alpha(127)
+        0.015625
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"'window' must be an int >= 1 (got {window!r})")
+    return 2.0 / (window + 1)
+
+
+def update_running_stats(
+    mean: Tensor, var: Tensor, count: Tensor, value: Tensor, alpha: float, include: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One masked update of the running ``(mean, var, count)``; channels where ``value`` is not finite, or where
+    ``include`` is ``False``, are left exactly as they were.
+
+    The weight of the new value is ``max(alpha, 1 / n)`` with ``n`` the updated count: the cumulative mean and
+    (population) variance while ``n < 1 / alpha``, an EMA after that (West's weighted incremental variance).
+
+    Args:
+        mean, var, count: the statistics, 1-D tensors of one dtype and device (float64 advised).
+        value: the new values, same shape (any float dtype; converted).
+        alpha: the EMA weight, in (0, 1] (:func:`ema_alpha`).
+        include: optional bool tensor of the same shape: which channels may take the value in.
+
+    Returns:
+        The new ``(mean, var, count)``.
+
+    Example:
+        >>> m, v, n = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64), torch.zeros(1)
+        >>> for x in (1.0, 3.0, float("nan")):
+        ...     m, v, n = update_running_stats(m, v, n, torch.tensor([x]), alpha=0.1)
+        >>> m.item(), v.item(), n.item()
+        (2.0, 1.0, 2.0)
+    """
+    value = value.to(device=mean.device, dtype=mean.dtype)
+    accept = torch.isfinite(value)
+    if include is not None:
+        accept = accept & include.to(device=mean.device, dtype=torch.bool)
+    new_count = count + accept.to(count.dtype)
+    weight = torch.clamp(new_count.to(mean.dtype), min=1.0).reciprocal().clamp(min=alpha)
+    weight = torch.where(accept, weight, torch.zeros_like(weight))
+    safe = torch.where(accept, value, mean)  # 0 * NaN is NaN: the rejected value must not reach any product
+    delta = safe - mean
+    step = weight * delta
+    new_mean = mean + step
+    new_var = (1.0 - weight) * (var + delta * step)
+    return new_mean, new_var, new_count
+
+
+def spike_threshold(mean: Tensor, var: Tensor, sigmas: Tensor | float, ratio: Tensor | float) -> Tensor:
+    """The value above which a new value is a spike: ``mean + max(sigmas * std, (ratio - 1) * |mean|)``.
+
+    Example:
+        >>> spike_threshold(torch.tensor([2.0]), torch.tensor([0.25]), sigmas=6.0, ratio=1.5)
+        tensor([5.])
+    """
+    std = torch.sqrt(torch.clamp(var, min=0.0))
+    sigmas_t = torch.as_tensor(sigmas, dtype=mean.dtype, device=mean.device)
+    ratio_t = torch.as_tensor(ratio, dtype=mean.dtype, device=mean.device)
+    margin = torch.maximum(sigmas_t * std, (ratio_t - 1.0) * mean.abs())
+    return mean + margin
+
+
+def spike_flags(
+    mean: Tensor,
+    var: Tensor,
+    count: Tensor,
+    value: Tensor,
+    sigmas: Tensor | float,
+    ratio: Tensor | float,
+    warmup: int,
+) -> Tensor:
+    """Which channels of ``value`` are spikes (bool tensor; never for a non-finite value or during warm-up).
+
+    Example:
+        >>> one = torch.ones(1, dtype=torch.float64)
+        >>> spike_flags(2 * one, 0.25 * one, 50 * one, torch.tensor([5.0, 5.1]), 6.0, 1.5, warmup=50)
+        tensor([False,  True])
+    """
+    value = value.to(device=mean.device, dtype=mean.dtype)
+    warm = count >= warmup
+    return torch.isfinite(value) & warm & (value > spike_threshold(mean, var, sigmas, ratio))
+
+
+class RunningStats:
+    """NaN-safe, spike-proof running mean and standard deviation of one or more series, on any device.
+
+    Args:
+        channels: how many series are tracked side by side (e.g. 2: the loss and the gradient norm).
+        window: the span of the moving average in steps (default 128, OLMo-core's window).
+        warmup: values taken in before a channel tests for spikes (default 50).
+        device, dtype: where the statistics live (default CPU, float64: a loss of 1e4 and its 1e-3 wobble both
+            stay exact).
+
+    Attributes:
+        mean, var, count: the statistics (1-D tensors of ``channels`` entries).
+
+    Example:
+        >>> stats = RunningStats(channels=1, window=128, warmup=3)
+        >>> for loss in (1.0, 1.1, 0.9, float("nan"), 50.0, 1.0):
+        ...     spike = stats.observe(torch.tensor([loss]), sigmas=6.0, ratio=1.5)
+        >>> spike, stats.count  # 50.0 was a spike and NaN was ignored: neither entered the statistics
+        (tensor([False]), tensor([4.], dtype=torch.float64))
+    """
+
+    def __init__(
+        self,
+        channels: int = 1,
+        window: int = 128,
+        warmup: int = 50,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
+        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
+            raise ValueError(f"'channels' must be an int >= 1 (got {channels!r})")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"'warmup' must be an int >= 1 (got {warmup!r})")
+        self.alpha = ema_alpha(window)
+        self.window = window
+        self.warmup = warmup
+        self.mean = torch.zeros(channels, dtype=dtype, device=device)
+        self.var = torch.zeros_like(self.mean)
+        self.count = torch.zeros_like(self.mean)
+
+    @property
+    def std(self) -> Tensor:
+        return torch.sqrt(torch.clamp(self.var, min=0.0))
+
+    def threshold(self, sigmas: Tensor | float, ratio: Tensor | float) -> Tensor:
+        """The current spike threshold of each channel (see :func:`spike_threshold`)."""
+        return spike_threshold(self.mean, self.var, sigmas, ratio)
+
+    def spikes(self, value: Tensor, sigmas: Tensor | float, ratio: Tensor | float) -> Tensor:
+        """Which channels of ``value`` are spikes against the current statistics (no update)."""
+        return spike_flags(self.mean, self.var, self.count, value, sigmas, ratio, self.warmup)
+
+    def update(self, value: Tensor, include: Tensor | None = None) -> None:
+        """Take ``value`` in where it is finite (and ``include`` allows)."""
+        self.mean, self.var, self.count = update_running_stats(
+            self.mean, self.var, self.count, value, self.alpha, include
+        )
+
+    def observe(self, value: Tensor, sigmas: Tensor | float, ratio: Tensor | float) -> Tensor:
+        """Test ``value`` for spikes, then take in the channels that are finite and not spikes. Returns the flags."""
+        flags = self.spikes(value, sigmas, ratio)
+        self.update(value, include=~flags)
+        return flags
+
+    def reset(self, channels: Tensor | None = None) -> None:
+        """Forget the statistics (of the channels where the bool mask ``channels`` is set; all by default): the
+        warm-up starts again from the next value."""
+        keep = torch.zeros_like(self.count, dtype=torch.bool) if channels is None else ~channels.to(self.count.device)
+        zero = torch.zeros_like(self.mean)
+        self.mean = torch.where(keep, self.mean, zero)
+        self.var = torch.where(keep, self.var, zero)
+        self.count = torch.where(keep, self.count, zero)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python lists (loadable with ``torch.load(weights_only=True)``). Reads the statistics to the host."""
+        return {"mean": self.mean.tolist(), "var": self.var.tolist(), "count": self.count.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in ("mean", "var", "count"):
+            current: Tensor = getattr(self, name)
+            loaded = torch.as_tensor(state[name], dtype=current.dtype).to(current.device)
+            if loaded.shape != current.shape:
+                raise ValueError(f"'{name}' must have {current.numel()} channels (got {loaded.numel()})")
+            setattr(self, name, loaded)

@@ -1,0 +1,413 @@
+"""AutoClip in Lightning: exact clipping from the shared norm, NaN-proof statistics, exact resume, logs, journal."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, fit, make_trainer, weights
+from ddp_utils import run_ddp
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import Logger
+from pytorch_lightning.plugins import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_overflow.callbacks.auto_clip import AutoClip
+from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
+from lightning_overflow.health import board_for
+from lightning_overflow.numerics.clipping import agc_coefficients
+from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # trainers without a logger journal into their default_root_dir, the cwd
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------------
+class Captured(Logger):
+    """Keeps every ``log_metrics`` call in memory (on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "captured"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append((int(step or 0), dict(metrics)))
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        return [(step, metrics[key]) for step, metrics in self.calls if key in metrics]
+
+    def values(self, key: str) -> list[float]:
+        return [value for _, value in self.series(key)]
+
+
+class NormSpy(pl.Callback):
+    """Records ``(optimizer index, float64 gradient norm)`` at its place in the callback list."""
+
+    def __init__(self) -> None:
+        self.norms: list[tuple[int, float]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        index = next(i for i, o in enumerate(trainer.optimizers) if o is optimizer)
+        self.norms.append((index, math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))))
+
+    def of(self, index: int = 0) -> list[float]:
+        return [n for i, n in self.norms if i == index]
+
+
+class DotModel(pl.LightningModule):
+    """One parameter ``w`` (two zeros) and the loss ``w . [7, 24]``: its gradient is exactly ``[7, 24]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return (self.w * torch.tensor([7.0, 24.0])).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.zeros(1, 1)), batch_size=1)
+
+
+def clipped_run(autoclip: AutoClip, model: pl.LightningModule | None = None, extra: list[Any] | None = None,
+                **kwargs: Any) -> tuple[pl.Trainer, Captured, NormSpy, NormSpy]:
+    logger, before, after = Captured(), NormSpy(), NormSpy()
+    callbacks = [before, autoclip, after, *(extra or [])]
+    kwargs.setdefault("max_steps", 16)
+    trainer = fit(model or TinyRegressor(), callbacks, logger=logger, log_every_n_steps=1, **kwargs)
+    return trainer, logger, before, after
+
+
+def assert_clipped_to(before: list[float], after: list[float], thresholds: list[float]) -> None:
+    assert len(before) == len(after) == len(thresholds)
+    for pre, post, threshold in zip(before, after, thresholds):
+        assert post == pytest.approx(min(pre, threshold), rel=1e-5)
+
+
+# ---- arguments -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"mode": "clip"}, ValueError, "'mode' must be one of 'fixed', 'percentile', 'zscore', 'agc' (got 'clip')"),
+        ({"mode": "fixed"}, ValueError, "'max_norm' must be set when mode='fixed' (got None)"),
+        ({"max_norm": 0}, ValueError, "'max_norm' must be in (0, inf] (got 0)"),
+        ({"percentile": 101}, ValueError, "'percentile' must be in [0, 100] (got 101)"),
+        ({"window": 0}, ValueError, "'window' must be >= 1 (got 0)"),
+        ({"alpha": 1.0}, ValueError, "'alpha' must be in (0, 1) (got 1)"),
+        ({"z_threshold": -1}, ValueError, "'z_threshold' must be in (0, inf] (got -1)"),
+        ({"warmup_steps": 1}, ValueError, "'warmup_steps' must be >= 2 (got 1)"),
+        ({"clipping": "big"}, TypeError, "'clipping' must be a number (got 'big')"),
+        ({"exclude": "head"}, TypeError, "'exclude' must be a sequence of parameter names (got 'head')"),
+        ({"exclude": ["head"]}, ValueError, "'exclude' applies to mode='agc' only (got mode='zscore')"),
+        ({"event_below": 2}, ValueError, "'event_below' must be in [0, 1] (got 2)"),
+    ],
+)
+def test_rejects_bad_arguments(kwargs: dict[str, Any], error: type, message: str) -> None:
+    with pytest.raises(error) as info:
+        AutoClip(**kwargs)
+    assert str(info.value) == message
+
+
+def test_gradient_clip_val_as_well_is_an_error_at_setup() -> None:
+    with pytest.raises(ValueError) as info:
+        fit(TinyRegressor(), [AutoClip(mode="zscore")], gradient_clip_val=0.5)
+    assert str(info.value) == (
+        "AutoClip(mode='zscore') and Trainer(gradient_clip_val=0.5) would both clip every step's gradients (double "
+        "clipping: AutoClip first, then Lightning's clip_grad_norm_, which zeroes finite gradients whose FP32 norm "
+        "overflows). Remove gradient_clip_val from the Trainer; for a constant threshold use "
+        "AutoClip(mode='fixed', max_norm=0.5), or pass max_norm=0.5 to cap an adaptive mode."
+    )
+
+
+def test_unknown_excluded_name_is_an_error_at_setup() -> None:
+    with pytest.raises(ValueError, match=r"^'exclude' must name parameters or modules of the model \(got \['head'\]"):
+        fit(TinyRegressor(), [AutoClip(mode="agc", exclude=["head"])])
+
+
+# ---- the clip --------------------------------------------------------------------------------------------------------
+def test_fixed_clip_by_hand() -> None:
+    model = DotModel()
+    _, logger, before, after = clipped_run(AutoClip(mode="fixed", max_norm=5.0), model, max_steps=1)
+    assert before.of() == [25.0]
+    torch.testing.assert_close(model.w.detach(), torch.tensor([-1.4, -4.8]))  # SGD, lr 1: w = -[7, 24] * 0.2
+    assert logger.series("clip/threshold") == [(0, 5.0)]
+    assert logger.series("clip/coef") == [(0, pytest.approx(0.2, abs=1e-15))]
+
+
+@pytest.mark.parametrize(
+    "autoclip",
+    [
+        AutoClip(mode="fixed", max_norm=1.0),
+        AutoClip(mode="percentile", percentile=25.0),
+        AutoClip(mode="zscore", warmup_steps=3),
+        AutoClip(mode="zscore", warmup_steps=3, max_norm=1.5),
+    ],
+    ids=["fixed", "percentile", "zscore", "zscore-capped"],
+)
+def test_gradients_are_clipped_to_the_logged_threshold(autoclip: AutoClip) -> None:
+    spike = FaultInjector(Fault(step=9, kind="loss_spike", factor=30.0))
+    _, logger, before, after = clipped_run(autoclip, extra=[spike])
+    thresholds = [math.inf] * (16 - len(logger.values("clip/threshold"))) + logger.values("clip/threshold")
+    assert_clipped_to(before.of(), after.of(), thresholds)
+    coefs = logger.values("clip/coef")
+    assert len(coefs) == 16 and coefs[9] < 0.2  # the spike was cut down
+    assert autoclip.clipped_steps == sum(c < 1 for c in coefs) and autoclip.steps == 16
+
+
+def test_finite_gradients_beyond_the_fp32_norm_are_clipped_not_zeroed() -> None:
+    spike = FaultInjector(Fault(step=3, kind="loss_spike", factor=1e25))  # gradients ~1e25: finite, squares are not
+    _, logger, before, after = clipped_run(AutoClip(mode="fixed", max_norm=1.0), extra=[spike], max_steps=5)
+    assert before.of()[3] > 1e24
+    assert after.of()[3] == pytest.approx(1.0, rel=1e-5)
+    assert logger.values("clip/coef")[3] == pytest.approx(1.0 / before.of()[3], rel=1e-5)
+
+
+def test_agc_clips_unit_wise_and_leaves_excluded_parameters_alone() -> None:
+    class GradCopy(pl.Callback):
+        def __init__(self) -> None:
+            self.grads: list[dict[str, torch.Tensor]] = []
+
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+            self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
+
+    first, last = GradCopy(), GradCopy()
+    model = TinyRegressor()
+    weights_at_start = weights(model)
+    logger = Captured()
+    autoclip = AutoClip(mode="agc", clipping=0.02, exclude=["net.2"])
+    fit(model, [first, autoclip, last], logger=logger, log_every_n_steps=1, max_steps=1)
+    pre, post = first.grads[0], last.grads[0]
+    for name in ("net.2.weight", "net.2.bias"):
+        assert torch.equal(pre[name], post[name])
+    params = []
+    for name in ("net.0.weight", "net.0.bias"):
+        p = nn.Parameter(weights_at_start[name].clone())
+        p.grad = pre[name].clone()
+        params.append(p)
+    coefs = agc_coefficients(params, clipping=0.02)
+    for name, p, c in zip(("net.0.weight", "net.0.bias"), params, coefs):
+        assert torch.equal(post[name], p.grad * c)
+    smallest = min(float(c.min()) for c in coefs)
+    assert smallest < 1.0
+    assert logger.values("clip/coef") == [pytest.approx(smallest, rel=1e-6)]
+    assert logger.values("clip/threshold") == [0.02]
+
+
+@pytest.mark.parametrize(
+    "autoclip",
+    [
+        AutoClip(mode="fixed", max_norm=1e6),
+        AutoClip(mode="percentile", percentile=100.0),
+        AutoClip(mode="zscore", warmup_steps=2, z_threshold=1e6),
+        AutoClip(mode="agc", clipping=1e6),
+    ],
+    ids=["fixed", "percentile", "zscore", "agc"],
+)
+def test_a_threshold_nothing_reaches_is_bit_identical_to_no_autoclip(autoclip: AutoClip) -> None:
+    def run(callbacks: list[Any]) -> dict[str, torch.Tensor]:
+        pl.seed_everything(3, verbose=False)
+        model = TinyRegressor(optimizer="sgd", dropout=0.1)
+        fit(model, callbacks, max_steps=12)
+        return weights(model)
+
+    assert_bit_identical(run([]), run([autoclip]))
+    assert autoclip.steps == 12 and autoclip.clipped_steps == 0
+
+
+# ---- NaN never enters the statistics --------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["zscore", "percentile"])
+@pytest.mark.parametrize("fault", ["nan_loss", "inf_grad"])
+def test_a_nan_step_leaves_the_statistics_finite_whatever_the_order(mode: str, fault: str) -> None:
+    results = []
+    for detector_first in (False, True):
+        autoclip = AutoClip(mode=mode, warmup_steps=3)  # type: ignore[arg-type]
+        detector = NonFiniteDetector()
+        ordered = [detector, autoclip] if detector_first else [autoclip, detector]
+        pl.seed_everything(0, verbose=False)
+        model = TinyRegressor()
+        logger = Captured()
+        fit(model, [*ordered, FaultInjector(Fault(step=5, kind=fault))], logger=logger, log_every_n_steps=1,
+            max_steps=12)
+        state = autoclip.state_dict()
+        stats = state["stats"][0]
+        values = stats["history"] if mode == "percentile" else [stats["mean"], stats["var"]]
+        assert all(math.isfinite(v) for v in values)
+        assert stats["count"] == 11 and state["steps"] == 11 and detector.skipped_steps == 1
+        assert 5 not in [step for step, _ in logger.series("clip/coef")]  # nothing logged for the skipped step
+        assert all(math.isfinite(t) for t in logger.values("clip/threshold"))
+        results.append((state, weights(model), logger.series("clip/coef") + logger.series("clip/threshold")))
+    (state_a, weights_a, calls_a), (state_b, weights_b, calls_b) = results
+    assert state_a == state_b and calls_a == calls_b
+    assert_bit_identical(weights_a, weights_b)
+
+
+def test_without_a_detector_a_nan_step_is_left_as_it_is_not_made_finite() -> None:
+    autoclip = AutoClip(mode="fixed", max_norm=1e-3)
+    _, logger, before, after = clipped_run(autoclip, extra=[FaultInjector(Fault(step=2, kind="nan_grad"))], max_steps=3)
+    assert math.isnan(before.of()[2]) and math.isnan(after.of()[2])  # not zeroed, not scaled into finite numbers
+    assert [step for step, _ in logger.series("clip/coef")] == [0, 1]
+    assert autoclip.steps == 2
+
+
+# ---- resume ----------------------------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+@pytest.mark.parametrize("mode", ["percentile", "zscore"])
+def test_resume_clips_exactly_as_the_uninterrupted_run(mode: str, tmp_path: Path) -> None:
+    def autoclip() -> AutoClip:
+        return AutoClip(mode=mode, warmup_steps=4, percentile=30.0, window=6)  # type: ignore[arg-type]
+
+    def spike() -> FaultInjector:
+        return FaultInjector(Fault(step=12, kind="loss_spike", factor=30.0))
+
+    def model(init_seed: int) -> TinyRegressor:
+        pl.seed_everything(init_seed, verbose=False)
+        return TinyRegressor()
+
+    straight_model, straight_logger = model(0), Captured()
+    straight = autoclip()
+    fit(straight_model, [straight, spike()], logger=straight_logger, log_every_n_steps=1, max_steps=16)
+
+    # A checkpoint written during the run, as a preempted job has (ModelCheckpoint saves after AutoClip's hook).
+    first_logger = Captured()
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="half", every_n_train_steps=8, save_top_k=-1)
+    first = make_trainer([autoclip(), spike(), saver], logger=first_logger, log_every_n_steps=1, max_steps=8,
+                         enable_checkpointing=True)
+    first.fit(model(0))
+    checkpoint = tmp_path / "half.ckpt"
+    saved = torch.load(checkpoint, weights_only=True)["callbacks"][straight.state_key]
+    assert saved["mode"] == mode and saved["steps"] == 8
+
+    resumed_model, resumed_logger = model(5), Captured()  # other initial weights: the checkpoint must bring all back
+    resumed = autoclip()
+    trainer = make_trainer([resumed, spike()], logger=resumed_logger, log_every_n_steps=1, max_steps=16)
+    trainer.fit(resumed_model, ckpt_path=checkpoint)
+
+    for key in ("clip/threshold", "clip/coef"):
+        assert first_logger.series(key) + resumed_logger.series(key) == straight_logger.series(key)
+    assert min(straight_logger.values("clip/coef")[8:]) < 0.5  # clipping happened after the resume
+    assert resumed.state_dict() == straight.state_dict()
+    assert_bit_identical(weights(resumed_model), weights(straight_model))
+
+
+# ---- logs and journal ------------------------------------------------------------------------------------------------
+def test_logged_keys_follow_log_every_n_steps_and_the_epoch_fraction_counts_clips() -> None:
+    logger = Captured()
+    autoclip = AutoClip(mode="fixed", max_norm=1.5)
+    fit(TinyRegressor(), [autoclip], logger=logger, log_every_n_steps=3, max_steps=16)
+    assert [step for step, _ in logger.series("clip/coef")] == [2, 5, 8, 11, 14]
+    assert logger.series("clip/threshold") == [(s, 1.5) for s in (2, 5, 8, 11, 14)]
+    fractions = logger.series("clip/fraction_epoch")
+    assert [step for step, _ in fractions] == [8, 16]
+    assert sum(f for _, f in fractions) * 8 == autoclip.clipped_steps
+    assert 0 < autoclip.clipped_steps < 16
+
+
+def test_large_clips_are_journaled_without_flooding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(AutoClip, "EVENT_GAP", 4)
+    trainer = fit(TinyRegressor(), [AutoClip(mode="fixed", max_norm=1e-4)], max_steps=10)
+    events = [e for e in board_for(trainer).journal.events if e.kind == "clip"]
+    assert [e.step for e in events] == [0, 4, 8]
+    assert [e.details["not_journaled"] for e in events] == [0, 3, 3]
+    assert events[1].source == "AutoClip" and events[1].details["coef"] < 1e-3
+    assert events[1].message.startswith("AutoClip(fixed): scaled the gradients of optimizer 0 by ")
+    assert "3 more such clip(s) since step 0 were not journaled" in events[1].message
+
+
+def test_small_clips_are_not_journaled() -> None:
+    trainer = fit(TinyRegressor(), [AutoClip(mode="fixed", max_norm=1.5)], max_steps=8)
+    assert not [e for e in board_for(trainer).journal.events if e.kind == "clip"]
+
+
+# ---- manual optimization, accumulation, 16-mixed ---------------------------------------------------------------------
+def test_manual_optimization_keeps_statistics_per_optimizer() -> None:
+    autoclip = AutoClip(mode="percentile", window=100)
+    _, logger, before, after = clipped_run(autoclip, TinyGAN(), max_steps=16)
+    stats = autoclip.state_dict()["stats"]
+    assert set(stats) == {0, 1}
+    for index in (0, 1):
+        assert stats[index]["history"] == pytest.approx(before.of(index), rel=1e-6)
+        thresholds = logger.values(f"clip/threshold_opt{index}")
+        assert_clipped_to(before.of(index), after.of(index), thresholds)
+        assert len(logger.values(f"clip/fraction_epoch_opt{index}")) == 2
+    assert before.of(0) != pytest.approx(before.of(1), rel=0.5)
+
+
+def test_accumulated_gradients_are_clipped_once_per_optimizer_step() -> None:
+    autoclip = AutoClip(mode="percentile", percentile=50.0)
+    _, logger, before, after = clipped_run(autoclip, accumulate_grad_batches=2, max_steps=6)
+    assert len(before.of()) == 6
+    assert autoclip.state_dict()["stats"][0]["history"] == pytest.approx(before.of(), rel=1e-6)
+    assert_clipped_to(before.of(), after.of(), logger.values("clip/threshold"))
+
+
+def test_16_mixed_leaves_scaler_overflow_steps_alone() -> None:
+    autoclip = AutoClip(mode="percentile", percentile=50.0)
+    model = TinyRegressor()
+    _, logger, before, after = clipped_run(autoclip, model, plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=24)
+    finite = [(i, n) for i, n in enumerate(before.of()) if math.isfinite(n)]
+    assert 0 < len(finite) < 24  # the scaler overflowed while calibrating, then settled
+    assert autoclip.state_dict()["stats"][0]["history"] == pytest.approx([n for _, n in finite], rel=1e-6)
+    assert_clipped_to([n for _, n in finite], [after.of()[i] for i, _ in finite], logger.values("clip/threshold"))
+    assert autoclip.steps == len(finite)
+    assert all(bool(torch.isfinite(w).all()) for w in weights(model).values())
+
+
+# ---- rollback protocol -----------------------------------------------------------------------------------------------
+def test_statistics_go_back_with_a_restored_snapshot() -> None:
+    autoclip = AutoClip(mode="zscore", warmup_steps=3)
+    trainer = fit(TinyRegressor(), [autoclip], max_steps=6)
+    extras = board_for(trainer).snapshot_extras(trainer)
+    saved = autoclip.state_dict()["stats"]
+    trainer = fit(TinyRegressor(seed=1), [autoclip], max_steps=6)
+    assert autoclip.state_dict()["stats"] != saved
+    board_for(trainer).after_restore(trainer, extras)
+    assert autoclip.state_dict()["stats"] == saved
+
+
+# ---- DDP -------------------------------------------------------------------------------------------------------------
+class DumpMetrics(pl.Callback):
+    def __init__(self, logger: Captured, directory: Path) -> None:
+        self.logger, self.directory = logger, directory
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        path = self.directory / f"metrics{trainer.global_rank}.json"
+        path.write_text(json.dumps(self.logger.calls))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["zscore", "percentile"])
+def test_ddp_ranks_agree_on_every_threshold(mode: str, tmp_path: Path) -> None:
+    logger = Captured()
+    autoclip = AutoClip(mode=mode, warmup_steps=3, percentile=30.0)  # type: ignore[arg-type]
+    spike = FaultInjector(Fault(step=5, kind="loss_spike", rank=1, factor=30.0))  # one rank's spike, all-reduced
+    reports = run_ddp(TinyRegressor(), [autoclip, spike, DumpMetrics(logger, tmp_path)], tmp_path, max_steps=8,
+                      logger=logger, log_every_n_steps=1)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]
+    metrics = [json.loads((tmp_path / f"metrics{r}.json").read_text()) for r in range(2)]
+    assert metrics[0] == metrics[1]
+    coefs = [m["clip/coef"] for _, m in metrics[0] if "clip/coef" in m]
+    assert len(coefs) == 8 and coefs[5] < 0.5

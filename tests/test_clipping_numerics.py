@@ -1,0 +1,402 @@
+"""Clipping numerics: hand-checkable values, float64 references, NaN never in the statistics, sync-free on meta."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_overflow.numerics import grad_norm_report
+from lightning_overflow.numerics.clipping import (
+    FP32_TINY,
+    PercentileState,
+    ZScoreState,
+    agc_,
+    agc_coefficients,
+    clip_coefficient,
+    clip_grad_norm_,
+    percentile_threshold,
+    scale_grads_,
+    unitwise_norms,
+    zscore_threshold,
+)
+
+NAN, INF = float("nan"), float("inf")
+
+
+def norm64(tensors: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(torch.sum(t.double() ** 2)) for t in tensors))
+
+
+# ---- fixed ----------------------------------------------------------------------------------------------------------
+def test_fixed_clip_by_hand() -> None:
+    grads = [torch.tensor([7.0, 24.0])]
+    total, coef = clip_grad_norm_(grads, max_norm=5.0)
+    assert total.item() == 25.0 and coef.item() == pytest.approx(0.2, abs=0)
+    torch.testing.assert_close(grads[0], torch.tensor([1.4, 4.8]))
+
+
+def test_fixed_clip_over_several_tensors() -> None:
+    grads = [torch.tensor([3.0, 4.0]), torch.tensor([[12.0]])]  # norm 13
+    total, coef = clip_grad_norm_(grads, max_norm=6.5)
+    assert total.item() == 13.0 and coef.item() == 0.5
+    assert torch.equal(grads[0], torch.tensor([1.5, 2.0])) and torch.equal(grads[1], torch.tensor([[6.0]]))
+
+
+def test_fixed_clip_below_the_threshold_leaves_the_gradients_bit_identical() -> None:
+    original = torch.randn(50, dtype=torch.float32)
+    grads = [original.clone()]
+    _, coef = clip_grad_norm_(grads, max_norm=1e6)
+    assert coef.item() == 1.0 and torch.equal(grads[0], original)
+
+
+def test_finite_gradients_whose_fp32_norm_overflows_are_scaled_to_max_norm_not_zeroed() -> None:
+    big = [torch.full((10,), 1e20), torch.tensor([3.0, -4.0])]
+    reference = [torch.nn.Parameter(torch.zeros_like(t)) for t in big]
+    for p, g in zip(reference, big):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(reference, 5.0)  # torch's own, for contrast
+    assert all(torch.count_nonzero(p.grad) == 0 for p in reference)  # it zeroes the whole step, silently
+
+    exact = grad_norm_report(big).total
+    assert exact == pytest.approx(norm64(big), rel=1e-12) and exact > 3e20
+    total, coef = clip_grad_norm_(big, 5.0, total=exact)
+    assert total.item() == exact
+    assert norm64(big) == pytest.approx(5.0, rel=1e-6)
+    torch.testing.assert_close(big[0], torch.full((10,), 5.0 / math.sqrt(10)))
+
+
+@pytest.mark.parametrize("bad", [NAN, INF])
+def test_non_finite_gradients_are_left_as_they_are(bad: float) -> None:
+    grads = [torch.tensor([7.0, 24.0, bad])]
+    total, coef = clip_grad_norm_(grads, max_norm=5.0)
+    assert not math.isfinite(total.item()) and coef.item() == 1.0
+    assert grads[0][:2].tolist() == [7.0, 24.0]  # not zeroed
+    assert (torch.isnan(grads[0][2]) if math.isnan(bad) else torch.isinf(grads[0][2]))  # NaN stays NaN, inf stays inf
+
+
+def test_coefficient_edge_cases() -> None:
+    assert clip_coefficient(0.0, 0.0).item() == 1.0  # no 0/0
+    assert clip_coefficient(10.0, INF).item() == 1.0
+    assert clip_coefficient(INF, 1.0).item() == 1.0 and clip_coefficient(NAN, 1.0).item() == 1.0
+    assert clip_coefficient(1e39, 1.0).item() == FP32_TINY  # would flush to zero in FP32: clamped instead
+    torch.set_flush_denormal(True)
+    try:
+        grads = [torch.full((4,), 3e38)]
+        scale_grads_(grads, clip_coefficient(1e40, 1.0))
+        assert bool((grads[0] > 0).all())
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_scale_grads_handles_devices_and_dtypes() -> None:
+    grads = [torch.tensor([2.0], dtype=torch.float16), torch.tensor([2.0], dtype=torch.bfloat16), torch.tensor([2.0])]
+    scale_grads_(grads, torch.tensor(0.5, dtype=torch.float64))
+    assert [g.item() for g in grads] == [1.0, 1.0, 1.0]
+    assert [g.dtype for g in grads] == [torch.float16, torch.bfloat16, torch.float32]
+
+
+def test_max_norm_must_be_positive() -> None:
+    with pytest.raises(ValueError, match=r"^'max_norm' must be in \(0, inf\] \(got 0.0\)$"):
+        clip_grad_norm_([torch.ones(2)], 0.0)
+
+
+finite_values = st.floats(min_value=-(2.0**100), max_value=2.0**100, allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(st.lists(finite_values, min_size=1, max_size=20), min_size=1, max_size=3),
+    max_norm=st.floats(min_value=1e-6, max_value=1e6),
+)
+def test_clipping_never_increases_the_norm(values: list[list[float]], max_norm: float) -> None:
+    grads = [torch.tensor(v, dtype=torch.float32) for v in values]
+    before = norm64(grads)
+    elementwise_before = [g.abs().clone() for g in grads]
+    _, coef = clip_grad_norm_(grads, max_norm, total=grad_norm_report(grads).total)
+    after = norm64(grads)
+    assert 0.0 <= coef.item() <= 1.0
+    assert after <= before
+    assert all(bool((g.abs() <= b).all()) for g, b in zip(grads, elementwise_before))
+    assert after <= max_norm * (1 + 1e-5) or after == before
+
+
+# ---- percentile (AutoClip) ------------------------------------------------------------------------------------------
+def run_percentile(norms: list[float], percentile: float, window: int) -> tuple[list[float], PercentileState]:
+    state = PercentileState.empty(window)
+    thresholds = []
+    for norm in norms:
+        threshold, state = percentile_threshold(state, torch.tensor(norm, dtype=torch.float64), percentile)
+        thresholds.append(threshold.item())
+    return thresholds, state
+
+
+def test_percentile_by_hand() -> None:
+    thresholds, state = run_percentile([1.0, 2.0, 3.0, 4.0], percentile=50.0, window=10)
+    assert thresholds == [1.0, 1.5, 2.0, 2.5]  # this step's norm is in the history (as in the paper)
+    thresholds, _ = run_percentile([1.0, 2.0, 3.0, 4.0], percentile=50.0, window=3)
+    assert thresholds[-1] == 3.0  # the window holds 2, 3, 4
+    assert int(state.count) == 4
+
+
+@pytest.mark.parametrize(("percentile", "window"), [(10.0, 1000), (10.0, 7), (90.0, 16), (0.0, 5), (100.0, 5)])
+def test_percentile_matches_numpy(percentile: float, window: int) -> None:
+    norms = (np.random.default_rng(0).lognormal(size=60) * 3).tolist()
+    thresholds, _ = run_percentile(norms, percentile, window)
+    expected = [np.percentile(norms[max(0, i + 1 - window) : i + 1], percentile) for i in range(len(norms))]
+    assert thresholds == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF, 1e39])
+def test_percentile_history_never_takes_a_non_finite_norm(bad: float) -> None:
+    norms = [1.0, 2.0, 3.0, bad, 4.0, 5.0]
+    thresholds, state = run_percentile(norms, 50.0, window=4)
+    clean, clean_state = run_percentile(norms[:3] + norms[4:], 50.0, window=4)
+    assert int(state.count) == 5 and not torch.isnan(state.history).any()
+    assert thresholds[3] == clean[2]  # the bad step sees the history without itself
+    assert thresholds[4:] == clean[3:]
+    assert torch.equal(state.history, clean_state.history)
+
+
+def test_percentile_threshold_is_infinite_before_any_norm() -> None:
+    threshold, state = percentile_threshold(PercentileState.empty(3), torch.tensor(NAN))
+    assert threshold.item() == INF and int(state.count) == 0
+
+
+def test_percentile_state_round_trips_and_resizes() -> None:
+    _, state = run_percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50.0, window=3)
+    saved = state.to_dict()
+    assert saved == {"window": 3, "history": [3.0, 4.0, 5.0], "count": 5}
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = PercentileState.from_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(loaded.history, state.history) and torch.equal(loaded.count, state.count)
+    # Same thresholds afterwards as the original state.
+    a, _ = percentile_threshold(state, torch.tensor(0.5), 50.0)
+    b, _ = percentile_threshold(loaded, torch.tensor(0.5), 50.0)
+    assert a.item() == b.item() == 4.0  # 0.5 replaced the oldest norm, 3: median of 0.5, 4, 5
+    smaller = PercentileState.from_dict(saved, window=2)
+    assert smaller.to_dict()["history"] == [4.0, 5.0]
+    larger = PercentileState.from_dict(saved, window=5)
+    assert larger.to_dict() == {"window": 5, "history": [3.0, 4.0, 5.0], "count": 3}
+
+
+def test_percentile_argument_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"^'percentile' must be in \[0, 100\] \(got 101\)$"):
+        percentile_threshold(PercentileState.empty(2), 1.0, 101)
+    with pytest.raises(ValueError, match=r"^'window' must be >= 1 \(got 0\)$"):
+        PercentileState.empty(0)
+
+
+# ---- z-score (ZClip) ------------------------------------------------------------------------------------------------
+def zclip_reference(
+    norms: list[float], alpha: float = 0.97, z_thresh: float = 2.5, warmup: int = 25, guard: bool = True
+) -> tuple[list[float], float, float]:
+    """ZClip written out in float64 Python from the paper: returns (coefficient per step, mean, var).
+
+    ``guard=False`` is the published algorithm as is, which lets a NaN norm into the EMA.
+    """
+    eps = 1e-6
+    buffer: list[float] = []
+    mean = var = math.nan
+    coefs = []
+    for g in norms:
+        if guard and not math.isfinite(g):
+            coefs.append(1.0)
+            continue
+        if len(buffer) < warmup:
+            buffer.append(g)
+            coefs.append(1.0)
+            if len(buffer) == warmup:
+                mean = sum(buffer) / warmup
+                var = sum((x - mean) ** 2 for x in buffer) / warmup
+            continue
+        std = math.sqrt(var)
+        z = (g - mean) / (std + eps)
+        clipped = g
+        if z > z_thresh:
+            clipped = mean + z_thresh**2 * std / z
+        coefs.append(min(1.0, clipped / g))
+        mean = alpha * mean + (1 - alpha) * clipped
+        var = alpha * var + (1 - alpha) * (clipped - mean) ** 2
+    return coefs, mean, var
+
+
+def run_zscore(norms: list[float], **kwargs: float) -> tuple[list[float], list[float], ZScoreState]:
+    state = ZScoreState.empty()
+    thresholds, coefs = [], []
+    for norm in norms:
+        total = torch.tensor(norm, dtype=torch.float64)
+        threshold, state = zscore_threshold(state, total, **kwargs)  # type: ignore[arg-type]
+        thresholds.append(threshold.item())
+        coefs.append(clip_coefficient(total, threshold).item())
+    return thresholds, coefs, state
+
+
+def spiky_norms(n: int = 120, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    norms = (1.0 + 0.1 * rng.standard_normal(n)).tolist()
+    for i in (30, 31, 70, 100):
+        norms[i] *= 20.0
+    return norms
+
+
+def test_zscore_by_hand() -> None:
+    thresholds, coefs, state = run_zscore([1.0, 2.0, 3.0, 10.0], warmup_steps=3)
+    assert thresholds[:3] == [INF, INF, INF]  # warm-up only builds the statistics
+    std = math.sqrt(2 / 3)
+    z = 8.0 / (std + 1e-6)
+    target = 2.0 + 6.25 * std / z
+    assert thresholds[3] == pytest.approx(target, rel=1e-14)
+    assert coefs[3] == pytest.approx(target / 10.0, rel=1e-14)
+    mean = 0.97 * 2.0 + 0.03 * target  # updated with the clipped norm, not with 10
+    assert state.mean.item() == pytest.approx(mean, rel=1e-14)
+    assert state.var.item() == pytest.approx(0.97 * (2 / 3) + 0.03 * (target - mean) ** 2, rel=1e-14)
+
+
+def test_zscore_matches_the_float64_reference() -> None:
+    norms = spiky_norms()
+    _, coefs, state = run_zscore(norms)
+    ref_coefs, ref_mean, ref_var = zclip_reference(norms)
+    assert coefs == pytest.approx(ref_coefs, rel=1e-12)
+    assert sum(c < 1 for c in coefs) >= 4  # the spikes were clipped
+    assert state.mean.item() == pytest.approx(ref_mean, rel=1e-12)
+    assert state.var.item() == pytest.approx(ref_var, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, 1e39])
+def test_zscore_statistics_stay_finite_after_a_nan(bad: float) -> None:
+    norms = spiky_norms()
+    norms[50] = bad
+    thresholds, coefs, state = run_zscore(norms)
+    assert math.isfinite(state.mean.item()) and math.isfinite(state.var.item())
+    assert int(state.count) == len(norms) - 1
+    assert all(math.isfinite(t) for t in thresholds[25:])
+    clean = norms[:50] + norms[51:]
+    _, clean_coefs, clean_state = run_zscore(clean)
+    assert coefs[51:] == clean_coefs[50:]  # as if the bad step never happened
+    assert state.mean.item() == clean_state.mean.item()
+    # The published algorithm, without the guard, ends with a NaN mean after a NaN norm, for good.
+    _, naive_mean, _ = zclip_reference(norms, guard=False)
+    assert math.isnan(naive_mean) == math.isnan(bad)
+
+
+def test_zscore_nan_during_warmup_does_not_count() -> None:
+    _, _, state = run_zscore([1.0, NAN, 2.0, 3.0], warmup_steps=3)
+    assert int(state.count) == 3 and state.mean.item() == 2.0
+
+
+def test_a_spike_does_not_inflate_the_variance() -> None:
+    norms = spiky_norms()[:40]
+    norms[30] = 1000.0
+    _, _, state = run_zscore(norms)
+    raw_var = state.var.item()
+    # Had the spike entered unclipped, the variance would be about 0.03 * 1000**2 = 3e4; the next spike of 20x
+    # would then pass unnoticed. With the clipped value it stays small and the next spike is caught.
+    assert raw_var < 1.0
+    threshold, _ = zscore_threshold(state, torch.tensor(20.0, dtype=torch.float64))
+    assert threshold.item() < 5.0
+
+
+def test_zscore_state_round_trips() -> None:
+    _, _, state = run_zscore(spiky_norms()[:30])
+    buffer = io.BytesIO()
+    torch.save(state.to_dict(), buffer)
+    buffer.seek(0)
+    loaded = ZScoreState.from_dict(torch.load(buffer, weights_only=True))
+    for name in ("mean", "var", "count"):
+        assert torch.equal(getattr(loaded, name), getattr(state, name))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    norms=st.lists(
+        st.one_of(st.floats(min_value=0.0, max_value=1e40), st.sampled_from([NAN, INF])), min_size=1, max_size=60
+    )
+)
+def test_adaptive_statistics_are_always_finite_and_coefficients_in_unit_interval(norms: list[float]) -> None:
+    _, z_coefs, z_state = run_zscore(norms, warmup_steps=3)
+    p_thresholds, _ = run_percentile(norms, 10.0, window=8)
+    p_coefs = [clip_coefficient(n, t).item() for n, t in zip(norms, p_thresholds)]
+    assert all(0.0 <= c <= 1.0 for c in z_coefs + p_coefs)
+    assert math.isfinite(z_state.mean.item()) and math.isfinite(z_state.var.item())
+    assert all(t >= 0 for t in p_thresholds)
+
+
+# ---- AGC ------------------------------------------------------------------------------------------------------------
+def param(weight: list, grad: list) -> torch.nn.Parameter:  # type: ignore[type-arg]
+    p = torch.nn.Parameter(torch.tensor(weight))
+    p.grad = torch.tensor(grad)
+    return p
+
+
+def test_agc_by_hand() -> None:
+    w = param([[3.0, 4.0], [0.0, 1.0]], [[70.0, 240.0], [0.001, 0.0]])  # row norms: W 5, 1; G 250, 0.001
+    smallest = agc_([w], clipping=0.2)
+    assert smallest.item() == pytest.approx(1.0 / 250.0)
+    torch.testing.assert_close(w.grad, torch.tensor([[0.28, 0.96], [0.001, 0.0]]))  # second row untouched
+
+
+def test_agc_weight_norm_floor_lets_zero_weights_move() -> None:
+    w = param([[0.0, 0.0]], [[3.0, 4.0]])
+    agc_([w], clipping=0.01, eps=1e-3)
+    assert norm64([w.grad]) == pytest.approx(0.01 * 1e-3, rel=1e-6)  # clipped to clipping * eps, not to 0
+
+
+def test_agc_units_match_a_float64_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    conv = torch.nn.Parameter(torch.randn(4, 3, 2, 2, generator=gen))
+    conv.grad = torch.randn(4, 3, 2, 2, generator=gen) * torch.tensor([0.001, 0.1, 10.0, 100.0]).view(4, 1, 1, 1)
+    bias = torch.nn.Parameter(torch.randn(4, generator=gen))
+    bias.grad = torch.randn(4, generator=gen)
+    expected = []
+    for p in (conv, bias):
+        w, g = p.detach().double(), p.grad.double()
+        dims = tuple(range(1, w.dim())) if w.dim() > 1 else None
+        wn = (w**2).sum(dim=dims, keepdim=True).sqrt() if dims else (w**2).sum().sqrt()
+        gn = (g**2).sum(dim=dims, keepdim=True).sqrt() if dims else (g**2).sum().sqrt()
+        limit = 0.05 * wn.clamp(min=1e-3)
+        expected.append(torch.where(gn > limit, g * limit / gn, g))
+    agc_([conv, bias], clipping=0.05)
+    torch.testing.assert_close(conv.grad.double(), expected[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(bias.grad.double(), expected[1], rtol=1e-5, atol=0)
+    assert unitwise_norms([conv])[0].shape == (4, 1, 1, 1)
+
+
+def test_agc_leaves_non_finite_units_alone_and_exact_mode_handles_overflow() -> None:
+    w = param([[1.0, 1.0], [1.0, 1.0]], [[NAN, 1.0], [100.0, 0.0]])
+    agc_([w], clipping=0.1)
+    assert torch.isnan(w.grad[0, 0]) and w.grad[0, 1].item() == 1.0  # a NaN unit keeps coefficient 1
+    assert w.grad[1, 0].item() == pytest.approx(0.1 * math.sqrt(2))
+    big = param([[1.0, 1.0]], [[1e20, 1e20]])
+    assert agc_coefficients([big])[0].item() == 1.0  # FP32 unit norm overflowed: left alone, not zeroed
+    agc_([big], clipping=0.1, exact=True)
+    assert norm64([big.grad]) == pytest.approx(0.1 * math.sqrt(2), rel=1e-6)
+
+
+# ---- sync-free -------------------------------------------------------------------------------------------------------
+def test_every_clipping_function_runs_on_meta_tensors() -> None:
+    """Any .item(), bool(tensor) or data-dependent branch raises on the meta device: this proves them sync-free."""
+    meta = torch.device("meta")
+    grads = [torch.empty(3, 4, device=meta), torch.empty(4, device=meta, dtype=torch.bfloat16)]
+    total = torch.empty((), dtype=torch.float64, device=meta)
+    clip_grad_norm_(grads, 1.0)
+    clip_grad_norm_(grads, 1.0, total=total)
+    scale_grads_(grads, clip_coefficient(total, torch.empty((), device=meta)))
+    p_state = PercentileState.empty(16, device=meta)
+    z_state = ZScoreState.empty(device=meta)
+    for _ in range(2):
+        threshold, p_state = percentile_threshold(p_state, total)
+        threshold, z_state = zscore_threshold(z_state, total)
+        scale_grads_(grads, clip_coefficient(total, threshold))
+    assert threshold.device.type == "meta" and p_state.history.device.type == "meta"
+    w = torch.nn.Parameter(torch.empty(3, 4, device=meta))
+    w.grad = torch.empty(3, 4, device=meta)
+    assert agc_([w]).device.type == "meta"
+    assert agc_([w], exact=True).device.type == "meta"

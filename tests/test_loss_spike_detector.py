@@ -1,0 +1,217 @@
+"""LossSpikeDetector: spikes found at the exact step, none on healthy noisy runs, statistics never poisoned."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, make_trainer, weights
+from pytorch_lightning.loggers import CSVLogger
+
+from lightning_overflow import NonFiniteDetector
+from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
+from lightning_overflow.events import read_journal
+from lightning_overflow.health import Signal, board_for
+from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
+
+
+class SignalLog(pl.Callback):
+    """Keeps every signal raised during the fit (put it after the detectors)."""
+
+    def __init__(self) -> None:
+        self.signals: list[Signal] = []
+        self.loss_means: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        record = board_for(trainer).current
+        if record is not None and record.step == trainer.global_step:
+            self.loss_means[record.step] = record.loss_mean
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        self.signals.extend(board_for(trainer).signals)
+
+
+def _journal(trainer: pl.Trainer, kind: str) -> list[dict[str, Any]]:
+    path = board_for(trainer).journal.path
+    assert path is not None
+    return [e for e in read_journal(path) if e["kind"] == kind] if path.exists() else []
+
+
+def _fit(tmp_path: Path, callbacks: list[Any], model: pl.LightningModule | None = None, **kwargs: Any) -> pl.Trainer:
+    trainer = make_trainer(callbacks, default_root_dir=str(tmp_path), **kwargs)
+    trainer.fit(model or TinyRegressor())
+    return trainer
+
+
+def test_500_healthy_noisy_steps_give_no_spike_at_the_default_thresholds(tmp_path: Path) -> None:
+    detector = LossSpikeDetector()
+    signals = SignalLog()
+    model = TinyRegressor(dropout=0.3, batch_size=4, n_samples=256)
+    trainer = _fit(tmp_path, [detector, signals], model, max_steps=500)
+    stats = detector._stats[0]
+    assert stats.count.tolist() == [500.0, 500.0]  # every step tested and taken in: nothing skipped or excluded
+    spread = (stats.std / stats.mean).tolist()
+    assert min(spread) > 0.3, "the run must be noisy for this test to mean anything"
+    assert detector.spikes == 0 and signals.signals == [] and _journal(trainer, "spike") == []
+
+
+def test_a_loss_spike_is_found_at_its_exact_step_and_journaled(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=10)
+    signals = SignalLog()
+    trainer = _fit(
+        tmp_path,
+        [detector, FaultInjector(Fault(step=30, kind="loss_spike", factor=1e3)), signals],
+        max_steps=40,
+    )
+    loss_spikes = [s for s in signals.signals if s.kind == "loss_spike"]
+    assert [(s.step, s.optimizer_index, s.source) for s in loss_spikes] == [(30, 0, "LossSpikeDetector")]
+    assert detector.loss_spikes == 1
+    (event,) = [e for e in _journal(trainer, "spike") if e["details"]["what"] == "loss"]
+    details = event["details"]
+    assert event["step"] == 30 and event["source"] == "LossSpikeDetector"
+    assert details["value"] == signals.loss_means[30]
+    assert details["value"] > 100 * details["reference"] and details["threshold"] < details["value"]
+    assert "the training loss was" in event["message"] and "at step 30 (epoch 3), a spike" in event["message"]
+    # the spike did not enter the statistics: 40 steps, 39 taken in
+    assert detector._stats[0].count.tolist()[0] == 39.0
+
+
+def test_a_gradient_norm_spike_is_its_own_signal(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=10)
+    signals = SignalLog()
+    _fit(tmp_path, [detector, FaultInjector(Fault(step=30, kind="loss_spike", factor=1e3)), signals], max_steps=32)
+    assert ("grad_spike", 30) in [(s.kind, s.step) for s in signals.signals]
+    assert detector.grad_spikes >= 1 and detector.spikes == detector.loss_spikes + detector.grad_spikes
+
+
+def test_check_grad_norm_false_tests_only_the_loss(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=10, check_grad_norm=False)
+    signals = SignalLog()
+    _fit(tmp_path, [detector, FaultInjector(Fault(step=30, kind="loss_spike")), signals], max_steps=32)
+    assert [s.kind for s in signals.signals] == ["loss_spike"]
+    assert detector._stats[0].count.tolist()[1] == 0.0
+
+
+def test_no_spike_during_warmup(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=10)
+    signals = SignalLog()
+    _fit(tmp_path, [detector, FaultInjector(Fault(step=5, kind="loss_spike", factor=1e3)), signals], max_steps=12)
+    assert detector.spikes == 0 and signals.signals == []
+
+
+def test_a_nonfinite_loss_never_enters_the_statistics(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=5)
+    signals = SignalLog()
+    faults = FaultInjector(Fault(step=12, kind="nan_loss"), Fault(step=13, kind="inf_loss"))
+    _fit(tmp_path, [NonFiniteDetector(), detector, faults, signals], max_steps=20)
+    assert math.isnan(signals.loss_means[12]) and math.isnan(signals.loss_means[13])  # not 0: no finite loss
+    assert detector._stats[0].count.tolist() == [18.0, 18.0]
+    assert all(math.isfinite(v) for v in detector._stats[0].mean.tolist() + detector._stats[0].var.tolist())
+    assert detector.spikes == 0 and {s.kind for s in signals.signals} == {"nonfinite"}
+
+
+def test_only_a_rising_spike_signals_again_and_every_spike_is_counted(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=10, check_grad_norm=False)
+    signals = SignalLog()
+    faults = FaultInjector(
+        Fault(step=30, kind="loss_spike", factor=1e3),
+        Fault(step=31, kind="loss_spike", factor=1e2),  # still a spike, but falling back: recovering
+        Fault(step=32, kind="loss_spike", factor=1e5),  # rising again: diverging
+    )
+    trainer = _fit(tmp_path, [detector, faults, signals], max_steps=36)
+    assert [s.step for s in signals.signals] == [30, 32]
+    spikes = _journal(trainer, "spike")
+    assert [(e["step"], e["details"]["rising"]) for e in spikes] == [(30, True), (31, False), (32, True)]
+    assert detector.spikes == 3
+
+
+def test_a_lasting_level_shift_rebaselines_the_statistics(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=10, rebaseline_after=4, check_grad_norm=False)
+    shift = FaultInjector(*(Fault(step=s, kind="loss_spike", factor=100.0) for s in range(30, 50)))
+    trainer = _fit(tmp_path, [detector, shift], TinyRegressor(batch_size=64), max_steps=50)  # full batch: smooth
+    assert [e["step"] for e in _journal(trainer, "spike")] == [30, 31, 32, 33]
+    (event,) = _journal(trainer, "rebaseline")
+    assert event["step"] == 33 and event["details"]["what"] == "loss"
+    assert "stayed above its threshold for 4 consecutive steps" in event["message"]
+    assert detector._stats[0].count.tolist()[0] == 16.0  # steps 34..49, at the new level
+
+
+def test_each_optimizer_has_its_own_statistics(tmp_path: Path) -> None:
+    """TinyGAN steps the discriminator at even global steps and the generator at odd ones."""
+    detector = LossSpikeDetector(warmup=10, check_grad_norm=False)
+    signals = SignalLog()
+    _fit(tmp_path, [detector, FaultInjector(Fault(step=41, kind="loss_spike")), signals], TinyGAN(), max_steps=50)
+    assert [(s.kind, s.step, s.optimizer_index) for s in signals.signals] == [("loss_spike", 41, 1)]
+    assert "the training loss of optimizer 1 was" in signals.signals[0].reason
+    assert sorted(detector._stats) == [0, 1]
+
+
+def test_spikes_are_logged_as_a_counter(tmp_path: Path) -> None:
+    logger = CSVLogger(str(tmp_path))
+    detector = LossSpikeDetector(warmup=10)
+    faults = FaultInjector(Fault(step=30, kind="loss_spike", factor=1e3))
+    make_trainer([detector, faults], logger=logger, log_every_n_steps=1, max_steps=32).fit(TinyRegressor())
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("overflow/spikes")]
+    by_step = {int(r["step"]): float(r["overflow/spikes"]) for r in rows}
+    assert by_step[29] == 0.0 and by_step[30] == detector.spikes and by_step[31] == detector.spikes
+
+
+def test_a_healthy_run_is_bit_identical_with_and_without_the_detector(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    plain = TinyRegressor()
+    make_trainer(max_steps=30, default_root_dir=str(tmp_path)).fit(plain)
+    pl.seed_everything(0)
+    watched = TinyRegressor()
+    _fit(tmp_path, [LossSpikeDetector(warmup=5)], watched, max_steps=30)
+    assert_bit_identical(weights(plain), weights(watched))
+
+
+def test_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=10)
+    _fit(tmp_path, [detector, FaultInjector(Fault(step=12, kind="loss_spike"))], max_steps=16)
+    buffer = io.BytesIO()
+    torch.save(detector.state_dict(), buffer)
+    buffer.seek(0)
+    restored = LossSpikeDetector(warmup=10)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert restored.state_dict() == detector.state_dict()
+    assert restored.spikes == detector.spikes >= 1
+    assert torch.equal(restored._stats[0].mean, detector._stats[0].mean)
+
+
+def test_a_new_fit_starts_from_fresh_statistics(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=10)
+    _fit(tmp_path, [detector, FaultInjector(Fault(step=12, kind="loss_spike"))], max_steps=16)
+    assert detector.spikes >= 1
+    _fit(tmp_path, [detector], max_steps=8)
+    assert detector.spikes == 0 and detector._stats[0].count.tolist() == [8.0, 8.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"window": 1}, ValueError, "'window' must be >= 2 (got 1)"),
+        ({"warmup": 0}, ValueError, "'warmup' must be >= 1 (got 0)"),
+        ({"sigmas": 0}, ValueError, "'sigmas' must be in (0, inf] (got 0)"),
+        ({"loss_ratio": 0.5}, ValueError, "'loss_ratio' must be in [1, inf] (got 0.5)"),
+        ({"grad_ratio": "2"}, TypeError, "'grad_ratio' must be a number (got '2')"),
+        ({"check_grad_norm": 1}, TypeError, "'check_grad_norm' must be a bool (got 1)"),
+        ({"rebaseline_after": 0}, ValueError, "'rebaseline_after' must be >= 1 (got 0)"),
+    ],
+)
+def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as info:
+        LossSpikeDetector(**kwargs)
+    assert str(info.value) == message
+
+
+def test_state_key_names_the_identifying_arguments() -> None:
+    assert LossSpikeDetector().state_key == "LossSpikeDetector{'window': 128, 'sigmas': 6.0}"
+    assert LossSpikeDetector(sigmas=4.0).state_key != LossSpikeDetector().state_key

@@ -1,0 +1,484 @@
+"""LRBackoff: the backoff sticks under every scheduler, counts a burst once, stops at its floor, grows back,
+survives resume and rollback, and happens at the same step on every rank."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, make_trainer, weights
+from ddp_utils import run_ddp
+from pytorch_lightning.callbacks import LearningRateMonitor
+from pytorch_lightning.loggers import CSVLogger
+from torch.optim import lr_scheduler as sched
+
+from lightning_overflow import DivergenceError, NonFiniteDetector
+from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
+from lightning_overflow.callbacks.lr_backoff import DEFAULT_TRIGGERS, LRBackoff
+from lightning_overflow.events import read_journal
+from lightning_overflow.health import board_for
+from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
+
+STEPS = 40
+SPIKE_AT = 20
+
+
+class LRRecorder(pl.Callback):
+    """The learning rate of every optimizer at the start of each batch (the rate that batch trains with)."""
+
+    def __init__(self) -> None:
+        self.lrs: list[list[float]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        self.lrs.append([float(o.param_groups[0]["lr"]) for o in trainer.optimizers])
+
+
+class FlatMetricRegressor(TinyRegressor):
+    """Logs a constant for ReduceLROnPlateau to monitor: its reductions then fall on fixed steps in every run."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("flat", 1.0)
+        return super().training_step(batch, batch_idx)
+
+
+def _plateau(o: torch.optim.Optimizer) -> dict[str, Any]:
+    scheduler = sched.ReduceLROnPlateau(o, factor=0.5, patience=7, min_lr=1e-3)  # reduces at 8, 16, 24, 32
+    return {"scheduler": scheduler, "interval": "step", "monitor": "flat"}
+
+
+def _restarts(o: torch.optim.Optimizer) -> Any:
+    return sched.CosineAnnealingWarmRestarts(o, T_0=7, T_mult=2, eta_min=1e-4)
+
+
+SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any] | None] = {
+    "none": None,
+    "LambdaLR": lambda o: sched.LambdaLR(o, lambda s: 1.0 / (1.0 + 0.05 * s)),
+    "StepLR": lambda o: sched.StepLR(o, step_size=7, gamma=0.7),
+    "MultiStepLR": lambda o: sched.MultiStepLR(o, milestones=[10, 25, 35], gamma=0.5),
+    "ExponentialLR": lambda o: sched.ExponentialLR(o, gamma=0.98),
+    "LinearLR": lambda o: sched.LinearLR(o, start_factor=0.1, total_iters=30),
+    "CosineAnnealingLR": lambda o: sched.CosineAnnealingLR(o, T_max=25, eta_min=1e-4),  # runs past T_max
+    "CosineAnnealingWarmRestarts": _restarts,
+    "OneCycleLR": lambda o: sched.OneCycleLR(o, max_lr=0.02, total_steps=STEPS + 1),
+    "CyclicLR": lambda o: sched.CyclicLR(o, 1e-3, 0.02, step_size_up=6, mode="triangular2", cycle_momentum=False),
+    "SequentialLR": lambda o: sched.SequentialLR(
+        o, [sched.LinearLR(o, 0.1, total_iters=10), sched.CosineAnnealingLR(o, T_max=20)], milestones=[30]
+    ),
+    "ChainedScheduler": lambda o: sched.ChainedScheduler([sched.ExponentialLR(o, 0.99), _restarts(o)], optimizer=o),
+    "ReduceLROnPlateau": _plateau,
+}
+
+
+def _spike_run(tmp_path: Path, name: str, backoff: LRBackoff | None) -> LRRecorder:
+    recorder = LRRecorder()
+    callbacks: list[Any] = [
+        LossSpikeDetector(warmup=10),
+        FaultInjector(Fault(step=SPIKE_AT, kind="loss_spike", factor=1e3)),
+        recorder,
+    ]
+    if backoff is not None:
+        callbacks.insert(0, backoff)
+    model = FlatMetricRegressor(scheduler=SCHEDULERS[name])
+    make_trainer(callbacks, max_steps=STEPS, default_root_dir=str(tmp_path)).fit(model)
+    return recorder
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_after_a_backoff_every_later_lr_is_factor_times_the_unprotected_runs(tmp_path: Path, name: str) -> None:
+    backoff = LRBackoff(factor=0.5, cooldown=STEPS, regrow_after=None)
+    reference = _spike_run(tmp_path, name, None).lrs
+    backed_off = _spike_run(tmp_path, name, backoff).lrs
+    assert [(h["step"], h["action"]) for h in backoff.history] == [(SPIKE_AT, "backoff")]
+    assert backed_off[: SPIKE_AT + 1] == reference[: SPIKE_AT + 1]
+    for step in range(SPIKE_AT + 1, STEPS):
+        assert backed_off[step][0] == pytest.approx(0.5 * reference[step][0], rel=1e-6, abs=0.0), f"step {step}"
+    if name != "none":  # the schedule moves after the backoff: the scale had to survive it
+        assert len({lr[0] for lr in reference[SPIKE_AT + 1 :]}) > 1
+
+
+def test_an_isolated_nonfinite_step_does_not_back_off(tmp_path: Path) -> None:
+    def run(backoff: LRBackoff | None) -> LRRecorder:
+        recorder = LRRecorder()
+        callbacks = [NonFiniteDetector(), FaultInjector(Fault(step=20, kind="nan_loss")), recorder]
+        model = TinyRegressor(scheduler=SCHEDULERS["LambdaLR"])
+        make_trainer(callbacks + ([backoff] if backoff else []), max_steps=40, default_root_dir=str(tmp_path)).fit(
+            model
+        )
+        return recorder
+
+    backoff = LRBackoff()
+    assert run(backoff).lrs == run(None).lrs
+    assert backoff.scales == [1.0] and backoff.history == []
+
+
+def test_a_burst_of_nonfinite_steps_backs_off_once(tmp_path: Path) -> None:
+    burst = [Fault(step=s, kind="nan_loss") for s in (20, 21, 22, 23, 24)]
+
+    def run(backoff: LRBackoff | None) -> LRRecorder:
+        recorder = LRRecorder()
+        callbacks = [NonFiniteDetector(), FaultInjector(*burst), recorder] + ([backoff] if backoff else [])
+        model = TinyRegressor(scheduler=SCHEDULERS["ExponentialLR"])
+        make_trainer(callbacks, max_steps=40, default_root_dir=str(tmp_path)).fit(model)
+        return recorder
+
+    backoff = LRBackoff()
+    reference, backed_off = run(None).lrs, run(backoff).lrs
+    # bursts are signalled at steps 22, 23 and 24 (3 within 50 steps): one burst, one backoff
+    assert [(h["step"], h["action"], h["kinds"]) for h in backoff.history] == [(22, "backoff", "nonfinite_burst")]
+    assert backed_off[:23] == reference[:23]
+    assert all(b[0] == pytest.approx(0.5 * r[0], rel=1e-6) for b, r in zip(backed_off[23:], reference[23:]))
+
+
+@pytest.mark.parametrize(("second", "expected"), [(25, [0.5]), (31, [0.5, 0.25])])
+def test_cooldown_counts_one_burst_once(tmp_path: Path, second: int, expected: list[float]) -> None:
+    backoff = LRBackoff(cooldown=10, regrow_after=None)
+    faults = FaultInjector(Fault(SPIKE_AT, "loss_spike"), Fault(second, "loss_spike"))
+    make_trainer(
+        [backoff, LossSpikeDetector(warmup=10, check_grad_norm=False), faults],
+        max_steps=35,
+        default_root_dir=str(tmp_path),
+    ).fit(TinyRegressor())
+    assert [h["scale"] for h in backoff.history] == expected
+    assert backoff.scales == [expected[-1]]
+
+
+def test_reaching_min_scale_with_divergence_continuing_raises_with_the_history(tmp_path: Path) -> None:
+    backoff = LRBackoff(min_scale=0.25, cooldown=0)
+    faults = FaultInjector(*(Fault(s, "loss_spike") for s in (20, 22, 24)))
+    trainer = make_trainer(
+        [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, faults],
+        max_steps=30,
+        default_root_dir=str(tmp_path),
+    )
+    with pytest.raises(DivergenceError) as info:
+        trainer.fit(TinyRegressor())
+    error = info.value
+    assert error.step == 24
+    assert [(h["step"], h["action"], h["kinds"], h["scale"]) for h in error.history] == [
+        (20, "backoff", "loss_spike", 0.5),
+        (22, "backoff", "loss_spike", 0.25),
+        (24, "abort", "loss_spike", 0.25),
+    ]
+    message = str(error)
+    assert message.startswith("LRBackoff: loss_spike at step 24 while the learning rate of optimizer 0 was already")
+    assert "at its floor (0.25 x its schedule; min_scale=0.25)" in message
+    assert "Backoffs so far: step 20 (loss_spike) -> 0.5; step 22 (loss_spike) -> 0.25." in message
+    assert "HINT: lower the configured learning rate" in message
+    assert "LossSpikeDetector: the training loss was" in message  # the cause, as the detector said it
+    journal = [e["kind"] for e in read_journal(tmp_path / "overflow_events.jsonl")]
+    assert journal.count("backoff") == 2 and journal.count("abort") == 1
+
+
+def test_min_lr_is_a_floor_on_the_base_learning_rate(tmp_path: Path) -> None:
+    backoff = LRBackoff(min_lr=4e-3, cooldown=0)  # lr 0.01: the floor is a scale of 0.4
+    faults = FaultInjector(*(Fault(s, "loss_spike") for s in (20, 22, 24)))
+    trainer = make_trainer(
+        [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, faults],
+        max_steps=30,
+        default_root_dir=str(tmp_path),
+    )
+    with pytest.raises(DivergenceError, match="min_lr=0.004"):
+        trainer.fit(TinyRegressor(scheduler=SCHEDULERS["LambdaLR"]))
+    assert [h["scale"] for h in backoff.history] == [0.5, pytest.approx(0.4), pytest.approx(0.4)]
+    assert trainer.optimizers[0].param_groups[0]["initial_lr"] == pytest.approx(4e-3)
+
+
+def test_regrowth_returns_exactly_to_the_configured_schedule(tmp_path: Path) -> None:
+    def run(backoff: LRBackoff | None) -> LRRecorder:
+        recorder = LRRecorder()
+        callbacks: list[Any] = [
+            LossSpikeDetector(warmup=10, check_grad_norm=False),
+            FaultInjector(Fault(SPIKE_AT, "loss_spike")),
+            recorder,
+        ]
+        model = TinyRegressor(scheduler=SCHEDULERS["CyclicLR"])
+        make_trainer(callbacks + ([backoff] if backoff else []), max_steps=45, default_root_dir=str(tmp_path)).fit(
+            model
+        )
+        return recorder
+
+    backoff = LRBackoff(regrow_after=10)
+    reference, backed_off = run(None).lrs, run(backoff).lrs
+    assert [(h["step"], h["action"], h["scale"]) for h in backoff.history] == [
+        (20, "backoff", 0.5),
+        (31, "regrowth", 1.0),
+    ]
+    for step in range(21, 31):
+        assert backed_off[step][0] == pytest.approx(0.5 * reference[step][0], rel=1e-6)
+    assert backed_off[31:] == reference[31:]  # 0.5 then 2.0: exactly the configured schedule again, never above
+    assert backoff.scales == [1.0]
+
+
+@pytest.mark.parametrize(("second", "window"), [(33, 20), (43, 10)])
+def test_the_growth_window_lengthens_after_a_backoff_soon_after_a_regrowth(
+    tmp_path: Path, second: int, window: int
+) -> None:
+    backoff = LRBackoff(regrow_after=10, window_growth=2.0)
+    faults = FaultInjector(Fault(SPIKE_AT, "loss_spike"), Fault(second, "loss_spike"))
+    make_trainer(
+        [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, faults],
+        max_steps=56,
+        default_root_dir=str(tmp_path),
+    ).fit(TinyRegressor())
+    regrown = second + 1 + window
+    assert [(h["step"], h["action"]) for h in backoff.history] == [
+        (20, "backoff"),
+        (31, "regrowth"),
+        (second, "backoff"),
+        (regrown, "regrowth"),
+    ]
+    assert backoff.state_dict()["windows"] == [window]
+    events = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "regrowth"]
+    assert [e["step"] for e in events] == [31, regrown]
+    assert f"{window} stable steps up to step {regrown}" in events[1]["message"]
+
+
+@pytest.mark.parametrize(("per_optimizer", "scales"), [(True, [1.0, 0.5]), (False, [0.5, 0.5])])
+def test_gan_optimizers_back_off_on_their_own_or_together(
+    tmp_path: Path, per_optimizer: bool, scales: list[float]
+) -> None:
+    """TinyGAN steps the discriminator (optimizer 0) at even global steps and the generator at odd ones."""
+    backoff = LRBackoff(per_optimizer=per_optimizer, regrow_after=None)
+    recorder = LRRecorder()
+    faults = FaultInjector(Fault(step=41, kind="loss_spike"))
+    callbacks = [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, faults, recorder]
+    make_trainer(callbacks, max_steps=50, default_root_dir=str(tmp_path)).fit(TinyGAN(lr_g=2e-3, lr_d=1e-3))
+    assert backoff.scales == scales
+    assert recorder.lrs[-1] == [1e-3 * scales[0], 2e-3 * scales[1]]
+    assert backoff._counters() == {"overflow/lr_scale_opt0": scales[0], "overflow/lr_scale_opt1": scales[1]}
+    assert {h["step"] for h in backoff.history} == {41}
+
+
+def test_lr_monitor_and_the_lr_scale_key_show_the_backoff(tmp_path: Path) -> None:
+    logger = CSVLogger(str(tmp_path))
+    callbacks = [
+        LRBackoff(regrow_after=None),
+        LossSpikeDetector(warmup=10),
+        FaultInjector(Fault(SPIKE_AT, "loss_spike")),
+        LearningRateMonitor(logging_interval="step"),
+    ]
+    make_trainer(callbacks, logger=logger, log_every_n_steps=1, max_steps=25).fit(TinyRegressor())
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    lr = {int(r["step"]): float(r["lr-Adam"]) for r in rows if r.get("lr-Adam")}
+    scale = {int(r["step"]): float(r["overflow/lr_scale"]) for r in rows if r.get("overflow/lr_scale")}
+    assert lr[SPIKE_AT] == 0.01 and lr[SPIKE_AT + 1] == 0.005 and lr[24] == 0.005
+    assert scale[SPIKE_AT - 1] == 1.0 and scale[SPIKE_AT] == 0.5 and scale[24] == 0.5
+    (event,) = [e for e in read_journal(Path(logger.log_dir) / "overflow_events.jsonl") if e["kind"] == "backoff"]
+    assert event["step"] == SPIKE_AT and event["details"]["scale"] == 0.5 and event["details"]["lrs"] == [0.005]
+    assert event["message"].startswith("LRBackoff: loss_spike, grad_spike at step 20: the learning rate of optimizer 0")
+
+
+def test_a_resumed_run_continues_with_the_same_scale_and_nothing_applied_twice(tmp_path: Path) -> None:
+    def callbacks(recorder: LRRecorder, backoff: LRBackoff) -> list[Any]:
+        faults = FaultInjector(Fault(SPIKE_AT, "loss_spike"))
+        return [LossSpikeDetector(warmup=10), backoff, faults, recorder]
+
+    def model() -> TinyRegressor:
+        return TinyRegressor(scheduler=SCHEDULERS["LambdaLR"])
+
+    whole = LRRecorder()
+    make_trainer(callbacks(whole, LRBackoff()), max_steps=48, default_root_dir=str(tmp_path / "a")).fit(model())
+
+    first = LRBackoff()
+    trainer = make_trainer(callbacks(LRRecorder(), first), max_steps=32, default_root_dir=str(tmp_path / "b"))
+    trainer.fit(model())
+    ckpt = tmp_path / "b" / "stop.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["callbacks"][first.state_key]["scales"] == [0.5]
+
+    resumed, tail = LRBackoff(), LRRecorder()
+    make_trainer(callbacks(tail, resumed), max_steps=48, default_root_dir=str(tmp_path / "b")).fit(
+        model(), ckpt_path=str(ckpt)
+    )
+    assert resumed.scales == [0.5] and resumed.history == first.history
+    assert tail.lrs == whole.lrs[32:]
+
+
+class FakeRollback(pl.Callback):
+    """Does what Rollback does to the optimizer and scheduler: snapshot them (with the suite's extras) after batch
+    ``snapshot_at``, restore them on a loss spike, then tell the suite."""
+
+    def __init__(self, snapshot_at: int) -> None:
+        self.snapshot_at = snapshot_at
+        self.snapshot: tuple[Any, Any, Any] | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        board = board_for(trainer)
+        board.settle(trainer)
+        optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
+        if trainer.global_step == self.snapshot_at + 1:
+            self.snapshot = copy.deepcopy(
+                (optimizer.state_dict(), scheduler.state_dict(), board.snapshot_extras(trainer))
+            )
+        if self.snapshot is not None and any(s.kind == "loss_spike" for s in board.signals):
+            state, scheduler_state, extras = copy.deepcopy(self.snapshot)
+            optimizer.load_state_dict(state)
+            scheduler.load_state_dict(scheduler_state)
+            board.after_restore(trainer, extras)
+
+
+@pytest.mark.parametrize("backoff_first", [True, False])
+def test_a_rollback_never_undoes_a_backoff_in_either_order(tmp_path: Path, backoff_first: bool) -> None:
+    def run(callbacks: list[Any]) -> LRRecorder:
+        recorder = LRRecorder()
+        spike = [LossSpikeDetector(warmup=10, check_grad_norm=False), FaultInjector(Fault(SPIKE_AT, "loss_spike"))]
+        model = TinyRegressor(scheduler=SCHEDULERS["LambdaLR"])
+        make_trainer([*spike, *callbacks, recorder], max_steps=30, default_root_dir=str(tmp_path)).fit(model)
+        return recorder
+
+    reference = run([]).lrs
+    backoff, rollback = LRBackoff(regrow_after=None), FakeRollback(snapshot_at=10)
+    rolled_back = run([backoff, rollback] if backoff_first else [rollback, backoff]).lrs
+    assert backoff.scales == [0.5]
+    assert rolled_back[: SPIKE_AT + 1] == reference[: SPIKE_AT + 1]
+    # the schedule went back to where it stood after step 10, and goes on from there at half the rate
+    for step in range(SPIKE_AT + 1, 30):
+        assert rolled_back[step][0] == pytest.approx(0.5 * reference[step - 10][0], rel=1e-6), f"step {step}"
+
+
+def test_after_restore_without_extras_assumes_the_configured_schedule(tmp_path: Path) -> None:
+    backoff = LRBackoff(regrow_after=None)
+    trainer = make_trainer(
+        [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, FaultInjector(Fault(SPIKE_AT, "loss_spike"))],
+        max_steps=22,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(TinyRegressor())
+    optimizer = trainer.optimizers[0]
+    optimizer.param_groups[0]["lr"] = 0.01  # as a restored state from before the backoff would hold
+    backoff._after_restore(trainer, {})
+    assert optimizer.param_groups[0]["lr"] == 0.005
+    assert backoff._snapshot_extra() == {"scales": [0.5]}
+
+
+def test_a_healthy_run_is_bit_identical_with_and_without_the_suite(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    plain = TinyRegressor(scheduler=SCHEDULERS["OneCycleLR"])
+    make_trainer(max_steps=STEPS, default_root_dir=str(tmp_path)).fit(plain)
+    pl.seed_everything(0)
+    guarded = TinyRegressor(scheduler=SCHEDULERS["OneCycleLR"])
+    backoff = LRBackoff()
+    suite = [NonFiniteDetector(), LossSpikeDetector(warmup=10), backoff]
+    make_trainer(suite, max_steps=STEPS, default_root_dir=str(tmp_path)).fit(guarded)
+    assert_bit_identical(weights(plain), weights(guarded))
+    assert backoff.history == [] and backoff.scales == [1.0]
+
+
+class ConstantLossRegressor(TinyRegressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return 0.0 * self(x).sum() + 0.693  # a constant loss, zero gradients
+
+
+def test_a_constant_loss_run_never_backs_off(tmp_path: Path) -> None:
+    detector, backoff = LossSpikeDetector(), LRBackoff()
+    make_trainer([NonFiniteDetector(), detector, backoff], max_steps=80, default_root_dir=str(tmp_path)).fit(
+        ConstantLossRegressor()
+    )
+    assert detector._stats[0].count.tolist() == [80.0, 80.0]  # tested from step 50 on, after the warm-up
+    assert detector.spikes == 0 and backoff.history == [] and backoff.scales == [1.0]
+
+
+def test_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> None:
+    backoff = LRBackoff(regrow_after=50)
+    make_trainer(
+        [LossSpikeDetector(warmup=10), backoff, FaultInjector(Fault(SPIKE_AT, "loss_spike"))],
+        max_steps=25,
+        default_root_dir=str(tmp_path),
+    ).fit(TinyRegressor())
+    buffer = io.BytesIO()
+    torch.save(backoff.state_dict(), buffer)
+    buffer.seek(0)
+    restored = LRBackoff(regrow_after=50)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert restored.state_dict() == backoff.state_dict()
+    assert restored.state_dict() == {
+        "scales": [0.5],
+        "cooldown_until": [30],
+        "stable_since": [21],
+        "windows": [50],
+        "last_regrowth": [-1],
+        "history": backoff.history,
+    }
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_a_spike_on_rank_0_only_backs_off_both_ranks_at_the_same_step(tmp_path: Path) -> None:
+    callbacks = [
+        LossSpikeDetector(warmup=10),
+        LRBackoff(regrow_after=None),
+        FaultInjector(Fault(step=SPIKE_AT, kind="loss_spike", rank=0)),
+    ]
+    reports = run_ddp(TinyRegressor(), callbacks, tmp_path, max_steps=30)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["lrs"] == reports[1]["lrs"] == [0.01] * (SPIKE_AT + 1) + [0.005] * (30 - SPIKE_AT - 1)
+    assert reports[0]["states"] == reports[1]["states"]
+    assert reports[0]["digest"] == reports[1]["digest"]
+    backoffs = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "backoff"]
+    assert [e["step"] for e in backoffs] == [SPIKE_AT]  # rank 0 writes the journal, once
+
+
+@pytest.mark.slow
+def test_a_run_10x_above_its_stable_lr_completes_near_the_stable_runs_loss(tmp_path: Path) -> None:
+    """SGD at 0.2 where 0.02 trains (with a 100-step warm-up): diverges to NaN unprotected; with the suite at its
+    defaults the LR is backed off as the loss takes off, and the run ends close to the stable run."""
+
+    def run(lr: float, callbacks: list[Any]) -> float:
+        pl.seed_everything(0)
+        model = TinyRegressor(optimizer="sgd", lr=lr, scheduler=lambda o: sched.LinearLR(o, 0.05, total_iters=100))
+        make_trainer(callbacks, max_steps=400, default_root_dir=str(tmp_path)).fit(model)
+        x, y = model.data.tensors
+        with torch.no_grad():
+            return torch.nn.functional.mse_loss(model(x), y).item()
+
+    stable = run(0.02, [])
+    assert math.isnan(run(0.2, []))
+    backoff = LRBackoff()
+    protected = run(0.2, [NonFiniteDetector(), LossSpikeDetector(), backoff])
+    assert backoff.history and all(h["action"] == "backoff" for h in backoff.history)
+    assert protected < 1.5 * stable, (protected, stable)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"factor": 1.5}, ValueError, "'factor' must be in (0, 1) (got 1.5)"),
+        ({"factor": 0}, ValueError, "'factor' must be in (0, 1) (got 0)"),
+        ({"cooldown": -1}, ValueError, "'cooldown' must be >= 0 (got -1)"),
+        ({"min_scale": 0.0}, ValueError, "'min_scale' must be in (0, 1] (got 0)"),
+        ({"min_lr": -1e-3}, ValueError, "'min_lr' must be in (0, inf] (got -0.001)"),
+        ({"regrow_after": 0}, ValueError, "'regrow_after' must be >= 1 (got 0)"),
+        ({"window_growth": 0.5}, ValueError, "'window_growth' must be in [1, inf] (got 0.5)"),
+        ({"per_optimizer": "yes"}, TypeError, "'per_optimizer' must be a bool (got 'yes')"),
+        (
+            {"triggers": ("loss_spike", "typo")},
+            ValueError,
+            (
+                "'triggers' must be a non-empty collection of 'nonfinite', 'nonfinite_burst', 'nonfinite_state', "
+                "'scaler_collapse', 'loss_spike', 'grad_spike' (got ('loss_spike', 'typo'))"
+            ),
+        ),
+    ],
+)
+def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as info:
+        LRBackoff(**kwargs)
+    assert str(info.value) == message
+
+
+def test_default_triggers_leave_out_the_isolated_nonfinite_step() -> None:
+    assert LRBackoff().triggers == DEFAULT_TRIGGERS
+    assert "nonfinite" not in DEFAULT_TRIGGERS
+    assert LRBackoff(triggers=["nonfinite", "nonfinite"]).triggers == ("nonfinite",)
+    assert LRBackoff().state_key == "LRBackoff{'factor': 0.5, 'per_optimizer': True}"

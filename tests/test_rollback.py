@@ -1,0 +1,591 @@
+"""Rollback: restores the last verified-finite state bit for bit, within a budget; no poisoned checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, assert_optimizer_state_equal, fit, make_trainer, optimizer_state, weights
+from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from pytorch_lightning.plugins import MixedPrecision
+from typing_extensions import override
+
+from lightning_overflow._compat import Callback
+from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
+from lightning_overflow.callbacks.rollback import Rollback
+from lightning_overflow.exceptions import DivergenceError, NonFiniteError, OverflowWarning, RollbackError
+from lightning_overflow.numerics import snapshots
+from lightning_overflow.numerics.snapshots import load_snapshot
+from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
+
+SNAP = "rollback-step={}.pt"
+RESUME = pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+class Probe(Callback):
+    """Records the full training state at the start of training and at the end of every batch, by ``global_step``
+    (put it after Rollback: it then sees the state Rollback left)."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, Any]] = {}
+
+    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        return {
+            "weights": weights(pl_module),
+            "optimizers": [optimizer_state(o) for o in trainer.optimizers],
+            "schedulers": [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
+            "scaler": copy.deepcopy(trainer.precision_plugin.state_dict()),
+            "lr": [g["lr"] for o in trainer.optimizers for g in o.param_groups],
+        }
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.at[trainer.global_step] = self._record(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.at[trainer.global_step] = self._record(trainer, pl_module)
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert_bit_identical(a["weights"], b["weights"])
+    assert len(a["optimizers"]) == len(b["optimizers"])
+    for x, y in zip(a["optimizers"], b["optimizers"]):
+        assert_optimizer_state_equal(x, y)
+        assert x["param_groups"] == y["param_groups"]
+    assert a["schedulers"] == b["schedulers"]
+    assert a["scaler"] == b["scaler"]
+
+
+def all_finite(tensors: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+
+
+class SpikeSignal(SuiteCallback):
+    """A stand-in spike detector: signals ``loss_spike`` when the step's mean loss exceeds ``threshold``."""
+
+    def __init__(self, threshold: float = 100.0) -> None:
+        self.threshold = threshold
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        record = self.board(trainer).step_health(trainer, pl_module, optimizer)
+        if record.loss_mean > self.threshold:
+            self._signal(trainer, "loss_spike", f"loss {record.loss_mean:.3g} > {self.threshold:g}")
+
+
+class FakeBackoff(SuiteCallback):
+    """Follows the rollback protocol the way LRBackoff does: halves the LR on a trigger, re-applies it on restore."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+        self.received: list[dict[str, Any]] = []
+
+    @override
+    def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        if any(s.kind == "nonfinite_state" for s in self.board(trainer).signals):
+            self._rescale(trainer, 0.5)
+
+    @override
+    def _snapshot_extra(self) -> dict[str, Any]:
+        return {"scale": self.scale}
+
+    @override
+    def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        self.received.append(dict(extra))
+        self._multiply_lr(trainer, self.scale / extra["scale"])  # the restored LR carries the snapshot's scale
+
+    def _rescale(self, trainer: pl.Trainer, factor: float) -> None:
+        self.scale *= factor
+        self._multiply_lr(trainer, factor)
+
+    def _multiply_lr(self, trainer: pl.Trainer, factor: float) -> None:
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+
+
+def step_lr(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.9)
+
+
+def nan_at(*steps: int, **kwargs: Any) -> FaultInjector:
+    return FaultInjector(*(Fault(step=s, kind="nan_weight", **kwargs) for s in steps))
+
+
+def journal_kinds(trainer: pl.Trainer, callback: SuiteCallback) -> list[str]:
+    return [e.kind for e in callback.board(trainer).journal.events]
+
+
+def checkpoint_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.ckpt"))
+
+
+def assert_checkpoint_finite(path: Path) -> None:
+    checkpoint = torch.load(path, weights_only=True)
+    assert all_finite(checkpoint["state_dict"]), f"{path.name} holds non-finite weights"
+    for state in checkpoint.get("optimizer_states", []):
+        for values in state["state"].values():
+            assert all_finite({k: v for k, v in values.items() if isinstance(v, torch.Tensor)}), path.name
+
+
+# ---- arguments --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"every_n_steps": 0}, ValueError, "'every_n_steps' must be >= 1 (got 0)"),
+        ({"keep": 1.5}, TypeError, "'keep' must be an int (got 1.5)"),
+        ({"max_rollbacks": 0}, ValueError, "'max_rollbacks' must be >= 1 (got 0)"),
+        ({"window": -1}, ValueError, "'window' must be >= 1 (got -1)"),
+        ({"skip_batches": -1}, ValueError, "'skip_batches' must be >= 0 (got -1)"),
+        ({"dirpath": 3}, TypeError, "'dirpath' must be a path or None (got 3)"),
+        ({"triggers": "loss_spike"}, TypeError, "'triggers' must be a collection of signal kinds (got 'loss_spike')"),
+        ({"triggers": ("loss_spike", "boom")}, ValueError, "'triggers' must be one of 'nonfinite', "),
+    ],
+)
+def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as info:
+        Rollback(**kwargs)
+    assert str(info.value).startswith(message)
+
+
+def test_restores_state_follows_the_triggers() -> None:
+    assert Rollback.restores_state is True
+    assert Rollback().restores_state is True
+    assert Rollback(triggers=("loss_spike",)).restores_state is False
+
+
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
+def test_sharded_strategies_are_refused_in_setup(strategy: str) -> None:
+    from pytorch_lightning import strategies
+
+    cls = getattr(strategies, strategy)
+    instance = cls() if strategy == "FSDPStrategy" else cls.__new__(cls)  # DeepSpeed's __init__ needs deepspeed
+    with pytest.raises(NotImplementedError, match=f"Rollback does not support {strategy} yet: each rank holds"):
+        Rollback().setup(SimpleNamespace(strategy=instance), TinyRegressor(), "fit")  # type: ignore[arg-type]
+
+
+# ---- rolling back -----------------------------------------------------------------------------------------------
+def test_nan_weights_are_rolled_back_bit_for_bit() -> None:
+    rollback, probe = Rollback(every_n_steps=3), Probe()
+    model = TinyRegressor(scheduler=step_lr)
+    trainer = fit(model, [NonFiniteDetector(), rollback, probe, nan_at(5)], max_steps=12)
+
+    assert rollback.history == [
+        {"step": 6, "reason": "nonfinite_state", "trigger_step": 5, "snapshot_step": 3, "source": "memory"}
+    ]
+    assert_same_state(probe.at[6], probe.at[3])  # weights, Adam moments and steps, scheduler, lr
+    assert probe.at[6]["optimizers"][0]["state"][0]["step"].item() == 3.0
+    assert trainer.global_step == 12 and all_finite(weights(model))
+    assert rollback.rollbacks == 1 and rollback.snapshot_steps == [9, 12]
+    assert journal_kinds(trainer, rollback) == ["nonfinite", "rollback"]
+
+
+def test_without_a_detector_the_snapshot_check_finds_the_nan() -> None:
+    rollback, probe = Rollback(every_n_steps=2), Probe()
+    trainer = fit(TinyRegressor(), [rollback, probe, nan_at(3)], max_steps=8)
+    assert [(h["step"], h["reason"], h["snapshot_step"]) for h in rollback.history] == [(4, "nonfinite_state", 2)]
+    assert_same_state(probe.at[4], probe.at[2])
+    assert journal_kinds(trainer, rollback) == ["snapshot_refused", "rollback"]
+    assert all_finite(weights(trainer.lightning_module))
+
+
+def test_poison_batch_is_rolled_back_and_the_next_batches_skipped() -> None:
+    rollback, probe = Rollback(every_n_steps=2, skip_batches=2), Probe()
+    injector = FaultInjector(Fault(step=6, kind="loss_spike", factor=1e4))
+    trainer = fit(TinyRegressor(scheduler=step_lr), [SpikeSignal(), rollback, probe, injector], max_steps=12)
+
+    assert rollback.history == [
+        {"step": 7, "reason": "loss_spike", "trigger_step": 6, "snapshot_step": 6, "source": "memory"}
+    ]
+    assert_same_state(probe.at[7], probe.at[6])
+    # Steps 7 and 8 are skipped: nothing moves, the scheduler is held; step 9 trains again.
+    assert_same_state(probe.at[8], probe.at[6])
+    assert_same_state(probe.at[9], probe.at[6])
+    assert not torch.equal(probe.at[10]["weights"]["net.0.weight"], probe.at[9]["weights"]["net.0.weight"])
+    assert rollback.skipped_steps == 2
+    events = rollback.board(trainer).journal.events
+    assert [(e.kind, e.step) for e in events if e.source == "Rollback"] == [("rollback", 7), ("skip", 7), ("skip", 8)]
+
+
+def test_a_second_rollback_to_the_same_snapshot_goes_further_back() -> None:
+    rollback, probe = Rollback(every_n_steps=2, keep=2), Probe()
+    fit(TinyRegressor(), [NonFiniteDetector(), rollback, probe, nan_at(5, 6)], max_steps=10)
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(6, 4), (7, 2)]
+    assert_same_state(probe.at[7], probe.at[2])
+    assert rollback.snapshot_steps == [2, 9]  # step 4 is dropped; counting starts afresh after each rollback
+
+
+def test_budget_runs_out_with_divergence_error_naming_every_rollback() -> None:
+    rollback, probe = Rollback(every_n_steps=2, max_rollbacks=2, window=100), Probe()
+    model = TinyRegressor()
+    trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(3, 7, 11)], max_steps=14)
+    with pytest.raises(DivergenceError) as info:
+        trainer.fit(model)
+    error = info.value
+    assert error.step == 12
+    assert error.history == [
+        {"step": 4, "reason": "nonfinite_state", "trigger_step": 3, "snapshot_step": 2, "source": "memory"},
+        {"step": 8, "reason": "nonfinite_state", "trigger_step": 7, "snapshot_step": 6, "source": "memory"},
+    ]
+    message = str(error)
+    assert "diverged again at step 12 (nonfinite_state at step 11" in message
+    assert "after 2 rollback(s) within 100 steps (max_rollbacks=2)" in message
+    assert "step 4: nonfinite_state at step 3 -> snapshot of step 2; step 8: nonfinite_state at step 7 -> " in message
+    assert "The snapshot of step 10 was restored before stopping" in message and "HINT:" in message
+    assert_bit_identical(weights(model), probe.at[10]["weights"])  # restored before raising: finite
+    assert journal_kinds(trainer, rollback)[-1] == "abort"
+
+
+def test_rollbacks_outside_the_window_do_not_count() -> None:
+    rollback = Rollback(every_n_steps=2, max_rollbacks=1, window=4)
+    trainer = fit(TinyRegressor(), [NonFiniteDetector(), rollback, nan_at(2, 8)], max_steps=12)
+    assert [h["step"] for h in rollback.history] == [3, 9] and trainer.global_step == 12
+
+
+def test_rollback_error_when_no_state_was_ever_finite() -> None:
+    model = TinyRegressor()
+    with torch.no_grad():
+        model.net[0].weight[0, 0] = float("nan")
+    rollback = Rollback(every_n_steps=2)
+    with pytest.warns(OverflowWarning, match="the fit starts from a non-finite state, which is no"), pytest.raises(
+        RollbackError
+    ) as info:
+        fit(model, [NonFiniteDetector(), rollback])
+    assert info.value.step == 1
+    assert str(info.value).startswith(
+        "Rollback: a rollback was needed at step 1 (nonfinite_state at step 0: NonFiniteDetector: the weights "
+    )
+    assert "no snapshot verified finite exists" in str(info.value)
+    assert "HINT: resume from a checkpoint written before the divergence" in str(info.value)
+
+
+def test_healthy_run_is_bit_identical_with_and_without_rollback(tmp_path: Path) -> None:
+    plain = TinyRegressor(dropout=0.2, scheduler=step_lr)  # dropout: any RNG draw by Rollback would show
+    fit(plain, [], max_steps=10)
+    pl.seed_everything(0, verbose=False)
+    guarded = TinyRegressor(dropout=0.2, scheduler=step_lr)
+    rollback = Rollback(every_n_steps=1, dirpath=tmp_path)
+    trainer = fit(guarded, [rollback], max_steps=10)
+    assert_bit_identical(weights(plain), weights(guarded))
+    assert_optimizer_state_equal(optimizer_state(plain.optimizers().optimizer), optimizer_state(trainer.optimizers[0]))
+    assert rollback.rollbacks == 0 and rollback.snapshot_steps == [9, 10]
+
+
+def test_after_restore_keeps_a_backoff_in_either_order() -> None:
+    for order in ("backoff_first", "rollback_first"):
+        pl.seed_everything(0, verbose=False)
+        rollback, backoff, probe = Rollback(every_n_steps=2), FakeBackoff(), Probe()
+        callbacks = [backoff, rollback] if order == "backoff_first" else [rollback, backoff]
+        fit(TinyRegressor(optimizer="sgd"), [NonFiniteDetector(), *callbacks, probe, nan_at(3)], max_steps=6)
+        assert backoff.received == [{"scale": 1.0}], order
+        assert probe.at[4]["lr"] == [0.005], order  # the snapshot's lr, halved once
+        assert_bit_identical(probe.at[4]["weights"], probe.at[2]["weights"])
+        assert backoff.scale == 0.5
+
+
+def _full_loss(model: TinyRegressor) -> float:
+    x, y = model.data.tensors
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(x), y).item()
+
+
+def test_poison_batch_with_spike_detector_and_lr_backoff_in_either_order() -> None:
+    from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
+    from lightning_overflow.callbacks.lr_backoff import LRBackoff
+
+    clean = TinyRegressor()
+    fit(clean, [], max_steps=60)
+    finals = []
+    for order in ("backoff_first", "rollback_first"):
+        pl.seed_everything(0, verbose=False)
+        model, rollback, backoff = TinyRegressor(), Rollback(every_n_steps=5), LRBackoff(factor=0.5)
+        pair = [backoff, rollback] if order == "backoff_first" else [rollback, backoff]
+        poison = FaultInjector(Fault(step=30, kind="loss_spike", factor=1e4))
+        trainer = fit(model, [NonFiniteDetector(), LossSpikeDetector(warmup=10), *pair, poison], max_steps=60)
+        assert rollback.history == [
+            {"step": 31, "reason": "loss_spike", "trigger_step": 30, "snapshot_step": 30, "source": "memory"}
+        ], order
+        assert backoff.scales == [0.5] and trainer.optimizers[0].param_groups[0]["lr"] == 0.005, order
+        assert abs(_full_loss(model) - _full_loss(clean)) < 0.1 * _full_loss(clean), order
+        finals.append(weights(model))
+    assert_bit_identical(finals[0], finals[1])  # the order of the two callbacks makes no difference
+
+
+# ---- mixed precision, manual optimization, accumulation ---------------------------------------------------------
+def test_16_mixed_restores_the_grad_scaler() -> None:
+    before, rollback, after = Probe(), Rollback(every_n_steps=3), Probe()
+    callbacks = [before, NonFiniteDetector(), rollback, after, nan_at(5)]
+    model = TinyRegressor()
+    fit(model, callbacks, max_steps=10, plugins=[MixedPrecision("16-mixed", "cpu")])
+    assert [h["snapshot_step"] for h in rollback.history] == [3]
+    assert before.at[6]["scaler"]["scale"] == after.at[3]["scaler"]["scale"] / 2  # the NaN step halved it...
+    assert after.at[6]["scaler"] == after.at[3]["scaler"]  # ...and the rollback put it back
+    assert_same_state(after.at[6], after.at[3])
+    assert all_finite(weights(model))
+
+
+def test_bf16_mixed_rolls_back() -> None:
+    rollback, probe = Rollback(every_n_steps=3), Probe()
+    model = TinyRegressor()
+    fit(model, [NonFiniteDetector(), rollback, probe, nan_at(4)], max_steps=8, precision="bf16-mixed")
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(5, 3)]
+    assert_same_state(probe.at[5], probe.at[3])
+    assert all_finite(weights(model))
+
+
+def test_manual_optimization_restores_both_optimizers() -> None:
+    rollback, probe = Rollback(every_n_steps=2), Probe()
+    model = TinyGAN()
+    injector = nan_at(4, parameter="discriminator.0.weight")
+    trainer = fit(model, [NonFiniteDetector(), rollback, probe, injector], max_steps=12)
+    assert [(h["step"], h["reason"], h["snapshot_step"]) for h in rollback.history] == [(6, "nonfinite_state", 4)]
+    assert_same_state(probe.at[6], probe.at[4])
+    assert len(probe.at[6]["optimizers"]) == 2 and probe.at[6]["optimizers"][1]["state"]
+    assert trainer.global_step == 12 and all_finite(weights(model))
+
+
+def test_manual_optimization_skips_both_steps_of_a_batch() -> None:
+    rollback, probe = Rollback(every_n_steps=2, skip_batches=1), Probe()
+    fit(TinyGAN(), [NonFiniteDetector(), rollback, probe, nan_at(4, parameter="generator.0.weight")], max_steps=10)
+    assert [h["snapshot_step"] for h in rollback.history] == [4]
+    assert_same_state(probe.at[8], probe.at[4])  # the batch after the rollback: neither optimizer stepped
+    assert rollback.skipped_steps == 2
+
+
+def test_gradient_accumulation() -> None:
+    rollback, probe = Rollback(every_n_steps=2, skip_batches=1), Probe()
+    model = TinyRegressor(scheduler=step_lr)
+    trainer = fit(model, [NonFiniteDetector(), rollback, probe, nan_at(3)], max_steps=8, accumulate_grad_batches=2)
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(4, 2)]
+    assert_same_state(probe.at[4], probe.at[2])
+    # The accumulation window after the rollback (two batches) ends without a step.
+    assert_same_state(probe.at[5], probe.at[2])
+    assert rollback.skipped_steps == 1
+    assert trainer.global_step == 8 and all_finite(weights(model))
+
+
+# ---- state and resume -------------------------------------------------------------------------------------------
+def test_state_dict_loads_with_weights_only(tmp_path: Path) -> None:
+    rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
+    fit(TinyRegressor(), [NonFiniteDetector(), rollback, nan_at(3)], max_steps=6)
+    torch.save(rollback.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    other = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
+    other.load_state_dict(state)
+    assert other.history == rollback.history and other.rollbacks == 1
+    assert state["disk"] == [{"step": 2, "file": SNAP.format(2)}, {"step": 6, "file": SNAP.format(6)}]
+
+
+def test_disk_snapshots_are_pruned_and_hold_the_state(tmp_path: Path) -> None:
+    rollback, probe = Rollback(every_n_steps=2, keep=2, dirpath=tmp_path), Probe()
+    model = TinyRegressor()
+    fit(model, [rollback, probe], max_steps=8)
+    assert sorted(os.listdir(tmp_path)) == [SNAP.format(6), SNAP.format(8)]
+    for step in (6, 8):
+        raw = torch.load(tmp_path / SNAP.format(step), weights_only=True)
+        assert raw["step"] == step
+        assert_bit_identical(dict(raw["payload"]["state"]["model"]), probe.at[step]["weights"])
+
+
+def _first_run(tmp_path: Path, faults: FaultInjector, max_steps: int, every: int, **kwargs: Any) -> Path:
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)
+    rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps", **kwargs)
+    fit(TinyRegressor(), [NonFiniteDetector(), rollback, faults, checkpoints], max_steps=max_steps,
+        enable_checkpointing=True)
+    return next(p for p in checkpoint_files(tmp_path / "ckpt") if f"step={every}" in p.name)
+
+
+def _resume(
+    tmp_path: Path, ckpt: Path, faults: FaultInjector, max_steps: int, **kwargs: Any
+) -> tuple[Rollback, pl.Trainer]:
+    rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps", **kwargs)
+    trainer = make_trainer([NonFiniteDetector(), rollback, faults], max_steps=max_steps)
+    trainer.fit(TinyRegressor(), ckpt_path=ckpt)
+    return rollback, trainer
+
+
+@RESUME
+def test_resume_keeps_the_rollback_budget(tmp_path: Path) -> None:
+    ckpt = _first_run(tmp_path, nan_at(3), max_steps=6, every=6, max_rollbacks=2)
+    with pytest.raises(DivergenceError) as info:
+        _resume(tmp_path, ckpt, nan_at(7, 9), max_steps=14, max_rollbacks=2)
+    assert [(h["step"], h["snapshot_step"]) for h in info.value.history] == [(4, 2), (8, 6)]
+    assert "step 4: nonfinite_state at step 3 -> snapshot of step 2" in str(info.value)
+
+
+@RESUME
+def test_resume_rolls_back_to_a_disk_snapshot_taken_before_the_restart(tmp_path: Path) -> None:
+    ckpt = _first_run(tmp_path, FaultInjector(), max_steps=4, every=4)
+    assert sorted(os.listdir(tmp_path / "snaps")) == [SNAP.format(2), SNAP.format(4)]
+    _, payload = load_snapshot(tmp_path / "snaps" / SNAP.format(2))
+    rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
+    probe = Probe()
+    trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(4, 5)], max_steps=6)
+    trainer.fit(TinyRegressor(), ckpt_path=ckpt)
+    # First back to the state the resumed fit started from (step 4), then, diverging again from there, one snapshot
+    # further back: the file written at step 2, before the restart.
+    history = [(h["step"], h["snapshot_step"], h["source"]) for h in rollback.history]
+    assert history == [(5, 4, "memory"), (6, 2, "disk")]
+    assert_bit_identical(probe.at[6]["weights"], dict(payload["state"]["model"]))
+    saved_optimizer = payload["state"]["optimizers"][0]
+    assert_optimizer_state_equal(probe.at[6]["optimizers"][0], saved_optimizer)
+
+
+class SimulatedCrash(BaseException):
+    """Stands for the process being killed between the temporary write and the rename."""
+
+
+@RESUME
+def test_crash_between_write_and_rename_leaves_no_usable_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_replace = os.replace
+
+    def crash_on_step_4(src: Any, dst: Any) -> None:
+        if Path(dst).name == SNAP.format(4):
+            raise SimulatedCrash
+        real_replace(src, dst)
+
+    monkeypatch.setattr(snapshots.os, "replace", crash_on_step_4)
+    with pytest.raises(SimulatedCrash):
+        _first_run(tmp_path, FaultInjector(), max_steps=8, every=2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "snaps")) == [SNAP.format(0), SNAP.format(2)]  # nothing for step 4
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    assert checkpoint_files(tmp_path / "ckpt") == [ckpt]
+
+    # A process killed outright leaves its temporary file; the next fit removes it and never reads it.
+    stale = snapshots.temporary_path(tmp_path / "snaps" / SNAP.format(4))
+    stale.write_bytes((tmp_path / "snaps" / SNAP.format(2)).read_bytes())
+    rollback, _ = _resume(tmp_path, ckpt, nan_at(2, 3), max_steps=6)
+    assert not stale.exists()
+    assert [(h["snapshot_step"], h["source"]) for h in rollback.history] == [(2, "memory"), (0, "disk")]
+
+
+@RESUME
+def test_a_corrupt_snapshot_file_is_never_used(tmp_path: Path) -> None:
+    ckpt = _first_run(tmp_path, FaultInjector(), max_steps=4, every=4)
+    path = tmp_path / "snaps" / SNAP.format(2)
+    path.write_bytes(path.read_bytes()[:200])
+    rollback, trainer = _resume(tmp_path, ckpt, nan_at(4, 5), max_steps=8)
+    # The second rollback tries one snapshot further back, finds the file unreadable, and uses step 4 again.
+    assert [(h["snapshot_step"], h["source"]) for h in rollback.history] == [(4, "memory"), (4, "memory")]
+    unusable = [e for e in rollback.board(trainer).journal.events if e.kind == "snapshot_unusable"]
+    assert len(unusable) == 1 and unusable[0].details["file"] == SNAP.format(2)
+    assert "is not a readable snapshot" in unusable[0].message
+    assert all_finite(weights(trainer.lightning_module))
+
+
+# ---- no poisoned checkpoint -------------------------------------------------------------------------------------
+CHECKPOINTERS = {
+    "save_last": lambda d: ModelCheckpoint(dirpath=d, save_last=True, save_top_k=0),
+    "save_top_k": lambda d: ModelCheckpoint(dirpath=d, monitor="val_loss", save_top_k=2),
+    "every_n_train_steps": lambda d: ModelCheckpoint(dirpath=d, every_n_train_steps=1, save_top_k=-1),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CHECKPOINTERS))
+def test_every_checkpoint_written_is_finite(tmp_path: Path, kind: str) -> None:
+    rollback = Rollback(every_n_steps=3)
+    callbacks = [CHECKPOINTERS[kind](tmp_path), NonFiniteDetector(), rollback, nan_at(7, 11)]
+    # A NaN at the last batch of epoch 0 (8 batches): validation and the epoch-end save follow at once.
+    fit(TinyRegressor(), callbacks, max_steps=16, enable_checkpointing=True, limit_val_batches=2,
+        default_root_dir=tmp_path)
+    assert [h["trigger_step"] for h in rollback.history] == [7, 11]
+    files = checkpoint_files(tmp_path)
+    assert files, "no checkpoint written"
+    for path in files:
+        assert_checkpoint_finite(path)
+
+
+@pytest.mark.filterwarnings("ignore:.*was called without a model")
+def test_on_exception_checkpoint_is_finite(tmp_path: Path) -> None:
+    rollback = Rollback(every_n_steps=2, max_rollbacks=1)
+    callbacks = [OnExceptionCheckpoint(dirpath=tmp_path), NonFiniteDetector(), rollback, nan_at(3, 5)]
+    with pytest.raises(DivergenceError):
+        fit(TinyRegressor(), callbacks, max_steps=10, enable_checkpointing=True, default_root_dir=tmp_path)
+    assert checkpoint_files(tmp_path) == [tmp_path / "on_exception.ckpt"]
+    assert_checkpoint_finite(tmp_path / "on_exception.ckpt")
+
+
+def test_without_rollback_the_same_run_writes_a_poisoned_checkpoint(tmp_path: Path) -> None:
+    """The control: without Rollback a NaN checkpoint is written, and the check used above catches it."""
+    fit(TinyRegressor(), [CHECKPOINTERS["every_n_train_steps"](tmp_path), nan_at(3)], max_steps=5,
+        enable_checkpointing=True)
+    with pytest.raises(AssertionError, match="holds non-finite weights"):
+        for path in checkpoint_files(tmp_path):
+            assert_checkpoint_finite(path)
+
+
+def test_a_non_finite_state_is_refused_at_save_time(tmp_path: Path) -> None:
+    rollback = Rollback(every_n_steps=100)  # no detector and no snapshot due: nobody reports the NaN in time
+    callbacks = [CHECKPOINTERS["every_n_train_steps"](tmp_path), rollback, nan_at(3)]
+    with pytest.raises(NonFiniteError) as info:
+        fit(TinyRegressor(), callbacks, max_steps=8, enable_checkpointing=True)
+    message = str(info.value)
+    assert message.startswith(
+        "Rollback: refused to write a checkpoint at step 4: its weights contain inf/NaN on rank(s) 0 (in net.0.weight"
+    )
+    assert "nothing was written. HINT: add NonFiniteDetector" in message
+    assert info.value.kind == "weight" and info.value.step == 4
+    assert [p.name for p in checkpoint_files(tmp_path)] == [f"epoch=0-step={s}.ckpt" for s in (1, 2, 3)]
+    for path in checkpoint_files(tmp_path):
+        assert_checkpoint_finite(path)
+
+
+# ---- DDP --------------------------------------------------------------------------------------------------------
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        h.update(key.encode())
+        h.update(tensors[key].detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class RankReport(Callback):
+    """Each rank writes what it saw to ``<out>/rank<r>.json`` (worker state does not come back to the parent)."""
+
+    def __init__(self, out: Path, probe: Probe, rollback: Rollback) -> None:
+        self.out, self.probe, self.rollback = out, probe, rollback
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = {
+            "history": self.rollback.history,
+            "digests": {str(step): _digest(rec["weights"]) for step, rec in self.probe.at.items()},
+            "final": _digest(weights(pl_module)),
+            "finite": all_finite(weights(pl_module)),
+            "global_step": trainer.global_step,
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("detector", [True, False], ids=["detector", "snapshot_check"])
+def test_ddp_nan_on_one_rank_rolls_back_every_rank_to_the_same_snapshot(tmp_path: Path, detector: bool) -> None:
+    rollback, probe = Rollback(every_n_steps=2), Probe()
+    callbacks = [rollback, probe, nan_at(5, rank=1), RankReport(tmp_path, probe, rollback)]
+    fit(TinyRegressor(), [NonFiniteDetector()] * detector + callbacks, max_steps=10, strategy="ddp_fork", devices=2)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # With the detector, the NaN is reported at step 5; without it, the check of the snapshot due at step 6 finds it.
+    expected = [(6, 5, 4)] if detector else [(6, 6, 4)]
+    for report in reports:
+        assert [(h["step"], h["trigger_step"], h["snapshot_step"]) for h in report["history"]] == expected
+        assert report["digests"]["6"] == report["digests"]["4"]  # restored to the snapshot, bit for bit
+        assert report["global_step"] == 10 and report["finite"]
+    assert reports[0]["digests"] == reports[1]["digests"]  # both ranks identical at every step
+    assert reports[0]["final"] == reports[1]["final"]

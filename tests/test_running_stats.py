@@ -1,0 +1,190 @@
+"""NaN-safe running statistics: exact against a float64 reference, poison-proof, spike-proof, sync-free."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_overflow.numerics.running_stats import (
+    RunningStats,
+    ema_alpha,
+    spike_flags,
+    spike_threshold,
+    update_running_stats,
+)
+
+
+def reference(values: list[float], alpha: float) -> tuple[float, float, int]:
+    """Plain-Python mean / variance: finite values only, weight max(alpha, 1/n)."""
+    mean = var = 0.0
+    n = 0
+    for x in values:
+        if not math.isfinite(x):
+            continue
+        n += 1
+        w = max(alpha, 1.0 / n)
+        delta = x - mean
+        mean += w * delta
+        var = (1 - w) * (var + w * delta * delta)
+    return mean, var, n
+
+
+def test_first_values_give_the_plain_mean_and_population_variance() -> None:
+    stats = RunningStats(channels=1, window=1000, warmup=1)
+    for x in (2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0):
+        stats.update(torch.tensor([x]))
+    assert stats.mean.tolist() == [5.0]
+    assert stats.var.tolist() == [4.0]  # the textbook example: standard deviation 2
+    assert stats.count.tolist() == [8.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(min_value=-1e6, max_value=1e6),
+            st.sampled_from([math.nan, math.inf, -math.inf]),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    st.integers(min_value=1, max_value=40),
+)
+def test_matches_a_float64_reference_and_ignores_every_nonfinite_value(values: list[float], window: int) -> None:
+    stats = RunningStats(channels=1, window=window, warmup=1)
+    for x in values:
+        stats.update(torch.tensor([x], dtype=torch.float64))
+    mean, var, n = reference(values, ema_alpha(window))
+    assert stats.count.item() == n
+    assert math.isfinite(stats.mean.item()) and math.isfinite(stats.var.item())
+    assert stats.mean.item() == pytest.approx(mean, rel=1e-9, abs=1e-9)
+    assert stats.var.item() == pytest.approx(var, rel=1e-7, abs=1e-6)
+
+
+def test_a_nonfinite_value_leaves_the_statistics_bit_identical() -> None:
+    stats = RunningStats(channels=2, window=8, warmup=1)
+    for x in (1.0, 2.0, 3.0):
+        stats.update(torch.tensor([x, 10 * x]))
+    before = (stats.mean.clone(), stats.var.clone(), stats.count.clone())
+    for poison in (math.nan, math.inf, -math.inf):
+        stats.update(torch.tensor([poison, poison]))
+    assert all(torch.equal(a, b) for a, b in zip(before, (stats.mean, stats.var, stats.count)))
+
+
+def test_channels_are_independent_and_include_masks_one_of_them() -> None:
+    stats = RunningStats(channels=2, window=8, warmup=1)
+    stats.update(torch.tensor([1.0, math.nan]))
+    stats.update(torch.tensor([3.0, 5.0]), include=torch.tensor([False, True]))
+    assert stats.mean.tolist() == [1.0, 5.0]
+    assert stats.count.tolist() == [1.0, 1.0]
+
+
+def test_threshold_is_the_larger_of_the_z_score_and_the_ratio_margin() -> None:
+    mean = torch.tensor([2.0, 2.0, -2.0], dtype=torch.float64)
+    var = torch.tensor([0.25, 0.0001, 0.0001], dtype=torch.float64)
+    # std 0.5 -> 6 sigma = 3 beats 0.5 * 2; std 0.01 -> the ratio margin 0.5 * |mean| = 1 wins, for a negative
+    # mean too.
+    assert spike_threshold(mean, var, sigmas=6.0, ratio=1.5).tolist() == [5.0, 3.0, -1.0]
+
+
+def test_spike_flags_need_warmup_finiteness_and_a_strict_excess() -> None:
+    one = torch.ones(4, dtype=torch.float64)
+    value = torch.tensor([5.0, 5.5, math.inf, math.nan], dtype=torch.float64)
+    warm = spike_flags(2 * one, 0.25 * one, 10 * one, value, 6.0, 1.5, warmup=10)
+    cold = spike_flags(2 * one, 0.25 * one, 9 * one, value, 6.0, 1.5, warmup=10)
+    assert warm.tolist() == [False, True, False, False]  # 5.0 is the threshold itself; inf/NaN are not spikes here
+    assert cold.tolist() == [False] * 4
+
+
+def test_a_spike_is_reported_and_does_not_enter_the_statistics() -> None:
+    stats = RunningStats(channels=1, window=16, warmup=5)
+    noise = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0]
+    for x in noise:
+        assert not stats.observe(torch.tensor([x]), sigmas=6.0, ratio=1.2).item()
+    before = (stats.mean.clone(), stats.var.clone(), stats.count.clone())
+    assert stats.observe(torch.tensor([100.0]), sigmas=6.0, ratio=1.2).tolist() == [True]
+    assert all(torch.equal(a, b) for a, b in zip(before, (stats.mean, stats.var, stats.count)))
+    # the next spike is still a spike: the threshold did not rise
+    assert stats.observe(torch.tensor([100.0]), sigmas=6.0, ratio=1.2).tolist() == [True]
+
+
+def test_no_spike_during_warmup_even_for_a_huge_value() -> None:
+    stats = RunningStats(channels=1, window=16, warmup=5)
+    flags = [stats.observe(torch.tensor([x]), 6.0, 1.2).item() for x in (1.0, 1.0, 1.0, 1.0, 1e6)]
+    assert flags == [False] * 5 and stats.count.item() == 5
+
+
+def test_a_constant_series_never_spikes() -> None:
+    stats = RunningStats(channels=2, window=128, warmup=3)
+    flags = [stats.observe(torch.tensor([0.693, 0.0]), 6.0, 1.2).any().item() for _ in range(300)]
+    assert not any(flags)
+    assert stats.var.tolist() == [0.0, 0.0]
+
+
+def test_reset_restarts_the_warmup_of_the_masked_channels() -> None:
+    stats = RunningStats(channels=2, window=16, warmup=2)
+    for x in (1.0, 2.0, 3.0):
+        stats.update(torch.tensor([x, x]))
+    stats.reset(torch.tensor([False, True]))
+    assert stats.count.tolist() == [3.0, 0.0] and stats.mean.tolist() == [2.0, 0.0]
+    stats.reset()
+    assert stats.count.tolist() == [0.0, 0.0]
+
+
+def test_state_dict_round_trips_through_torch_load_weights_only() -> None:
+    stats = RunningStats(channels=2, window=16, warmup=2)
+    for x in (1.0, 2.5, 4.0):
+        stats.update(torch.tensor([x, -x]))
+    buffer = io.BytesIO()
+    torch.save(stats.state_dict(), buffer)
+    buffer.seek(0)
+    restored = RunningStats(channels=2, window=16, warmup=2)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(restored.mean, stats.mean) and torch.equal(restored.var, stats.var)
+    assert torch.equal(restored.count, stats.count)
+    with pytest.raises(ValueError, match="'mean' must have 3 channels"):
+        RunningStats(channels=3).load_state_dict(stats.state_dict())
+
+
+def test_sync_free_on_meta_tensors() -> None:
+    """Any host read (.item(), bool(tensor), a data-dependent branch) raises on the meta device."""
+    meta = torch.device("meta")
+    stats = RunningStats(channels=2, window=16, warmup=2, device=meta)
+    flags = stats.observe(torch.empty(2, device=meta), sigmas=torch.tensor(6.0, device=meta), ratio=1.2)
+    stats.update(torch.empty(2, device=meta), include=~flags)
+    stats.reset(torch.empty(2, dtype=torch.bool, device=meta))
+    assert flags.device == meta and stats.mean.device == meta and stats.threshold(6.0, 1.2).device == meta
+    m, v, n = update_running_stats(stats.mean, stats.var, stats.count, torch.empty(2, device=meta), 0.1)
+    assert m.device == v.device == n.device == meta
+
+
+def test_float32_statistics_follow_their_dtype() -> None:
+    stats = RunningStats(channels=1, window=4, warmup=1, dtype=torch.float32)
+    stats.update(torch.tensor([1.0], dtype=torch.float64))
+    assert stats.mean.dtype == torch.float32 and stats.count.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"channels": 0}, "'channels' must be an int >= 1 (got 0)"),
+        ({"window": 0}, "'window' must be an int >= 1 (got 0)"),
+        ({"warmup": 0}, "'warmup' must be an int >= 1 (got 0)"),
+        ({"window": 2.5}, "'window' must be an int >= 1 (got 2.5)"),
+    ],
+)
+def test_arguments_are_checked(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        RunningStats(**kwargs)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+def test_ema_alpha_has_the_centre_of_mass_of_the_window() -> None:
+    alpha = ema_alpha(127)
+    assert alpha == 1 / 64
+    assert (1 - alpha) / alpha == pytest.approx((127 - 1) / 2)
