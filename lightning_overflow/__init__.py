@@ -14,6 +14,7 @@ from lightning_overflow.callbacks import (
     Rollback,
 )
 from lightning_overflow.composition import default_callbacks
+from lightning_overflow.diagnosis import Diagnosis, Headroom, trace_nonfinite
 from lightning_overflow.events import Event, read_journal
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, OverflowWarning, RollbackError
 
@@ -21,8 +22,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoClip",
+    "Diagnosis",
     "DivergenceError",
     "Event",
+    "Headroom",
     "GradNormMonitor",
     "LRBackoff",
     "LossSpikeDetector",
@@ -34,4 +37,5 @@ __all__ = [
     "__version__",
     "default_callbacks",
     "read_journal",
+    "trace_nonfinite",
 ]

@@ -187,9 +187,11 @@ def _plot_grad_norm(ax: Any, run: Run) -> None:
 
 def _plot_lr_scale(ax: Any, run: Run) -> None:
     found = run.series("overflow/lr_scale")
-    if found is not None:
+    if found is None:
+        ax.text(0.5, 0.5, "no LR scale logged (no LRBackoff)", ha="center", transform=ax.transAxes)
+    else:
         ax.step(*_finite(found[1]), where="post", lw=1, label=found[0])
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0, top=1.1)
 
 
 def _mark_events(ax: Any, run: Run, legend: bool) -> None:

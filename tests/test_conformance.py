@@ -44,6 +44,10 @@ CASES: dict[type, Case] = {
             ({"check_weights_every_n_steps": -1}, ValueError, "'check_weights_every_n_steps' must be >= 0 (got -1)"),
             ({"min_loss_scale": 0}, ValueError, "'min_loss_scale' must be in (0, inf] (got 0)"),
             ({"burst_window": True}, TypeError, "'burst_window' must be an int (got True)"),
+            ({"diagnose": "yes"}, TypeError, "'diagnose' must be a bool (got 'yes')"),
+            ({"headroom_every_n_steps": -1}, ValueError, "'headroom_every_n_steps' must be >= 0 (got -1)"),
+            ({"headroom_warn_decades": 0}, ValueError, "'headroom_warn_decades' must be in (0, 38.5318] (got 0)"),
+            ({"headroom_warn_decades": "20"}, TypeError, "'headroom_warn_decades' must be a number (got '20')"),
         ],
     ),
     LossSpikeDetector: Case(

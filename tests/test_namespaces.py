@@ -73,6 +73,17 @@ trainer:
       init_args:
         norm_type: inf
         per_parameter: true
+    - class_path: lightning_overflow.AutoClip
+      init_args:
+        mode: zscore
+        z_threshold: 3.0
+    - class_path: lightning_overflow.LRBackoff
+      init_args:
+        factor: 0.25
+        triggers: [nonfinite_burst, loss_spike]
+    - class_path: lightning_overflow.Rollback
+      init_args:
+        every_n_steps: 2
 """
 
 
@@ -90,9 +101,12 @@ def test_lightning_cli_configures_the_callbacks_from_yaml(namespace: str, tmp_pa
     config.write_text(CONFIG)
     cli = LightningCLI(model_class, run=False, args=["--config", str(config)], save_config_callback=None)
     ours = [cb for cb in cli.trainer.callbacks if type(cb).__module__.startswith("lightning_overflow")]
-    assert [type(cb).__name__ for cb in ours] == ["NonFiniteDetector", "GradNormMonitor"]
+    assert [type(cb).__name__ for cb in ours] == ["NonFiniteDetector", "GradNormMonitor", "AutoClip", "LRBackoff", "Rollback"]
     assert ours[0].action == "raise" and ours[0].max_consecutive_skips == 5
     assert ours[1].norm_type == float("inf") and ours[1].per_parameter
+    assert ours[2].mode == "zscore" and ours[2].z_threshold == 3.0
+    assert ours[3].factor == 0.25 and tuple(ours[3].triggers) == ("nonfinite_burst", "loss_spike")
+    assert ours[4].every_n_steps == 2
     cli.trainer.fit(cli.model)
     assert cli.trainer.global_step == 4
 

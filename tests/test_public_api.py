@@ -13,7 +13,8 @@ import lightning_overflow
 from lightning_overflow import DivergenceError, NonFiniteError, OverflowWarning, RollbackError
 
 MODULES = ["lightning_overflow", "lightning_overflow.numerics", "lightning_overflow.testing",
-           "lightning_overflow.callbacks", "lightning_overflow.exceptions", "lightning_overflow.events"]
+           "lightning_overflow.callbacks", "lightning_overflow.exceptions", "lightning_overflow.events",
+           "lightning_overflow.diagnosis", "lightning_overflow.report"]
 
 
 @pytest.mark.parametrize("name", MODULES)

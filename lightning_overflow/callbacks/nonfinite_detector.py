@@ -1,7 +1,9 @@
-"""NonFiniteDetector: find inf/NaN in the loss, gradients, weights and optimizer state; skip, warn or raise."""
+"""NonFiniteDetector: find inf/NaN in the loss, gradients, weights and optimizer state; skip, warn or raise; say
+where it came from; warn before the run reaches the FP32 limit."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -9,12 +11,17 @@ import pytorch_lightning as pl
 import torch
 from typing_extensions import override
 
+from lightning_overflow import _compat
 from lightning_overflow.callbacks._base import SuiteCallback
-from lightning_overflow.callbacks._validation import check_choice, check_float, check_int
+from lightning_overflow.callbacks._validation import check_bool, check_choice, check_float, check_int
+from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
+from lightning_overflow.diagnosis.preserve import capture_rng
+from lightning_overflow.diagnosis.records import Diagnosis
+from lightning_overflow.diagnosis.replay import KeptBatch, diagnose_step
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import NonFiniteError
 from lightning_overflow.health import MAX_NAMES, StepHealth
-from lightning_overflow.numerics import optimizer_state_tensors, tensor_norms, total_norm
+from lightning_overflow.numerics import FP32_MAX, optimizer_state_tensors, tensor_norms, total_norm
 
 __all__ = ["NonFiniteDetector"]
 
@@ -35,6 +42,8 @@ HINTS = {
     "precision='bf16-mixed' or lower the learning rate",
     "consecutive": "the fault repeats on every step: look at the data pipeline and the learning rate; Rollback "
     "restores the last finite state when the weights are affected",
+    "headroom": "lower the learning rate or add AutoClip before the values overflow; if the module named sits deep in "
+    "a stack, check its initialisation and add normalisation",
 }
 
 
@@ -80,6 +89,22 @@ class NonFiniteDetector(SuiteCallback):
         burst_count, burst_window: ``burst_count`` detections within ``burst_window`` optimizer steps are a burst,
             which interventions (LRBackoff, Rollback) treat as divergence (defaults 3 in 50). An isolated detection
             is absorbed by the skip alone: one corrupt sample must not cost the learning rate.
+        diagnose: on a non-finite loss or gradient, replay the step's batch with hooks on every module and op
+            (the idea of fairseq's ``NanDetector``) and ask whether it reproduces (the idea of Megatron-LM's rerun
+            machinery): the first module and op whose output (forward) or gradient (backward) became inf/NaN, its
+            input and output magnitudes, NaN or inf or a finite norm beyond FP32, transient or persistent, the rank
+            that saw it first, and a hint from the cause. Default ``True``. A replay costs about five training
+            steps, once per detection; a healthy step pays a reference to the batch and a copy of the torch random
+            state (about 4 us). The replay leaves the parameters, ``.grad``, the optimizer, the random streams,
+            BatchNorm statistics and metric states as they were; see :mod:`lightning_overflow.diagnosis.replay`.
+            Not replayed, and said so: manual optimization, a ``training_step`` that takes the ``dataloader_iter``,
+            sharded strategies.
+        headroom_every_n_steps: every this many optimizer steps (default 100; ``None`` or 0 disables), measure how
+            many decades separate the largest magnitude of the step (loss, gradient norm, and activations sampled
+            with forward hooks on that step only) from the FP32 limit, and log it.
+        headroom_warn_decades: warn once (naming the module with the largest activation) when the headroom falls
+            below this many decades (default 20: below about 19.3 decades any square of the value, as in a
+            variance, an L2 norm or an MSE, overflows FP32).
 
     Signals (read by interventions): ``nonfinite`` on every detection, ``nonfinite_burst`` on a burst,
     ``nonfinite_state`` for inf/NaN weights or optimizer state, ``scaler_collapse`` for a failing GradScaler.
@@ -87,6 +112,10 @@ class NonFiniteDetector(SuiteCallback):
     Attributes:
         skipped_steps: optimizer steps skipped so far.
         nonfinite_events: detections so far.
+        last_diagnosis: the :class:`~lightning_overflow.diagnosis.Diagnosis` of the last detection that was
+            diagnosed (``None`` before). Also in the journal (``details["diagnosis"]``) and on
+            :class:`NonFiniteError` (``.diagnosis``).
+        last_headroom: the :class:`~lightning_overflow.diagnosis.headroom.Headroom` of the last sampled step.
 
     Raises:
         NonFiniteError: with ``action="raise"``; after ``max_consecutive_skips``; when the weights or optimizer
@@ -94,12 +123,18 @@ class NonFiniteDetector(SuiteCallback):
 
     Logged keys:
 
-    ============================  =========================================
-    key                           meaning
-    ============================  =========================================
-    ``overflow/skipped_steps``    cumulative optimizer steps skipped
-    ``overflow/nonfinite_events`` cumulative non-finite detections
-    ============================  =========================================
+    ==========================================  ===============================================================
+    key                                         meaning
+    ==========================================  ===============================================================
+    ``overflow/skipped_steps``                  cumulative optimizer steps skipped
+    ``overflow/nonfinite_events``               cumulative non-finite detections
+    ``overflow/headroom_decades``               decades between the step's largest magnitude and 3.4e38
+    ``overflow/headroom_decades/loss``          the same for the loss alone
+    ``overflow/headroom_decades/grad``          the same for the total gradient norm alone
+    ``overflow/headroom_decades/activation``    the same for the largest activation of any module
+    ==========================================  ===============================================================
+
+    The headroom keys are logged every ``headroom_every_n_steps`` on healthy steps.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -115,6 +150,9 @@ class NonFiniteDetector(SuiteCallback):
         min_loss_scale: float = 1e-4,
         burst_count: int = 3,
         burst_window: int = 50,
+        diagnose: bool = True,
+        headroom_every_n_steps: int | None = 100,
+        headroom_warn_decades: float = 20.0,
     ) -> None:
         self.action = check_choice("action", action, ("skip", "raise", "warn"))
         self.max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, minimum=1)
@@ -125,6 +163,19 @@ class NonFiniteDetector(SuiteCallback):
         self.min_loss_scale = check_float("min_loss_scale", min_loss_scale, low=0.0, low_open=True)
         self.burst_count = check_int("burst_count", burst_count, minimum=1)
         self.burst_window = check_int("burst_window", burst_window, minimum=1)
+        self.diagnose = check_bool("diagnose", diagnose)
+        self.headroom_every_n_steps = (
+            check_int("headroom_every_n_steps", headroom_every_n_steps, minimum=0, optional=True) or None
+        )
+        self.headroom_warn_decades = check_float(
+            "headroom_warn_decades", headroom_warn_decades, low=0.0, high=math.log10(FP32_MAX), low_open=True
+        )
+        self.last_diagnosis: Diagnosis | None = None
+        self.last_headroom: Headroom | None = None
+        self._kept: KeptBatch | None = None
+        every = self.headroom_every_n_steps
+        self._headroom = HeadroomProbe(every, f"{type(self).__name__}.{id(self)}.headroom") if every else None
+        self._headroom_warned = False
         self._recent: list[int] = []
         self.skipped_steps = 0
         self.nonfinite_events = 0
@@ -138,6 +189,22 @@ class NonFiniteDetector(SuiteCallback):
 
     # ---- wiring -----------------------------------------------------------------------------------------------
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self._headroom is not None:
+            self._headroom.reset()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, *args)
+        if self.diagnose and pl_module.automatic_optimization:
+            # A reference, not a copy: the replay, when one is needed, runs before the batch is released.
+            batch_idx = int(args[0]) if args else 0
+            self._kept = KeptBatch(batch, batch_idx, capture_rng())
+        if self._headroom is not None:
+            self._headroom.on_batch_start(pl_module, int(trainer.global_step))
+
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -145,11 +212,34 @@ class NonFiniteDetector(SuiteCallback):
         finding = self._judge(record)
         if finding is None:
             self._consecutive = 0
+            self._report_headroom(trainer, record)
             return
         self._act(trainer, record, finding)
 
     @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, *args)
+        self._kept = None
+        if self._headroom is not None:
+            self._headroom.on_batch_end(int(trainer.global_step))
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._release()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        self._kept = None
+        if self._headroom is not None:
+            self._headroom.release()
+
+    @override
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
+        if self._headroom is not None:
+            self._headroom.contribute(record)
         every = self.check_weights_every_n_steps
         if every is None or record.step % every:
             return
@@ -207,8 +297,11 @@ class NonFiniteDetector(SuiteCallback):
     def _act(self, trainer: pl.Trainer, record: StepHealth, finding: Finding) -> None:
         self.nonfinite_events += 1
         self._consecutive += 1
+        diagnosis = self._diagnose(trainer, record, finding)
         message = self._describe(trainer, record, finding)
-        details = {
+        if diagnosis is not None:
+            message = f"{message} {diagnosis.message}"
+        details: dict[str, Any] = {
             "where": finding.kind,
             "ranks": list(finding.ranks),
             "parameters": finding.names[:MAX_NAMES],
@@ -217,6 +310,8 @@ class NonFiniteDetector(SuiteCallback):
             "loss_scale": record.loss_scale,
             "optimizer": record.optimizer_index,
         }
+        if diagnosis is not None:
+            details["diagnosis"] = diagnosis.to_dict()
         self._event(trainer, "nonfinite", message, rank=min(finding.ranks, default=0), **details)
         self._raise_signals(trainer, record, finding, message)
         state_broken = finding.kind in ("weight", "optimizer_state")
@@ -224,7 +319,7 @@ class NonFiniteDetector(SuiteCallback):
             self._warnings.warn(f"{finding.kind}:{finding.hint_key}", message + " (shown once)")
             return
         if self.action == "raise" or (state_broken and not _state_recovery_in(trainer)):
-            raise self._error(message, record, finding)
+            raise self._error(message, record, finding, diagnosis)
         if not state_broken and record.skip(f"non-finite {finding.kind}"):
             self.skipped_steps += 1
             self._event(trainer, "skip", f"skipped optimizer step {record.step}: non-finite {finding.kind}", **details)
@@ -235,7 +330,7 @@ class NonFiniteDetector(SuiteCallback):
             )
             finding.hint_key = "consecutive"
             self._event(trainer, "abort", message, **details)
-            raise self._error(message, record, finding)
+            raise self._error(message, record, finding, diagnosis)
 
     def _raise_signals(self, trainer: pl.Trainer, record: StepHealth, finding: Finding, message: str) -> None:
         index = record.optimizer_index
@@ -271,8 +366,18 @@ class NonFiniteDetector(SuiteCallback):
             f"{ranks}{finding.detail}. {done}".rstrip()
         )
 
-    def _error(self, message: str, record: StepHealth, finding: Finding) -> NonFiniteError:
-        hint = HINTS[finding.hint_key]
+    def _diagnose(self, trainer: pl.Trainer, record: StepHealth, finding: Finding) -> Diagnosis | None:
+        """Replay the batch on every rank (the finding is identical on every rank, so all of them get here)."""
+        if not self.diagnose or finding.kind not in ("loss", "grad"):
+            return None
+        diagnosis = diagnose_step(trainer, trainer.lightning_module, self._kept, record.step, finding.ranks)
+        self.last_diagnosis = diagnosis
+        return diagnosis
+
+    def _error(
+        self, message: str, record: StepHealth, finding: Finding, diagnosis: Diagnosis | None = None
+    ) -> NonFiniteError:
+        hint = diagnosis.hint if diagnosis is not None and diagnosis.hint else HINTS[finding.hint_key]
         return NonFiniteError(
             f"{message} HINT: {hint}.",
             kind=finding.kind,
@@ -281,7 +386,31 @@ class NonFiniteDetector(SuiteCallback):
             parameters=finding.names[:MAX_NAMES],
             overflow=finding.overflow,
             hint=hint,
+            diagnosis=diagnosis,
         )
+
+    # ---- headroom ---------------------------------------------------------------------------------------------
+    def _report_headroom(self, trainer: pl.Trainer, record: StepHealth) -> None:
+        reading = self._headroom.read(record) if self._headroom is not None else None
+        if reading is None:
+            return
+        self.last_headroom = reading
+        for logger in trainer.loggers:
+            logger.log_metrics(reading.metrics(), step=_compat.batches_that_stepped(trainer))
+        if reading.decades >= self.headroom_warn_decades:
+            return
+        message = (
+            f"NonFiniteDetector: only {reading.decades:.1f} decades of headroom left below the FP32 limit (3.4e38) "
+            f"at step {reading.step}: {reading.describe(trainer.world_size > 1)}. The run is approaching overflow "
+            f"(warning below {self.headroom_warn_decades:g} decades; shown once). HINT: {HINTS['headroom']}."
+        )
+        if not self._headroom_warned:
+            self._headroom_warned = True
+            self._event(trainer, "headroom", message, rank=reading.rank or 0, step=reading.step,
+                        decades=reading.decades, source=reading.source, module=reading.module,
+                        magnitude=reading.magnitude)  # fmt: skip
+        if trainer.global_rank == 0:
+            self._warnings.warn("headroom", message)
 
     # ---- counters and state -----------------------------------------------------------------------------------
     @override
@@ -311,6 +440,11 @@ class NonFiniteDetector(SuiteCallback):
         # The state that produced the streak is gone; count afresh from the restored one.
         self._consecutive = 0
         self._scaler_overflows = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_kept"] = None  # a batch on the device and the random state belong to one step of one fit
+        return state
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -138,10 +138,10 @@ class FaultInjector(Callback):
                 _parameter(pl_module, fault.parameter).view(-1)[0] = _VALUES[fault.kind]
         for i, fault in self._due(trainer, ("nan_grad", "inf_grad")):
             self._fire(trainer, i, fault)
-            value = _VALUES[fault.kind]
             # A tensor hook changes the gradient before DDP all-reduces it, as a real fault on one rank would.
-            handle = _parameter(pl_module, fault.parameter).register_hook(functools.partial(_poison, value=value))
-            self._handles.append(handle)
+            # With ``once`` it poisons the first backward pass only, so a replay of the batch sees a clean gradient.
+            poison = _Poison(_VALUES[fault.kind], once=fault.once)
+            self._handles.append(_parameter(pl_module, fault.parameter).register_hook(poison))
 
     @override
     def on_train_batch_end(self, *_: Any) -> None:
@@ -153,10 +153,19 @@ class FaultInjector(Callback):
         self._handles.clear()
 
 
-def _poison(grad: Tensor, value: float) -> Tensor:
-    grad = grad.clone()
-    grad.view(-1)[0] = value
-    return grad
+class _Poison:
+    """A gradient hook that sets one element to ``value``; with ``once``, only on its first call."""
+
+    def __init__(self, value: float, once: bool) -> None:
+        self.value, self.once, self.calls = value, once, 0
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        self.calls += 1
+        if self.once and self.calls > 1:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = self.value
+        return grad
 
 
 def _parameter(pl_module: pl.LightningModule, name: str | None) -> Tensor:

@@ -1,0 +1,1 @@
+"""The demo behind ``python -m lightning_overflow demo``: a byte-level transformer that diverges bare."""

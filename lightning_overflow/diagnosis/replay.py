@@ -1,0 +1,314 @@
+"""Replay a non-finite training step in Lightning: every rank re-runs its batch under the tracer, then the ranks
+combine what they saw (Megatron's rerun idea, inside the Trainer).
+
+The replay runs ``training_step`` on the plain LightningModule, never on the DDP wrapper, so that no collective runs
+inside it, and differentiates with ``torch.autograd.grad``, so that ``.grad`` and DDP's reducer are left alone. It
+runs with the random streams the step started with (the same dropout masks) and puts back afterwards every random
+stream, the buffers (BatchNorm statistics) and metric states; ``self.log`` is silenced while it runs. Every rank
+enters :func:`diagnose_step` together (the decision to diagnose comes from the shared step record), and the ranks'
+results are combined with one ``all_gather_object``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_overflow import _compat
+from lightning_overflow.diagnosis.hints import HUGE_INPUT, batch_hint, origin_hint
+from lightning_overflow.diagnosis.preserve import RngState, preserved_state
+from lightning_overflow.diagnosis.records import Diagnosis, Replay, Trace
+from lightning_overflow.diagnosis.tracer import NonFiniteTracer, floating_tensors
+
+__all__ = ["KeptBatch", "diagnose_step", "replay_batch"]
+
+_REPLAYABLE_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+_SHARDING_STRATEGIES = ("DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy")
+
+
+@dataclass(frozen=True)
+class KeptBatch:
+    """What the detector keeps at the start of every batch to be able to replay it: references, no copies.
+
+    Attributes:
+        batch: the batch as ``training_step`` receives it (on the device).
+        batch_idx: its index.
+        rng: the torch random streams when the batch started.
+    """
+
+    batch: Any
+    batch_idx: int
+    rng: RngState
+
+
+def not_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptBatch | None) -> str:
+    """Why this step cannot be replayed (empty when it can)."""
+    if not pl_module.automatic_optimization:
+        return (
+            "manual optimization: this step's forward and backward ran inside training_step together with the other "
+            "optimizers' steps, and re-running training_step would step them again; check the loss of each "
+            "manual_backward instead"
+        )
+    if "dataloader_iter" in _parameters(pl_module.training_step):
+        return "training_step takes the dataloader_iter: it consumed the batch from an iterator the callback cannot see"
+    mro = {cls.__name__ for cls in type(trainer.strategy).__mro__}
+    if mro & set(_SHARDING_STRATEGIES) or not mro & set(_REPLAYABLE_STRATEGIES):
+        return f"{type(trainer.strategy).__name__} is not replayed (the replay needs the whole model on every rank)"
+    if kept is None:
+        return "the batch of this step was not kept"
+    return ""
+
+
+def replay_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptBatch | None) -> Replay:
+    """Re-run this rank's batch under :class:`~lightning_overflow.diagnosis.tracer.NonFiniteTracer`. Local: no
+    collective. Never raises: a failed replay is reported in :attr:`Replay.error`."""
+    rank = int(trainer.global_rank)
+    reason = not_replayable(trainer, pl_module, kept)
+    if reason:
+        return Replay(rank, replayed=False, reason=reason)
+    assert kept is not None
+    magnitude, nonfinite = _batch_stats(kept.batch)
+    error = ""
+    for module_backward_hooks in (True, False):  # full backward hooks reject in-place ops on module outputs
+        try:
+            trace = _traced_step(trainer, pl_module, kept, module_backward_hooks)
+        except _NoLoss:
+            return Replay(rank, False, reason="training_step returned no loss on replay", batch_magnitude=magnitude,
+                          batch_nonfinite=nonfinite)  # fmt: skip
+        except Exception as caught:  # the diagnosis must never take the run down with it
+            error = f"{type(caught).__name__}: {caught}"
+            continue
+        return Replay(rank, True, trace=trace, batch_magnitude=magnitude, batch_nonfinite=nonfinite)
+    return Replay(rank, False, error=error, batch_magnitude=magnitude, batch_nonfinite=nonfinite)
+
+
+def diagnose_step(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    kept: KeptBatch | None,
+    step: int,
+    observed_ranks: tuple[int, ...],
+) -> Diagnosis:
+    """Replay on every rank and combine. Every rank must call it together (it ends with one collective)."""
+    replays = _gather(replay_batch(trainer, pl_module, kept))
+    accumulation = int(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1
+    return combine(step, replays, observed_ranks, accumulation)
+
+
+def combine(step: int, replays: list[Replay], observed_ranks: tuple[int, ...], accumulation: int = 1) -> Diagnosis:
+    """The verdict and the sentence from every rank's replay (identical on every rank: same inputs)."""
+    replayed = any(r.replayed for r in replays)
+    reproduced = tuple(r.rank for r in replays if r.reproduced)
+    failed = [r for r in replays if not r.replayed]
+    reason = ""
+    if reproduced:
+        verdict = "persistent"
+    elif not replayed:
+        verdict = "unknown"
+        reason = failed[0].reason or f"the replay failed ({failed[0].error})"
+    elif failed:
+        verdict = "unknown"
+        bad = failed[0]
+        reason = f"rank {bad.rank} could not replay its batch ({bad.reason or bad.error})"
+    elif accumulation > 1:
+        verdict = "unknown"
+        reason = f"only the last of the {accumulation} accumulated micro-batches was replayed, and it stayed finite"
+    else:
+        verdict = "transient"
+    first = _first(reproduced, observed_ranks)
+    chosen = next((r for r in replays if r.rank == first), None)
+    trace = chosen.trace if chosen is not None else None
+    origin = trace.origin if trace is not None else None
+    overflow = trace is not None and origin is None and trace.beyond_fp32
+    hint = ""
+    if chosen is not None and trace is not None:
+        growth = trace.growth if origin is None or origin.source == "op" else None
+        # The data first: an op that overflowed on a corrupt sample is not the op's fault.
+        hints = [batch_hint(chosen.batch_nonfinite, chosen.batch_magnitude), origin_hint(origin, growth, overflow)]
+        hint = "; ".join(h for h in hints if h)
+    message = _message(verdict, reason, chosen, replays, reproduced, observed_ranks)
+    return Diagnosis(
+        step=step,
+        verdict=verdict,  # type: ignore[arg-type]
+        replayed=replayed,
+        reason=reason,
+        origin=origin,
+        origin_rank=first,
+        reproduced_ranks=reproduced,
+        observed_ranks=tuple(observed_ranks),
+        overflow=overflow,
+        hint=hint,
+        message=message,
+        replays=tuple(replays),
+    )
+
+
+# ---- the sentence -------------------------------------------------------------------------------------------------
+def _message(
+    verdict: str,
+    reason: str,
+    chosen: Replay | None,
+    replays: list[Replay],
+    reproduced: tuple[int, ...],
+    observed: tuple[int, ...],
+) -> str:
+    if verdict == "unknown" and not reproduced:
+        return f"Diagnosis: transient or persistent is unknown: {reason}."
+    distributed = len(replays) > 1
+    if verdict == "transient":
+        finite = [r.trace for r in replays if r.trace is not None]
+        values = ", ".join(f"loss {t.loss:.4g}, gradient norm {t.grad_norm:.4g}" for t in finite[:1])
+        seen = f" It was seen on rank(s) {_ranks(observed)} only." if distributed and observed else ""
+        return (
+            f"Diagnosis: transient: the replay of this batch on the same weights stayed finite ({values}); a hardware "
+            f"fault, a nondeterministic kernel or a race, not the data or the model.{seen}"
+        )
+    assert chosen is not None and chosen.trace is not None
+    trace = chosen.trace
+    parts = [_cause(trace)]
+    if trace.growth is not None:
+        parts.append(trace.growth.describe())
+    if chosen.batch_nonfinite:
+        parts.append(f"the batch holds {chosen.batch_nonfinite} inf/NaN values")
+    elif chosen.batch_magnitude > HUGE_INPUT:
+        parts.append(f"the batch holds values up to {chosen.batch_magnitude:.3g}")
+    sentence = "; ".join(parts)
+    text = (
+        f"Diagnosis: {sentence}. Persistent: the replay of this batch on the same weights reproduces it (the data or "
+        f"the model, not the hardware)."
+    )
+    if distributed:
+        others = [r.rank for r in replays if r.rank not in reproduced]
+        text += f" First seen on rank {chosen.rank}"
+        more = [r for r in reproduced if r != chosen.rank]
+        text += f" (also on rank(s) {_ranks(more)})" if more else ""
+        text += f"; the replay on rank(s) {_ranks(others)} stayed finite." if others else "."
+    return text
+
+
+def _cause(trace: Trace) -> str:
+    origin = trace.origin
+    if origin is not None:
+        return origin.describe()
+    if trace.beyond_fp32:
+        largest = trace.largest_gradient
+        which = f", the largest being {largest[0]} (norm {largest[1]:.3g})" if largest else ""
+        return (
+            f"no value became inf/NaN: the gradients are finite{which}, but their total norm {trace.grad_norm:.3g} "
+            f"lies beyond FP32, so its square overflows (an overflow of the squared norm, not NaN)"
+        )
+    return f"the replay's loss was {trace.loss:.4g} and its gradient norm {trace.grad_norm:.4g}, no single op named"
+
+
+def _ranks(ranks: Any) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _first(reproduced: tuple[int, ...], observed: tuple[int, ...]) -> int | None:
+    """The rank to report: one that both observed the fault and reproduced it, else the lowest that reproduced."""
+    for rank in reproduced:
+        if rank in observed:
+            return rank
+    return reproduced[0] if reproduced else None
+
+
+# ---- the replay itself --------------------------------------------------------------------------------------------
+class _NoLoss(Exception):
+    pass
+
+
+def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptBatch, module_hooks: bool) -> Trace:
+    params = [p for p in pl_module.parameters() if p.requires_grad]
+    names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
+    args = (kept.batch, kept.batch_idx) if _takes_batch_idx(pl_module) else (kept.batch,)
+    scaler = _compat.scaler_of(trainer)
+    with preserved_state(pl_module, kept.rng), _silenced_logging(pl_module), torch.enable_grad():
+        with NonFiniteTracer(pl_module, module_backward_hooks=module_hooks) as tracer:
+            with trainer.precision_plugin.train_step_context():
+                output = pl_module.training_step(*args)
+            loss = _loss_of(output)
+            if loss is None:
+                raise _NoLoss
+            value = float(loss.detach().float().sum())
+            # Under 16-mixed the backward ran on the scaled loss; replay it the same way (scale() changes nothing).
+            tracer.backward(scaler.scale(loss) if scaler is not None else loss, params)
+            return replace(tracer.trace(names), loss=value)
+
+
+def _loss_of(output: Any) -> Tensor | None:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
+@contextmanager
+def _silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` / ``self.log_dict`` do nothing while the replay runs (they would log the batch twice)."""
+    own = {name: vars(pl_module)[name] for name in ("log", "log_dict") if name in vars(pl_module)}
+    pl_module.log = _no_log  # type: ignore[method-assign]
+    pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name in ("log", "log_dict"):
+            if name in own:
+                setattr(pl_module, name, own[name])
+            else:
+                delattr(pl_module, name)
+
+
+def _no_log(*_: Any, **__: Any) -> None:
+    return None
+
+
+def _parameters(function: Any) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _takes_batch_idx(pl_module: pl.LightningModule) -> bool:
+    """As Lightning decides: a ``batch_idx`` parameter, or at least two positional parameters, or ``*args``."""
+    params = _parameters(pl_module.training_step)
+    if "batch_idx" in params:
+        return True
+    kinds = [p.kind for p in params.values()]
+    positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+    return positional >= 2 or inspect.Parameter.VAR_POSITIONAL in kinds
+
+
+def _batch_stats(batch: Any) -> tuple[float, int]:
+    """The largest finite magnitude in the batch, and how many inf/NaN values it holds."""
+    tensors = [t for t in floating_tensors(batch) if t.numel()]
+    if not tensors:
+        return 0.0, 0
+    with torch.no_grad():
+        parts = []
+        for t in tensors:
+            finite = torch.isfinite(t)
+            largest = torch.where(finite, t.abs(), torch.zeros((), dtype=t.dtype, device=t.device)).amax()
+            parts.append(torch.stack([largest.double(), (~finite).sum().double()]).cpu())
+        values = torch.stack(parts)
+        magnitude, bad = values[:, 0].amax().item(), values[:, 1].sum().item()
+    return (magnitude if math.isfinite(magnitude) else 0.0), int(bad)
+
+
+def _gather(local: Replay) -> list[Replay]:
+    """Every rank's replay, by rank: one collective that every rank enters together."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [local]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return sorted(gathered, key=lambda r: r.rank)

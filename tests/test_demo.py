@@ -1,0 +1,42 @@
+"""The main job: ``python -m lightning_overflow demo`` diverges bare and completes protected."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_overflow.cli import main
+from lightning_overflow.demo.run import run_demo
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_prints_the_comparison_and_writes_the_dashboard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    unprotected, protected = run_demo(steps=160, out=tmp_path)
+    printed = capsys.readouterr().out
+    assert "steps completed" in printed and "rollbacks" in printed and f"dashboard: {tmp_path / 'dashboard.png'}" in printed
+    assert unprotected.steps < 160 and math.isnan(unprotected.train_loss) and unprotected.events == {}
+    assert protected.steps == 160 and math.isfinite(protected.val_loss) and not protected.stopped_by
+    assert protected.events.get("rollback", 0) >= 1 and protected.events.get("backoff", 0) >= 1
+    assert (tmp_path / "dashboard.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "protected" / "overflow_events.jsonl").exists()
+
+
+def test_demo_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--steps", "many"])
+    assert "argument --steps: must be an int >= 1 (got 'many')" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--steps", "0"])
+    assert "argument --steps: must be an int >= 1 (got 0)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"'steps' must be >= 1 \(got 0\)"):
+        run_demo(steps=0)
+
+
+def test_module_entry_point_lists_both_commands() -> None:
+    out = subprocess.run([sys.executable, "-m", "lightning_overflow", "--help"], capture_output=True, text=True, check=True)
+    assert "demo" in out.stdout and "report" in out.stdout

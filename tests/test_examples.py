@@ -1,0 +1,111 @@
+"""The examples: each runs with ``--fast``, fails unprotected and is rescued or precisely diagnosed protected.
+
+Every example prints a last line ``RESULT {json}``; the examples run two at a time in subprocesses (one per core),
+once for the module, and each test asserts on its example's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+NAMES = (
+    "deep_mlp_init",
+    "infonce_exp",
+    "large_batch_high_lr",
+    "corrupt_sample",
+    "rnn_long_sequences",
+    "gan_discriminator",
+)
+
+
+def run_example(name: str) -> dict[str, Any]:
+    # Two examples at a time, one thread each: more threads than cores would spin and slow both down.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--fast"],
+        capture_output=True, text=True, timeout=240, cwd=EXAMPLES.parent, env=env,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise AssertionError(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["example"] == name
+    return result
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict[str, Any]]:
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(NAMES, pool.map(run_example, NAMES)))
+
+
+def test_the_six_classic_failures_are_there() -> None:
+    assert set(NAMES) <= {p.stem for p in EXAMPLES.glob("*.py")}
+
+
+def test_deep_mlp_init(results: dict[str, dict[str, Any]]) -> None:
+    result = results["deep_mlp_init"]
+    assert result["unprotected"]["weights_finite"] is False
+    safe = result["protected"]
+    assert safe["raised"] and (safe["step"], safe["verdict"], safe["direction"]) == (0, "persistent", "forward")
+    assert safe["growth_layers"] >= 30 and 3 < safe["growth_factor"] < 4.5
+    assert safe["hint_names_initialisation"]
+
+
+def test_infonce_exp(results: dict[str, dict[str, Any]]) -> None:
+    result = results["infonce_exp"]
+    assert result["unprotected"]["weights_finite"] is False
+    step = result["unprotected"]["first_nonfinite_step"]
+    assert step is not None and step > 0  # it trained healthily before
+    safe = result["protected"]
+    assert (safe["step"], safe["op"], safe["module"], safe["direction"]) == (step, "exp", None, "forward")
+    assert safe["verdict"] == "persistent" and safe["input_magnitude"] > 88.7 and safe["hint_logsumexp"]
+    fixed = result["hint_applied"]
+    assert fixed["weights_finite"] and fixed["nonfinite_events"] == 0
+
+
+def test_large_batch_high_lr(results: dict[str, dict[str, Any]]) -> None:
+    result = results["large_batch_high_lr"]
+    assert result["unprotected"]["weights_finite"] is False
+    safe = result["protected"]
+    assert safe["weights_finite"] and safe["backoffs"] >= 1 and safe["rollbacks"] >= 1 and safe["lr_scale"] < 1
+    assert safe["final_loss"] < safe["initial_loss"] / 10
+
+
+def test_corrupt_sample(results: dict[str, dict[str, Any]]) -> None:
+    result = results["corrupt_sample"]
+    assert result["unprotected"]["weights_finite"] is False
+    safe = result["protected"]
+    assert safe["weights_finite"] and safe["skipped"] == 4  # once an epoch, four epochs
+    assert (safe["verdict"], safe["op"]) == ("persistent", "mse_loss")
+    assert safe["batch_magnitude"] == pytest.approx(1e30)
+    assert safe["loss"] == pytest.approx(result["clean"]["loss"], rel=0.2)
+
+
+def test_rnn_long_sequences(results: dict[str, dict[str, Any]]) -> None:
+    result = results["rnn_long_sequences"]
+    assert result["unprotected"]["weights_finite"] is False
+    safe = result["protected"]
+    assert safe["weights_finite"] and safe["nonfinite_events"] == 0 and safe["clipped_steps"] > 0
+    assert safe["last_epoch_loss"] < safe["first_epoch_loss"]
+
+
+def test_gan_discriminator(results: dict[str, dict[str, Any]]) -> None:
+    result = results["gan_discriminator"]
+    assert result["unprotected"]["weights_finite"] is False
+    safe = result["protected"]
+    assert safe["weights_finite"] and safe["skipped"] > 0 and safe["optimizers"] == [1]
+    assert safe["replayed"] is False and "manual optimization" in safe["reason"]
+    stable = result["stable"]
+    assert stable["weights_finite"] and stable["skipped"] == 0

@@ -1,0 +1,247 @@
+"""Headroom: decades between the largest magnitude of a sampled step and the FP32 limit, logged and warned once,
+inside the suite's one host read, with hooks on the sampled steps only."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import MemoryLogger, assert_bit_identical, fit, weights
+from ddp_utils import run_ddp
+from torch import Tensor, nn
+
+from lightning_overflow import NonFiniteDetector, OverflowWarning, read_journal
+from lightning_overflow.diagnosis.headroom import ActivationSampler, decades_below_fp32
+from lightning_overflow.numerics import FP32_MAX
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+
+
+class Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.factor
+
+
+class Amplified(TinyRegressor):
+    """TinyRegressor whose hidden activations pass through 1e25 and back (``net.1`` is the loud module)."""
+
+    def __init__(self, factor: float = 1e25, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net = nn.Sequential(nn.Linear(4, 32), Scale(factor), Scale(1.0 / factor), nn.Tanh(), nn.Linear(32, 1))
+
+
+class Truth(pl.Callback):
+    """The step's values computed independently: largest |output| of ``net.1``, the loss, the gradient norm."""
+
+    def __init__(self) -> None:
+        self.activation: dict[int, float] = {}
+        self.loss: dict[int, float] = {}
+        self.grad: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *_: Any) -> None:
+        step = trainer.global_step
+        self._handle = pl_module.net[1].register_forward_hook(
+            lambda m, a, out: self.activation.__setitem__(step, float(out.detach().abs().amax()))
+        )
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: Tensor) -> None:
+        self.loss[trainer.global_step] = float(loss.detach())
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        grads = [p.grad.double().reshape(-1) for p in pl_module.parameters()]
+        self.grad[trainer.global_step] = float(torch.cat(grads).norm())
+
+    def on_train_batch_end(self, *_: Any) -> None:
+        self._handle.remove()
+
+
+def test_headroom_per_source_is_logged_every_n_steps_with_exact_values() -> None:
+    logger, truth = MemoryLogger(), Truth()
+    detector = NonFiniteDetector(headroom_every_n_steps=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OverflowWarning)
+        fit(Amplified(), [truth, detector], max_steps=7, logger=logger, log_every_n_steps=1)
+    assert [s for s, _ in logger.metrics["overflow/headroom_decades"]] == [0, 3, 6]
+    for step, value in logger.metrics["overflow/headroom_decades/activation"]:
+        assert value == math.log10(FP32_MAX / truth.activation[step])
+    for step, value in logger.metrics["overflow/headroom_decades/loss"]:
+        assert value == math.log10(FP32_MAX / truth.loss[step])
+    for step, value in logger.metrics["overflow/headroom_decades/grad"]:
+        assert value == pytest.approx(math.log10(FP32_MAX / truth.grad[step]), abs=1e-6)
+    for (_, total), (_, act) in zip(logger.metrics["overflow/headroom_decades"],
+                                    logger.metrics["overflow/headroom_decades/activation"]):
+        assert total == act  # the activations are the loudest source here
+    reading = detector.last_headroom
+    assert (reading.step, reading.module, reading.module_type, reading.source) == (6, "net.1", "Scale", "activation")
+    assert reading.decades == math.log10(FP32_MAX / truth.activation[6]) and reading.magnitude == truth.activation[6]
+
+
+def test_one_warning_naming_the_module_and_one_journal_event(tmp_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(Amplified(), [NonFiniteDetector(headroom_every_n_steps=2)], max_steps=8, default_root_dir=tmp_path)
+    ours = [str(w.message) for w in caught if issubclass(w.category, OverflowWarning)]
+    assert len(ours) == 1  # four sampled steps below the threshold, one warning
+    assert ours[0].startswith("NonFiniteDetector: only 13.")
+    expected = "decades of headroom left below the FP32 limit (3.4e38) at step 0: the output of net.1 (Scale) reached"
+    assert expected in ours[0]
+    events = list(read_journal(tmp_path / "overflow_events.jsonl"))
+    assert [(e["kind"], e["step"], e["details"]["module"]) for e in events] == [("headroom", 0, "net.1")]
+
+
+def test_a_healthy_model_has_ample_headroom_and_no_warning() -> None:
+    detector = NonFiniteDetector(headroom_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OverflowWarning)
+        fit(TinyRegressor(), [detector], max_steps=3)
+    assert detector.last_headroom.decades > 35
+
+
+def test_the_threshold_is_configurable() -> None:
+    detector = NonFiniteDetector(headroom_every_n_steps=1, headroom_warn_decades=38.5)
+    pattern = r"at step 0: the gradient norm reached .* \(the largest activation, .*, came out of net\.0 \(Linear\)\)"
+    with pytest.warns(OverflowWarning, match=pattern):
+        fit(TinyRegressor(), [detector], max_steps=1)
+
+
+def test_a_nonfinite_step_has_no_headroom_reading() -> None:
+    logger = MemoryLogger()
+    detector = NonFiniteDetector(headroom_every_n_steps=2)
+    fit(TinyRegressor(), [detector, FaultInjector(Fault(2, "inf_loss"))], max_steps=5, logger=logger)
+    assert [s for s, _ in logger.metrics["overflow/headroom_decades"]] == [0, 4]  # step 2 was not a reading
+    assert detector.skipped_steps == 1
+
+
+def test_decades_below_fp32() -> None:
+    assert decades_below_fp32(FP32_MAX) == 0.0 and decades_below_fp32(math.inf) == 0.0
+    assert decades_below_fp32(0.0) == math.inf and decades_below_fp32(-3.4028234663852886e18) == pytest.approx(20.0)
+
+
+# ---- cost ----------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    reads: Counter[str] = Counter()
+    for name in ("item", "tolist", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self: Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("lightning_overflow"):
+                reads[caller] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return reads
+
+
+def test_sampled_steps_stay_within_the_one_host_read(count_reads: Counter[str]) -> None:
+    detector = NonFiniteDetector(check_weights_every_n_steps=None, headroom_every_n_steps=1)
+    fit(TinyRegressor(), [detector], max_steps=5, logger=MemoryLogger(), log_every_n_steps=1)
+    assert count_reads == Counter({"lightning_overflow.distributed": 5})
+    assert detector.last_headroom.step == 4
+
+
+class HookCensus(pl.Callback):
+    """Forward hooks on the model's modules while each step runs, and after it ends."""
+
+    def __init__(self) -> None:
+        self.during: list[int] = []
+        self.after: list[int] = []
+
+    @staticmethod
+    def count(model: nn.Module) -> int:
+        return sum(len(m._forward_hooks) for m in model.modules())
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self.during.append(self.count(pl_module))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.after.append(self.count(pl_module))
+
+
+def test_hooks_exist_on_sampled_steps_only_and_are_removed() -> None:
+    census = HookCensus()
+    model = TinyRegressor()
+    fit(model, [census, NonFiniteDetector(headroom_every_n_steps=3)], max_steps=7)
+    modules = len(list(model.modules()))
+    assert census.during == [modules, 0, 0, modules, 0, 0, modules]
+    assert census.after == [0] * 7
+
+
+def test_accumulated_micro_batches_are_sampled_until_their_optimizer_step() -> None:
+    census = HookCensus()
+    model = TinyRegressor()
+    detector = NonFiniteDetector(headroom_every_n_steps=2)
+    fit(model, [census, detector], max_steps=3, accumulate_grad_batches=2)
+    modules = len(list(model.modules()))
+    assert census.during == [modules, modules, 0, 0, modules, modules]
+    assert census.after == [modules, 0, 0, 0, modules, 0]
+    assert detector.last_headroom.step == 2
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_sampling_every_step_leaves_a_healthy_run_bit_identical(optimizer: str) -> None:
+    def run(callbacks: list[Any]) -> dict[str, Tensor]:
+        pl.seed_everything(7, verbose=False)
+        model = TinyRegressor(optimizer=optimizer, dropout=0.1, batch_norm=True)
+        fit(model, callbacks, max_steps=6)
+        return weights(model)
+
+    assert_bit_identical(run([]), run([NonFiniteDetector(headroom_every_n_steps=1)]))
+
+
+# ---- DDP -----------------------------------------------------------------------------------------------------------
+class RankScaled(TinyRegressor):
+    """``net.1`` multiplies by 1e30 on rank 1 and by 1 on rank 0; ``net.2`` undoes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 32), Scale(1.0), Scale(1.0), nn.Tanh(), nn.Linear(32, 1))
+
+    def setup(self, stage: str) -> None:
+        factor = 1e30 if self.trainer.global_rank == 1 else 1.0
+        self.net[1].factor, self.net[2].factor = factor, 1.0 / factor
+
+
+class HeadroomReport(pl.Callback):
+    def __init__(self, directory: Path, detector: NonFiniteDetector) -> None:
+        self.directory, self.detector = directory, detector
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        reading = self.detector.last_headroom
+        record = {"rank": reading.rank, "module": reading.module, "decades": reading.decades, "step": reading.step}
+        (self.directory / f"headroom{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_every_rank_reads_the_same_headroom_and_the_loud_rank(tmp_path: Path) -> None:
+    detector = NonFiniteDetector(headroom_every_n_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OverflowWarning)
+        reports = run_ddp(RankScaled(), [detector, HeadroomReport(tmp_path, detector)], tmp_path)
+    assert [r["error"] for r in reports] == [None, None]
+    readings = [json.loads((tmp_path / f"headroom{r}.json").read_text()) for r in range(2)]
+    assert readings[0] == readings[1]
+    assert (readings[0]["rank"], readings[0]["module"], readings[0]["step"]) == (1, "net.1", 4)
+    assert readings[0]["decades"] < 9
+
+
+def test_the_sampled_values_stay_on_the_device() -> None:
+    # Meta tensors have no values: any read to the host (item, bool, tolist) raises on them.
+    sampler = ActivationSampler()
+    meta = torch.device("meta")
+    sampler._maxima = {0: torch.empty((), device=meta), 3: torch.empty((), device=meta)}
+    value, index = sampler.largest(meta)
+    assert value.device == index.device == meta and value.dtype == index.dtype == torch.float64

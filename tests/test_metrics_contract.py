@@ -1,0 +1,48 @@
+"""The metric names are a contract (dashboards and alerts rely on them): logged as documented, listed in the README."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import MemoryLogger, fit
+
+from lightning_overflow import default_callbacks
+from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
+
+CONTRACT = [
+    "grad_norm/total",
+    "clip/threshold",
+    "clip/coef",
+    "overflow/skipped_steps",
+    "overflow/nonfinite_events",
+    "overflow/spikes",
+    "overflow/lr_scale",
+    "overflow/rollbacks",
+    "overflow/headroom_decades",
+]
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_default_callbacks_log_every_contract_key(tmp_path: Path) -> None:
+    logger = MemoryLogger(str(tmp_path))
+    faults = FaultInjector(Fault(30, "nan_loss"), Fault(40, "nan_weight"))
+    fit(TinyRegressor(), [*default_callbacks(snapshot_every_n_steps=5), faults], max_steps=60, logger=logger,
+        log_every_n_steps=1, default_root_dir=tmp_path)
+    missing = [key for key in CONTRACT if key not in logger.metrics]
+    assert not missing
+    assert dict(logger.metrics["overflow/skipped_steps"])[59] >= 1
+    assert dict(logger.metrics["overflow/rollbacks"])[59] >= 1
+    assert dict(logger.metrics["overflow/lr_scale"])[59] == 0.5
+
+
+def test_several_optimizers_are_suffixed_with_their_index(tmp_path: Path) -> None:
+    logger = MemoryLogger(str(tmp_path))
+    fit(TinyGAN(), default_callbacks(rollback=False), max_steps=6, logger=logger, log_every_n_steps=1,
+        default_root_dir=tmp_path)
+    assert {"grad_norm/total_opt0", "grad_norm/total_opt1", "clip/coef_opt0", "clip/coef_opt1"} <= set(logger.metrics)
+
+
+def test_the_readme_documents_every_key() -> None:
+    text = README.read_text()
+    for key in CONTRACT:
+        assert f"`{key}`" in text, key
