@@ -34,10 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
-from lightning_overflow import NonFiniteDetector, read_journal
-from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
-from lightning_overflow.callbacks.lr_backoff import LRBackoff
-from lightning_overflow.callbacks.rollback import Rollback
+from lightning_overflow import LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback, read_journal
 
 logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

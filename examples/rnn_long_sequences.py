@@ -32,8 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_overflow import NonFiniteDetector
-from lightning_overflow.callbacks.auto_clip import AutoClip
+from lightning_overflow import AutoClip, NonFiniteDetector
 
 logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

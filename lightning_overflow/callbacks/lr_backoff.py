@@ -96,8 +96,7 @@ class LRBackoff(SuiteCallback):
 
     Example:
         >>> import pytorch_lightning as pl
-        >>> from lightning_overflow import NonFiniteDetector
-        >>> from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
+        >>> from lightning_overflow import LossSpikeDetector, NonFiniteDetector
         >>> callbacks = [NonFiniteDetector(), LossSpikeDetector(), LRBackoff(factor=0.5)]
         >>> trainer = pl.Trainer(callbacks=callbacks, logger=False)
     """
