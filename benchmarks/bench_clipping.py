@@ -11,8 +11,9 @@ median CPU time of the clipping hook alone (AutoClip's ``on_before_optimizer_ste
 Lightning's ``configure_gradient_clipping`` for ``gradient_clip_val``), the least noisy figure.
 
 Thresholds are set so that clipping happens: ``fixed`` and ``gradient_clip_val`` clip every step, ``percentile``
-(p=10) about nine steps in ten, ``agc`` some units every step; ``zscore`` computes its threshold every step and
-clips only outliers, as it would in a real run.
+(p=10) about nine steps in ten, ``agc`` some units every step, and ``agc_max_norm`` caps the total norm after AGC
+on every step as well; ``zscore`` computes its threshold every step and clips only outliers, as it would in a real
+run.
 
 Run:  python benchmarks/bench_clipping.py            (about a minute on 2 CPU cores)
       python benchmarks/bench_clipping.py --quick    (a few seconds, for a smoke test)
@@ -109,6 +110,7 @@ def configurations() -> dict[str, tuple[list[Any], dict[str, Any]]]:
         "percentile": ([timed(AutoClip(mode="percentile"))], {}),
         "zscore": ([timed(AutoClip(mode="zscore"))], {}),
         "agc": ([timed(AutoClip(mode="agc"))], {}),
+        "agc_max_norm": ([timed(AutoClip(mode="agc", max_norm=CLIP))], {}),
     }
 
 
@@ -176,7 +178,7 @@ def main() -> None:
         per_round.append(medians)
 
     none = statistics.median(cpu["none"])
-    print(f"\nCPU time per step (all threads), median; ratios are medians of per-round paired ratios")
+    print("\nCPU time per step (all threads), median; ratios are medians of per-round paired ratios")
     print(f"{'configuration':<20}{'ms/step':>9}{'+ms vs none':>13}{'x none':>9}{'x clip_val':>12}{'wall ms':>10}"
           f"{'clip hook ms':>14}")
     for name in names:

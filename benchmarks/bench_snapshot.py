@@ -1,9 +1,10 @@
 """Time to take and to restore a rollback snapshot, relative to one training step.
 
-A snapshot is what ``Rollback`` does every ``every_n_steps`` steps: copy the model and AdamW state into reused host
-buffers and check them finite (one norm pass, one host read). A restore copies them back in place. Both are compared
-with one full training step (forward, backward, AdamW update) of the same model; medians over repeated runs, one
-process. A disk snapshot (temporary file, fsync, rename) is timed once.
+A snapshot is what ``Rollback`` does every ``every_n_steps`` steps: check the model and AdamW state for inf/NaN (one
+max-abs pass over every tensor, step counters left out, one host read) and copy them into reused host buffers. A
+restore copies them back in place. Both are compared with one full training step (forward, backward, AdamW update)
+of the same model; medians over repeated runs, one process. A disk snapshot (temporary file, fsync, rename) is timed
+once.
 
     python benchmarks/bench_snapshot.py            # a 6-layer transformer, about 20M parameters
     python benchmarks/bench_snapshot.py --quick    # about 1M parameters, fewer repeats (seconds)
@@ -80,13 +81,21 @@ def main() -> None:
     snapshot = take_snapshot(live())
     first = time.perf_counter() - first_start
 
+    def check(state: dict[str, object]) -> None:
+        """Rollback's verification before a state becomes a rollback target."""
+        weights = nonfinite_flag(state_tensors(state["model"]))
+        moments = nonfinite_flag(state_tensors(state["optimizers"]), scalars=False)
+        if any(torch.stack([weights, moments]).tolist()):
+            raise FloatingPointError("the benchmark state is not finite")
+
     def take() -> None:
         nonlocal snapshot
         state = live()
-        flag = nonfinite_flag(state_tensors(state))  # verified before it becomes a rollback target
-        if flag.item():
-            raise FloatingPointError("the benchmark state is not finite")
+        check(state)
         snapshot = take_snapshot(state, reuse=snapshot)
+
+    def check_only() -> None:
+        check(live())
 
     def copy_only() -> None:
         nonlocal snapshot
@@ -96,7 +105,9 @@ def main() -> None:
         restore_state_(model.state_dict(), snapshot["model"])
         restore_optimizer_(optimizer, snapshot["optimizers"][0])
 
-    t_step, t_take, t_copy, t_restore = interleaved_medians([step, take, copy_only, restore], repeats)
+    t_step, t_take, t_copy, t_check, t_restore = interleaved_medians(
+        [step, take, copy_only, check_only, restore], repeats
+    )
     with tempfile.TemporaryDirectory() as tmp:
         disk_start = time.perf_counter()
         save_snapshot({"state": snapshot}, Path(tmp) / "rollback-step=0.pt", step=0)
@@ -111,6 +122,7 @@ def main() -> None:
         ("training step", t_step),
         ("take snapshot (copy + check)", t_take),
         ("  of which the copy", t_copy),
+        ("  of which the check", t_check),
         ("restore snapshot", t_restore),
         ("first copy (allocates)", first),
         ("disk snapshot (once)", t_disk),

@@ -50,7 +50,8 @@ def default_callbacks(
         max_rollbacks: rollbacks allowed within Rollback's window before ``DivergenceError`` (default 3).
         dirpath: also write snapshots there (atomically), so a restarted run can roll back past the restart.
         per_parameter_norms: log ``grad_norm/<parameter>`` too.
-        rollback: include ``Rollback`` (default ``True``).
+        rollback: include ``Rollback`` (default ``True``). With ``False``, ``snapshot_every_n_steps``,
+            ``max_rollbacks`` and ``dirpath`` have nothing to configure; a ``dirpath`` then is an error.
 
     Example:
         >>> [type(cb).__name__ for cb in default_callbacks()]
@@ -63,6 +64,8 @@ def default_callbacks(
     budget = check_int("max_rollbacks", max_rollbacks, minimum=1)
     per_parameter = check_bool("per_parameter_norms", per_parameter_norms)
     with_rollback = check_bool("rollback", rollback)
+    if dirpath is not None and not with_rollback:
+        raise ValueError(f"'dirpath' needs rollback=True: it is where Rollback writes its snapshots (got {dirpath!r})")
     callbacks: list[Callback] = [
         GradNormMonitor(per_parameter=per_parameter),
         NonFiniteDetector(action="skip"),

@@ -12,14 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["rank_and_world", "reduce_and_read"]
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the world size (``(0, 1)`` when not distributed)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+__all__ = ["reduce_and_read"]
 
 
 def reduce_and_read(summed: Tensor, local: Tensor) -> tuple[list[float], list[float]]:

@@ -27,6 +27,7 @@ from lightning_overflow.distributed import reduce_and_read
 from lightning_overflow.events import JOURNAL_NAME, Event, Journal
 from lightning_overflow.numerics import (
     FP32_MAX,
+    nonfinite_indices,
     norm_status,
     optimizer_state_tensors,
     refine_norms,
@@ -125,7 +126,7 @@ class StepHealth:
         names: list[str],
     ) -> None:
         self._board = board
-        self._trainer = trainer
+        self._trainer = weakref.ref(trainer)  # the board is keyed weakly by the trainer: never hold it strongly
         self.optimizer = optimizer
         self.step = int(trainer.global_step)
         self.optimizer_index = _index_of(trainer.optimizers, optimizer)
@@ -232,7 +233,10 @@ class StepHealth:
             return False
         self.skipped = True
         self.skip_reason = reason
-        self._board.skip_step(self._trainer, self.optimizer)
+        trainer = self._trainer()
+        if trainer is None:
+            raise RuntimeError("the trainer of this step record is gone")
+        self._board.skip_step(trainer, self.optimizer)
         return True
 
 
@@ -249,7 +253,6 @@ class HealthBoard:
         self._last_loss: weakref.ref[Tensor] | None = None
         self._held: list[tuple[Any, dict[str, Any]]] = []
         self._held_groups: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = []
-        self._settled_batch: tuple[int, int] | None = None
         self._logged_step: int | None = None
         self._summarised = False
         self.signals: list[Signal] = []
@@ -262,8 +265,19 @@ class HealthBoard:
         path = None if log_dir is None else f"{log_dir}/{JOURNAL_NAME}"
         if self.journal.path is None or str(self.journal.path) != str(path):
             self.journal = Journal(path, write=trainer.global_rank == 0)
-        self.current = None
+        self.release()
         self._summarised = False
+        self._logged_step = None
+
+    def release(self) -> None:
+        """Drop everything tied to the last fit's tensors (records, held schedulers, loss flags, signals)."""
+        self.current = None
+        self._loss_flags = self._loss_sum = None
+        self._loss_count = 0
+        self._last_loss = None
+        self._held.clear()
+        self._held_groups.clear()
+        self.signals.clear()
 
     def record(self, event: Event) -> None:
         self.journal.record(event)
@@ -410,10 +424,16 @@ class HealthBoard:
         self._held_groups.clear()
 
     # ---- counters and summary ---------------------------------------------------------------------------------
-    def log_counters(self, trainer: pl.Trainer) -> None:
-        """Log the suite's cumulative counters once per logging step, through the Trainer's loggers."""
+    def log_counters(self, trainer: pl.Trainer, caller: SuiteCallback) -> None:
+        """Log the suite's cumulative counters once per logging step, through the Trainer's loggers.
+
+        Only the last suite callback in the list logs them, so they include what every suite callback did in this
+        batch, whatever the order of the list.
+        """
         step = _compat.batches_that_stepped(trainer)
         if self._logged_step == step or not trainer.loggers or not _compat.should_update_logs(trainer):
+            return
+        if suite_callbacks(trainer)[-1] is not caller:
             return
         self._logged_step = step
         counters: dict[str, float] = {}
@@ -471,13 +491,7 @@ def _check_state(record: StepHealth, names: dict[int, str]) -> StateCheck:
 
 
 def nonfinite_labels(tensors: list[Tensor], labels: list[str]) -> list[str]:
-    """Labels of the tensors holding inf/NaN (spurious FP32 overflow excluded). One read, more only if needed."""
-    if not tensors:
-        return []
+    """Labels of the tensors holding inf/NaN, by the snapshots' rule (largest magnitude: no spurious FP32 overflow
+    of finite values). One host read."""
     with torch.no_grad():
-        fast = tensor_norms([t.detach() for t in tensors]).tolist()
-        bad = [i for i, v in enumerate(fast) if not math.isfinite(v)]
-        if not bad:
-            return []
-        exact = refine_norms([t.detach() for t in tensors], torch.tensor(fast), bad).tolist()
-    return [labels[i] for i in bad if not math.isfinite(exact[i])]
+        return [labels[i] for i in nonfinite_indices(tensors)]

@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_overflow.events import JOURNAL_NAME, read_journal
 
-__all__ = ["EVENT_STYLES", "Run", "ReportError", "load_run", "render", "summarise"]
+__all__ = ["EVENT_STYLES", "ReportError", "Run", "load_run", "render", "summarise"]
 
 Series = list[tuple[int, float]]
 

@@ -112,11 +112,11 @@ def assert_clipped_to(before: list[float], after: list[float], thresholds: list[
     [
         ({"mode": "clip"}, ValueError, "'mode' must be one of 'fixed', 'percentile', 'zscore', 'agc' (got 'clip')"),
         ({"mode": "fixed"}, ValueError, "'max_norm' must be set when mode='fixed' (got None)"),
-        ({"max_norm": 0}, ValueError, "'max_norm' must be in (0, inf] (got 0)"),
+        ({"max_norm": 0}, ValueError, "'max_norm' must be in (0, inf) (got 0)"),
         ({"percentile": 101}, ValueError, "'percentile' must be in [0, 100] (got 101)"),
         ({"window": 0}, ValueError, "'window' must be >= 1 (got 0)"),
         ({"alpha": 1.0}, ValueError, "'alpha' must be in (0, 1) (got 1)"),
-        ({"z_threshold": -1}, ValueError, "'z_threshold' must be in (0, inf] (got -1)"),
+        ({"z_threshold": -1}, ValueError, "'z_threshold' must be in (0, inf) (got -1)"),
         ({"warmup_steps": 1}, ValueError, "'warmup_steps' must be >= 2 (got 1)"),
         ({"clipping": "big"}, TypeError, "'clipping' must be a number (got 'big')"),
         ({"exclude": "head"}, TypeError, "'exclude' must be a sequence of parameter names (got 'head')"),
@@ -150,7 +150,7 @@ def test_unknown_excluded_name_is_an_error_at_setup() -> None:
 def test_fixed_clip_by_hand() -> None:
     model = DotModel()
     _, logger, before, after = clipped_run(AutoClip(mode="fixed", max_norm=5.0), model, max_steps=1)
-    assert before.of() == [25.0]
+    assert before.of() == [25.0] and after.of() == [pytest.approx(5.0, rel=1e-7)]
     torch.testing.assert_close(model.w.detach(), torch.tensor([-1.4, -4.8]))  # SGD, lr 1: w = -[7, 24] * 0.2
     assert logger.series("clip/threshold") == [(0, 5.0)]
     assert logger.series("clip/coef") == [(0, pytest.approx(0.2, abs=1e-15))]
@@ -213,6 +213,57 @@ def test_agc_clips_unit_wise_and_leaves_excluded_parameters_alone() -> None:
     assert smallest < 1.0
     assert logger.values("clip/coef") == [pytest.approx(smallest, rel=1e-6)]
     assert logger.values("clip/threshold") == [0.02]
+
+
+class UnitModel(pl.LightningModule):
+    """One unit ``w = [[3, 4]]`` (norm 5) with gradient ``[[70, 240]]`` (norm 250), and ``b`` (zeros) with gradient
+    ``[0.6, 0.8]`` (norm 1); SGD with lr 1."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([[3.0, 4.0]], dtype=dtype))
+        self.b = nn.Parameter(torch.zeros(2, dtype=dtype))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        w_grad = torch.tensor([[70.0, 240.0]], dtype=self.w.dtype)
+        b_grad = torch.tensor([0.6, 0.8], dtype=self.b.dtype)
+        return (self.w * w_grad).sum() + (self.b * b_grad).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.zeros(1, 1)), batch_size=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_agc_max_norm_caps_the_norm_after_agc_by_hand(dtype: torch.dtype) -> None:
+    """AGC (clipping 0.2) brings w's gradient to norm 0.2 * 5 = 1; b is excluded and keeps norm 1. The total after
+    AGC is sqrt(2), which max_norm=0.5 scales to exactly 0.5 (a cap from the norm before AGC, sqrt(250**2 + 1),
+    would end far below 0.5)."""
+    model = UnitModel(dtype)
+    autoclip = AutoClip(mode="agc", clipping=0.2, max_norm=0.5, exclude=["b"])
+    _, logger, before, after = clipped_run(autoclip, model, max_steps=1)
+    assert before.of() == [pytest.approx(math.sqrt(250.0**2 + 1.0), rel=1e-12)]
+    assert after.of() == [pytest.approx(0.5, rel=1e-6)]
+    cap = 0.5 / math.sqrt(2.0)
+    tolerance = {"rtol": 1e-6, "atol": 0.0} if dtype == torch.float32 else {"rtol": 1e-14, "atol": 0.0}
+    expected_w = torch.tensor([[3.0 - 0.28 * cap, 4.0 - 0.96 * cap]], dtype=torch.float64)
+    expected_b = torch.tensor([-0.6 * cap, -0.8 * cap], dtype=torch.float64)
+    assert model.w.dtype == model.b.dtype == dtype
+    torch.testing.assert_close(model.w.detach().double(), expected_w, **tolerance)
+    torch.testing.assert_close(model.b.detach().double(), expected_b, **tolerance)
+    assert logger.values("clip/coef") == [pytest.approx(cap / 250.0, rel=1e-6)]  # smallest unit's 1/250, x cap
+
+
+@pytest.mark.parametrize("exclude", [[], ["net.2.bias"]])
+def test_agc_max_norm_caps_the_norm_after_agc_also_where_the_fp32_norms_overflow(exclude: list[str]) -> None:
+    spike = FaultInjector(Fault(step=3, kind="loss_spike", factor=1e25))  # gradients ~1e25: FP32 squares overflow
+    autoclip = AutoClip(mode="agc", max_norm=1e-3, exclude=exclude)
+    _, logger, before, after = clipped_run(autoclip, extra=[spike], max_steps=5)
+    assert before.of()[3] > 1e24
+    assert after.of() == [pytest.approx(1e-3, rel=1e-5)] * 5  # AGC leaves more than 1e-3 on every step
+    assert logger.values("clip/coef")[3] < 1e-20
 
 
 @pytest.mark.parametrize(
@@ -309,6 +360,17 @@ def test_resume_clips_exactly_as_the_uninterrupted_run(mode: str, tmp_path: Path
     assert min(straight_logger.values("clip/coef")[8:]) < 0.5  # clipping happened after the resume
     assert resumed.state_dict() == straight.state_dict()
     assert_bit_identical(weights(resumed_model), weights(straight_model))
+
+
+def test_a_reused_autoclip_starts_a_new_fit_with_a_new_warmup() -> None:
+    autoclip = AutoClip(mode="zscore", warmup_steps=5)
+    _, first, _, _ = clipped_run(autoclip, max_steps=8)
+    assert [step for step, _ in first.series("clip/threshold")] == [5, 6, 7]
+    _, second, _, _ = clipped_run(autoclip, TinyRegressor(seed=1), max_steps=8)
+    assert [step for step, _ in second.series("clip/threshold")] == [5, 6, 7]  # warm-up again: no threshold before
+    state = autoclip.state_dict()
+    assert state["steps"] == 8 and state["stats"][0]["count"] == 8
+    assert sum(f for _, f in second.series("clip/fraction_epoch")) * 8 == autoclip.clipped_steps
 
 
 # ---- logs and journal ------------------------------------------------------------------------------------------------

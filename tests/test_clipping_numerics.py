@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -18,10 +19,12 @@ from lightning_overflow.numerics.clipping import (
     ZScoreState,
     agc_,
     agc_coefficients,
+    agc_coefficients_and_norms,
     clip_coefficient,
     clip_grad_norm_,
     percentile_threshold,
     scale_grads_,
+    smallest_coefficient,
     unitwise_norms,
     zscore_threshold,
 )
@@ -66,7 +69,7 @@ def test_finite_gradients_whose_fp32_norm_overflows_are_scaled_to_max_norm_not_z
     exact = grad_norm_report(big).total
     assert exact == pytest.approx(norm64(big), rel=1e-12) and exact > 3e20
     total, coef = clip_grad_norm_(big, 5.0, total=exact)
-    assert total.item() == exact
+    assert total.item() == exact and coef.item() == pytest.approx(5.0 / exact, rel=1e-15)
     assert norm64(big) == pytest.approx(5.0, rel=1e-6)
     torch.testing.assert_close(big[0], torch.full((10,), 5.0 / math.sqrt(10)))
 
@@ -102,7 +105,7 @@ def test_scale_grads_handles_devices_and_dtypes() -> None:
 
 
 def test_max_norm_must_be_positive() -> None:
-    with pytest.raises(ValueError, match=r"^'max_norm' must be in \(0, inf\] \(got 0.0\)$"):
+    with pytest.raises(ValueError, match=r"^'max_norm' must be in \(0, inf\] \(got 0\)$"):
         clip_grad_norm_([torch.ones(2)], 0.0)
 
 
@@ -400,3 +403,121 @@ def test_every_clipping_function_runs_on_meta_tensors() -> None:
     w.grad = torch.empty(3, 4, device=meta)
     assert agc_([w]).device.type == "meta"
     assert agc_([w], exact=True).device.type == "meta"
+    coefs, norms = agc_coefficients_and_norms([w])
+    assert coefs[0].device.type == norms[0].device.type == "meta"
+
+
+# ---- devices ---------------------------------------------------------------------------------------------------------
+class CopyLog(torch.Tensor):
+    """A tensor that records the keyword arguments of every ``.to`` called on it."""
+
+    calls: ClassVar[list[dict[str, object]]] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            cls.calls.append(dict(kwargs))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_the_coefficient_is_never_copied_into_host_memory_asynchronously() -> None:
+    """An asynchronous copy from an accelerator into host memory may still be in flight when the CPU reads it."""
+    CopyLog.calls = []
+    coef = torch.tensor(0.5, dtype=torch.float64).as_subclass(CopyLog)
+    grads = [torch.tensor([2.0, 4.0], dtype=torch.float16), torch.tensor([6.0])]
+    scale_grads_(grads, coef)
+    assert [g.tolist() for g in grads] == [[1.0, 2.0], [3.0]]
+    into_host = [c for c in CopyLog.calls if torch.device(c["device"]).type == "cpu"]  # type: ignore[arg-type]
+    assert len(into_host) == 2 and not any(c.get("non_blocking") for c in into_host)
+
+
+def test_the_smallest_coefficient_lies_on_the_accelerator_among_the_coefficients() -> None:
+    """No copy into host memory: a meta tensor stands for the accelerator (copying out of it raises)."""
+    coefs = [torch.tensor([0.5, 1.0]), torch.empty(2, device="meta")]
+    assert smallest_coefficient(coefs).device.type == "meta"
+    assert smallest_coefficient([torch.tensor([0.5, 1.0]), torch.tensor([0.25])]).item() == 0.25
+
+
+# ---- float64 ---------------------------------------------------------------------------------------------------------
+def test_agc_keeps_float64_parameters_in_float64() -> None:
+    w = torch.nn.Parameter(torch.tensor([[3.0, 4.0], [0.0, 1.0]], dtype=torch.float64))
+    w.grad = torch.tensor([[70.0, 240.0], [0.001, 0.0]], dtype=torch.float64)
+    smallest = agc_([w], clipping=0.2)
+    assert smallest.item() == pytest.approx(1.0 / 250.0, rel=1e-7)
+    assert w.grad.dtype == torch.float64
+    torch.testing.assert_close(w.grad, torch.tensor([[0.28, 0.96], [0.001, 0.0]], dtype=torch.float64), rtol=1e-15,
+                               atol=0)
+    # float64 gradients beyond the FP32 range need no exact mode: their unit norms are float64 already
+    big = torch.nn.Parameter(torch.ones(1, 2, dtype=torch.float64))
+    big.grad = torch.full((1, 2), 1e30, dtype=torch.float64)  # FP32 squares would overflow: 1e60
+    agc_([big], clipping=0.1)
+    assert norm64([big.grad]) == pytest.approx(0.1 * math.sqrt(2), rel=1e-12)
+
+
+# ---- AGC's norms after clipping -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("exact", [False, True])
+def test_agc_norms_are_the_norms_the_gradients_have_after_clipping(exact: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    conv = torch.nn.Parameter(torch.randn(4, 3, 2, generator=gen))
+    conv.grad = torch.randn(4, 3, 2, generator=gen) * torch.tensor([0.001, 0.1, 10.0, 100.0]).view(4, 1, 1)
+    bias = torch.nn.Parameter(torch.zeros(4))
+    bias.grad = torch.tensor([3.0, 0.0, 0.0, 4.0])  # weights 0: the floor eps applies, clipped to 0.05 * 1e-3
+    coefs, norms = agc_coefficients_and_norms([conv, bias], clipping=0.05, exact=exact)
+    assert [c.dtype for c in coefs] == [torch.float32, torch.float32]
+    assert [n.dtype for n in norms] == [torch.float64 if exact else torch.float32] * 2
+    for c, expected in zip(coefs, agc_coefficients([conv, bias], clipping=0.05, exact=exact)):
+        assert torch.equal(c, expected)
+    agc_([conv, bias], clipping=0.05, exact=exact)
+    assert norms[0].item() == pytest.approx(norm64([conv.grad]), rel=1e-6)
+    assert norms[1].item() == pytest.approx(0.05 * 1e-3, rel=1e-6) == pytest.approx(norm64([bias.grad]), rel=1e-6)
+
+
+# ---- argument checks -------------------------------------------------------------------------------------------------
+def _zscore(**kwargs: object) -> None:
+    zscore_threshold(ZScoreState.empty(), 1.0, **kwargs)  # type: ignore[arg-type]
+
+
+def _agc(**kwargs: object) -> None:
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    agc_([w], **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("call", "kwargs", "error", "message"),
+    [
+        (_zscore, {"alpha": 1.0}, ValueError, "'alpha' must be in (0, 1) (got 1)"),
+        (_zscore, {"alpha": NAN}, ValueError, "'alpha' must be in (0, 1) (got nan)"),
+        (_zscore, {"alpha": "0.9"}, TypeError, "'alpha' must be a number (got '0.9')"),
+        (_zscore, {"z_threshold": 0}, ValueError, "'z_threshold' must be in (0, inf) (got 0)"),
+        (_zscore, {"z_threshold": INF}, ValueError, "'z_threshold' must be in (0, inf) (got inf)"),
+        (_zscore, {"warmup_steps": 1}, ValueError, "'warmup_steps' must be >= 2 (got 1)"),
+        (_zscore, {"warmup_steps": 2.0}, TypeError, "'warmup_steps' must be an int (got 2.0)"),
+        (_zscore, {"eps": -1e-6}, ValueError, "'eps' must be in [0, inf) (got -1e-06)"),
+        (_agc, {"clipping": 0.0}, ValueError, "'clipping' must be in (0, inf) (got 0)"),
+        (_agc, {"clipping": None}, TypeError, "'clipping' must be a number (got None)"),
+        (_agc, {"eps": 0.0}, ValueError, "'eps' must be in (0, inf) (got 0)"),
+        (_agc, {"eps": True}, TypeError, "'eps' must be a number (got True)"),
+    ],
+)
+def test_arguments_are_checked(call: object, kwargs: dict[str, object], error: type, message: str) -> None:
+    with pytest.raises(error) as info:
+        call(**kwargs)  # type: ignore[operator]
+    assert str(info.value) == message
+
+
+def test_agc_checks_its_arguments_even_without_gradients() -> None:
+    with pytest.raises(ValueError, match=r"^'clipping' must be in \(0, inf\) \(got -1\)$"):
+        agc_([torch.nn.Parameter(torch.ones(2))], clipping=-1.0)
+    with pytest.raises(ValueError, match=r"^'eps' must be in \(0, inf\) \(got 0\)$"):
+        agc_coefficients([], eps=0.0)
+
+
+def test_percentile_window_and_max_norm_types_are_checked() -> None:
+    with pytest.raises(TypeError, match=r"^'percentile' must be a number \(got '10'\)$"):
+        percentile_threshold(PercentileState.empty(2), 1.0, "10")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^'window' must be an int \(got 2.5\)$"):
+        PercentileState.empty(2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^'max_norm' must be a number \(got '1'\)$"):
+        clip_grad_norm_([torch.ones(2)], "1")  # type: ignore[arg-type]

@@ -44,6 +44,8 @@ def test_composition_and_options() -> None:
         ({"lr_factor": 1.0}, ValueError, "'lr_factor' must be in (0, 1) (got 1)"),
         ({"snapshot_every_n_steps": 0}, ValueError, "'snapshot_every_n_steps' must be >= 1 (got 0)"),
         ({"rollback": "no"}, TypeError, "'rollback' must be a bool (got 'no')"),
+        ({"rollback": False, "dirpath": "snaps"}, ValueError,
+         "'dirpath' needs rollback=True: it is where Rollback writes its snapshots (got 'snaps')"),
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type, message: str) -> None:

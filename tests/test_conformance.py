@@ -42,7 +42,7 @@ CASES: dict[type, Case] = {
             ({"action": "ignore"}, ValueError, "'action' must be one of 'skip', 'raise', 'warn' (got 'ignore')"),
             ({"max_consecutive_skips": 0}, ValueError, "'max_consecutive_skips' must be >= 1 (got 0)"),
             ({"check_weights_every_n_steps": -1}, ValueError, "'check_weights_every_n_steps' must be >= 0 (got -1)"),
-            ({"min_loss_scale": 0}, ValueError, "'min_loss_scale' must be in (0, inf] (got 0)"),
+            ({"min_loss_scale": 0}, ValueError, "'min_loss_scale' must be in (0, inf) (got 0)"),
             ({"burst_window": True}, TypeError, "'burst_window' must be an int (got True)"),
             ({"diagnose": "yes"}, TypeError, "'diagnose' must be a bool (got 'yes')"),
             ({"headroom_every_n_steps": -1}, ValueError, "'headroom_every_n_steps' must be >= 0 (got -1)"),
@@ -53,7 +53,7 @@ CASES: dict[type, Case] = {
     LossSpikeDetector: Case(
         healthy={"warmup": 2},
         bad=[
-            ({"sigmas": 0}, ValueError, "'sigmas' must be in (0, inf] (got 0)"),
+            ({"sigmas": 0}, ValueError, "'sigmas' must be in (0, inf) (got 0)"),
             ({"window": 1}, ValueError, "'window' must be >= 2 (got 1)"),
             ({"check_grad_norm": 1}, TypeError, "'check_grad_norm' must be a bool (got 1)"),
         ],
@@ -64,7 +64,7 @@ CASES: dict[type, Case] = {
             ({"mode": "adaptive"}, ValueError, "'mode' must be one of 'fixed', 'percentile', 'zscore', 'agc' (got 'adaptive')"),
             ({"mode": "fixed"}, ValueError, "'max_norm' must be set when mode='fixed' (got None)"),
             ({"percentile": 150}, ValueError, "'percentile' must be in [0, 100] (got 150)"),
-            ({"max_norm": -1.0}, ValueError, "'max_norm' must be in (0, inf] (got -1)"),
+            ({"max_norm": -1.0}, ValueError, "'max_norm' must be in (0, inf) (got -1)"),
         ],
     ),
     LRBackoff: Case(

@@ -57,6 +57,14 @@ def test_logging_interval_defaults_to_the_trainers() -> None:
     assert [s for s, _ in logger.metrics["grad_norm/net.0.weight"]] == [5, 11]
 
 
+def test_per_parameter_interval_is_independent_of_the_totals() -> None:
+    logger = MemoryLogger()
+    fit(TinyRegressor(), [GradNormMonitor(per_parameter=True, log_every_n_steps=4, per_parameter_every_n_steps=2)],
+        max_steps=8, logger=logger, log_every_n_steps=1)
+    assert [s for s, _ in logger.metrics["grad_norm/total"]] == [3, 7]
+    assert [s for s, _ in logger.metrics["grad_norm/net.0.weight"]] == [1, 3, 5, 7]
+
+
 def test_own_interval_overrides_the_trainers() -> None:
     logger = MemoryLogger()
     fit(TinyRegressor(), [GradNormMonitor(log_every_n_steps=4)], max_steps=8, logger=logger, log_every_n_steps=1)

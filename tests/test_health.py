@@ -86,3 +86,30 @@ def test_boards_are_not_stored_on_the_trainer() -> None:
     trainer = fit(TinyRegressor(), [NonFiniteDetector()], max_steps=2)
     assert not any(isinstance(v, health.HealthBoard) for v in vars(trainer).values())
     assert health.board_for(trainer) is health.board_for(trainer)
+
+
+def test_trainer_and_model_are_freed_after_fit() -> None:
+    import gc
+    import weakref
+
+    model = TinyRegressor()
+    trainer = fit(model, [GradNormMonitor(), NonFiniteDetector()], max_steps=3)
+    refs = weakref.ref(trainer), weakref.ref(model)
+    del trainer, model
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
+
+
+@pytest.mark.parametrize("order", ["detector first", "backoff first"])
+def test_counters_logged_at_a_step_include_every_callbacks_action(order: str) -> None:
+    from lightning_overflow import LRBackoff
+    from lightning_overflow.testing import Fault, FaultInjector
+
+    logger = MemoryLogger()
+    suite = [NonFiniteDetector(), LRBackoff()]
+    if order == "backoff first":
+        suite.reverse()
+    faults = FaultInjector(*[Fault(s, "nan_loss") for s in (2, 3, 4)])
+    fit(TinyRegressor(), [*suite, faults], max_steps=6, logger=logger, log_every_n_steps=1)
+    assert dict(logger.metrics["overflow/lr_scale"])[4] == 0.5  # the burst's third step backs off: logged then
+    assert dict(logger.metrics["overflow/skipped_steps"])[4] == 3

@@ -13,6 +13,7 @@ import pytorch_lightning as pl
 import torch
 from conftest import assert_bit_identical, make_trainer, weights
 from pytorch_lightning.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_overflow import NonFiniteDetector
 from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
@@ -116,6 +117,39 @@ def test_a_nonfinite_loss_never_enters_the_statistics(tmp_path: Path) -> None:
     assert detector.spikes == 0 and {s.kind for s in signals.signals} == {"nonfinite"}
 
 
+class OnesModel(pl.LightningModule):
+    """100 weights and the loss ``sum(w)``: every gradient is exactly ``ones(100)``, of norm 10 (lr 0: w stays 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(100))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.w.sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=1)
+
+
+@pytest.mark.parametrize(("spike_at", "warmup", "spikes"), [(3, 10, 0), (12, 5, 1)])
+def test_a_gradient_norm_beyond_fp32_never_enters_the_statistics(
+    tmp_path: Path, spike_at: int, warmup: int, spikes: int
+) -> None:
+    """Gradients of 1e38 are finite, their norm 1e39 is not an FP32 number: an overflow, kept out of the statistics
+    during the warm-up as after it (where it is still a spike)."""
+    detector = LossSpikeDetector(warmup=warmup, grad_ratio=2.0)
+    signals = SignalLog()
+    overflow = FaultInjector(Fault(step=spike_at, kind="loss_spike", factor=1e38))
+    _fit(tmp_path, [detector, overflow, signals], OnesModel(), max_steps=16)
+    stats = detector._stats[0]
+    assert stats.count.tolist() == [16.0, 15.0]  # the loss (0 * 1e38 = 0) is taken in; the norm is not
+    assert stats.mean.tolist()[1] == 10.0 and stats.var.tolist()[1] == 0.0
+    assert [(s.kind, s.step) for s in signals.signals] == [("grad_spike", spike_at)] * spikes
+
+
 def test_only_a_rising_spike_signals_again_and_every_spike_is_counted(tmp_path: Path) -> None:
     detector = LossSpikeDetector(warmup=10, check_grad_norm=False)
     signals = SignalLog()
@@ -199,8 +233,8 @@ def test_a_new_fit_starts_from_fresh_statistics(tmp_path: Path) -> None:
     [
         ({"window": 1}, ValueError, "'window' must be >= 2 (got 1)"),
         ({"warmup": 0}, ValueError, "'warmup' must be >= 1 (got 0)"),
-        ({"sigmas": 0}, ValueError, "'sigmas' must be in (0, inf] (got 0)"),
-        ({"loss_ratio": 0.5}, ValueError, "'loss_ratio' must be in [1, inf] (got 0.5)"),
+        ({"sigmas": 0}, ValueError, "'sigmas' must be in (0, inf) (got 0)"),
+        ({"loss_ratio": 0.5}, ValueError, "'loss_ratio' must be in [1, inf) (got 0.5)"),
         ({"grad_ratio": "2"}, TypeError, "'grad_ratio' must be a number (got '2')"),
         ({"check_grad_norm": 1}, TypeError, "'check_grad_norm' must be a bool (got 1)"),
         ({"rebaseline_after": 0}, ValueError, "'rebaseline_after' must be >= 1 (got 0)"),

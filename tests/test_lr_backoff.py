@@ -457,9 +457,9 @@ def test_a_run_10x_above_its_stable_lr_completes_near_the_stable_runs_loss(tmp_p
         ({"factor": 0}, ValueError, "'factor' must be in (0, 1) (got 0)"),
         ({"cooldown": -1}, ValueError, "'cooldown' must be >= 0 (got -1)"),
         ({"min_scale": 0.0}, ValueError, "'min_scale' must be in (0, 1] (got 0)"),
-        ({"min_lr": -1e-3}, ValueError, "'min_lr' must be in (0, inf] (got -0.001)"),
+        ({"min_lr": -1e-3}, ValueError, "'min_lr' must be in (0, inf) (got -0.001)"),
         ({"regrow_after": 0}, ValueError, "'regrow_after' must be >= 1 (got 0)"),
-        ({"window_growth": 0.5}, ValueError, "'window_growth' must be in [1, inf] (got 0.5)"),
+        ({"window_growth": 0.5}, ValueError, "'window_growth' must be in [1, inf) (got 0.5)"),
         ({"per_optimizer": "yes"}, TypeError, "'per_optimizer' must be a bool (got 'yes')"),
         (
             {"triggers": ("loss_spike", "typo")},

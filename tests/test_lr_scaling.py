@@ -204,3 +204,12 @@ def test_a_scheduler_of_another_optimizer_is_left_alone() -> None:
 def test_factor_must_be_finite_and_positive(factor: float) -> None:
     with pytest.raises(ValueError, match=r"'factor' must be in \(0, inf\)"):
         scale_lr(_optimizer(), factor)
+
+
+@pytest.mark.parametrize("factor", ["0.5", None, True])
+def test_factor_must_be_a_number(factor: object) -> None:
+    optimizer = _optimizer()
+    with pytest.raises(TypeError) as info:
+        scale_lr(optimizer, factor)  # type: ignore[arg-type]
+    assert str(info.value) == f"'factor' must be a number (got {factor!r})"
+    assert optimizer.param_groups[0]["lr"] == 0.05  # nothing was changed

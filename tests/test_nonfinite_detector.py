@@ -181,7 +181,7 @@ def test_routine_gradscaler_overflow_is_not_reported() -> None:
 
 
 def test_persistent_gradscaler_overflow_is_reported() -> None:
-    faults = FaultInjector(*[Fault(s, "inf_grad") for s in range(0, 12)])
+    faults = FaultInjector(*[Fault(s, "inf_grad") for s in range(12)])
     detector = NonFiniteDetector(action="raise", max_scaler_overflows=4)
     with pytest.raises(NonFiniteError, match=r"5 consecutive GradScaler overflows") as info:
         fit(TinyRegressor(), [detector, faults], max_steps=12, plugins=[MixedPrecision("16-mixed", "cpu")])

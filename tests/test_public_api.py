@@ -59,3 +59,24 @@ def test_numerics_do_not_import_lightning() -> None:
 
 def test_version() -> None:
     assert lightning_overflow.__version__ == "0.1.0"
+
+
+def test_fault_arguments_are_checked() -> None:
+    from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+
+    with pytest.raises(ValueError, match=r"'kind' must be one of 'nan_loss', .* \(got 'nan'\)"):
+        Fault(1, "nan")
+    with pytest.raises(ValueError, match=r"'rank' must be an int >= 0 or None \(got True\)"):
+        Fault(1, "nan_loss", rank=True)
+    with pytest.raises(ValueError, match=r"'factor' must be a finite number \(got inf\)"):
+        Fault(1, "loss_spike", factor=float("inf"))
+    with pytest.raises(TypeError, match=r"'faults' must be Fault instances"):
+        FaultInjector("nan_loss")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'optimizer' must be one of 'adam', 'adamw', 'sgd' \(got 'adma'\)"):
+        TinyRegressor(optimizer="adma")
+    import pytorch_lightning as pl
+
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, callbacks=[FaultInjector(Fault(0, "nan_grad", parameter="nope"))])
+    with pytest.raises(ValueError, match=r"'parameter' must name a parameter of the model \(got 'nope'"):
+        trainer.fit(TinyRegressor())

@@ -19,12 +19,13 @@ from pytorch_lightning.plugins import MixedPrecision
 from typing_extensions import override
 
 from lightning_overflow._compat import Callback
+from lightning_overflow.callbacks import rollback as rollback_module
 from lightning_overflow.callbacks._base import SuiteCallback
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, OverflowWarning, RollbackError
 from lightning_overflow.numerics import snapshots
-from lightning_overflow.numerics.snapshots import load_snapshot
+from lightning_overflow.numerics.snapshots import load_snapshot, save_snapshot
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 
 SNAP = "rollback-step={}.pt"
@@ -153,6 +154,8 @@ def assert_checkpoint_finite(path: Path) -> None:
         ({"dirpath": 3}, TypeError, "'dirpath' must be a path or None (got 3)"),
         ({"triggers": "loss_spike"}, TypeError, "'triggers' must be a collection of signal kinds (got 'loss_spike')"),
         ({"triggers": ("loss_spike", "boom")}, ValueError, "'triggers' must be one of 'nonfinite', "),
+        ({"triggers": ()}, ValueError, "'triggers' must be a non-empty collection of signal kinds (got ())"),
+        ({"triggers": []}, ValueError, "'triggers' must be a non-empty collection of signal kinds (got ())"),
     ],
 )
 def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
@@ -282,6 +285,43 @@ def test_healthy_run_is_bit_identical_with_and_without_rollback(tmp_path: Path) 
     assert_bit_identical(weights(plain), weights(guarded))
     assert_optimizer_state_equal(optimizer_state(plain.optimizers().optimizer), optimizer_state(trainer.optimizers[0]))
     assert rollback.rollbacks == 0 and rollback.snapshot_steps == [9, 10]
+
+
+def test_huge_but_finite_adam_moments_are_no_reason_to_roll_back(tmp_path: Path) -> None:
+    """Gradients near 1e12 leave Adam's exp_avg_sq near 1e21: finite, though the FP32 L2 norm of it overflows. Such
+    a state must pass the snapshot check and the checkpoint guard."""
+    rollback = Rollback(every_n_steps=2)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    spike = FaultInjector(Fault(step=3, kind="loss_spike", factor=1e13))
+    trainer = fit(TinyRegressor(), [rollback, checkpoints, spike], max_steps=8, enable_checkpointing=True)
+    assert journal_kinds(trainer, rollback) == []  # no snapshot refused, no rollback, no checkpoint refused
+    assert rollback.rollbacks == 0 and rollback.snapshot_steps == [6, 8]
+    assert len(checkpoint_files(tmp_path)) == 8
+    moments = [state["exp_avg_sq"] for state in trainer.optimizers[0].state.values()]
+    assert max(m.max().item() for m in moments) > 1e20  # squares beyond 1e40: the FP32 L2 norm is inf
+    assert all(bool(torch.isfinite(m).all()) for m in moments)
+
+
+def test_a_reused_instance_starts_every_fit_afresh() -> None:
+    rollback = Rollback(every_n_steps=2, max_rollbacks=1, skip_batches=3)
+    fit(TinyRegressor(), [NonFiniteDetector(), rollback, nan_at(3)], max_steps=5)
+    assert [h["step"] for h in rollback.history] == [4] and rollback.skipped_steps == 1  # two skips still due
+
+    # A second fit: the budget is whole again (the first fit's rollback is not in its window).
+    fit(TinyRegressor(), [NonFiniteDetector(), rollback, nan_at(3)], max_steps=5)
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(4, 2)]
+    assert rollback.rollbacks == 1 and rollback.skipped_steps == 1
+
+    # A third, healthy fit: no skip left over from the second; bit-identical with a fit without Rollback.
+    pl.seed_everything(0, verbose=False)
+    plain = TinyRegressor()
+    fit(plain, [], max_steps=5)
+    pl.seed_everything(0, verbose=False)
+    guarded = TinyRegressor()
+    fit(guarded, [rollback], max_steps=5)
+    assert_bit_identical(weights(plain), weights(guarded))
+    assert rollback.history == [] and rollback.rollbacks == 0 and rollback.skipped_steps == 0
+    assert rollback.snapshot_steps == [2, 4]
 
 
 def test_after_restore_keeps_a_backoff_in_either_order() -> None:
@@ -476,17 +516,61 @@ def test_crash_between_write_and_rename_leaves_no_usable_partial_file(
 
 
 @RESUME
-def test_a_corrupt_snapshot_file_is_never_used(tmp_path: Path) -> None:
+@pytest.mark.filterwarnings("ignore:Using a non-tuple sequence for multidimensional indexing")
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        ("truncated", "is not a readable snapshot"),
+        ("nan", "it holds inf/NaN (in net.0.weight)"),
+        ("tensor_for_optimizer", "IndexError: too many indices"),  # any error of an untrusted file is caught
+    ],
+)
+def test_a_corrupt_snapshot_file_is_never_used(tmp_path: Path, damage: str, problem: str) -> None:
     ckpt = _first_run(tmp_path, FaultInjector(), max_steps=4, every=4)
     path = tmp_path / "snaps" / SNAP.format(2)
-    path.write_bytes(path.read_bytes()[:200])
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:200])
+    else:
+        _, payload = load_snapshot(path)
+        if damage == "nan":
+            payload["state"]["model"]["net.0.weight"][0, 0] = float("nan")
+        else:
+            payload["state"]["optimizers"] = [torch.zeros(1)]
+        save_snapshot(payload, path, step=2)
     rollback, trainer = _resume(tmp_path, ckpt, nan_at(4, 5), max_steps=8)
-    # The second rollback tries one snapshot further back, finds the file unreadable, and uses step 4 again.
+    # The second rollback tries one snapshot further back, cannot use the file, and uses step 4 again.
     assert [(h["snapshot_step"], h["source"]) for h in rollback.history] == [(4, "memory"), (4, "memory")]
     unusable = [e for e in rollback.board(trainer).journal.events if e.kind == "snapshot_unusable"]
     assert len(unusable) == 1 and unusable[0].details["file"] == SNAP.format(2)
-    assert "is not a readable snapshot" in unusable[0].message
+    assert problem in unusable[0].message
     assert all_finite(weights(trainer.lightning_module))
+
+
+def _failing_write(step: int) -> Any:
+    real = snapshots.save_snapshot
+
+    def save(payload: Any, path: Any, *, step: int) -> Path:
+        if step == failing_step:
+            raise OSError(28, "No space left on device")
+        return real(payload, path, step=step)
+
+    failing_step = step
+    return save
+
+
+def test_a_failed_write_is_listed_and_leaves_no_older_file_under_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snaps = tmp_path / "snaps"
+    save_snapshot({"state": {}}, snaps / SNAP.format(4), step=4)  # left by an earlier run in the same directory
+    monkeypatch.setattr(rollback_module, "save_snapshot", _failing_write(4))
+    rollback = Rollback(every_n_steps=2, keep=2, dirpath=snaps)
+    with pytest.warns(OverflowWarning, match=r"could not write the snapshot of step 4 to .*No space left on device"):
+        trainer = fit(TinyRegressor(), [rollback], max_steps=6)
+    # Listed like on every other rank (which cannot know rank 0 failed); no file of another state under its name.
+    assert rollback.state_dict()["disk"] == [{"step": 4, "file": SNAP.format(4)}, {"step": 6, "file": SNAP.format(6)}]
+    assert sorted(os.listdir(snaps)) == [SNAP.format(6)]
+    assert journal_kinds(trainer, rollback) == ["snapshot_write_failed"]
 
 
 # ---- no poisoned checkpoint -------------------------------------------------------------------------------------
@@ -519,6 +603,48 @@ def test_on_exception_checkpoint_is_finite(tmp_path: Path) -> None:
         fit(TinyRegressor(), callbacks, max_steps=10, enable_checkpointing=True, default_root_dir=tmp_path)
     assert checkpoint_files(tmp_path) == [tmp_path / "on_exception.ckpt"]
     assert_checkpoint_finite(tmp_path / "on_exception.ckpt")
+
+
+@pytest.mark.filterwarnings("ignore:.*was called without a model")
+def test_an_error_raised_before_rollback_acts_still_leaves_a_finite_checkpoint(tmp_path: Path) -> None:
+    """LRBackoff at its floor raises in on_train_batch_end before Rollback's turn, with NaN weights in memory:
+    Rollback restores in on_exception, so OnExceptionCheckpoint writes finite values and the error stays the same."""
+    from lightning_overflow.callbacks.lr_backoff import LRBackoff
+
+    rollback, probe = Rollback(every_n_steps=2), Probe()
+    backoff = LRBackoff(min_scale=1.0)  # at its floor from the start: the first trigger stops the run
+    callbacks = [OnExceptionCheckpoint(dirpath=tmp_path), NonFiniteDetector(), backoff, rollback, probe, nan_at(3)]
+    trainer = make_trainer(callbacks, max_steps=10, enable_checkpointing=True, default_root_dir=tmp_path)
+    with pytest.raises(DivergenceError, match="^LRBackoff: nonfinite_state at step 3"):
+        trainer.fit(TinyRegressor())
+    assert rollback.history == [] and rollback.rollbacks == 0  # not a rollback: no budget spent
+    restores = [e for e in rollback.board(trainer).journal.events if e.kind == "exit_restore"]
+    assert len(restores) == 1
+    assert restores[0].details == {"error": "DivergenceError", "snapshot_step": 2, "source": "memory"}
+    assert "restored the snapshot of step 2 (memory)" in restores[0].message
+    assert_bit_identical(weights(trainer.lightning_module), probe.at[2]["weights"])
+    assert_checkpoint_finite(tmp_path / "on_exception.ckpt")
+
+
+class Boom(Callback):
+    """Raises a user's own error at the end of batch ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("boom")
+
+
+def test_a_foreign_error_leaves_the_state_as_it_is() -> None:
+    """A user's error may be raised on one rank only: Rollback enters no collective for it and restores nothing."""
+    rollback, model = Rollback(every_n_steps=100), TinyRegressor()
+    with pytest.raises(RuntimeError, match="^boom$"):
+        fit(model, [rollback, nan_at(3), Boom(4)], max_steps=10)
+    assert not all_finite(weights(model))
+    assert "exit_restore" not in [e.kind for e in rollback.board(model.trainer).journal.events]
 
 
 def test_without_rollback_the_same_run_writes_a_poisoned_checkpoint(tmp_path: Path) -> None:
@@ -589,3 +715,28 @@ def test_ddp_nan_on_one_rank_rolls_back_every_rank_to_the_same_snapshot(tmp_path
         assert report["global_step"] == 10 and report["finite"]
     assert reports[0]["digests"] == reports[1]["digests"]  # both ranks identical at every step
     assert reports[0]["final"] == reports[1]["final"]
+
+
+class DiskReport(Callback):
+    """Each rank writes the files its Rollback lists (its checkpoint state) to ``<out>/disk<r>.json``."""
+
+    def __init__(self, out: Path, rollback: Rollback) -> None:
+        self.out, self.rollback = out, rollback
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        disk = self.rollback.state_dict()["disk"]
+        (self.out / f"disk{trainer.global_rank}.json").write_text(json.dumps(disk))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_a_write_failing_on_rank_0_keeps_every_rank_listing_the_same_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rollback_module, "save_snapshot", _failing_write(4))  # forked workers inherit it
+    rollback = Rollback(every_n_steps=2, keep=2, dirpath=tmp_path / "snaps")
+    fit(TinyRegressor(), [rollback, DiskReport(tmp_path, rollback)], max_steps=6, strategy="ddp_fork", devices=2)
+    listed = [json.loads((tmp_path / f"disk{r}.json").read_text()) for r in (0, 1)]
+    assert listed[0] == listed[1] == [{"step": 4, "file": SNAP.format(4)}, {"step": 6, "file": SNAP.format(6)}]
+    assert sorted(os.listdir(tmp_path / "snaps")) == [SNAP.format(6)]

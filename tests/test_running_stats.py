@@ -188,3 +188,30 @@ def test_ema_alpha_has_the_centre_of_mass_of_the_window() -> None:
     alpha = ema_alpha(127)
     assert alpha == 1 / 64
     assert (1 - alpha) / alpha == pytest.approx((127 - 1) / 2)
+
+
+def test_the_cumulative_mean_holds_up_to_half_the_window_then_the_ema_takes_over() -> None:
+    """window 7: alpha = 1/4, so the first 4 values get the plain mean and the 5th the weight 1/4, not 1/5."""
+    stats = RunningStats(channels=1, window=7, warmup=1)
+    for x in (1.0, 2.0, 3.0, 4.0):
+        stats.update(torch.tensor([x]))
+    assert stats.mean.tolist() == [2.5] and stats.var.tolist() == [1.25]
+    stats.update(torch.tensor([10.0]))
+    assert stats.mean.tolist() == [2.5 + 0.25 * 7.5]  # the cumulative mean would be 4.0
+
+
+@pytest.mark.parametrize(
+    ("alpha", "error", "message"),
+    [
+        (0.0, ValueError, "'alpha' must be in (0, 1] (got 0)"),
+        (1.5, ValueError, "'alpha' must be in (0, 1] (got 1.5)"),
+        (math.nan, ValueError, "'alpha' must be in (0, 1] (got nan)"),
+        ("0.1", TypeError, "'alpha' must be a number (got '0.1')"),
+        (None, TypeError, "'alpha' must be a number (got None)"),
+    ],
+)
+def test_update_running_stats_checks_alpha(alpha: object, error: type[Exception], message: str) -> None:
+    zero = torch.zeros(1, dtype=torch.float64)
+    with pytest.raises(error) as info:
+        update_running_stats(zero, zero, zero, torch.ones(1), alpha)  # type: ignore[arg-type]
+    assert str(info.value) == message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -11,12 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_overflow.health import nonfinite_labels
 from lightning_overflow.numerics import snapshots
+from lightning_overflow.numerics.norms import tensor_norms
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
     clone_state,
     load_snapshot,
     nonfinite_flag,
+    nonfinite_indices,
     nonfinite_paths,
     restore_optimizer_,
     restore_state_,
@@ -26,6 +30,7 @@ from lightning_overflow.numerics.snapshots import (
     state_tensors,
     take_snapshot,
     temporary_path,
+    temporary_target,
 )
 
 
@@ -216,7 +221,8 @@ def test_take_then_restore_round_trips_every_bit(
         ([1.0, float("nan")], 1.0),
         ([float("inf"), 1.0], 1.0),
         ([-float("inf"), 1.0], 1.0),
-        ([1e20, 1e20], 1.0),  # finite, but beyond what a healthy state holds: its FP32 norm overflows
+        ([1e20, 1e20], 0.0),  # finite: only the squares of an L2 norm would overflow
+        ([3e38, -3.4e38], 0.0),
         ([1e18, -1e18], 0.0),
     ],
 )
@@ -231,6 +237,88 @@ def test_nonfinite_flag_ignores_integer_and_empty_tensors() -> None:
     assert nonfinite_flag([torch.tensor(7), torch.zeros(0), torch.tensor([1.0])]).item() == 0.0
     assert nonfinite_flag([]).item() == 0.0
     assert nonfinite_flag([torch.tensor([float("nan")], dtype=torch.bfloat16)]).item() == 1.0
+
+
+def _adam_moments_after_huge_gradients() -> torch.Tensor:
+    """Adam's ``exp_avg_sq`` after one step with gradients of 3e11: values near 9e19, all finite."""
+    p = torch.nn.Parameter(torch.zeros(1000))
+    optimizer = torch.optim.Adam([p])
+    p.grad = torch.full((1000,), 3e11)
+    optimizer.step()
+    return optimizer.state[p]["exp_avg_sq"]
+
+
+LARGE_BUT_FINITE = {
+    "1000 x 1e18": lambda: torch.full((1000,), 1e18),
+    "fp32 max": lambda: torch.tensor([3.4e38, -3.4e38, 1.0]),
+    "fp16 max": lambda: torch.full((1000,), 65504.0, dtype=torch.float16),
+    "bf16 1e38": lambda: torch.full((1000,), 1e38, dtype=torch.bfloat16),
+    "float64 1e300": lambda: torch.full((10,), -1e300, dtype=torch.float64),
+    "adam exp_avg_sq": _adam_moments_after_huge_gradients,
+}
+
+
+@pytest.mark.parametrize("name", sorted(LARGE_BUT_FINITE))
+def test_large_finite_values_are_finite(name: str) -> None:
+    """Finite values whose L2 norm overflows FP32 are no reason to refuse a state; one NaN or inf still is."""
+    t = LARGE_BUT_FINITE[name]()
+    assert torch.isfinite(t).all()
+    assert nonfinite_flag([t]).item() == 0.0
+    assert nonfinite_indices([t]) == [] and nonfinite_paths({"t": t}) == []
+    for poison in (float("nan"), float("inf"), -float("inf")):
+        bad = t.clone()
+        bad.view(-1)[-1] = poison
+        assert nonfinite_flag([t, bad]).item() == 1.0, poison
+        assert nonfinite_indices([t, bad]) == [1] and nonfinite_paths({"t": t, "bad": bad}) == ["bad"]
+
+
+def test_adam_moments_overflow_the_fp32_l2_norm() -> None:
+    """Why the check reads the largest magnitude: the FP32 L2 norm of these healthy moments is inf."""
+    moments = _adam_moments_after_huge_gradients()
+    assert moments.max().item() == pytest.approx(9e19, rel=1e-6)
+    assert math.isinf(tensor_norms([moments]).item())
+
+
+def test_scalars_false_leaves_out_step_counters() -> None:
+    model, optimizer = _adam_after_steps()
+    first = model[0].weight
+    optimizer.state[first]["step"].fill_(float("nan"))  # 0-d: a counter, not a value that can overflow
+    state = optimizer.state_dict()
+    assert nonfinite_flag(state_tensors(state), scalars=False).item() == 0.0
+    assert nonfinite_paths(state, scalars=False) == []
+    assert nonfinite_flag(state_tensors(state)).item() == 1.0
+    assert nonfinite_paths(state) == ["state.0.step"]
+    optimizer.state[first]["exp_avg"].view(-1)[0] = float("nan")
+    assert nonfinite_paths(state, scalars=False) == ["state.0.exp_avg"]
+
+
+def test_flag_moved_to_the_cpu_is_ready_to_read() -> None:
+    flag = nonfinite_flag([torch.tensor([float("nan")])], device="cpu")
+    assert flag.device.type == "cpu" and flag.item() == 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    exponents=st.lists(st.integers(-10, 38), min_size=1, max_size=6),
+    sizes=st.lists(st.integers(1, 2000), min_size=6, max_size=6),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    poison=st.lists(st.sampled_from([None, float("nan"), float("inf"), -float("inf")]), min_size=6, max_size=6),
+)
+def test_nonfinite_paths_agree_with_health_nonfinite_labels(
+    exponents: list[int], sizes: list[int], dtype: torch.dtype, poison: list[float | None]
+) -> None:
+    """One rule across the suite: a tensor is non-finite when it holds inf or NaN, whatever its magnitude."""
+    limit = torch.finfo(dtype).max
+    tensors = []
+    for i, exponent in enumerate(exponents):
+        t = torch.full((sizes[i],), min(10.0**exponent, limit), dtype=dtype)
+        if poison[i] is not None:
+            t[sizes[i] // 2] = poison[i]
+        tensors.append(t)
+    labels = [f"t{i}" for i in range(len(tensors))]
+    expected = [label for label, t in zip(labels, tensors) if not torch.isfinite(t).all()]
+    assert nonfinite_paths(dict(zip(labels, tensors))) == expected
+    assert nonfinite_labels(tensors, labels) == expected
 
 
 def test_nonfinite_paths_name_the_tensors() -> None:
@@ -254,6 +342,26 @@ def test_hot_path_is_sync_free_on_meta_tensors() -> None:
     restore_state_(model.state_dict(), snapshot["model"])
     flag = nonfinite_flag(state_tensors(state))
     assert flag.device.type == "meta"
+    wide = torch.empty(3, dtype=torch.float64, device="meta")  # float64 takes its own path
+    assert nonfinite_flag([wide, *state_tensors(state)], scalars=False).device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_flag_moved_to_the_cpu_is_read_after_the_copy_landed() -> None:
+    """A non-blocking device-to-host copy read at once can see the buffer before the copy lands: the flag's copy is
+    queued behind large kernels here, and the expected value alternates so a reused buffer cannot pass for it."""
+    busy = torch.randn(4096, 4096, device="cuda")
+    for i in range(20):
+        busy = torch.tanh(busy @ busy)  # milliseconds of queued work, values kept bounded
+        t = torch.tensor([1.0, float("nan") if i % 2 else 2.0], device="cuda")
+        assert nonfinite_flag([t], device="cpu").item() == float(i % 2), i
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_flag_stays_on_the_device() -> None:
+    tensors = [torch.ones(3, device="cuda"), torch.tensor(2.0)]  # Adam keeps its step counter on the CPU
+    assert nonfinite_flag(tensors).device.type == "cuda"
+    assert nonfinite_flag(tensors, scalars=False).device.type == "cuda"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -327,6 +435,13 @@ def test_temporary_name_never_looks_like_a_snapshot() -> None:
     tmp = temporary_path("/runs/rollback-step=12.pt")
     assert tmp.parent == Path("/runs")
     assert tmp.name.startswith(".rollback-step=12.pt.tmp-") and not tmp.name.endswith(".pt")
+
+
+def test_temporary_target_inverts_temporary_path() -> None:
+    assert temporary_target(temporary_path("/runs/rollback-step=12.pt")) == Path("/runs/rollback-step=12.pt")
+    assert temporary_target("/runs/.s.pt.tmp-77") == Path("/runs/s.pt")  # any process id
+    for name in ("rollback-step=12.pt", ".rollback-step=12.pt", ".s.pt.tmp-", ".s.pt.tmp-12x", "s.pt.tmp-12"):
+        assert temporary_target(Path("/runs") / name) is None, name
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign", "missing"])

@@ -49,11 +49,19 @@ class SuiteCallback(Callback):
         board = self.board(trainer)
         board.settle(trainer)
         self._after_batch(trainer, pl_module, outputs)
-        board.log_counters(trainer)
+        board.log_counters(trainer, self)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.board(trainer).summarise(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.board(trainer).release()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.board(trainer).release()
 
     # ---- template methods -------------------------------------------------------------------------------------
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:

@@ -47,6 +47,9 @@ def check_float(
         kind = "a number or None" if optional else "a number"
         raise TypeError(f"'{name}' must be {kind} (got {value!r})")
     value = float(value)
+    # An infinite end is always open: inf is never a usable setting (thresholds, factors, floors).
+    low_open = low_open or math.isinf(low)
+    high_open = high_open or math.isinf(high)
     too_low = value <= low if low_open else value < low
     too_high = value >= high if high_open else value > high
     if math.isnan(value) or too_low or too_high:

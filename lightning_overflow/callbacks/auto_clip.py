@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
@@ -19,7 +19,7 @@ from lightning_overflow.health import StepHealth
 from lightning_overflow.numerics.clipping import (
     PercentileState,
     ZScoreState,
-    agc_coefficients,
+    agc_coefficients_and_norms,
     clip_coefficient,
     percentile_threshold,
     scale_grads_,
@@ -32,7 +32,7 @@ __all__ = ["AutoClip"]
 Mode = Literal["fixed", "percentile", "zscore", "agc"]
 MODES = ("fixed", "percentile", "zscore", "agc")
 
-Stats = Union[PercentileState, ZScoreState]
+Stats = PercentileState | ZScoreState
 
 
 @dataclass
@@ -48,6 +48,31 @@ class _Clip:
     threshold: float
     coef: float
     stats: Stats | None
+
+
+@dataclass
+class _AgcPlan:
+    """AGC's coefficients for one step and the norms the gradients will have once they are applied."""
+
+    record: StepHealth
+    included: list[int]  # indices into record.params of the parameters clipped unit-wise
+    params: list[Tensor]
+    coefs: list[Tensor]
+    norms: list[Tensor]  # the L2 norm of each included gradient after AGC
+
+    def clipped_total(self) -> Tensor:
+        """The total norm after AGC (float64, 0-d, where the step's norms live): the included gradients' clipped
+        norms and the excluded ones' own, exact where the read refined them."""
+        record = self.record
+        device = record.grad_norms.device
+        exact = record.exact_grad_norms
+        norms = record.grad_norms if exact is None else torch.tensor(exact, dtype=torch.float64, device=device)
+        squares = norms.to(torch.float64).square()
+        if self.included:
+            kept = torch.stack([n.to(device=device, dtype=torch.float64) for n in self.norms])
+            index = torch.tensor(self.included, device=device)
+            squares = squares.index_copy(0, index, kept.square())
+        return squares.sum().sqrt()
 
 
 class AutoClip(SuiteCallback):
@@ -70,7 +95,9 @@ class AutoClip(SuiteCallback):
     - ``"agc"``: unit-wise adaptive gradient clipping (Brock et al., ICML 2021): each unit's gradient norm is kept
       within ``clipping`` times its weight norm, floored at ``eps`` so that zero-initialised weights still move.
 
-    ``max_norm`` caps the threshold of the adaptive modes (in ``"agc"``, it caps the total norm on top).
+    ``max_norm`` caps the threshold of the adaptive modes. In ``"agc"`` it caps the total norm after the unit-wise
+    clipping (computed from the same pass, riding on the suite's one read): the final norm is ``max_norm`` whenever
+    the unit-wise clipping left it above.
 
     What never happens: a step whose norm is inf/NaN, or a step that ``NonFiniteDetector`` skipped (whatever the
     order of the callbacks), changes nothing: no clipping, no statistics, no log. Norms beyond the FP32 range are
@@ -158,13 +185,16 @@ class AutoClip(SuiteCallback):
             raise ValueError(f"'exclude' applies to mode='agc' only (got mode={self.mode!r})")
         self.exclude = tuple(exclude)
         self.event_below = check_float("event_below", event_below, low=0.0, high=1.0)
+        self._reset()
+
+    def _reset(self) -> None:
         self.steps = 0
         self.clipped_steps = 0
         self._stats: dict[int, Stats] = {}
         self._epoch: dict[int, list[int]] = {}  # optimizer index -> [steps, clipped] this epoch
         self._pending: list[_Clip] = []
         self._settled: list[_Clip] = []
-        self._agc: tuple[StepHealth, list[Tensor], list[Tensor]] | None = None
+        self._agc: _AgcPlan | None = None
         self._last_event: dict[int, int] = {}
         self._quiet_clips: dict[int, int] = {}
 
@@ -178,6 +208,7 @@ class AutoClip(SuiteCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        self._reset()  # a new fit starts from scratch (a warm-up again); a resumed one loads its state right after
         clip_val = trainer.gradient_clip_val
         if clip_val is not None and clip_val > 0:
             raise ValueError(
@@ -236,6 +267,7 @@ class AutoClip(SuiteCallback):
         self._settle()
         self._settled.clear()
         self._agc = None
+        super().teardown(trainer, pl_module, stage)
 
     # ---- the clip ---------------------------------------------------------------------------------------------
     def _clip_total(self, record: StepHealth) -> tuple[float, float, Stats | None]:
@@ -267,39 +299,44 @@ class AutoClip(SuiteCallback):
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
         if self.mode != "agc":
             return
-        # AGC's unit norms are computed before the suite's one read, so that the smallest coefficient rides on it.
-        params = [p for p, name in zip(record.params, record.names) if not self._excluded(name)]
-        coefs = agc_coefficients(params, self.clipping, self.eps)
-        record.add(self._key(), smallest_coefficient(coefs))
-        self._agc = (record, params, coefs)
+        # AGC's unit norms are computed before the suite's one read, so that the smallest coefficient, and the
+        # total norm after AGC that max_norm caps, ride on it.
+        plan = self._plan_agc(record, exact=False)
+        record.add(self._key("smallest"), smallest_coefficient(plan.coefs))
+        if self.max_norm is not None:
+            record.add(self._key("total"), plan.clipped_total())
+        self._agc = plan
 
     def _clip_agc(self, record: StepHealth) -> tuple[float, float, None]:
-        """Unit-wise mode: the coefficients computed before the read, recomputed in float64 if the FP32 norms
-        overflowed (a rare path, known from the read), then the optional total-norm cap.
+        """Unit-wise mode: the coefficients computed before the read, then the optional cap on the total norm after
+        them. Where the FP32 norms overflowed (a rare path, known from the read) everything is recomputed in
+        float64 and read here.
 
-        Returns ``(clipping ratio, smallest coefficient, None)``.
+        Returns ``(clipping ratio, smallest coefficient x cap, None)``.
         """
-        if self._agc is None or self._agc[0] is not record:
-            params = [p for p, name in zip(record.params, record.names) if not self._excluded(name)]
-            self._agc = (record, params, agc_coefficients(params, self.clipping, self.eps))
-        _, params, coefs = self._agc
-        self._agc = None
-        if record.grad_status == "overflow":
-            coefs = agc_coefficients(params, self.clipping, self.eps, exact=True)
-            smallest = smallest_coefficient(coefs).item()
-        elif record.has(self._key()):
-            smallest = record.value(self._key())[0]
+        plan, self._agc = self._agc, None
+        if plan is not None and plan.record is record and record.grad_status != "overflow":
+            smallest = record.value(self._key("smallest"))[0]
+            clipped_total = record.value(self._key("total"))[0] if self.max_norm is not None else math.nan
         else:
-            smallest = smallest_coefficient(coefs).item()
+            plan = self._plan_agc(record, exact=record.grad_status == "overflow")
+            smallest = smallest_coefficient(plan.coefs).item()
+            clipped_total = plan.clipped_total().item() if self.max_norm is not None else math.nan
         if smallest < 1.0:
-            torch._foreach_mul_([p.grad for p in params], coefs)  # type: ignore[misc]
-        cap = 1.0 if self.max_norm is None else clip_coefficient(record.total_norm, self.max_norm).item()
+            torch._foreach_mul_([p.grad for p in plan.params], plan.coefs)  # type: ignore[misc]
+        cap = 1.0 if self.max_norm is None else clip_coefficient(clipped_total, self.max_norm).item()
         if cap < 1.0:
             scale_grads_([p.grad for p in record.params], cap)  # type: ignore[misc]
         return self.clipping, smallest * cap, None
 
-    def _key(self) -> str:
-        return f"{type(self).__name__}.{id(self)}.agc"
+    def _plan_agc(self, record: StepHealth, exact: bool) -> _AgcPlan:
+        included = [i for i, name in enumerate(record.names) if not self._excluded(name)]
+        params = [record.params[i] for i in included]
+        coefs, norms = agc_coefficients_and_norms(params, self.clipping, self.eps, exact=exact)
+        return _AgcPlan(record, included, params, coefs, norms)
+
+    def _key(self, what: str) -> str:
+        return f"{type(self).__name__}.{id(self)}.agc.{what}"
 
     def _excluded(self, name: str) -> bool:
         return any(self._matches(e, name) for e in self.exclude)

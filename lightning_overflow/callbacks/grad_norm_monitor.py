@@ -30,10 +30,12 @@ class GradNormMonitor(SuiteCallback):
         norm_type: ``2`` (default) or ``inf``. The L2 norm is shared with the other callbacks; ``inf`` costs one
             extra pass over the gradients.
         per_parameter: also log each parameter's norm as ``grad_norm/<parameter name>``.
-        log_every_n_steps: log the total every this many optimizer steps (default: the Trainer's
+        log_every_n_steps: log the total every this many logging steps (Lightning's: training batches that stepped
+            an optimizer, one per batch also under manual optimization; default: the Trainer's
             ``log_every_n_steps``).
-        per_parameter_every_n_steps: log per-parameter norms every this many steps (default:
-            ``log_every_n_steps``). Per-parameter keys cost more to log than to compute; space them out on big models.
+        per_parameter_every_n_steps: log per-parameter norms every this many logging steps (default:
+            ``log_every_n_steps``), independently of the total. Per-parameter keys cost more to log than to compute;
+            space them out on big models.
 
     Logged keys (suffixed ``_opt<i>`` when the model has several optimizers):
 
@@ -77,8 +79,9 @@ class GradNormMonitor(SuiteCallback):
     ) -> None:
         record = self.board(trainer).step_health(trainer, pl_module, optimizer)
         self._update_epoch(pl_module, record)
-        if trainer.loggers and self._due(trainer, self._every(trainer)):
-            self._log_step(trainer, record)
+        total_due, per_parameter_due = self._due_now(trainer)
+        if trainer.loggers and (total_due or per_parameter_due):
+            self._log_step(trainer, record, total_due, per_parameter_due)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -95,6 +98,7 @@ class GradNormMonitor(SuiteCallback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
         self._epoch.clear()
 
     # ---- the step's values ------------------------------------------------------------------------------------
@@ -102,28 +106,25 @@ class GradNormMonitor(SuiteCallback):
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
         if math.isinf(self.norm_type):
             norms = tensor_norms([p.grad for p in record.params], self.norm_type)  # type: ignore[misc]
-        elif self.per_parameter and trainer.loggers and self._due(trainer, self._per_param_every(self._every(trainer))):
+        elif trainer.loggers and self._due_now(trainer)[1]:
             norms = record.grad_norms
         else:
             return
-        record.add(self._key(record), norms)
+        record.add(self._key(), norms)
 
-    def _key(self, record: StepHealth) -> str:
+    def _key(self) -> str:
         return f"{type(self).__name__}.{id(self)}.norms"
 
-    def _every(self, trainer: pl.Trainer) -> int:
-        return self.log_every_n_steps or max(int(trainer.log_every_n_steps), 1)
-
-    def _per_param_every(self, every: int) -> int:
-        return self.per_parameter_every_n_steps or every
-
-    @staticmethod
-    def _due(trainer: pl.Trainer, every: int) -> bool:
-        return (_compat.batches_that_stepped(trainer) + 1) % every == 0
+    def _due_now(self, trainer: pl.Trainer) -> tuple[bool, bool]:
+        """Whether the total, and the per-parameter norms, are due on this logging step."""
+        every = self.log_every_n_steps or max(int(trainer.log_every_n_steps), 1)
+        step = _compat.batches_that_stepped(trainer) + 1
+        per_parameter_every = self.per_parameter_every_n_steps or every
+        return step % every == 0, self.per_parameter and step % per_parameter_every == 0
 
     def _norms(self, record: StepHealth) -> tuple[float, list[float]] | None:
         """``(total, per-tensor)`` in this monitor's norm type, exact; ``None`` when not read on this step."""
-        key = self._key(record)
+        key = self._key()
         if math.isinf(self.norm_type):
             if not record.has(key):
                 return None
@@ -148,14 +149,14 @@ class GradNormMonitor(SuiteCallback):
         metrics[0].update(norms[0])
         metrics[1].update(norms[0])
 
-    def _log_step(self, trainer: pl.Trainer, record: StepHealth) -> None:
+    def _log_step(self, trainer: pl.Trainer, record: StepHealth, total_due: bool, per_parameter_due: bool) -> None:
         norms = self._norms(record)
         if norms is None:
             return
         total, per_tensor = norms
         suffix = f"_opt{record.optimizer_index}" if len(trainer.optimizers) > 1 else ""
-        metrics = {f"grad_norm/total{suffix}": total}
-        if self.per_parameter and per_tensor:
+        metrics = {f"grad_norm/total{suffix}": total} if total_due else {}
+        if per_parameter_due and per_tensor:
             metrics.update({f"grad_norm/{name}{suffix}": value for name, value in zip(record.names, per_tensor)})
         step = _compat.batches_that_stepped(trainer)
         for logger in trainer.loggers:

@@ -33,10 +33,11 @@ class LossSpikeDetector(SuiteCallback):
 
         spike  <=>  value > mean + max(sigmas * std, (ratio - 1) * |mean|)
 
-    Non-finite values (left to ``NonFiniteDetector``) never enter the statistics, and neither do spikes, so a
-    diverging run cannot raise its own threshold. After ``rebaseline_after`` consecutive spikes the level itself has
-    moved (a new data mixture, a deliberate change of the schedule): the statistics of that series start again,
-    with a new warm-up, and the event is journaled.
+    Non-finite values (left to ``NonFiniteDetector``) never enter the statistics, nor do gradient norms beyond the
+    FP32 range (3.4e38: finite gradients that ``NonFiniteDetector`` treats as an overflow; they are still tested),
+    nor spikes, so a diverging run cannot raise its own threshold. After ``rebaseline_after`` consecutive spikes the
+    level itself has moved (a new data mixture, a deliberate change of the schedule): the statistics of that series
+    start again, with a new warm-up, and the event is journaled.
 
     The loss is the mean finite training loss of the step over its micro-batches and all ranks, and the gradient
     norm is taken after the DDP all-reduce (both gathered by the suite's one read per step), so every rank decides
@@ -46,13 +47,13 @@ class LossSpikeDetector(SuiteCallback):
     Why these defaults (compared with what large runs use):
 
     - llm-foundry's ``KillLossSpike`` flags a loss above **2x** the mean of a 100-step window. On a small-batch
-      run one batch's loss is routinely several times the mean (measured on a healthy 500-step run: up to 7x at
-      batch size 2), so a pure ratio cries wolf there; on a large-batch language model whose loss sits at 3.0 with
-      a step-to-step spread of a few hundredths, 2x misses a spike to 5.0.
+      run one batch's loss is routinely several times the mean (a healthy 500-step run at batch size 2 reaches
+      7x), so a pure ratio cries wolf there; on a large-batch language model whose loss sits at 3.0 with a
+      step-to-step spread of a few hundredths, 2x misses a spike to 5.0.
     - Megatron-LM's rerun machinery flags a loss **10x** above its recent values: only catastrophes.
-    - OLMo-core flags **mean + 6 sigma over 128 steps**: the z-score adapts to the noise of each run. Healthy runs
-      measured here peak at 4.2 sigma (loss and gradient norm, noisy small batches, dropout, a GAN), so 6 leaves
-      room. We keep 6 sigma and the span of 128 steps, and add a small ratio (1.2x for the loss, 2x for the
+    - OLMo-core flags **mean + 6 sigma over 128 steps**: the z-score adapts to the noise of each run. Healthy small
+      runs (loss and gradient norm, noisy small batches, dropout, a GAN) peak at 4.2 sigma, so 6 leaves room. The
+      defaults are OLMo-core's 6 sigma and span of 128 steps, plus a small ratio (1.2x for the loss, 2x for the
       heavier-tailed gradient norm) so that a near-constant series, whose sigma is close to 0, does not call every
       wobble a spike.
 
@@ -153,7 +154,9 @@ class LossSpikeDetector(SuiteCallback):
         found = flags.tolist()
         if any(found):
             self._report(trainer, record, stats, values.tolist(), found)
-        stats.update(values, include=~flags)
+        # A gradient norm beyond FP32 is an overflow (NonFiniteDetector's fault): tested above, never learned from.
+        learnable = torch.tensor([True, not record.grads_beyond_fp32])
+        stats.update(values, include=~flags & learnable)
         self._track_streaks(trainer, record, stats, found, values.tolist())
 
     def _stats_for(self, index: int) -> RunningStats:

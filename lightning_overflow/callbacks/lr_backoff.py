@@ -12,7 +12,6 @@ from typing_extensions import override
 
 from lightning_overflow.callbacks._base import SuiteCallback
 from lightning_overflow.callbacks._validation import check_bool, check_float, check_int
-from lightning_overflow.events import Event
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.health import SIGNAL_KINDS, Signal
 from lightning_overflow.numerics.lr_scaling import scale_lr
@@ -62,7 +61,7 @@ class LRBackoff(SuiteCallback):
             step, already skipped by ``NonFiniteDetector``, is not divergence; add ``"nonfinite"`` to back off on
             every non-finite step.
         cooldown: optimizer steps after a backoff during which further triggers are part of the same burst
-            (default 20: a burst of non-finite steps or a spike lasting a few steps costs one backoff, while a
+            (default 10: a burst of non-finite steps or a spike lasting a few steps costs one backoff, while a
             divergence that goes on after it gets the next one soon).
         min_scale: the smallest scale, in (0, 1] (default 1e-3, about ten halvings).
         min_lr: optional floor on the backed-off base learning rate of every param group (its ``initial_lr``, or its
@@ -191,7 +190,10 @@ class LRBackoff(SuiteCallback):
                 f"LRBackoff: {entry['kinds']} at step {first.step}: the learning rate of optimizer {index} is now "
                 f"{new:.4g} x its schedule (was {old:.4g} x; group LRs {_lrs(trainer, index)}). Cause: {first.reason}"
             )
-            self._journal(trainer, "backoff", message, entry, previous_scale=old, lrs=_lrs(trainer, index))
+            self._event(
+                trainer, "backoff", message, step=first.step, **_details(entry), previous_scale=old,
+                lrs=_lrs(trainer, index),
+            )
             if trainer.global_rank == 0:
                 log.info(message)
 
@@ -220,7 +222,7 @@ class LRBackoff(SuiteCallback):
             "gradients (AutoClip), add Rollback to restore the last finite state, and look at the data around "
             "these steps."
         )
-        self._journal(trainer, "abort", message, entry)
+        self._event(trainer, "abort", message, step=first.step, **_details(entry))
         return DivergenceError(message, step=first.step, history=self.history)
 
     # ---- regrowth ---------------------------------------------------------------------------------------------
@@ -242,7 +244,9 @@ class LRBackoff(SuiteCallback):
             f"LRBackoff: {self._windows[index]} stable steps up to step {step}: the learning rate of optimizer "
             f"{index} grows back to {new:.4g} x its schedule (was {old:.4g} x; group LRs {_lrs(trainer, index)})."
         )
-        self._journal(trainer, "regrowth", message, entry, previous_scale=old, lrs=_lrs(trainer, index))
+        self._event(
+            trainer, "regrowth", message, step=step, **_details(entry), previous_scale=old, lrs=_lrs(trainer, index)
+        )
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _track(self, n_optimizers: int, step: int) -> None:
@@ -269,12 +273,6 @@ class LRBackoff(SuiteCallback):
         entry = {"step": step, "action": action, "optimizer": index, "kinds": kinds, "reason": reason, "scale": scale}
         self.history.append(entry)
         return entry
-
-    def _journal(self, trainer: pl.Trainer, kind: str, message: str, entry: dict[str, Any], **more: Any) -> None:
-        """One journal line, dated by the step that triggered it (the batch is over: ``global_step`` moved on)."""
-        details = {k: v for k, v in entry.items() if k != "step"} | more
-        event = Event(entry["step"], kind, 0, type(self).__name__, message, details, int(trainer.current_epoch))
-        self.board(trainer).record(event)
 
     # ---- counters, rollback and state -------------------------------------------------------------------------
     @override
@@ -325,6 +323,11 @@ def _check_triggers(triggers: Sequence[str]) -> tuple[str, ...]:
         choices = ", ".join(repr(k) for k in SIGNAL_KINDS)
         raise ValueError(f"'triggers' must be a non-empty collection of {choices} (got {triggers!r})")
     return tuple(dict.fromkeys(triggers))
+
+
+def _details(entry: dict[str, Any]) -> dict[str, Any]:
+    """A history entry as journal details; its step dates the event instead (``global_step`` has moved on)."""
+    return {k: v for k, v in entry.items() if k != "step"}
 
 
 def _kinds(signals: Sequence[Signal]) -> str:

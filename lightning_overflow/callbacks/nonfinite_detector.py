@@ -76,10 +76,13 @@ class NonFiniteDetector(SuiteCallback):
 
     Args:
         action: ``"skip"`` (default) skips the step and goes on; ``"raise"`` raises :class:`NonFiniteError` at the
-            first detection; ``"warn"`` warns once and lets the step happen (a monitor).
+            first detection; ``"warn"`` warns once per kind of finding and lets the step happen (the detector
+            itself then changes nothing, but its signals still reach LRBackoff and Rollback when they are in the
+            list).
         max_consecutive_skips: with ``action="skip"``, raise :class:`NonFiniteError` after this many consecutive
-            skipped steps (default 20: enough to ride out a bad stretch of data, few enough that a dead run stops
-            before it wastes its schedule).
+            non-finite steps (skipped, or left to Rollback when the weights themselves are non-finite; default 20:
+            enough to ride out a bad stretch of data, few enough that a dead run stops before it wastes its
+            schedule).
         check_weights_every_n_steps: check weights and optimizer state every this many steps (default 100; ``None``
             or 0 disables). They are also checked whenever the loss or the gradients are non-finite, to name the
             cause.
@@ -191,6 +194,11 @@ class NonFiniteDetector(SuiteCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            # A new fit starts at global_step 0: a previous fit's streaks and counts would mean nothing (a resumed
+            # fit loads its own state after setup).
+            self.skipped_steps = self.nonfinite_events = self._consecutive = self._scaler_overflows = 0
+            self._recent = []
         if self._headroom is not None:
             self._headroom.reset()
 
@@ -225,10 +233,12 @@ class NonFiniteDetector(SuiteCallback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
         self._release()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
         self._release()
 
     def _release(self) -> None:
@@ -261,8 +271,8 @@ class NonFiniteDetector(SuiteCallback):
         if record.loss_finite and record.grads_finite and not record.grads_beyond_fp32 and not state_flagged:
             self._scaler_overflows = 0
             return None
-        if record.loss_finite and record.loss_scale is not None and not state_flagged:
-            return self._judge_scaler(record)
+        if record.loss_finite and record.loss_scale is not None and not record.grads_finite and not state_flagged:
+            return self._judge_scaler(record)  # inf/NaN gradients: the scaler skips the step itself
         state = record.check_state()
         if state.weight_ranks:
             return Finding("weight", state.weight_ranks, list(state.weight_names), hint_key="weight")

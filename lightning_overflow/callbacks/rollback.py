@@ -38,19 +38,22 @@ from lightning_overflow.callbacks._validation import check_choice, check_int
 from lightning_overflow.distributed import reduce_and_read
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
-from lightning_overflow.health import MAX_NAMES, SIGNAL_KINDS, Signal, nonfinite_labels
+from lightning_overflow.health import MAX_NAMES, SIGNAL_KINDS, Signal, board_for
 from lightning_overflow.numerics import optimizer_state_tensors
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
     load_snapshot,
     nonfinite_flag,
+    nonfinite_indices,
     nonfinite_paths,
     restore_optimizer_,
     restore_state_,
     save_snapshot,
     state_matches,
     state_tensors,
+    synchronize,
     take_snapshot,
+    temporary_target,
 )
 
 __all__ = ["DEFAULT_TRIGGERS", "Rollback"]
@@ -58,13 +61,15 @@ __all__ = ["DEFAULT_TRIGGERS", "Rollback"]
 DEFAULT_TRIGGERS = ("nonfinite_burst", "nonfinite_state", "scaler_collapse", "loss_spike")
 
 SNAPSHOT_NAME = "rollback-step={step}.pt"
-_TEMPORARY = re.compile(r"^\.rollback-step=\d+\.pt\.tmp-\d+$")
+_SNAPSHOT_FILE = re.compile(re.escape(SNAPSHOT_NAME).replace(re.escape("{step}"), r"\d+"))  # any step
+_SUITE_ERRORS = (DivergenceError, NonFiniteError, RollbackError)  # raised on every rank together
 _SHARDED = ("FSDPStrategy", "XLAFSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
 
 HINT = (
-    "lower the learning rate (LRBackoff does it on every rollback), clip the gradients (AutoClip), and look at the "
-    "data around the steps listed; skip_batches skips the batches after a rollback, max_rollbacks and window set "
-    "the budget"
+    "lower the learning rate (LRBackoff backs off on the detectors' divergence signals outside its cooldown; it "
+    "hears nothing of a rollback that Rollback starts itself for a snapshot that failed its check), clip the "
+    "gradients (AutoClip), and look at the data around the steps listed; skip_batches skips the batches after a "
+    "rollback, max_rollbacks and window set the budget"
 )
 
 
@@ -91,8 +96,9 @@ class Rollback(SuiteCallback):
     Snapshots. The state a fit starts from is the first snapshot; then one is taken every ``every_n_steps`` healthy
     optimizer steps (steps of batches without any detector signal, not skipped), after the step, at the end of a
     batch without signals, so never inside a spike. Before a snapshot becomes a rollback target its weights and
-    optimizer state are checked finite (one L2 norm pass, one host read, identical verdict on every rank); one that
-    is not finite is refused and, with ``"nonfinite_state"`` among the triggers, is itself a reason to roll back,
+    optimizer state are checked for inf/NaN (one max-abs pass, which large finite values such as Adam's
+    ``exp_avg_sq`` under huge gradients pass, one host read, identical verdict on every rank); one that holds
+    inf/NaN is refused and, with ``"nonfinite_state"`` among the triggers, is itself a reason to roll back,
     so Rollback protects a run even without a detector (at snapshot granularity). The last ``keep`` verified
     snapshots are kept. A second rollback to the same snapshot, with no newer snapshot taken in between, goes one
     snapshot further back when there is one: the divergence started before that snapshot.
@@ -101,12 +107,26 @@ class Rollback(SuiteCallback):
     GPU), so ``keep=2`` costs twice the model and optimizer state (for AdamW, 3 x 4 bytes per parameter each).
     The buffers are allocated once and reused; copies are batched, and asynchronous on a GPU. Nothing happens on the
     other steps but a look at the signals. Measured on 2 busy CPU threads (``benchmarks/bench_snapshot.py``, 1M and
-    20M-parameter transformers with AdamW), taking a snapshot with its check cost 3-12% of one training step and
-    restoring one 2-6%; a disk write runs at the speed of serialisation (0.2-0.5 GB/s there), so with ``dirpath``
-    keep ``every_n_steps`` in the hundreds.
+    20M-parameter transformers with AdamW), taking a snapshot with its check cost 1.4-16% of one training step (the
+    check alone 0.5-9%) and restoring one 1-6%; a disk write runs at the speed of serialisation (0.2-0.5 GB/s
+    there), so with ``dirpath`` keep ``every_n_steps`` in the hundreds.
 
     Under DDP every rank keeps its own copy (the replicas are identical), the checks and decisions are made on values
     all-reduced across ranks, so every rank restores the same snapshot at the same step; rank 0 alone writes files.
+
+    When the fit stops with one of the suite's errors (``DivergenceError``, ``RollbackError``, ``NonFiniteError``,
+    raised on every rank together) while the weights or optimizer state hold inf/NaN (``LRBackoff`` at its floor,
+    placed before Rollback, raises before Rollback's turn in ``on_train_batch_end``), ``on_exception`` restores the
+    last verified snapshot, so the model in memory and the checkpoint ``OnExceptionCheckpoint`` writes hold finite
+    values and the original error propagates. This is no rollback: the budget and ``history`` stay as they are.
+    Lightning calls ``on_exception`` in callback order with checkpoint callbacks last, so this restore precedes
+    ``OnExceptionCheckpoint``; a callback of another kind that saves in its own ``on_exception`` before Rollback in
+    the list still meets the checkpoint guard. Other exceptions (a user's error, ``KeyboardInterrupt``) may be
+    raised on one rank only and leave the state as it is: the restore needs every rank. Under ``ddp_spawn`` and
+    ``ddp_fork`` Lightning calls ``on_exception`` in the launching process only, which holds no snapshot.
+
+    A callback instance can serve several fits: ``setup("fit")`` forgets the snapshots, the budget and the history
+    of the previous one (a resumed fit loads its own right after).
 
     What is not rewound (no public API can): ``global_step`` and the epoch, the data position (the batches that led
     to the divergence are not replayed), RNG states, the loggers, attributes of the LightningModule that are not in
@@ -136,7 +156,8 @@ class Rollback(SuiteCallback):
         window: the window in optimizer steps for ``max_rollbacks`` (default 1000).
         skip_batches: after a rollback, consume this many further training batches without an optimizer step
             (default 0; with gradient accumulation, counted in batches that would have stepped).
-        triggers: the signal kinds that cause a rollback (default :data:`DEFAULT_TRIGGERS`, see above).
+        triggers: the signal kinds that cause a rollback, at least one (default :data:`DEFAULT_TRIGGERS`, see
+            above).
 
     Attributes:
         rollbacks: rollbacks made so far (kept across a resume).
@@ -170,7 +191,7 @@ class Rollback(SuiteCallback):
     ============================  =================================================
 
     Journal events: ``rollback``, ``skip``, ``snapshot_refused``, ``snapshot_unusable``, ``snapshot_write_failed``,
-    ``checkpoint_refused``, ``abort``.
+    ``checkpoint_refused``, ``abort``, ``exit_restore`` (the restore in ``on_exception``).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -202,9 +223,16 @@ class Rollback(SuiteCallback):
         self.skip_batches = check_int("skip_batches", skip_batches, minimum=0)
         if isinstance(triggers, str) or not isinstance(triggers, Iterable):
             raise TypeError(f"'triggers' must be a collection of signal kinds (got {triggers!r})")
+        triggers = tuple(triggers)
+        if not triggers:
+            raise ValueError(f"'triggers' must be a non-empty collection of signal kinds (got {triggers!r})")
         self.triggers = tuple(dict.fromkeys(check_choice("triggers", kind, SIGNAL_KINDS) for kind in triggers))
         if "nonfinite_state" not in self.triggers:
             self.restores_state = False  # non-finite weights are not this instance's to repair
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forget every fit so far: snapshots, budget, history, pending skips."""
         self.rollbacks = 0
         self.history: list[dict[str, Any]] = []
         self.skipped_steps = 0
@@ -230,10 +258,11 @@ class Rollback(SuiteCallback):
             return
         _refuse_sharded(trainer.strategy)
         super().setup(trainer, pl_module, stage)
-        self._memory.clear()
+        self._reset()  # a new fit starts afresh; a resumed one loads its state right after setup
         if self.dirpath is not None and trainer.is_global_zero and self.dirpath.is_dir():
             for path in self.dirpath.iterdir():  # left behind by a process killed mid-write
-                if _TEMPORARY.match(path.name):
+                target = temporary_target(path)
+                if target is not None and _SNAPSHOT_FILE.fullmatch(target.name):
                     with contextlib.suppress(OSError):
                         path.unlink()
 
@@ -299,15 +328,12 @@ class Rollback(SuiteCallback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        weights = state_tensors(checkpoint.get("state_dict", {}))
-        states = state_tensors(checkpoint.get("optimizer_states", []))
-        weight_ranks, state_ranks = _flags_by_rank(trainer, [nonfinite_flag(weights), nonfinite_flag(states)])
+        weight_ranks, state_ranks = _nonfinite_ranks(
+            trainer, checkpoint.get("state_dict", {}), checkpoint.get("optimizer_states", [])
+        )
         if not weight_ranks and not state_ranks:
             return
-        names = nonfinite_paths(checkpoint.get("state_dict", {}))
-        board = self.board(trainer)
-        for optimizer in trainer.optimizers:
-            names += nonfinite_labels(*optimizer_state_tensors(optimizer, board.names))
+        names = nonfinite_paths(checkpoint.get("state_dict", {})) + _nonfinite_moments(trainer)
         what = "weights" if weight_ranks else "optimizer state"
         ranks = ", ".join(str(r) for r in (weight_ranks or state_ranks))
         message = (
@@ -318,7 +344,8 @@ class Rollback(SuiteCallback):
             "add NonFiniteDetector (and LossSpikeDetector) before the checkpoint callbacks, so that Rollback hears "
             "of the divergence and restores a finite state before anything is saved"
         )
-        self._event(trainer, "checkpoint_refused", message, rank=min(weight_ranks or state_ranks), parameters=names[:5])
+        rank = min(weight_ranks or state_ranks)
+        self._event(trainer, "checkpoint_refused", message, rank=rank, parameters=names[:MAX_NAMES])
         raise NonFiniteError(
             f"{message} HINT: {hint}.",
             kind="weight" if weight_ranks else "optimizer_state",
@@ -328,23 +355,59 @@ class Rollback(SuiteCallback):
             hint=hint,
         )
 
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:
+            # Only the suite's errors are raised on every rank together; a foreign one may come from one rank only,
+            # and the restore's collective would wait for ranks that never enter it.
+            if isinstance(exception, _SUITE_ERRORS) and self._candidates():
+                self._restore_on_exit(trainer, exception)
+        finally:
+            super().on_exception(trainer, pl_module, exception)
+
+    def _restore_on_exit(self, trainer: pl.Trainer, exception: BaseException) -> None:
+        """Restore the last verified snapshot if the live state holds inf/NaN on some rank (every rank enters)."""
+        state = _live_state(trainer)
+        weight_ranks, state_ranks = _nonfinite_ranks(trainer, state["model"], state["optimizers"])
+        if not weight_ranks and not state_ranks:
+            return
+        restored = self._restore_first(trainer, self._candidates())
+        what = "weights" if weight_ranks else "optimizer state"
+        ranks = ", ".join(str(r) for r in (weight_ranks or state_ranks))
+        step = int(trainer.global_step)
+        if restored is None:
+            message = (
+                f"Rollback: the fit stopped at step {step} ({type(exception).__name__}) with inf/NaN in its {what} "
+                f"on rank(s) {ranks}, and no snapshot verified finite could be restored."
+            )
+            self._event(trainer, "exit_restore", message, error=type(exception).__name__, snapshot_step=None)
+            return
+        target, source = restored
+        message = (
+            f"Rollback: the fit stopped at step {step} ({type(exception).__name__}) with inf/NaN in its {what} on "
+            f"rank(s) {ranks}; restored the snapshot of step {target.step} ({source}), so the model in memory and "
+            f"any checkpoint written on the way out hold finite values. The error itself propagates."
+        )
+        details = {"error": type(exception).__name__, "snapshot_step": target.step, "source": source}
+        self._event(trainer, "exit_restore", message, **details)
+
     # ---- snapshots --------------------------------------------------------------------------------------------
     def _take(self, trainer: pl.Trainer, start: bool = False) -> str | None:
         """Snapshot the live state if it is finite on every rank. When it is not: journal it, return why."""
         self._healthy = 0
         state = _live_state(trainer)
-        weights, moments = state_tensors(state["model"]), state_tensors(state["optimizers"])
-        weight_ranks, state_ranks = _flags_by_rank(trainer, [nonfinite_flag(weights), nonfinite_flag(moments)])
+        weight_ranks, state_ranks = _nonfinite_ranks(trainer, state["model"], state["optimizers"])
         step = int(trainer.global_step)
         if weight_ranks or state_ranks:
             what = "weights" if weight_ranks else "optimizer state"
-            bad = nonfinite_paths(state["model"]) + nonfinite_paths(state["optimizers"], "optimizers")
+            bad = nonfinite_paths(state["model"]) + _nonfinite_moments(trainer)
             message = (
                 f"Rollback: the {what} at step {step} contain inf/NaN on rank(s) "
                 f"{', '.join(map(str, weight_ranks or state_ranks))}{_quote(bad)}; "
                 f"{'the fit starts from a non-finite state, which' if start else 'this state'} is no rollback target"
             )
-            self._event(trainer, "snapshot_refused", message, rank=min(weight_ranks or state_ranks), tensors=bad[:5])
+            rank = min(weight_ranks or state_ranks)
+            self._event(trainer, "snapshot_refused", message, rank=rank, tensors=bad[:MAX_NAMES])
             return message
         reuse = self._memory.pop(0).state if len(self._memory) >= self.keep else None
         extras = copy.deepcopy(self.board(trainer).snapshot_extras(trainer))
@@ -363,10 +426,16 @@ class Rollback(SuiteCallback):
                 payload = {"state": snapshot.state, "extras": snapshot.extras}
                 save_snapshot(payload, self.dirpath / name, step=snapshot.step)
             except Exception as err:  # a full disk must not stop training: the memory snapshot is intact
-                message = f"Rollback: could not write the snapshot of step {snapshot.step} to {self.dirpath}: {err}"
+                with contextlib.suppress(OSError):  # an older file under this name holds another state
+                    (self.dirpath / name).unlink()
+                message = (
+                    f"Rollback: could not write the snapshot of step {snapshot.step} to {self.dirpath}: {err}; the "
+                    f"snapshot in memory is intact, and a resumed run will find no file for this step"
+                )
                 self._event(trainer, "snapshot_write_failed", message, file=name)
                 self._warnings.warn("write", message + " (shown once)")
-                return
+        # The bookkeeping goes on as on the other ranks, which cannot know that rank 0 failed: every rank must list
+        # the same rollback targets, or some would enter the collective of _load without the others.
         snapshot.file = name
         self._disk = [e for e in self._disk if e["step"] != snapshot.step] + [{"step": snapshot.step, "file": name}]
         while len(self._disk) > self.keep:
@@ -449,10 +518,11 @@ class Rollback(SuiteCallback):
             state, candidate.extras = payload["state"], payload.get("extras", {})
             if step != candidate.step or not _fits_live(trainer, state):
                 problem = "it does not match this model and its optimizers"
-            elif nonfinite_flag(state_tensors(state["model"]) + state_tensors(state["optimizers"])).item():
-                problem = "it holds inf/NaN"
-        except (SnapshotError, KeyError, TypeError) as err:
-            problem = str(err)
+            else:
+                bad = nonfinite_paths(state["model"]) + nonfinite_paths(state["optimizers"], scalars=False)
+                problem = f"it holds inf/NaN{_quote(bad)}" if bad else ""
+        except Exception as err:  # an untrusted file: whatever it raises, every rank must reach the collective below
+            problem = str(err) if isinstance(err, SnapshotError) else f"{type(err).__name__}: {err}"
         (unusable,) = _flags_by_rank(trainer, [torch.tensor(float(bool(problem)))])
         if not unusable:
             return state
@@ -533,6 +603,7 @@ def _live_state(trainer: pl.Trainer) -> dict[str, Any]:
 
 def _restore(trainer: pl.Trainer, state: dict[str, Any]) -> None:
     """Put ``state`` back, copying into the live tensors (never aliasing the snapshot)."""
+    synchronize()  # the host deep-copies parts of the snapshot: its device-to-host copies must have landed
     live_model = trainer.strategy.lightning_module_state_dict()
     if state_matches(live_model, state["model"]):
         restore_state_(live_model, state["model"])
@@ -562,6 +633,24 @@ def _fits_live(trainer: pl.Trainer, state: Any) -> bool:
         if sizes != [len(group["params"]) for group in saved["param_groups"]]:
             return False
     return state_matches(trainer.strategy.lightning_module_state_dict(), state["model"])
+
+
+def _nonfinite_ranks(trainer: pl.Trainer, model: Any, optimizers: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ranks whose model state, and whose optimizer states (step counters left out), hold inf/NaN."""
+    weights = nonfinite_flag(state_tensors(model))
+    moments = nonfinite_flag(state_tensors(optimizers), scalars=False)
+    weight_ranks, state_ranks = _flags_by_rank(trainer, [weights, moments])
+    return weight_ranks, state_ranks
+
+
+def _nonfinite_moments(trainer: pl.Trainer) -> list[str]:
+    """``<parameter>.<state key>`` of the live optimizer state tensors that hold inf/NaN on this rank."""
+    names = board_for(trainer).names
+    bad: list[str] = []
+    for optimizer in trainer.optimizers:
+        tensors, labels = optimizer_state_tensors(optimizer, names)
+        bad += [labels[i] for i in nonfinite_indices(tensors)]
+    return bad
 
 
 def _flags_by_rank(trainer: pl.Trainer, flags: list[Tensor]) -> list[tuple[int, ...]]:

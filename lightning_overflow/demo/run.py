@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.loggers import CSVLogger
 from torch.utils.data import Subset
 
@@ -40,7 +39,7 @@ class RunResult:
     stopped_by: str = ""
 
 
-def _data(seed: int) -> tuple[ByteWindows, Subset[Any]]:
+def _data() -> tuple[ByteWindows, Subset[Any]]:
     corpus = stdlib_corpus()
     split = int(len(corpus) * 0.95)
     val = ByteWindows(corpus[split:])
@@ -80,7 +79,7 @@ class _StopWhenDead(pl.Callback):
 
 def _run(label: str, protected: bool, steps: int, seed: int, out: Path, accelerator: str, lr: float) -> RunResult:
     pl.seed_everything(seed, verbose=False)
-    train, val = _data(seed)
+    train, val = _data()
     model = ByteTransformer(train, val, lr=lr)
     last = _LastLosses()
     suite = default_callbacks(snapshot_every_n_steps=25) if protected else [GradNormMonitor()]

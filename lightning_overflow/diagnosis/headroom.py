@@ -145,7 +145,9 @@ class ActivationSampler:
         if not self._maxima:
             zero = torch.zeros((), dtype=torch.float64, device=device)
             return zero, zero - 1
-        indices = torch.tensor(list(self._maxima), dtype=torch.float64, device=device)
+        # torch.full launches a fill with the value as an argument; torch.tensor(list, device=...) would copy from
+        # pageable host memory, which waits for the device.
+        indices = torch.stack([torch.full((), float(i), dtype=torch.float64, device=device) for i in self._maxima])
         values = torch.stack([v.to(device) for v in self._maxima.values()]).double()
         value, best = torch.nan_to_num(values, nan=math.inf).max(dim=0)
         return value, indices.index_select(0, best.reshape(1)).reshape(())  # indexing with a tensor would read it

@@ -149,7 +149,7 @@ def find_growth(trail: Sequence[tuple[str, float]], direction: Direction) -> Gro
         'the activations grew about 10x per layer through 6 layers (net.0: 1 -> net.5: 1e+05)'
     """
     values = [(name, v) for name, v in trail if math.isfinite(v) and v > 0][-MAX_TRAIL:]
-    for start in range(0, len(values) - MIN_LAYERS + 1):
+    for start in range(len(values) - MIN_LAYERS + 1):
         run = values[start:]
         steps = len(run) - 1
         total = run[-1][1] / run[0][1]

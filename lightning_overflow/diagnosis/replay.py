@@ -1,8 +1,9 @@
 """Replay a non-finite training step in Lightning: every rank re-runs its batch under the tracer, then the ranks
 combine what they saw (Megatron's rerun idea, inside the Trainer).
 
-The replay runs ``training_step`` on the plain LightningModule, never on the DDP wrapper, so that no collective runs
-inside it, and differentiates with ``torch.autograd.grad``, so that ``.grad`` and DDP's reducer are left alone. It
+The replay runs ``training_step`` on the plain LightningModule, never on the DDP wrapper, so that DDP's gradient
+all-reduce does not run inside it (a ``training_step`` that itself calls collectives, such as ``self.all_gather`` or
+SyncBatchNorm, still runs them, on every rank together, since every rank replays), and differentiates with ``torch.autograd.grad``, so that ``.grad`` and DDP's reducer are left alone. It
 runs with the random streams the step started with (the same dropout masks) and puts back afterwards every random
 stream, the buffers (BatchNorm statistics) and metric states; ``self.log`` is silenced while it runs. Every rank
 enters :func:`diagnose_step` together (the decision to diagnose comes from the shared step record), and the ranks'

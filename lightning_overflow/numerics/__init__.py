@@ -1,5 +1,25 @@
 """Pure-torch numerics behind the callbacks, usable in a plain PyTorch loop (no Lightning import)."""
 
+from lightning_overflow.numerics.clipping import (
+    PercentileState,
+    ZScoreState,
+    agc_,
+    agc_coefficients,
+    agc_coefficients_and_norms,
+    clip_coefficient,
+    clip_grad_norm_,
+    percentile_threshold,
+    scale_grads_,
+    smallest_coefficient,
+    unitwise_norms,
+    zscore_threshold,
+)
+from lightning_overflow.numerics.lr_scaling import (
+    GROUP_LR_KEYS,
+    SCHEDULER_LR_LISTS,
+    scale_lr,
+    scheduler_tree,
+)
 from lightning_overflow.numerics.norms import (
     FP32_MAX,
     NormReport,
@@ -9,22 +29,6 @@ from lightning_overflow.numerics.norms import (
     tensor_norms,
     total_norm,
 )
-from lightning_overflow.numerics.state import (
-    optimizer_state_tensors,
-)
-from lightning_overflow.numerics.clipping import (
-    PercentileState,
-    ZScoreState,
-    agc_,
-    agc_coefficients,
-    clip_coefficient,
-    clip_grad_norm_,
-    percentile_threshold,
-    scale_grads_,
-    smallest_coefficient,
-    unitwise_norms,
-    zscore_threshold,
-)
 from lightning_overflow.numerics.running_stats import (
     RunningStats,
     ema_alpha,
@@ -32,18 +36,13 @@ from lightning_overflow.numerics.running_stats import (
     spike_threshold,
     update_running_stats,
 )
-from lightning_overflow.numerics.lr_scaling import (
-    GROUP_LR_KEYS,
-    SCHEDULER_LR_LISTS,
-    scale_lr,
-    scheduler_tree,
-)
 from lightning_overflow.numerics.snapshots import (
     SNAPSHOT_FORMAT,
     SnapshotError,
     clone_state,
     load_snapshot,
     nonfinite_flag,
+    nonfinite_indices,
     nonfinite_paths,
     restore_optimizer_,
     restore_state_,
@@ -54,20 +53,25 @@ from lightning_overflow.numerics.snapshots import (
     synchronize,
     take_snapshot,
     temporary_path,
+    temporary_target,
+)
+from lightning_overflow.numerics.state import (
+    optimizer_state_tensors,
 )
 
 __all__ = [
     "FP32_MAX",
     "GROUP_LR_KEYS",
+    "SCHEDULER_LR_LISTS",
+    "SNAPSHOT_FORMAT",
     "NormReport",
     "PercentileState",
     "RunningStats",
-    "SCHEDULER_LR_LISTS",
-    "SNAPSHOT_FORMAT",
     "SnapshotError",
     "ZScoreState",
     "agc_",
     "agc_coefficients",
+    "agc_coefficients_and_norms",
     "clip_coefficient",
     "clip_grad_norm_",
     "clone_state",
@@ -75,6 +79,7 @@ __all__ = [
     "grad_norm_report",
     "load_snapshot",
     "nonfinite_flag",
+    "nonfinite_indices",
     "nonfinite_paths",
     "norm_status",
     "optimizer_state_tensors",
@@ -95,6 +100,7 @@ __all__ = [
     "synchronize",
     "take_snapshot",
     "temporary_path",
+    "temporary_target",
     "tensor_norms",
     "total_norm",
     "unitwise_norms",

@@ -39,6 +39,7 @@ Papers:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
     "ZScoreState",
     "agc_",
     "agc_coefficients",
+    "agc_coefficients_and_norms",
     "clip_coefficient",
     "clip_grad_norm_",
     "percentile_threshold",
@@ -64,6 +66,29 @@ __all__ = [
 
 FP32_TINY = float(torch.finfo(torch.float32).tiny)
 """The smallest normal FP32 number; a smaller coefficient would flush to zero under ``set_flush_denormal``."""
+
+
+def _check_number(
+    name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False
+) -> float:
+    """``value`` as a float, checked against an interval; the message grammar of the callbacks' arguments."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"'{name}' must be a number (got {value!r})")
+    value = float(value)
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):  # NaN is neither
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        raise ValueError(f"'{name}' must be in {left}{low:g}, {high:g}{right} (got {value:g})")
+    return value
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"'{name}' must be an int (got {value!r})")
+    if value < minimum:
+        raise ValueError(f"'{name}' must be >= {minimum} (got {value})")
+    return value
 
 
 def _as_total(total: Tensor | float, like: Tensor | None = None) -> Tensor:
@@ -117,7 +142,11 @@ def scale_grads_(grads: Sequence[Tensor], coef: Tensor | float) -> None:
     for g in grads:
         by_group.setdefault((g.device, g.dtype), []).append(g)
     for (device, dtype), group in by_group.items():
-        factor = coef.to(device=device, dtype=dtype, non_blocking=True) if isinstance(coef, Tensor) else coef
+        factor = coef
+        if isinstance(coef, Tensor):
+            # Into an accelerator the copy is queued before the multiplication that reads it; into host memory an
+            # asynchronous copy could still be in flight when the CPU multiplies, so that one blocks.
+            factor = coef.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
         torch._foreach_mul_(group, factor)
 
 
@@ -146,8 +175,7 @@ def clip_grad_norm_(
         >>> grads[0]
         tensor([1.4000, 4.8000])
     """
-    if not max_norm > 0:
-        raise ValueError(f"'max_norm' must be in (0, inf] (got {max_norm})")
+    _check_number("max_norm", max_norm, 0.0, low_open=True)
     if total is None:
         total = total_norm(tensor_norms(grads)) if grads else torch.zeros((), dtype=torch.float64)
     total = _as_total(total)
@@ -172,8 +200,7 @@ class PercentileState:
     @classmethod
     def empty(cls, window: int = 1000, device: torch.device | str | None = None) -> PercentileState:
         """A state with no history yet, keeping the last ``window`` norms."""
-        if window < 1:
-            raise ValueError(f"'window' must be >= 1 (got {window})")
+        _check_int("window", window, minimum=1)
         history = torch.full((window,), float("nan"), dtype=torch.float64, device=device)
         return cls(history, torch.zeros((), dtype=torch.int64, device=device))
 
@@ -232,8 +259,7 @@ def percentile_threshold(
         >>> threshold
         tensor(2.5000, dtype=torch.float64)
     """
-    if not 0.0 <= percentile <= 100.0:
-        raise ValueError(f"'percentile' must be in [0, 100] (got {percentile})")
+    percentile = _check_number("percentile", percentile, 0.0, 100.0)
     history = state.history
     total = _as_total(total, like=history)
     ok = _accepted(total)
@@ -299,13 +325,17 @@ def zscore_threshold(
     Args:
         state: the current statistics.
         total: this step's total gradient norm, pre-clip.
-        alpha: EMA smoothing factor (paper: 0.97).
-        z_threshold: z-score above which a norm is an outlier (paper: 2.5).
-        warmup_steps: norms collected before clipping starts (paper: 25).
-        eps: added to the standard deviation in the z-score (paper: 1e-6).
+        alpha: EMA smoothing factor, in (0, 1) (paper: 0.97).
+        z_threshold: z-score above which a norm is an outlier, in (0, inf) (paper: 2.5).
+        warmup_steps: norms collected before clipping starts, at least 2: a variance needs two norms, and with a
+            variance of 0 every norm above the mean would be clipped to it (paper: 25).
+        eps: added to the standard deviation in the z-score, in [0, inf) (paper: 1e-6).
 
     Returns:
         ``(threshold, new_state)``: a float64 0-d tensor and the updated statistics.
+
+    Raises:
+        TypeError, ValueError: an argument is not a number (an int for ``warmup_steps``) in its range.
 
     Example:
         >>> state = ZScoreState.empty()
@@ -317,6 +347,10 @@ def zscore_threshold(
         >>> round(threshold.item(), 4)
         2.5208
     """
+    alpha = _check_number("alpha", alpha, 0.0, 1.0, low_open=True, high_open=True)
+    z_threshold = _check_number("z_threshold", z_threshold, 0.0, low_open=True, high_open=True)
+    _check_int("warmup_steps", warmup_steps, minimum=2)
+    eps = _check_number("eps", eps, 0.0, high_open=True)
     mean, var, count = state.mean, state.var, state.count
     total = _as_total(total, like=mean)
     ok = _accepted(total)
@@ -352,16 +386,16 @@ def unitwise_norms(tensors: Sequence[Tensor], exact: bool = False) -> list[Tenso
 
     A unit is a slice along the first dimension (an output neuron or channel, as ``nn.Linear`` and ``nn.Conv*``
     store their weights); a vector or scalar (bias, gain) is one unit. Accumulated in FP32, or in float64 with
-    ``exact=True`` (for values above about 1e19, whose FP32 squares overflow).
+    ``exact=True`` (for values above about 1e19, whose FP32 squares overflow) and for float64 tensors.
 
     Example:
         >>> unitwise_norms([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([7.0, 24.0])])
         [tensor([[5.],
                 [1.]]), tensor(25.)]
     """
-    dtype = torch.float64 if exact else torch.float32
     norms = []
     for t in tensors:
+        dtype = torch.float64 if exact or t.dtype == torch.float64 else torch.float32
         if t.dim() <= 1:
             norms.append(torch.linalg.vector_norm(t, dtype=dtype))
         else:
@@ -379,24 +413,54 @@ def agc_coefficients(
     and so does a unit whose weights are non-finite.
 
     Args:
-        params: parameters with gradients.
-        clipping: the largest allowed ratio of gradient norm to weight norm, per unit (paper: 0.01 at batch 4096,
-            larger for smaller batches).
-        eps: floor on the weight norm (paper: 1e-3).
+        params: parameters with gradients (any floating dtype; float64 ones are handled in float64).
+        clipping: the largest allowed ratio of gradient norm to weight norm, per unit, in (0, inf) (paper: 0.01 at
+            batch 4096, larger for smaller batches).
+        eps: floor on the weight norm, in (0, inf) (paper: 1e-3).
         exact: compute the norms in float64 (gradients above about 1e19).
 
     Returns:
         One coefficient tensor per parameter, in the gradient's dtype, broadcastable against it.
+
+    Raises:
+        TypeError, ValueError: ``clipping`` or ``eps`` is not a number in its range.
     """
+    return agc_coefficients_and_norms(params, clipping, eps, exact)[0]
+
+
+def agc_coefficients_and_norms(
+    params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, exact: bool = False
+) -> tuple[list[Tensor], list[Tensor]]:
+    """AGC's coefficients (as :func:`agc_coefficients`) and the L2 norm each gradient will have once multiplied by
+    them, from the same pass over the gradients; nothing is changed.
+
+    The norms give the total norm after AGC, which is what a cap on the total norm must be computed from: a cap
+    computed from the norm before AGC would bring the final norm below it.
+
+    Returns:
+        ``(coefficients, norms)``: the coefficients of :func:`agc_coefficients`, and one 0-d tensor per parameter
+        on its device (float32; float64 with ``exact`` or for float64 gradients).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
+        >>> w.grad = torch.tensor([[70.0, 240.0], [0.0, 0.1]])
+        >>> coefs, norms = agc_coefficients_and_norms([w], clipping=0.2)
+        >>> norms  # row 1 clipped to 0.2 * 5 = 1, row 2 within 0.2 * 1: sqrt(1 + 0.01)
+        [tensor(1.0050)]
+    """
+    clipping, eps = _check_agc(clipping, eps)
     weights = unitwise_norms([p.detach() for p in params], exact)
     grads = unitwise_norms([p.grad for p in params], exact)  # type: ignore[misc]
-    coefs = []
+    coefs: list[Tensor] = []
+    norms: list[Tensor] = []
     for p, w, g in zip(params, weights, grads):
         limit = clipping * w.clamp(min=eps)
         clip = torch.isfinite(g) & (g > limit)
         coef = torch.where(clip, limit / torch.where(clip, g, torch.ones_like(g)), torch.ones_like(g))
-        coefs.append(coef.clamp(min=FP32_TINY).to(p.grad.dtype))  # type: ignore[union-attr]
-    return coefs
+        coef = coef.clamp(min=FP32_TINY)
+        norms.append(torch.linalg.vector_norm(g * coef))
+        coefs.append(coef.to(p.grad.dtype))  # type: ignore[union-attr]
+    return coefs, norms
 
 
 def agc_(params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, exact: bool = False) -> Tensor:
@@ -407,6 +471,9 @@ def agc_(params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, ex
     Returns:
         The smallest coefficient applied (a 0-d float32 tensor; 1 when nothing was clipped).
 
+    Raises:
+        TypeError, ValueError: ``clipping`` or ``eps`` is not a number in its range.
+
     Example:
         >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))
         >>> w.grad = torch.tensor([[70.0, 240.0]])
@@ -415,6 +482,7 @@ def agc_(params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, ex
         >>> w.grad
         tensor([[0.2800, 0.9600]])
     """
+    _check_agc(clipping, eps)
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.ones(())
@@ -423,9 +491,19 @@ def agc_(params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, ex
     return smallest_coefficient(coefs)
 
 
+def _check_agc(clipping: float, eps: float) -> tuple[float, float]:
+    clipping = _check_number("clipping", clipping, 0.0, low_open=True, high_open=True)
+    eps = _check_number("eps", eps, 0.0, low_open=True, high_open=True)
+    return clipping, eps
+
+
 def smallest_coefficient(coefs: Sequence[Tensor]) -> Tensor:
-    """The smallest of several coefficient tensors, as a float32 0-d tensor on the first one's device."""
+    """The smallest of several coefficient tensors, as a float32 0-d tensor on the first accelerator among them (on
+    the CPU when all are there): nothing is copied from an accelerator into host memory."""
     if not coefs:
         return torch.ones(())
-    device = coefs[0].device
-    return torch.stack([c.amin().to(device=device, dtype=torch.float32) for c in coefs]).amin()
+    device = next((c.device for c in coefs if c.device.type != "cpu"), coefs[0].device)
+    into_accelerator = device.type != "cpu"
+    return torch.stack(
+        [c.amin().to(device=device, dtype=torch.float32, non_blocking=into_accelerator) for c in coefs]
+    ).amin()

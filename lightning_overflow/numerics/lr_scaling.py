@@ -80,6 +80,7 @@ def scale_lr(optimizer: torch.optim.Optimizer, factor: float, schedulers: Iterab
             found on their own). A scheduler of another optimizer is left alone.
 
     Raises:
+        TypeError: ``factor`` is not a number.
         ValueError: ``factor`` is not a finite positive number.
 
     Example:
@@ -90,6 +91,8 @@ def scale_lr(optimizer: torch.optim.Optimizer, factor: float, schedulers: Iterab
         >>> opt.param_groups[0]["lr"]  # 0.5 x (1.0 / 2): the halving survived the scheduler
         0.25
     """
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise TypeError(f"'factor' must be a number (got {factor!r})")
     factor = float(factor)
     if not (factor > 0.0 and factor < float("inf")):
         raise ValueError(f"'factor' must be in (0, inf) (got {factor:g})")

@@ -51,8 +51,8 @@ def _norms_on_one_device(tensors: list[Tensor], norm_type: float) -> Tensor:
         return torch.stack([_max_abs(t) for t in tensors])
     device = tensors[0].device
     if device.type != "cpu":
-        # One fused kernel for all tensors on accelerators; accumulates half inputs in fp32.
-        return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))
+        # One fused kernel per dtype on accelerators; half inputs are accumulated in fp32 (float64 stays float64).
+        return _foreach_norms(tensors)
     # On CPU a dot per tensor is faster than _foreach_norm (whose fp32 kernel runs on one thread) and more accurate.
     squares = [
         torch.linalg.vector_norm(t, dtype=torch.float32).square()
@@ -61,6 +61,19 @@ def _norms_on_one_device(tensors: list[Tensor], norm_type: float) -> Tensor:
         for t in tensors
     ]
     return torch.stack(squares).sqrt()
+
+
+def _foreach_norms(tensors: list[Tensor]) -> Tensor:
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    norms: list[Tensor] = [tensors[0].new_zeros((), dtype=torch.float32)] * len(tensors)
+    for dtype, indices in by_dtype.items():
+        group = [tensors[i] for i in indices]
+        parts = torch._foreach_norm(group, 2.0, dtype=torch.float32) if dtype in _HALF else torch._foreach_norm(group, 2.0)
+        for i, part in zip(indices, parts):
+            norms[i] = part.float()
+    return torch.stack(norms)
 
 
 def _max_abs(t: Tensor) -> Tensor:
@@ -78,6 +91,9 @@ def tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     arithmetic overflowed (squares beyond 3.4e38, i.e. values above about 1.8e19); ``nan`` where it holds NaN.
     :func:`refine_norms` tells the two apart.
 
+    Tensors on several devices (a model split across GPUs, or CPU counters beside GPU moments) are allowed: the
+    result then lies on the first accelerator among them, so nothing waits on a device-to-host copy.
+
     Args:
         tensors: the tensors (gradients, weights, optimizer moments). Dense only.
         norm_type: ``2`` (L2) or ``inf`` (largest magnitude).
@@ -89,17 +105,19 @@ def tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     norm_type = _check_norm_type(norm_type)
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    out_device = tensors[0].device
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
     if len(by_device) == 1:
         return _norms_on_one_device(list(tensors), norm_type)
-    norms = torch.empty(len(tensors), dtype=torch.float32, device=out_device)
-    for device, indices in by_device.items():
+    out_device = next((d for d in by_device if d.type != "cpu"), tensors[0].device)
+    norms: list[Tensor] = [torch.empty(0)] * len(tensors)
+    for indices in by_device.values():
         part = _norms_on_one_device([tensors[i] for i in indices], norm_type)
-        norms[torch.tensor(indices, device=out_device)] = part.to(out_device, non_blocking=True)
-    return norms
+        # Host-to-accelerator or accelerator-to-accelerator only: no copy is ever read before it lands.
+        for i, value in zip(indices, part.to(out_device, non_blocking=True).unbind()):
+            norms[i] = value
+    return torch.stack(norms)
 
 
 def total_norm(norms: Tensor, norm_type: float = 2.0) -> Tensor:

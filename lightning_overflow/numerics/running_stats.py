@@ -2,15 +2,15 @@
 
 Pure torch, no Lightning, sync-free: the statistics are device tensors, updated with ``torch.where`` rather than
 branches, so a training loop on a GPU never waits for them. A value enters the statistics only when it is finite
-and not itself a spike. Every adaptive clipper and spike detector we read (ZClip, AutoClip, llm-foundry's
-``KillLossSpike``) lets one NaN into its moving average or history, where it stays for ever and disables the
-detector; and a statistic that takes in the spikes it is meant to find raises its own threshold while the run
-diverges.
+and not itself a spike. The reference implementations of ZClip and AutoClip, and llm-foundry's ``KillLossSpike``,
+let one NaN into their moving average or history, where it stays for ever and disables the detector; and a
+statistic that takes in the spikes it is meant to find raises its own threshold while the run diverges.
 
 The statistics are an exponential moving average with the span of a ``window`` (``alpha = 2 / (window + 1)``, the
-same centre of mass as a window of that many steps), bias-free from the first value: the first ``n < window``
-values get the plain cumulative mean and variance. Several series (the loss and the gradient norm, say) are tracked
-side by side as the channels of one 1-D tensor, with the same few kernels.
+same centre of mass as a window of that many steps), bias-free from the first value: while the count ``n`` of values
+taken in is below ``1 / alpha = (window + 1) / 2``, the statistics are the plain cumulative mean and variance.
+Several series (the loss and the gradient norm, say) are tracked side by side as the channels of one 1-D tensor,
+with the same few kernels.
 
 A value ``x`` is a spike when the statistics hold at least ``warmup`` values and
 
@@ -72,6 +72,10 @@ def update_running_stats(
     Returns:
         The new ``(mean, var, count)``.
 
+    Raises:
+        TypeError: ``alpha`` is not a number.
+        ValueError: ``alpha`` is not in (0, 1].
+
     Example:
         >>> m, v, n = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64), torch.zeros(1)
         >>> for x in (1.0, 3.0, float("nan")):
@@ -79,6 +83,10 @@ def update_running_stats(
         >>> m.item(), v.item(), n.item()
         (2.0, 1.0, 2.0)
     """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"'alpha' must be a number (got {alpha!r})")
+    if not 0.0 < alpha <= 1.0:  # NaN fails too
+        raise ValueError(f"'alpha' must be in (0, 1] (got {alpha:g})")
     value = value.to(device=mean.device, dtype=mean.dtype)
     accept = torch.isfinite(value)
     if include is not None:

@@ -14,10 +14,14 @@ Facts that shape it (torch 2.13):
 - A copy into freshly allocated memory runs at about a third of the speed of a copy into memory already touched
   (page faults): :func:`take_snapshot` reuses the buffers of a snapshot that is no longer needed. On a GPU the buffers
   are pinned and every copy is ``non_blocking``: no host synchronisation per tensor. :func:`synchronize` waits once,
-  before the host itself reads the buffers (to write them to disk).
-- Finiteness is read through the L2 norm (a single inf or NaN anywhere makes it non-finite), on the device and
-  without a host read (:func:`nonfinite_flag`). A tensor whose FP32 norm overflows (values beyond about 1.8e19) is
-  flagged too: no healthy training state holds such values, and it is no state to return to.
+  before the host itself reads the buffers (to write them to disk, or to clone them).
+- Finiteness is read through each tensor's largest magnitude (the max-abs norm), on the device and without a host
+  read (:func:`nonfinite_flag`). NaN propagates through it and, unlike the L2 norm, it cannot overflow while the
+  values are finite: Adam's ``exp_avg_sq`` under gradients of 1e11 holds values near 1e19, whose squares overflow
+  FP32 although nothing is wrong with them. A tensor is non-finite exactly when it holds inf or NaN.
+- An optimizer state's 0-d entries are step counters (Adam's ``step``, kept on the CPU even when the moments live on
+  a GPU); checks of optimizer states pass ``scalars=False`` to leave them out, as
+  :func:`~lightning_overflow.numerics.state.optimizer_state_tensors` does.
 
 Example:
     >>> model = torch.nn.Linear(2, 1)
@@ -37,6 +41,7 @@ import contextlib
 import copy
 import math
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_overflow.numerics.norms import tensor_norms, total_norm
+from lightning_overflow.numerics.norms import tensor_norms
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -53,6 +58,7 @@ __all__ = [
     "clone_state",
     "load_snapshot",
     "nonfinite_flag",
+    "nonfinite_indices",
     "nonfinite_paths",
     "restore_optimizer_",
     "restore_state_",
@@ -63,10 +69,12 @@ __all__ = [
     "synchronize",
     "take_snapshot",
     "temporary_path",
+    "temporary_target",
 ]
 
 SNAPSHOT_FORMAT = "lightning_overflow.snapshot"
 _VERSION = 1
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp-\d+")  # the names temporary_path gives
 
 
 class SnapshotError(ValueError):
@@ -150,6 +158,7 @@ def restore_optimizer_(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, 
         list(g["params"]) == list(s["params"]) for g, s in zip(groups, saved_groups)
     )
     if not same_groups or not state_matches(live["state"], snapshot["state"]):
+        synchronize()  # the host clones the buffers: pending device-to-host copies into them must be done
         optimizer.load_state_dict(clone_state(snapshot))
         return
     restore_state_(live["state"], snapshot["state"])
@@ -186,35 +195,63 @@ def synchronize() -> None:
 
 
 # ---- finiteness -------------------------------------------------------------------------------------------------
-def nonfinite_flag(tensors: Sequence[Tensor], device: torch.device | str | None = None) -> Tensor:
-    """``1.0`` when some floating-point tensor holds inf/NaN (or FP32-overflowing values), else ``0.0``.
+def nonfinite_flag(
+    tensors: Sequence[Tensor], device: torch.device | str | None = None, *, scalars: bool = True
+) -> Tensor:
+    """``1.0`` when some floating-point tensor holds inf or NaN, else ``0.0``; no host read.
 
-    A 0-d float64 tensor on ``device`` (default: the first tensor's device), computed through the per-tensor L2
-    norms without a host read. Integer tensors (counters such as BatchNorm's ``num_batches_tracked``) are ignored.
+    Computed from each tensor's largest magnitude, which propagates NaN and cannot overflow while the values are
+    finite: finite values far beyond what a norm can square (``1e30``, ``3e38``) are not flagged. Integer tensors
+    (counters such as BatchNorm's ``num_batches_tracked``) and empty tensors are ignored.
+
+    Args:
+        tensors: the tensors to check, on any devices.
+        device: where the flag goes. Default: where :func:`~lightning_overflow.numerics.norms.tensor_norms` puts
+            the magnitudes (the tensors' device). A copy to an accelerator is asynchronous; a copy to the CPU
+            waits for the value, so the host may read it at once.
+        scalars: ``False`` leaves 0-d tensors out too (pass it for optimizer states, whose 0-d entries are step
+            counters).
+
+    Returns:
+        A 0-d float64 tensor.
 
     Example:
         >>> nonfinite_flag([torch.tensor([3.0, 4.0]), torch.tensor([1.0, float("inf")])])
         tensor(1., dtype=torch.float64)
+        >>> nonfinite_flag([torch.full((1000,), 1e30)])
+        tensor(0., dtype=torch.float64)
     """
-    floats = [t.detach() for t in tensors if t.is_floating_point() and t.numel() > 0]
-    if not floats:
+    checked = [t.detach() for t in tensors if _checked(t, scalars)]
+    if not checked:
         return torch.zeros((), dtype=torch.float64, device=device or "cpu")
-    flag = (~torch.isfinite(total_norm(tensor_norms(floats)))).to(torch.float64)
-    return flag if device is None else flag.to(device, non_blocking=True)
+    flag = _nonfinite_each(checked).any().to(torch.float64)
+    return flag if device is None else _moved(flag, torch.device(device))
 
 
-def nonfinite_paths(state: Any, prefix: str = "") -> list[str]:
-    """Dotted paths of the floating-point tensors of ``state`` whose FP32 norm is not finite (one host read).
+def nonfinite_indices(tensors: Sequence[Tensor], *, scalars: bool = True) -> list[int]:
+    """Positions in ``tensors`` of the floating-point tensors that hold inf or NaN (the rule of
+    :func:`nonfinite_flag`), with one host read. For messages, off the hot path.
+
+    Example:
+        >>> nonfinite_indices([torch.tensor([float("nan")]), torch.full((1000,), 1e30), torch.tensor([-float("inf")])])
+        [0, 2]
+    """
+    positions = [i for i, t in enumerate(tensors) if _checked(t, scalars)]
+    if not positions:
+        return []
+    flags = _nonfinite_each([tensors[i].detach() for i in positions]).tolist()
+    return [i for i, bad in zip(positions, flags) if bad]
+
+
+def nonfinite_paths(state: Any, prefix: str = "", *, scalars: bool = True) -> list[str]:
+    """Dotted paths of the floating-point tensors of ``state`` that hold inf or NaN (one host read).
 
     For messages, off the hot path. Example: ``["net.0.weight"]`` for a model state, ``["state.0.exp_avg_sq"]``
-    for an optimizer state.
+    for an optimizer state (pass ``scalars=False`` there to leave the step counters out, as :func:`nonfinite_flag`).
     """
     found: list[tuple[str, Tensor]] = []
-    _visit(state, prefix, lambda path, t: found.append((path, t)) if t.is_floating_point() and t.numel() else None)
-    if not found:
-        return []
-    norms = tensor_norms([t.detach() for _, t in found]).tolist()
-    return [path for (path, _), norm in zip(found, norms) if not math.isfinite(norm)]
+    _visit(state, prefix, lambda path, t: found.append((path, t)))
+    return [found[i][0] for i in nonfinite_indices([t for _, t in found], scalars=scalars)]
 
 
 # ---- disk -------------------------------------------------------------------------------------------------------
@@ -222,6 +259,21 @@ def temporary_path(path: str | os.PathLike[str]) -> Path:
     """Where :func:`save_snapshot` writes before the rename: a hidden name that never looks like a snapshot."""
     path = Path(path)
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def temporary_target(path: str | os.PathLike[str]) -> Path | None:
+    """The file that a temporary file of :func:`save_snapshot` was written for, or ``None`` when ``path`` is not
+    one (the inverse of :func:`temporary_path`, for any process id).
+
+    Example:
+        >>> temporary_target("/runs/.rollback-step=12.pt.tmp-4242").name
+        'rollback-step=12.pt'
+        >>> temporary_target("/runs/rollback-step=12.pt") is None
+        True
+    """
+    path = Path(path)
+    match = _TEMPORARY.fullmatch(path.name)
+    return None if match is None else path.with_name(match["name"])
 
 
 def save_snapshot(payload: Any, path: str | os.PathLike[str], *, step: int) -> Path:
@@ -289,6 +341,33 @@ def _host_buffer(t: Tensor) -> Tensor:
     if t.device.type == "meta":
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
     return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
+
+
+def _checked(t: Tensor, scalars: bool) -> bool:
+    """Whether a finiteness check reads ``t``: floating point, not empty, and not 0-d unless ``scalars``."""
+    return t.is_floating_point() and t.numel() > 0 and (scalars or t.dim() > 0)
+
+
+def _nonfinite_each(tensors: list[Tensor]) -> Tensor:
+    """Per tensor, whether it holds inf or NaN: a bool tensor, computed without a host read."""
+    return ~torch.isfinite(tensor_norms([_fp32_proxy(t) for t in tensors], math.inf))
+
+
+def _fp32_proxy(t: Tensor) -> Tensor:
+    """``t`` itself, or for float64 a 2-element stand-in with the same verdict whose magnitude fits in FP32.
+
+    :func:`tensor_norms` returns FP32 magnitudes, and finite float64 values beyond 3.4e38 would turn into inf there.
+    The stand-in keeps only the non-finite bounds of ``t`` (its minimum and maximum, computed in float64).
+    """
+    if t.dtype != torch.float64:
+        return t
+    bounds = torch.stack(torch.aminmax(t))  # NaN propagates through aminmax
+    return torch.where(torch.isfinite(bounds), 0.0, bounds)
+
+
+def _moved(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``: asynchronously to an accelerator, blocking to the CPU (the host may read it at once)."""
+    return t.to(device, non_blocking=device.type not in ("cpu", "meta"))
 
 
 def _copy_all(dst: list[Tensor], src: list[Tensor]) -> None:

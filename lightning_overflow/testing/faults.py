@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +50,12 @@ class Fault:
             raise ValueError(f"'kind' must be one of {', '.join(map(repr, FAULT_KINDS))} (got {self.kind!r})")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise ValueError(f"'step' must be an int >= 0 (got {self.step!r})")
-        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
+        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0):
             raise ValueError(f"'rank' must be an int >= 0 or None (got {self.rank!r})")
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not math.isfinite(self.factor):
+            raise ValueError(f"'factor' must be a finite number (got {self.factor!r})")
+        if not isinstance(self.once, bool):
+            raise ValueError(f"'once' must be a bool (got {self.once!r})")
 
 
 class FaultInjector(Callback):
@@ -93,6 +98,9 @@ class FaultInjector(Callback):
     # ---- loss faults ------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for fault in self.faults:
+            if fault.kind.endswith(("_grad", "_weight")):
+                _parameter(pl_module, fault.parameter)  # a wrong name fails now, not at the fault's step
         name = "training_step" if pl_module.automatic_optimization else "manual_backward"
         original = getattr(pl_module, name)
 

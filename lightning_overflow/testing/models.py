@@ -59,6 +59,8 @@ class TinyRegressor(pl.LightningModule):
             layers.append(nn.Dropout(dropout))
         layers.append(nn.Linear(hidden, 1))
         self.net = nn.Sequential(*layers)
+        if optimizer not in ("adam", "adamw", "sgd"):
+            raise ValueError(f"'optimizer' must be one of 'adam', 'adamw', 'sgd' (got {optimizer!r})")
         self.lr = lr
         self.optimizer_name = optimizer
         self.scheduler_factory = scheduler
