@@ -177,3 +177,16 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_the_whole_suite_together_changes_nothing_on_a_healthy_run(optimizer: str) -> None:
+    def run(callbacks: list[Any]) -> dict[str, torch.Tensor]:
+        pl.seed_everything(7, verbose=False)
+        model = TinyRegressor(optimizer=optimizer, dropout=0.1, batch_norm=True, scheduler=_cosine)
+        fit(model, callbacks, max_steps=24)
+        return weights(model)
+
+    suite = [GradNormMonitor(per_parameter=True), NonFiniteDetector(check_weights_every_n_steps=1), LossSpikeDetector(),
+             AutoClip(mode="fixed", max_norm=1e30), LRBackoff(), Rollback(every_n_steps=3)]
+    assert_bit_identical(run([]), run(suite))
