@@ -30,6 +30,7 @@ from lightning_overflow.numerics import (
     nonfinite_indices,
     norm_status,
     optimizer_state_tensors,
+    parameters_of,
     refine_norms,
     tensor_norms,
     total_norm,
@@ -337,7 +338,7 @@ class HealthBoard:
         current = self.current
         if current is not None and current.step == trainer.global_step and current.optimizer is optimizer:
             return current
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = [p for p in parameters_of(optimizer) if p.grad is not None]
         names = [self._name(pl_module, p) for p in params]
         record = StepHealth(self, trainer, optimizer, params, names)
         self._contribute_core(trainer, record)
@@ -476,7 +477,7 @@ def _cat(parts: dict[str, Tensor], device: torch.device) -> Tensor:
 
 def _check_state(record: StepHealth, names: dict[int, str]) -> StateCheck:
     optimizer = record.optimizer
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = parameters_of(optimizer)
     param_names = [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params]
     states, state_names = optimizer_state_tensors(optimizer, names)
     bad_weights = nonfinite_labels(params, param_names)

@@ -21,7 +21,7 @@ from lightning_overflow.diagnosis.replay import KeptBatch, diagnose_step
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import NonFiniteError
 from lightning_overflow.health import MAX_NAMES, StepHealth
-from lightning_overflow.numerics import FP32_MAX, optimizer_state_tensors, tensor_norms, total_norm
+from lightning_overflow.numerics import FP32_MAX, optimizer_state_tensors, parameters_of, tensor_norms, total_norm
 
 __all__ = ["NonFiniteDetector"]
 
@@ -254,7 +254,7 @@ class NonFiniteDetector(SuiteCallback):
         if every is None or record.step % every:
             return
         with torch.no_grad():
-            weights = total_norm(tensor_norms([p.detach() for p in _params(record.optimizer)]))
+            weights = total_norm(tensor_norms([p.detach() for p in parameters_of(record.optimizer)]))
             states, _ = optimizer_state_tensors(record.optimizer)
             moments = total_norm(tensor_norms(states))
         # Per rank: one rank's weights can differ from the others' when something wrote to them locally.
@@ -455,10 +455,6 @@ class NonFiniteDetector(SuiteCallback):
         state = self.__dict__.copy()
         state["_kept"] = None  # a batch on the device and the random state belong to one step of one fit
         return state
-
-
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _state_recovery_in(trainer: pl.Trainer) -> bool:

@@ -57,6 +57,7 @@ from lightning_overflow.numerics.snapshots import (
 )
 from lightning_overflow.numerics.state import (
     optimizer_state_tensors,
+    parameters_of,
 )
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "nonfinite_paths",
     "norm_status",
     "optimizer_state_tensors",
+    "parameters_of",
     "percentile_threshold",
     "refine_norms",
     "restore_optimizer_",

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from lightning_overflow.numerics.norms import tensor_norms
+from lightning_overflow.numerics.state import parameters_of
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -162,7 +163,7 @@ def restore_optimizer_(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, 
         optimizer.load_state_dict(clone_state(snapshot))
         return
     restore_state_(live["state"], snapshot["state"])
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = parameters_of(optimizer)
     for index, values in snapshot["state"].items():
         for key, value in values.items():
             if not isinstance(value, Tensor):
