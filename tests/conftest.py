@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -103,3 +105,20 @@ class MemoryLogger(pl.loggers.Logger):
 
     def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+@pytest.fixture
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts device-to-host reads made from the package's own code (item, tolist, bool of a tensor), by module."""
+    reads: Counter[str] = Counter()
+    for name in ("item", "tolist", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self: torch.Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("lightning_overflow"):
+                reads[caller] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return reads

@@ -7,7 +7,6 @@ import json
 import math
 import pickle
 import random
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -446,20 +445,6 @@ def count_hooks(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     return calls
 
 
-@pytest.fixture
-def count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    reads: Counter[str] = Counter()
-    for name in ("item", "tolist", "__bool__", "__float__"):
-        original = getattr(torch.Tensor, name)
-
-        def counting(self: Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("lightning_overflow"):
-                reads[caller] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-    return reads
 
 
 def test_healthy_steps_register_no_hook_and_read_nothing_more(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
 from collections import Counter
 from typing import Any
 
@@ -31,21 +30,6 @@ def count_norms(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     return calls
 
 
-@pytest.fixture
-def count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Counts device-to-host reads made from the package's own code (item, tolist, bool of a tensor)."""
-    reads: Counter[str] = Counter()
-    for name in ("item", "tolist", "__bool__", "__float__"):
-        original = getattr(torch.Tensor, name)
-
-        def counting(self: torch.Tensor, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("lightning_overflow"):
-                reads[caller] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-    return reads
 
 
 def suites() -> list[list[Any]]:
