@@ -1,9 +1,9 @@
-"""The suite's one collective per checked step.
+"""The suite's collectives: one all-reduce per checked step, and the per-rank flag packer.
 
 Every value that must reach the host goes into one small float64 tensor. The part that differs between ranks (loss
 flags, per-rank statistics) is summed across ranks with a single all-reduce; the part that is already identical
 (gradient norms, all-reduced by DDP before ``on_before_optimizer_step``) is not reduced, so it stays bit-exact.
-Then the whole tensor is read once. Every rank calls this at the same points, so no rank waits on another.
+Then the whole tensor is read once. Every rank calls these at the same points, so no rank waits on another.
 """
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["reduce_and_read"]
+__all__ = ["flags_by_rank", "pack_per_rank", "ranks_where", "reduce_and_read", "world"]
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world size)`` of the default process group, ``(0, 1)`` outside distributed runs."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def reduce_and_read(summed: Tensor, local: Tensor) -> tuple[list[float], list[float]]:
@@ -27,8 +34,39 @@ def reduce_and_read(summed: Tensor, local: Tensor) -> tuple[list[float], list[fl
     """
     packed = torch.cat([summed.to(torch.float64), local.to(device=summed.device, dtype=torch.float64)])
     n = summed.numel()
-    if n and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if n and world()[1] > 1:
         head = packed[:n]  # a contiguous view: reduced in place inside ``packed``
         dist.all_reduce(head, op=dist.ReduceOp.SUM)
     values = packed.tolist()
     return values[:n], values[n:]
+
+
+def pack_per_rank(values: list[Tensor], rank: int, world_size: int, device: torch.device | str) -> Tensor:
+    """Place each 0-d value in this rank's slot of its own ``world_size`` block, zeros elsewhere.
+
+    Summed across ranks, block ``i`` holds every rank's ``values[i]``; read it back with :func:`ranks_where` or by
+    slicing. No host read.
+    """
+    packed = torch.zeros(len(values) * world_size, dtype=torch.float64, device=device)
+    for i, value in enumerate(values):
+        packed[i * world_size + rank] = value.detach().to(device=device, dtype=torch.float64).reshape(())
+    return packed
+
+
+def ranks_where(summed: list[float], world_size: int) -> list[tuple[int, ...]]:
+    """For each ``world_size`` block of summed per-rank slots, the ranks whose slot is non-zero."""
+    blocks = len(summed) // world_size
+    return [
+        tuple(r for r in range(world_size) if summed[i * world_size + r] != 0) for i in range(blocks)
+    ]
+
+
+def flags_by_rank(flags: list[Tensor], device: torch.device | str) -> list[tuple[int, ...]]:
+    """For each 0-d flag, the ranks where it is set: one all-reduce and one host read for all of them.
+
+    Entered on every rank together.
+    """
+    rank, world_size = world()
+    packed = pack_per_rank(flags, rank, world_size, device)
+    values, _ = reduce_and_read(packed, packed.new_zeros(0))
+    return ranks_where(values, world_size)
