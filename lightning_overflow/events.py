@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_overflow.exceptions import OverflowWarning
 
-__all__ = ["JOURNAL_NAME", "Event", "Journal", "WarningCache", "read_journal"]
+__all__ = ["JOURNAL_NAME", "Event", "Journal", "MetricBuffer", "WarningCache", "read_journal"]
 
 JOURNAL_NAME = "overflow_events.jsonl"
 
@@ -121,3 +121,26 @@ class WarningCache:
             return
         self._seen.add(key)
         warnings.warn(message, OverflowWarning, stacklevel=3)
+
+
+class MetricBuffer:
+    """Metrics queued by every suite callback during a batch, sent with one ``log_metrics`` call per step.
+
+    Loggers write a row (CSV) or a history entry (W&B) per call: one call per logging step keeps them whole.
+    """
+
+    def __init__(self) -> None:
+        self._by_step: dict[int, dict[str, float]] = {}
+
+    def add(self, metrics: dict[str, float], step: int) -> None:
+        if metrics:
+            self._by_step.setdefault(step, {}).update(metrics)
+
+    def drain(self) -> list[tuple[int, dict[str, float]]]:
+        """The queued ``(step, metrics)`` in step order; the buffer is empty afterwards."""
+        queued = sorted(self._by_step.items())
+        self._by_step = {}
+        return queued
+
+    def clear(self) -> None:
+        self._by_step = {}

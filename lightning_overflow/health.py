@@ -1,30 +1,35 @@
-"""The per-step health record that every suite callback of one trainer shares.
+"""The step pipeline that every suite callback of one trainer shares.
 
-Several callbacks need the same gradient norm and the same verdict. The first suite callback that asks in
-``on_before_optimizer_step`` builds a :class:`StepHealth` for that optimizer step: per-tensor gradient norms on the
-device, every suite callback's own device statistics (:meth:`SuiteCallback._contribute`), and the loss flags
-gathered in ``on_before_backward``. All of it is packed into one small tensor, all-reduced once where it differs
-between ranks, and read to the host once. Everything after that is decided on identical host values on every rank.
+One optimizer step travels in one direction::
+
+    build the record (gradient norms)  ->  every participant contributes device values
+    ->  one all-reduce, one host read  ->  every participant judges the same final record
+    ->  the policy decides (skip, clip, nothing)  ->  the action is applied once
+    ->  every participant learns from the outcome  ->  at batch end, interventions act on the batch's signals
+
+Suite callbacks join their trainer's :class:`HealthBoard` in ``setup`` (they implement :class:`StepParticipant`);
+the board runs the pipeline when the first of them receives ``on_before_optimizer_step`` and ignores the others'
+calls for the same evaluation of the closure. So a callback's place in the list never changes what it sees.
+The record (:class:`StepHealth`) is a plain value: it holds no reference to the board or the trainer.
 
 Boards live in a ``WeakKeyDictionary`` keyed by the trainer: nothing is written onto the trainer.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_overflow import _compat
-from lightning_overflow.distributed import reduce_and_read
-from lightning_overflow.events import JOURNAL_NAME, Event, Journal
+from lightning_overflow.distributed import flags_by_rank, reduce_and_read
+from lightning_overflow.events import JOURNAL_NAME, Event, Journal, MetricBuffer
 from lightning_overflow.numerics import (
     FP32_MAX,
     nonfinite_indices,
@@ -32,16 +37,27 @@ from lightning_overflow.numerics import (
     optimizer_state_tensors,
     parameters_of,
     refine_norms,
+    scale_grads_,
     tensor_norms,
     total_norm,
 )
+from lightning_overflow.policy import StepAction, Verdict, decide_step
+from lightning_overflow.skip import BufferCopy, HeldSchedules, skip_step
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-    from lightning_overflow.callbacks._base import SuiteCallback
-
-__all__ = ["SIGNAL_KINDS", "HealthBoard", "Signal", "StateCheck", "StepHealth", "board_for", "nonfinite_labels"]
+__all__ = [
+    "SIGNAL_KINDS",
+    "HealthBoard",
+    "Signal",
+    "StateCheck",
+    "StepHealth",
+    "StepParticipant",
+    "board_for",
+    "inspect_state",
+    "nonfinite_labels",
+]
 
 log = logging.getLogger("pytorch_lightning.lightning_overflow")
 
@@ -102,39 +118,92 @@ class StateCheck:
         return not self.weight_ranks and not self.state_ranks
 
 
+class StepParticipant(Protocol):
+    """What a suite callback offers the pipeline. :class:`~lightning_overflow.callbacks._base.SuiteCallback`
+    implements every method with a default that does nothing.
+
+    Attributes:
+        stage: the participant's place in the pipeline (monitors, detectors, clippers, then interventions); within
+            a stage, the order in which they joined.
+    """
+
+    stage: int
+
+    @property
+    def state_key(self) -> str: ...
+
+    def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
+        """Add device values to the step's one host read."""
+
+    def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
+        """Judge the read record: ask for a skip, propose a clip, or nothing."""
+
+    def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
+        """Learn from the step as decided (skipped or not, clipped or not); queue metrics and journal events."""
+
+    def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        """Act at the end of a training batch on its signals (interventions)."""
+
+    def _counters(self) -> dict[str, float]:
+        """Cumulative ``overflow/...`` counters."""
+
+    def _snapshot_extra(self) -> dict[str, Any]:
+        """Primitives to keep beside a rollback snapshot."""
+
+    def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        """The training state was restored from a snapshot taken with ``extra`` beside it."""
+
+
 class StepHealth:
-    """What the suite knows about one optimizer step, identical on every rank once :meth:`read` has run.
+    """What the suite knows about one optimizer step: a plain value, filled stage by stage by the pipeline.
 
     Attributes:
         step: ``trainer.global_step`` when the optimizer was about to step.
-        optimizer_index: the optimizer's index in ``trainer.optimizers``.
-        names: the names of the parameters that have gradients, in the order of ``grad_norms``.
+        optimizer: the optimizer about to step.
+        optimizer_index: its index in ``trainer.optimizers``.
+        n_optimizers: how many optimizers the model has (for metric-name suffixes).
+        rank, world_size: this process and the number of processes.
+        params: the parameters that have gradients, in the order of ``grad_norms``.
+        names: their names, as in ``named_parameters()``.
+        all_names: names of every parameter by ``id``, for messages about weights and optimizer state.
         grad_norms: per-tensor fp32 gradient norms (device tensor, pre-clip, after unscale).
         total_norm: the exact total L2 norm of the gradients (host float, pre-clip).
         grad_status: ``"finite"``, ``"overflow"`` (finite values whose FP32 norm overflowed) or ``"nonfinite"``.
+        exact_grad_norms: per-tensor norms recomputed in float64 (only when some fast norm was not finite).
         loss_nonfinite_ranks: the ranks whose loss was inf/NaN in this step's backward passes.
         loss_mean: the mean finite training loss of this step over micro-batches and ranks (``nan`` if none).
         loss_scale: the GradScaler scale under ``16-mixed`` (``None`` otherwise).
-        skipped: whether a suite callback skipped this step.
+        log_step: the step Lightning logs this batch at; ``log_due`` whether this batch logs.
+        skipped, skip_reason: the decision, once taken.
+        state_check: the weights and optimizer state check, once :func:`inspect_state` ran.
     """
 
     def __init__(
         self,
-        board: HealthBoard,
-        trainer: pl.Trainer,
+        *,
+        step: int,
         optimizer: torch.optim.Optimizer,
+        optimizer_index: int,
+        n_optimizers: int,
+        rank: int,
+        world_size: int,
         params: list[Tensor],
         names: list[str],
+        all_names: Mapping[int, str],
+        log_step: int,
+        log_due: bool,
     ) -> None:
-        self._board = board
-        self._trainer = weakref.ref(trainer)  # the board is keyed weakly by the trainer: never hold it strongly
+        self.step = step
         self.optimizer = optimizer
-        self.step = int(trainer.global_step)
-        self.optimizer_index = _index_of(trainer.optimizers, optimizer)
-        self.rank = int(trainer.global_rank)
-        self.world_size = int(trainer.world_size)
+        self.optimizer_index = optimizer_index
+        self.n_optimizers = n_optimizers
+        self.rank = rank
+        self.world_size = world_size
         self.params = params
         self.names = names
+        self.all_names = all_names
+        self.log_step = log_step
+        self.log_due = log_due
         self.grad_norms = tensor_norms([p.grad for p in params])  # type: ignore[misc]
         self._summed: dict[str, Tensor] = {}
         self._local: dict[str, Tensor] = {}
@@ -147,7 +216,7 @@ class StepHealth:
         self.loss_scale: float | None = None
         self.skipped = False
         self.skip_reason = ""
-        self._state_check: StateCheck | None = None
+        self.state_check: StateCheck | None = None
 
     # ---- filled before the read -------------------------------------------------------------------------------
     def add(self, name: str, value: Tensor, *, per_rank: bool = False, summed: bool = False) -> None:
@@ -171,20 +240,15 @@ class StepHealth:
         else:
             self._local[name] = flat
 
-    def read(self) -> None:
+    def _read(self) -> None:
         """The one host read (and the one all-reduce) of this step."""
         device = self.grad_norms.device
-        summed = _cat(self._summed, device)
-        local = _cat(self._local, device)
-        summed_values, local_values = reduce_and_read(summed, local)
-        self._unpack(self._summed, summed_values)
-        self._unpack(self._local, local_values)
-
-    def _unpack(self, parts: dict[str, Tensor], values: list[float]) -> None:
-        offset = 0
-        for name, tensor in parts.items():
-            self._values[name] = values[offset : offset + tensor.numel()]
-            offset += tensor.numel()
+        summed_values, local_values = reduce_and_read(_cat(self._summed, device), _cat(self._local, device))
+        for parts, values in ((self._summed, summed_values), (self._local, local_values)):
+            offset = 0
+            for name, tensor in parts.items():
+                self._values[name] = values[offset : offset + tensor.numel()]
+                offset += tensor.numel()
 
     def value(self, name: str) -> list[float]:
         """The host values contributed under ``name`` (summed over ranks where asked)."""
@@ -207,6 +271,11 @@ class StepHealth:
     def loss_finite(self) -> bool:
         return not self.loss_nonfinite_ranks
 
+    @property
+    def healthy(self) -> bool:
+        """Finite loss, finite gradients whose norm FP32 can hold."""
+        return self.loss_finite and self.grads_finite and not self.grads_beyond_fp32
+
     def offending_grads(self) -> list[tuple[str, float, str]]:
         """``(name, exact norm, status)`` of the gradients that are not plain finite (empty on healthy steps)."""
         if self.exact_grad_norms is None:
@@ -218,94 +287,102 @@ class StepHealth:
             if not math.isfinite(f)
         ]
 
-    def check_state(self) -> StateCheck:
-        """Check the weights and optimizer state of this step's optimizer on every rank (cached).
+    def metric_key(self, key: str) -> str:
+        """``key`` with the ``_opt<i>`` suffix when the model has several optimizers."""
+        return metric_key(key, self.optimizer_index, self.n_optimizers)
 
-        Entered on every rank together (the caller decides from values identical on all ranks): it ends with one
-        all-reduce of per-rank flags.
-        """
-        if self._state_check is None:
-            self._state_check = _check_state(self, self._board.names)
-        return self._state_check
 
-    def skip(self, reason: str) -> bool:
-        """Turn this optimizer step into a true no-op (see :meth:`HealthBoard.skip_step`). ``False`` if already."""
-        if self.skipped:
-            return False
-        self.skipped = True
-        self.skip_reason = reason
-        trainer = self._trainer()
-        if trainer is None:
-            raise RuntimeError("the trainer of this step record is gone")
-        self._board.skip_step(trainer, self.optimizer)
-        return True
+def metric_key(key: str, optimizer_index: int, n_optimizers: int) -> str:
+    """The suite's one rule for per-optimizer metric names, the way ``LearningRateMonitor`` names them."""
+    return f"{key}_opt{optimizer_index}" if n_optimizers > 1 else key
 
 
 class HealthBoard:
-    """Everything the suite shares for one trainer: the current step record, loss flags, journal, counters."""
+    """Everything the suite shares for one trainer: its participants, the step pipeline, the batch's signals,
+    loss flags, held schedules, queued metrics, the journal."""
 
     def __init__(self) -> None:
         self.names: dict[int, str] = {}
         self.journal = Journal(None)
+        self.participants: list[StepParticipant] = []
         self.current: StepHealth | None = None
+        self.signals: list[Signal] = []
+        self.metrics = MetricBuffer()
         self._loss_flags: Tensor | None = None
         self._loss_sum: Tensor | None = None
         self._loss_count = 0
         self._last_loss: weakref.ref[Tensor] | None = None
-        self._held: list[tuple[Any, dict[str, Any]]] = []
-        self._held_groups: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = []
-        self._logged_step: int | None = None
+        self._held = HeldSchedules()
+        self._buffers = BufferCopy()
+        self._window_open = False
+        self._seen: set[int] = set()
+        self._seen_optimizer: Any = None
+        self._started_batch: tuple[int, int] | None = None
+        self._ended_batch: tuple[int, int] | None = None
         self._summarised = False
-        self.signals: list[Signal] = []
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
-    def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Set up for a fit: parameter names, the journal. Idempotent within a fit; every rank calls it."""
+    def join(self, participant: StepParticipant, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register ``participant`` for this fit and set up for it. Every rank calls it, in ``setup``."""
+        if not any(p is participant for p in self.participants):
+            self.participants.append(participant)
+            # Stable: participants of one stage keep the order in which they joined (their order in the list).
+            self.participants.sort(key=lambda p: p.stage)
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
+        self._started_batch = self._ended_batch = None
         log_dir = trainer.log_dir  # a broadcast under DDP: every rank gets here in setup
         path = None if log_dir is None else f"{log_dir}/{JOURNAL_NAME}"
         if self.journal.path is None or str(self.journal.path) != str(path):
             self.journal = Journal(path, write=trainer.global_rank == 0)
-        self.release()
         self._summarised = False
-        self._logged_step = None
 
     def release(self) -> None:
-        """Drop everything tied to the last fit's tensors (records, held schedulers, loss flags, signals)."""
+        """Drop everything tied to the last fit's tensors (records, held schedules, buffers, loss flags)."""
         self.current = None
         self._loss_flags = self._loss_sum = None
         self._loss_count = 0
         self._last_loss = None
-        self._held.clear()
-        self._held_groups.clear()
+        self._held = HeldSchedules()
+        self._buffers.release()
+        self._window_open = False
+        self._seen.clear()
+        self._seen_optimizer = None
         self.signals.clear()
+        self.metrics.clear()
 
     def record(self, event: Event) -> None:
         self.journal.record(event)
 
-    # ---- signals between detectors and interventions ----------------------------------------------------------
-    def begin_batch(self) -> None:
-        """Forget the previous batch's signals (called by every suite callback's ``on_train_batch_start``)."""
-        self.signals.clear()
-
     def signal(self, signal: Signal) -> None:
-        """Report a signal for this batch; interventions read :attr:`signals` in ``on_train_batch_end``."""
+        """Report a signal for this batch; interventions read :attr:`signals` in ``_after_batch``."""
         self.signals.append(signal)
 
+    def snapshot_extras(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Every participant's ``_snapshot_extra()``, by state key, to store beside a snapshot."""
+        return {p.state_key: p._snapshot_extra() for p in self.participants}
+
     def after_restore(self, trainer: pl.Trainer, extras: dict[str, Any]) -> None:
-        """Tell every suite callback that the training state was restored from a snapshot.
+        """Tell every participant that the training state was restored from a snapshot.
 
         Args:
-            extras: what each callback's ``_snapshot_extra()`` returned when the snapshot was taken, by state key.
+            extras: what each participant's ``_snapshot_extra()`` returned when the snapshot was taken, by state key.
         """
-        for callback in suite_callbacks(trainer):
-            callback._after_restore(trainer, extras.get(callback.state_key, {}))
+        for participant in self.participants:
+            participant._after_restore(trainer, extras.get(participant.state_key, {}))
 
-    def snapshot_extras(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Every suite callback's ``_snapshot_extra()``, by state key, to store beside a snapshot."""
-        return {cb.state_key: cb._snapshot_extra() for cb in suite_callbacks(trainer)}
+    # ---- the batch --------------------------------------------------------------------------------------------
+    def begin_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+        """Once per batch, for whichever participant gets ``on_train_batch_start`` first: forget the previous
+        batch's signals, and copy the buffers when an accumulation window begins."""
+        key = (int(trainer.current_epoch), int(batch_idx))
+        if key == self._started_batch:
+            return
+        self._started_batch = key
+        self.signals.clear()
+        if not self._window_open and pl_module.automatic_optimization:
+            self._buffers.take(pl_module)
+            self._window_open = True
 
-    # ---- loss observation (on_before_backward) ----------------------------------------------------------------
     def observe_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
         """Accumulate this backward pass's loss flags on the device (no host read). Idempotent per loss tensor."""
         if self._last_loss is not None and self._last_loss() is loss:
@@ -322,47 +399,90 @@ class HealthBoard:
         if trainer.lightning_module.automatic_optimization:
             value = value * trainer.accumulate_grad_batches  # Lightning divided it by the accumulation
         bad = ~torch.isfinite(value)
+        finite = torch.where(bad, torch.zeros_like(value), value)
         if self._loss_flags is None or self._loss_sum is None:
-            self._loss_flags = bad.float()
-            self._loss_sum = torch.where(bad, torch.zeros_like(value), value)
+            self._loss_flags, self._loss_sum = bad.float(), finite
         else:
-            self._loss_flags = self._loss_flags + bad.float()
-            self._loss_sum = self._loss_sum + torch.where(bad, torch.zeros_like(value), value)
+            self._loss_flags, self._loss_sum = self._loss_flags + bad.float(), self._loss_sum + finite
         self._loss_count += 1
 
-    # ---- the step record (on_before_optimizer_step) -----------------------------------------------------------
-    def step_health(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> StepHealth:
-        """The record of this optimizer step, built and read by the first suite callback that asks."""
-        current = self.current
-        if current is not None and current.step == trainer.global_step and current.optimizer is optimizer:
-            return current
-        params = [p for p in parameters_of(optimizer) if p.grad is not None]
-        names = [self._name(pl_module, p) for p in params]
-        record = StepHealth(self, trainer, optimizer, params, names)
-        self._contribute_core(trainer, record)
-        for callback in suite_callbacks(trainer):
-            callback._contribute(trainer, pl_module, record)
-        record.read()
-        self._interpret(trainer, record)
+    def end_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch_idx: int) -> None:
+        """Once per batch, for whichever participant gets ``on_train_batch_end`` first: put held schedules back,
+        let every participant act in pipeline order, then log the batch's metrics with one call per logger."""
+        key = (int(trainer.current_epoch), int(batch_idx))
+        if key == self._ended_batch:
+            return
+        self._ended_batch = key
+        self._held.restore()
+        for participant in self.participants:
+            participant._after_batch(trainer, pl_module, outputs)
+        if trainer.loggers and _compat.should_update_logs(trainer):
+            step = _compat.batches_that_stepped(trainer)
+            for participant in self.participants:
+                self.metrics.add(participant._counters(), step)
+        self.flush(trainer)
+
+    def flush(self, trainer: pl.Trainer) -> None:
+        """Send every queued metric: one ``log_metrics`` call per logger and step."""
+        for step, metrics in self.metrics.drain():
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    # ---- the step pipeline (on_before_optimizer_step) ---------------------------------------------------------
+    def before_optimizer_step(
+        self,
+        caller: StepParticipant,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        """Run the pipeline for this evaluation of the closure, once, whichever participant calls first.
+
+        Lightning calls every callback's ``on_before_optimizer_step`` after each evaluation of the closure (LBFGS
+        evaluates it several times per step): a participant calling a second time, or another optimizer, starts
+        a new evaluation with its own record.
+        """
+        if optimizer is self._seen_optimizer and id(caller) not in self._seen:
+            self._seen.add(id(caller))
+            return
+        self._seen = {id(caller)}
+        self._seen_optimizer = optimizer
+        self._run_step(trainer, pl_module, optimizer)
+
+    def _run_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        record = self._build(trainer, pl_module, optimizer)
+        for participant in self.participants:
+            participant._contribute(trainer, pl_module, record)
+        record._read()
+        self._interpret(record)
         self.current = record
-        return record
+        verdicts = [(p, p._judge(trainer, record)) for p in self.participants]
+        action = decide_step(verdicts)
+        self._apply(trainer, optimizer, record, action)
+        for participant in self.participants:
+            participant._after_step(trainer, record, action)
 
-    def _name(self, pl_module: pl.LightningModule, param: Tensor) -> str:
-        name = self.names.get(id(param))
-        if name is None:
+    def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> StepHealth:
+        params = [p for p in parameters_of(optimizer) if p.grad is not None]
+        if any(id(p) not in self.names for p in params):
             self.names = {id(p): n for n, p in pl_module.named_parameters()}
-            name = self.names.get(id(param), f"<unnamed {tuple(param.shape)}>")
-        return name
-
-    def _contribute_core(self, trainer: pl.Trainer, record: StepHealth) -> None:
+        record = StepHealth(
+            step=int(trainer.global_step),
+            optimizer=optimizer,
+            optimizer_index=_index_of(trainer.optimizers, optimizer),
+            n_optimizers=len(trainer.optimizers),
+            rank=int(trainer.global_rank),
+            world_size=int(trainer.world_size),
+            params=params,
+            names=[self.names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params],
+            all_names=self.names,
+            log_step=_compat.batches_that_stepped(trainer),
+            log_due=bool(trainer.loggers) and _compat.should_update_logs(trainer),
+        )
         device = record.grad_norms.device
         zero = torch.zeros((), device=device)
-        flags = zero if self._loss_flags is None else self._loss_flags.to(device)
-        loss_sum = zero if self._loss_sum is None else self._loss_sum.to(device)
-        record.add("loss_nonfinite", flags, per_rank=True)
-        record.add("loss_sum", loss_sum, summed=True)
+        record.add("loss_nonfinite", zero if self._loss_flags is None else self._loss_flags.to(device), per_rank=True)
+        record.add("loss_sum", zero if self._loss_sum is None else self._loss_sum.to(device), summed=True)
         record.add("loss_count", torch.full((), float(self._loss_count), device=device), summed=True)
         self._loss_flags = self._loss_sum = None
         self._loss_count = 0
@@ -371,8 +491,10 @@ class HealthBoard:
         scale = _compat.scaler_scale(scaler) if scaler is not None else None
         if scale is not None:
             record.add("loss_scale", scale)
+        return record
 
-    def _interpret(self, trainer: pl.Trainer, record: StepHealth) -> None:
+    @staticmethod
+    def _interpret(record: StepHealth) -> None:
         record.loss_nonfinite_ranks = tuple(r for r, v in enumerate(record.value("loss_nonfinite")) if v != 0)
         # Non-finite losses add 0 to the sum: leave them out of the count too, or a NaN step reads as a loss of 0.
         count = record.value("loss_count")[0] - sum(record.value("loss_nonfinite"))
@@ -393,58 +515,22 @@ class HealthBoard:
         record.grad_status = "nonfinite" if "nonfinite" in statuses else "overflow"
         record.total_norm = total_norm(torch.tensor(exact, dtype=torch.float64)).item() if exact else 0.0
 
-    # ---- skipping ---------------------------------------------------------------------------------------------
-    def skip_step(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
-        """Make the coming ``optimizer.step()`` a no-op and hold the step-interval LR schedulers where they are.
+    def _apply(
+        self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, record: StepHealth, action: StepAction
+    ) -> None:
+        if action.skip_reason is not None:
+            record.skipped, record.skip_reason = True, action.skip_reason
+            skip_step(trainer, optimizer, self._held, self._buffers)
+        else:
+            for _, plan in action.clips:
+                for tensors, coef in plan.scales:
+                    if isinstance(coef, float):
+                        scale_grads_(tensors, coef)
+                    else:
+                        torch._foreach_mul_(tensors, coef)
+        self._window_open = False  # the accumulation window ends with this step
 
-        ``zero_grad(set_to_none=True)`` leaves parameters, moments, weight decay and the optimizer's step counts
-        untouched (zeroing the gradients would still apply momentum and weight decay). Lightning steps the
-        schedulers anyway (Lightning #18828), so their state and the param-group hyperparameters are saved here and
-        put back in ``on_train_batch_end`` by :meth:`settle`.
-        """
-        optimizer.zero_grad(set_to_none=True)
-        if not trainer.lightning_module.automatic_optimization:
-            return  # the user steps the schedulers; Lightning does not
-        for config in trainer.lr_scheduler_configs:
-            if config.interval != "step" or config.reduce_on_plateau:
-                continue
-            scheduler = config.scheduler
-            self._held.append((scheduler, copy.deepcopy(scheduler.state_dict())))
-            opt = scheduler.optimizer
-            saved = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-            self._held_groups.append((opt.param_groups, saved))
-
-    def settle(self, trainer: pl.Trainer) -> None:
-        """Put held schedulers back; called first by every suite callback's ``on_train_batch_end`` (runs once)."""
-        for scheduler, state in self._held:
-            scheduler.load_state_dict(state)
-        for groups, saved in self._held_groups:
-            for group, values in zip(groups, saved):
-                group.update(values)
-        self._held.clear()
-        self._held_groups.clear()
-
-    # ---- counters and summary ---------------------------------------------------------------------------------
-    def log_counters(self, trainer: pl.Trainer, caller: SuiteCallback) -> None:
-        """Log the suite's cumulative counters once per logging step, through the Trainer's loggers.
-
-        Only the last suite callback in the list logs them, so they include what every suite callback did in this
-        batch, whatever the order of the list.
-        """
-        step = _compat.batches_that_stepped(trainer)
-        if self._logged_step == step or not trainer.loggers or not _compat.should_update_logs(trainer):
-            return
-        if suite_callbacks(trainer)[-1] is not caller:
-            return
-        self._logged_step = step
-        counters: dict[str, float] = {}
-        for callback in suite_callbacks(trainer):
-            for key, value in callback._counters().items():
-                counters[key] = counters.get(key, 0.0) + float(value)
-        if counters:
-            for logger in trainer.loggers:
-                logger.log_metrics(counters, step=step)
-
+    # ---- summary ----------------------------------------------------------------------------------------------
     def summarise(self, trainer: pl.Trainer) -> None:
         """One line at the end of fit when anything happened (rank 0 only; once)."""
         if self._summarised:
@@ -456,10 +542,30 @@ class HealthBoard:
             log.info(f"lightning_overflow: {summary} during this fit{where}")
 
 
-def suite_callbacks(trainer: pl.Trainer) -> list[SuiteCallback]:
-    from lightning_overflow.callbacks._base import SuiteCallback
+def inspect_state(record: StepHealth) -> StateCheck:
+    """Check the weights and optimizer state of the record's optimizer on every rank (kept on the record).
 
-    return [cb for cb in trainer.callbacks if isinstance(cb, SuiteCallback)]  # type: ignore[attr-defined]
+    Entered on every rank together (callers decide from values identical on all ranks): it ends with one
+    all-reduce of per-rank flags.
+    """
+    if record.state_check is None:
+        optimizer = record.optimizer
+        params = parameters_of(optimizer)
+        param_names = [record.all_names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params]
+        states, state_names = optimizer_state_tensors(optimizer, record.all_names)
+        bad_weights = nonfinite_labels(params, param_names)
+        bad_states = nonfinite_labels(states, state_names)
+        flags = [torch.tensor(float(bool(bad_weights))), torch.tensor(float(bool(bad_states)))]
+        weight_ranks, state_ranks = flags_by_rank(flags, record.grad_norms.device)
+        record.state_check = StateCheck(weight_ranks, state_ranks, tuple(bad_weights), tuple(bad_states))
+    return record.state_check
+
+
+def nonfinite_labels(tensors: list[Tensor], labels: list[str]) -> list[str]:
+    """Labels of the tensors holding inf/NaN, by the snapshots' rule (largest magnitude: no spurious FP32 overflow
+    of finite values). One host read."""
+    with torch.no_grad():
+        return [labels[i] for i in nonfinite_indices(tensors)]
 
 
 def _index_of(items: Sequence[Any], item: Any) -> int:
@@ -473,26 +579,3 @@ def _cat(parts: dict[str, Tensor], device: torch.device) -> Tensor:
     if not parts:
         return torch.zeros(0, dtype=torch.float64, device=device)
     return torch.cat([t.to(device) for t in parts.values()])
-
-
-def _check_state(record: StepHealth, names: dict[int, str]) -> StateCheck:
-    optimizer = record.optimizer
-    params = parameters_of(optimizer)
-    param_names = [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params]
-    states, state_names = optimizer_state_tensors(optimizer, names)
-    bad_weights = nonfinite_labels(params, param_names)
-    bad_states = nonfinite_labels(states, state_names)
-    flags = torch.zeros(2 * record.world_size, dtype=torch.float64, device=record.grad_norms.device)
-    flags[record.rank] = float(bool(bad_weights))
-    flags[record.world_size + record.rank] = float(bool(bad_states))
-    values, _ = reduce_and_read(flags, flags.new_zeros(0))
-    weight_ranks = tuple(r for r in range(record.world_size) if values[r])
-    state_ranks = tuple(r for r in range(record.world_size) if values[record.world_size + r])
-    return StateCheck(weight_ranks, state_ranks, tuple(bad_weights), tuple(bad_states))
-
-
-def nonfinite_labels(tensors: list[Tensor], labels: list[str]) -> list[str]:
-    """Labels of the tensors holding inf/NaN, by the snapshots' rule (largest magnitude: no spurious FP32 overflow
-    of finite values). One host read."""
-    with torch.no_grad():
-        return [labels[i] for i in nonfinite_indices(tensors)]

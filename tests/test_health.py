@@ -58,8 +58,9 @@ def test_every_callback_sees_the_same_record() -> None:
     seen: list[Any] = []
 
     class Spy(NonFiniteDetector):
-        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-            seen.append(self.board(trainer).step_health(trainer, pl_module, optimizer))
+        def _judge(self, trainer: Any, record: Any) -> Any:
+            seen.append(record)
+            return super()._judge(trainer, record)
 
     fit(TinyRegressor(), [Spy(), Spy(action="warn"), GradNormMonitor()], max_steps=3)
     assert len(seen) == 6 and seen[0] is seen[1] and seen[2] is seen[3] and seen[0] is not seen[2]

@@ -314,7 +314,6 @@ class FakeRollback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         board = board_for(trainer)
-        board.settle(trainer)
         optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
         if trainer.global_step == self.snapshot_at + 1:
             self.snapshot = copy.deepcopy(

@@ -1,43 +1,56 @@
-"""What every suite callback shares: the board of its trainer, loss observation, settling held schedulers."""
+"""The base of the suite's callbacks: Lightning's hooks wired to the step pipeline of
+:mod:`lightning_overflow.health`. Subclasses implement the pipeline's stages, not the hooks below."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytorch_lightning as pl
+import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_overflow import _compat
 from lightning_overflow._compat import Callback
 from lightning_overflow.events import Event
 from lightning_overflow.health import HealthBoard, Signal, StepHealth, board_for
+from lightning_overflow.policy import StepAction, Verdict
+
+__all__ = ["MONITOR", "DETECTOR", "CLIPPER", "BACKOFF", "ROLLBACK", "SuiteCallback"]
+
+# Pipeline stages: who judges and acts first. Detectors judge before clippers, so that a skipped step is never
+# clipped; LRBackoff acts before Rollback at batch end, so that the rollback carries the new LR scale.
+MONITOR, DETECTOR, CLIPPER, BACKOFF, ROLLBACK = 0, 1, 2, 3, 4
 
 
 class SuiteCallback(Callback):
-    """Base of the suite's callbacks. Subclasses override the template methods, not the wiring below.
+    """Base of the suite's callbacks: joins the trainer's board in ``setup`` and forwards Lightning's hooks to it.
 
-    Template methods:
+    Pipeline stages (override what the callback needs; every default does nothing):
         ``_contribute(trainer, pl_module, record)``: add device values to the step's one host read.
-        ``_after_batch(trainer, pl_module, outputs)``: act at ``on_train_batch_end`` once held schedulers are back.
+        ``_judge(trainer, record)``: from the read record, return a :class:`~lightning_overflow.policy.Verdict`
+            (ask for a skip, propose a clip) or ``None``.
+        ``_after_step(trainer, record, action)``: learn from the step as decided; queue metrics, journal events.
+        ``_after_batch(trainer, pl_module, outputs)``: act at ``on_train_batch_end`` on the batch's signals.
         ``_counters()``: cumulative counters to log (``overflow/...``).
         ``_snapshot_extra()`` / ``_after_restore(trainer, extra)``: what to keep beside a rollback snapshot, and
             how to re-align after a rollback restored one (LRBackoff re-applies its scale there).
-
-    Interventions read ``self.board(trainer).signals`` (detectors' :class:`~lightning_overflow.health.Signal` s of
-    this batch) in ``_after_batch``.
     """
+
+    stage: ClassVar[int] = MONITOR
 
     def board(self, trainer: pl.Trainer) -> HealthBoard:
         return board_for(trainer)
 
+    # ---- Lightning's hooks ------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self.board(trainer).attach(trainer, pl_module)
+            self.board(trainer).join(self, trainer, pl_module)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
-        self.board(trainer).begin_batch()
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        self.board(trainer).begin_batch(trainer, pl_module, _batch_idx(args))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -45,27 +58,41 @@ class SuiteCallback(Callback):
             self.board(trainer).observe_loss(trainer, loss)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
-        board = self.board(trainer)
-        board.settle(trainer)
-        self._after_batch(trainer, pl_module, outputs)
-        board.log_counters(trainer, self)
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.board(trainer).before_optimizer_step(self, trainer, pl_module, optimizer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.board(trainer).end_batch(trainer, pl_module, outputs, _batch_idx(args[1:]))
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.board(trainer).summarise(trainer)
+        board = self.board(trainer)
+        board.flush(trainer)
+        board.summarise(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.board(trainer).release()
+        board = self.board(trainer)
+        board.flush(trainer)
+        board.release()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.board(trainer).release()
 
-    # ---- template methods -------------------------------------------------------------------------------------
+    # ---- pipeline stages --------------------------------------------------------------------------------------
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
         """Add this callback's device statistics to the step's single read (default: nothing)."""
+
+    def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
+        """Judge the read record (default: no objection, no clip)."""
+        return None
+
+    def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
+        """Learn from the step as decided (default: nothing)."""
 
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         """Act at the end of a training batch (default: nothing)."""
@@ -82,6 +109,11 @@ class SuiteCallback(Callback):
         """The training state was just restored from a snapshot taken with ``extra`` beside it (default: nothing)."""
 
     # ---- helpers ----------------------------------------------------------------------------------------------
+    def _log(self, trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
+        """Queue metrics for the suite's one logging call of this batch (``step``: Lightning's logging step)."""
+        if trainer.loggers:
+            self.board(trainer).metrics.add(metrics, _compat.batches_that_stepped(trainer) if step is None else step)
+
     def _event(
         self, trainer: pl.Trainer, kind: str, message: str, rank: int = 0, step: int | None = None, **details: Any
     ) -> Event:
@@ -101,3 +133,9 @@ class SuiteCallback(Callback):
     def _signal(self, trainer: pl.Trainer, kind: str, reason: str, optimizer_index: int = 0) -> None:
         signal = Signal(kind, int(trainer.global_step), reason, type(self).__name__, optimizer_index)
         self.board(trainer).signal(signal)
+
+
+def _batch_idx(args: tuple[Any, ...]) -> int:
+    """The ``batch_idx`` of ``on_train_batch_start(batch, batch_idx)`` / ``on_train_batch_end(outputs, batch,
+    batch_idx)``, given the arguments after the batch."""
+    return int(args[0]) if args else 0

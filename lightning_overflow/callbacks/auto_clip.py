@@ -12,17 +12,16 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_overflow import _compat
-from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
 from lightning_overflow.callbacks._validation import check_choice, check_float, check_int
-from lightning_overflow.health import StepHealth
+from lightning_overflow.health import StepHealth, metric_key
+from lightning_overflow.policy import ClipPlan, StepAction, Verdict
 from lightning_overflow.numerics.clipping import (
     PercentileState,
     ZScoreState,
     agc_coefficients_and_norms,
     clip_coefficient,
     percentile_threshold,
-    scale_grads_,
     smallest_coefficient,
     zscore_threshold,
 )
@@ -37,17 +36,14 @@ Stats = PercentileState | ZScoreState
 
 @dataclass
 class _Clip:
-    """What AutoClip did on one optimizer step; committed once the step is known not to have been skipped."""
+    """What AutoClip proposes for one optimizer step; committed once the step is known not to have been skipped."""
 
-    record: StepHealth
-    index: int
     step: int
-    log_step: int
-    log_due: bool
     total: float
     threshold: float
     coef: float
     stats: Stats | None
+    plan: ClipPlan
 
 
 @dataclass
@@ -154,6 +150,8 @@ class AutoClip(SuiteCallback):
     EVENT_GAP = 50
     """Fewest optimizer steps between two journal events of one optimizer."""
 
+    stage = CLIPPER
+
     def __init__(
         self,
         mode: Mode = "zscore",
@@ -192,8 +190,7 @@ class AutoClip(SuiteCallback):
         self.clipped_steps = 0
         self._stats: dict[int, Stats] = {}
         self._epoch: dict[int, list[int]] = {}  # optimizer index -> [steps, clipped] this epoch
-        self._pending: list[_Clip] = []
-        self._settled: list[_Clip] = []
+        self._proposal: _Clip | None = None
         self._agc: _AgcPlan | None = None
         self._last_event: dict[int, int] = {}
         self._quiet_clips: dict[int, int] = {}
@@ -228,53 +225,57 @@ class AutoClip(SuiteCallback):
                 )
 
     @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        record = self.board(trainer).step_health(trainer, pl_module, optimizer)
-        self._settle()  # earlier steps of this batch are final now
-        if record.skipped or not math.isfinite(record.total_norm):
-            return  # a skipped or non-finite step is the detector's business; nothing here may learn from it
-        threshold, coef, stats = self._clip_agc(record) if self.mode == "agc" else self._clip_total(record)
-        log_step = _compat.batches_that_stepped(trainer)
-        log_due = bool(trainer.loggers) and _compat.should_update_logs(trainer)
-        index = record.optimizer_index
-        clip = _Clip(record, index, record.step, log_step, log_due, record.total_norm, threshold, coef, stats)
-        self._pending.append(clip)
+    def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
+        self._proposal = None
+        if not math.isfinite(record.total_norm):
+            self._agc = None
+            return None  # a non-finite step is the detector's business; nothing here may learn from it
+        self._proposal = self._propose_agc(record) if self.mode == "agc" else self._propose_total(record)
+        return Verdict(clip=self._proposal.plan)
 
     @override
-    def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
-        self._settle()
-        self._publish(trainer)
+    def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
+        clip, self._proposal = self._proposal, None
+        if clip is None or action.clip_of(self) is None:
+            return  # skipped: the step never happened, so nothing is learned or counted
+        index = record.optimizer_index
+        if clip.stats is not None:
+            self._stats[index] = clip.stats
+        clipped = clip.coef < 1.0
+        epoch = self._epoch.setdefault(index, [0, 0])
+        self.steps += 1
+        self.clipped_steps += clipped
+        epoch[0] += 1
+        epoch[1] += clipped
+        if clip.coef < self.event_below:
+            self._journal(trainer, index, clip)
+        if record.log_due:
+            metrics = {record.metric_key("clip/coef"): clip.coef}
+            if math.isfinite(clip.threshold):
+                metrics[record.metric_key("clip/threshold")] = clip.threshold
+            self._log(trainer, metrics, record.log_step)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._settle()
-        self._publish(trainer)
-        suffix_needed = len(trainer.optimizers) > 1
+        n_optimizers = len(trainer.optimizers)
         metrics = {
-            f"clip/fraction_epoch{f'_opt{index}' if suffix_needed else ''}": clipped / steps
+            metric_key("clip/fraction_epoch", index, n_optimizers): clipped / steps
             for index, (steps, clipped) in sorted(self._epoch.items())
             if steps
         }
-        if metrics:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=_compat.batches_that_stepped(trainer))
+        self._log(trainer, metrics)
+        self.board(trainer).flush(trainer)
         self._epoch.clear()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._settle()
-        self._settled.clear()
+        self._proposal = None
         self._agc = None
         super().teardown(trainer, pl_module, stage)
 
     # ---- the clip ---------------------------------------------------------------------------------------------
-    def _clip_total(self, record: StepHealth) -> tuple[float, float, Stats | None]:
-        """Fixed, percentile and z-score modes: one coefficient for all gradients, from the shared total norm.
-
-        Returns ``(threshold, coef, new statistics)``.
-        """
+    def _propose_total(self, record: StepHealth) -> _Clip:
+        """Fixed, percentile and z-score modes: one coefficient for all gradients, from the shared total norm."""
         total = torch.tensor(record.total_norm, dtype=torch.float64)
         previous = self._stats.get(record.optimizer_index)
         stats: Stats | None = None
@@ -291,9 +292,9 @@ class AutoClip(SuiteCallback):
         if self.max_norm is not None:
             threshold = threshold.clamp(max=self.max_norm)
         coef = clip_coefficient(total, threshold).item()  # host tensors: no device read
-        if coef < 1.0:
-            scale_grads_([p.grad for p in record.params], coef)  # type: ignore[misc]
-        return threshold.item(), coef, stats
+        grads = [p.grad for p in record.params]
+        plan = ClipPlan([(grads, coef)] if coef < 1.0 else [], coef, threshold.item())  # type: ignore[list-item]
+        return _Clip(record.step, record.total_norm, threshold.item(), coef, stats, plan)
 
     @override
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
@@ -307,13 +308,10 @@ class AutoClip(SuiteCallback):
             record.add(self._key("total"), plan.clipped_total())
         self._agc = plan
 
-    def _clip_agc(self, record: StepHealth) -> tuple[float, float, None]:
+    def _propose_agc(self, record: StepHealth) -> _Clip:
         """Unit-wise mode: the coefficients computed before the read, then the optional cap on the total norm after
         them. Where the FP32 norms overflowed (a rare path, known from the read) everything is recomputed in
-        float64 and read here.
-
-        Returns ``(clipping ratio, smallest coefficient x cap, None)``.
-        """
+        float64 and read here."""
         plan, self._agc = self._agc, None
         if plan is not None and plan.record is record and record.grad_status != "overflow":
             smallest = record.value(self._key("smallest"))[0]
@@ -322,12 +320,14 @@ class AutoClip(SuiteCallback):
             plan = self._plan_agc(record, exact=record.grad_status == "overflow")
             smallest = smallest_coefficient(plan.coefs).item()
             clipped_total = plan.clipped_total().item() if self.max_norm is not None else math.nan
+        scales: list[tuple[list[Tensor], float | list[Tensor]]] = []
         if smallest < 1.0:
-            torch._foreach_mul_([p.grad for p in plan.params], plan.coefs)  # type: ignore[misc]
+            scales.append(([p.grad for p in plan.params], plan.coefs))  # type: ignore[misc]
         cap = 1.0 if self.max_norm is None else clip_coefficient(clipped_total, self.max_norm).item()
         if cap < 1.0:
-            scale_grads_([p.grad for p in record.params], cap)  # type: ignore[misc]
-        return self.clipping, smallest * cap, None
+            scales.append(([p.grad for p in record.params], cap))  # type: ignore[misc]
+        coef = smallest * cap
+        return _Clip(record.step, record.total_norm, self.clipping, coef, None, ClipPlan(scales, coef, self.clipping))
 
     def _plan_agc(self, record: StepHealth, exact: bool) -> _AgcPlan:
         included = [i for i, name in enumerate(record.names) if not self._excluded(name)]
@@ -346,63 +346,27 @@ class AutoClip(SuiteCallback):
         return name == pattern or name.startswith(pattern + ".")
 
     # ---- commit, log, journal ---------------------------------------------------------------------------------
-    def _settle(self) -> None:
-        """Commit the clips of steps that went ahead; forget those a detector skipped after AutoClip ran."""
-        for clip in self._pending:
-            if clip.record.skipped:
-                continue
-            if clip.stats is not None:
-                self._stats[clip.index] = clip.stats
-            epoch = self._epoch.setdefault(clip.index, [0, 0])
-            clipped = clip.coef < 1.0
-            self.steps += 1
-            self.clipped_steps += clipped
-            epoch[0] += 1
-            epoch[1] += clipped
-            clip.record = None  # type: ignore[assignment]  # release the step's tensors
-            self._settled.append(clip)
-        self._pending.clear()
-
-    def _publish(self, trainer: pl.Trainer) -> None:
-        suffix_needed = len(trainer.optimizers) > 1
-        by_step: dict[int, dict[str, float]] = {}
-        for clip in self._settled:
-            if clip.coef < self.event_below:
-                self._journal(trainer, clip)
-            if not clip.log_due:
-                continue
-            suffix = f"_opt{clip.index}" if suffix_needed else ""
-            metrics = by_step.setdefault(clip.log_step, {})
-            metrics[f"clip/coef{suffix}"] = clip.coef
-            if math.isfinite(clip.threshold):
-                metrics[f"clip/threshold{suffix}"] = clip.threshold
-        self._settled.clear()
-        for step, metrics in by_step.items():
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
-
-    def _journal(self, trainer: pl.Trainer, clip: _Clip) -> None:
-        last = self._last_event.get(clip.index)
+    def _journal(self, trainer: pl.Trainer, index: int, clip: _Clip) -> None:
+        last = self._last_event.get(index)
         if last is not None and clip.step - last < self.EVENT_GAP:
-            self._quiet_clips[clip.index] = self._quiet_clips.get(clip.index, 0) + 1
+            self._quiet_clips[index] = self._quiet_clips.get(index, 0) + 1
             return
-        quiet = self._quiet_clips.pop(clip.index, 0)
-        self._last_event[clip.index] = clip.step
+        quiet = self._quiet_clips.pop(index, 0)
+        self._last_event[index] = clip.step
         since = f"; {quiet} more such clip(s) since step {last} were not journaled" if quiet else ""
         what = f"clipping ratio {clip.threshold:g}" if self.mode == "agc" else f"threshold {clip.threshold:.4g}"
         message = (
-            f"AutoClip({self.mode}): scaled the gradients of optimizer {clip.index} by {clip.coef:.3g} at step "
+            f"AutoClip({self.mode}): scaled the gradients of optimizer {index} by {clip.coef:.3g} at step "
             f"{clip.step}: total norm {clip.total:.4g}, {what}{since}."
         )
         self._event(
-            trainer, "clip", message, step=clip.step, mode=self.mode, optimizer=clip.index, grad_norm=clip.total,
+            trainer, "clip", message, step=clip.step, mode=self.mode, optimizer=index, grad_norm=clip.total,
             threshold=clip.threshold, coef=clip.coef, not_journaled=quiet,
         )
 
     # ---- state ------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        self._settle()
         return {
             "mode": self.mode,
             "stats": {index: stats.to_dict() for index, stats in self._stats.items()},
@@ -435,6 +399,5 @@ class AutoClip(SuiteCallback):
     @override
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         # The statistics go back with the weights; what was clipped meanwhile stays counted and logged.
-        self._settle()
         if extra:
             self._load_stats(extra)

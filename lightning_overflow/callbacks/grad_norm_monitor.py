@@ -13,7 +13,8 @@ from typing_extensions import override
 from lightning_overflow import _compat
 from lightning_overflow.callbacks._base import SuiteCallback
 from lightning_overflow.callbacks._validation import check_bool, check_int, check_norm_type
-from lightning_overflow.health import StepHealth
+from lightning_overflow.health import StepHealth, metric_key
+from lightning_overflow.policy import StepAction
 from lightning_overflow.numerics import refine_norms, tensor_norms
 
 __all__ = ["GradNormMonitor"]
@@ -74,25 +75,21 @@ class GradNormMonitor(SuiteCallback):
 
     # ---- wiring -----------------------------------------------------------------------------------------------
     @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        record = self.board(trainer).step_health(trainer, pl_module, optimizer)
-        self._update_epoch(pl_module, record)
+    def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
+        self._update_epoch(trainer.lightning_module, record)
         total_due, per_parameter_due = self._due_now(trainer)
         if trainer.loggers and (total_due or per_parameter_due):
             self._log_step(trainer, record, total_due, per_parameter_due)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        suffix_needed = len(trainer.optimizers) > 1
+        n_optimizers = len(trainer.optimizers)
         for index, (mean, maximum) in sorted(self._epoch.items()):
             if not mean.update_called:
                 continue
-            suffix = f"_opt{index}" if suffix_needed else ""
             # compute() syncs across ranks; every rank has updated the same metrics, so all of them get here.
-            pl_module.log(f"grad_norm/total_epoch_mean{suffix}", mean.compute(), on_epoch=True)
-            pl_module.log(f"grad_norm/total_epoch_max{suffix}", maximum.compute(), on_epoch=True)
+            pl_module.log(metric_key("grad_norm/total_epoch_mean", index, n_optimizers), mean.compute(), on_epoch=True)
+            pl_module.log(metric_key("grad_norm/total_epoch_max", index, n_optimizers), maximum.compute(), on_epoch=True)
             mean.reset()
             maximum.reset()
 
@@ -154,13 +151,10 @@ class GradNormMonitor(SuiteCallback):
         if norms is None:
             return
         total, per_tensor = norms
-        suffix = f"_opt{record.optimizer_index}" if len(trainer.optimizers) > 1 else ""
-        metrics = {f"grad_norm/total{suffix}": total} if total_due else {}
+        metrics = {record.metric_key("grad_norm/total"): total} if total_due else {}
         if per_parameter_due and per_tensor:
-            metrics.update({f"grad_norm/{name}{suffix}": value for name, value in zip(record.names, per_tensor)})
-        step = _compat.batches_that_stepped(trainer)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            metrics.update({record.metric_key(f"grad_norm/{name}"): v for name, v in zip(record.names, per_tensor)})
+        self._log(trainer, metrics, record.log_step)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

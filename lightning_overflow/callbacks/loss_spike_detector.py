@@ -9,9 +9,10 @@ import pytorch_lightning as pl
 import torch
 from typing_extensions import override
 
-from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.callbacks._validation import check_bool, check_float, check_int
 from lightning_overflow.health import StepHealth
+from lightning_overflow.policy import StepAction
 from lightning_overflow.numerics.running_stats import RunningStats
 
 __all__ = ["LossSpikeDetector"]
@@ -95,6 +96,8 @@ class LossSpikeDetector(SuiteCallback):
         >>> trainer = pl.Trainer(callbacks=[LossSpikeDetector(sigmas=6.0, window=128)], logger=False)
     """
 
+    stage = DETECTOR
+
     def __init__(
         self,
         window: int = 128,
@@ -137,15 +140,9 @@ class LossSpikeDetector(SuiteCallback):
             self._peaks.clear()
             self.loss_spikes = self.grad_spikes = 0
 
-    @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        record = self.board(trainer).step_health(trainer, pl_module, optimizer)
-        self._observe(trainer, record)
-
     # ---- the decision -----------------------------------------------------------------------------------------
-    def _observe(self, trainer: pl.Trainer, record: StepHealth) -> None:
+    @override
+    def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
         """Test this step's loss and gradient norm (host values identical on every rank), then learn from them."""
         grad = record.total_norm if self.check_grad_norm and record.grads_finite else math.nan
         values = torch.tensor([record.loss_mean, grad], dtype=torch.float64)

@@ -10,7 +10,7 @@ from typing import Any
 import pytorch_lightning as pl
 from typing_extensions import override
 
-from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.callbacks._validation import check_bool, check_float, check_int
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.health import SIGNAL_KINDS, Signal
@@ -99,6 +99,8 @@ class LRBackoff(SuiteCallback):
         >>> callbacks = [NonFiniteDetector(), LossSpikeDetector(), LRBackoff(factor=0.5)]
         >>> trainer = pl.Trainer(callbacks=callbacks, logger=False)
     """
+
+    stage = BACKOFF
 
     def __init__(
         self,

@@ -11,40 +11,23 @@ import pytorch_lightning as pl
 import torch
 from typing_extensions import override
 
-from lightning_overflow import _compat
-from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.callbacks._validation import check_bool, check_choice, check_float, check_int
+from lightning_overflow.diagnosis.hints import detection_hint
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.preserve import capture_rng
 from lightning_overflow.diagnosis.records import Diagnosis
 from lightning_overflow.diagnosis.replay import KeptBatch, diagnose_step
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import NonFiniteError
-from lightning_overflow.health import MAX_NAMES, StepHealth
+from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state
+from lightning_overflow.policy import StepAction, Verdict
 from lightning_overflow.numerics import FP32_MAX, optimizer_state_tensors, parameters_of, tensor_norms, total_norm
 
 __all__ = ["NonFiniteDetector"]
 
 Action = Literal["skip", "raise", "warn"]
 
-HINTS = {
-    "loss": "check this batch for inf/NaN inputs; if the loss uses exp(), compute it with torch.logsumexp or "
-    "subtract the max first; clamp the input of log() with an eps",
-    "grad": "a backward op produced inf/NaN (sqrt, pow, log or a division near 0, or an overflowing activation); "
-    "torch.autograd.set_detect_anomaly(True) names the op",
-    "overflow": "the gradients are finite but their norm lies beyond the FP32 range: lower the learning rate, add "
-    "AutoClip, or check the initialisation and normalisation of deep stacks",
-    "weight": "the weights themselves are non-finite and skipping steps cannot repair them: add Rollback to restore "
-    "the last finite state, and LRBackoff to lower the learning rate",
-    "optimizer_state": "the optimizer state (e.g. Adam's exp_avg_sq) is non-finite and poisons every later step: "
-    "add Rollback to restore the last finite state, and LRBackoff to lower the learning rate",
-    "scaler": "the GradScaler keeps overflowing: the model overflows fp16 even with a small loss scale; try "
-    "precision='bf16-mixed' or lower the learning rate",
-    "consecutive": "the fault repeats on every step: look at the data pipeline and the learning rate; Rollback "
-    "restores the last finite state when the weights are affected",
-    "headroom": "lower the learning rate or add AutoClip before the values overflow; if the module named sits deep in "
-    "a stack, check its initialisation and add normalisation",
-}
 
 
 @dataclass
@@ -57,6 +40,9 @@ class Finding:
     overflow: bool = False
     hint_key: str = ""
     detail: str = ""
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    diagnosis: Diagnosis | None = None
 
 
 class NonFiniteDetector(SuiteCallback):
@@ -144,6 +130,8 @@ class NonFiniteDetector(SuiteCallback):
         >>> trainer = pl.Trainer(callbacks=[NonFiniteDetector(action="skip")], logger=False)
     """
 
+    stage = DETECTOR
+
     def __init__(
         self,
         action: Action = "skip",
@@ -176,6 +164,7 @@ class NonFiniteDetector(SuiteCallback):
         self.last_diagnosis: Diagnosis | None = None
         self.last_headroom: Headroom | None = None
         self._kept: KeptBatch | None = None
+        self._finding: Finding | None = None
         every = self.headroom_every_n_steps
         self._headroom = HeadroomProbe(every, f"{type(self).__name__}.{id(self)}.headroom") if every else None
         self._headroom_warned = False
@@ -211,18 +200,6 @@ class NonFiniteDetector(SuiteCallback):
             self._kept = KeptBatch(batch, batch_idx, capture_rng())
         if self._headroom is not None:
             self._headroom.on_batch_start(pl_module, int(trainer.global_step))
-
-    @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        record = self.board(trainer).step_health(trainer, pl_module, optimizer)
-        finding = self._judge(record)
-        if finding is None:
-            self._consecutive = 0
-            self._report_headroom(trainer, record)
-            return
-        self._act(trainer, record, finding)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
@@ -265,15 +242,24 @@ class NonFiniteDetector(SuiteCallback):
         return f"{type(self).__name__}.{id(self)}.state"
 
     # ---- the decision -----------------------------------------------------------------------------------------
-    def _judge(self, record: StepHealth) -> Finding | None:
+    @override
+    def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
+        self._finding = finding = self._find(record)
+        if finding is None:
+            self._consecutive = 0
+            self._report_headroom(trainer, record)
+            return None
+        return self._act(trainer, record, finding)
+
+    def _find(self, record: StepHealth) -> Finding | None:
         """What, if anything, is non-finite on this step. Only values identical on every rank are used."""
         state_flagged = record.has(self._key()) and any(record.value(self._key()))
-        if record.loss_finite and record.grads_finite and not record.grads_beyond_fp32 and not state_flagged:
+        if record.healthy and not state_flagged:
             self._scaler_overflows = 0
             return None
         if record.loss_finite and record.loss_scale is not None and not record.grads_finite and not state_flagged:
             return self._judge_scaler(record)  # inf/NaN gradients: the scaler skips the step itself
-        state = record.check_state()
+        state = inspect_state(record)
         if state.weight_ranks:
             return Finding("weight", state.weight_ranks, list(state.weight_names), hint_key="weight")
         if state.state_ranks:
@@ -304,14 +290,16 @@ class NonFiniteDetector(SuiteCallback):
         return Finding("grad", tuple(range(record.world_size)), names, hint_key="grad")
 
     # ---- the action -------------------------------------------------------------------------------------------
-    def _act(self, trainer: pl.Trainer, record: StepHealth, finding: Finding) -> None:
+    def _act(self, trainer: pl.Trainer, record: StepHealth, finding: Finding) -> Verdict | None:
+        """Count, diagnose, journal and signal a finding; raise where the action says so; ask for the skip."""
         self.nonfinite_events += 1
         self._consecutive += 1
         diagnosis = self._diagnose(trainer, record, finding)
         message = self._describe(trainer, record, finding)
         if diagnosis is not None:
             message = f"{message} {diagnosis.message}"
-        details: dict[str, Any] = {
+        finding.message, finding.diagnosis = message, diagnosis
+        finding.details = {
             "where": finding.kind,
             "ranks": list(finding.ranks),
             "parameters": finding.names[:MAX_NAMES],
@@ -321,26 +309,35 @@ class NonFiniteDetector(SuiteCallback):
             "optimizer": record.optimizer_index,
         }
         if diagnosis is not None:
-            details["diagnosis"] = diagnosis.to_dict()
-        self._event(trainer, "nonfinite", message, rank=min(finding.ranks, default=0), **details)
+            finding.details["diagnosis"] = diagnosis.to_dict()
+        self._event(trainer, "nonfinite", message, rank=min(finding.ranks, default=0), **finding.details)
         self._raise_signals(trainer, record, finding, message)
         state_broken = finding.kind in ("weight", "optimizer_state")
         if self.action == "warn":
             self._warnings.warn(f"{finding.kind}:{finding.hint_key}", message + " (shown once)")
-            return
+            return None
         if self.action == "raise" or (state_broken and not _state_recovery_in(trainer)):
-            raise self._error(message, record, finding, diagnosis)
-        if not state_broken and record.skip(f"non-finite {finding.kind}"):
+            raise self._error(trainer, message, record, finding, diagnosis)
+        return None if state_broken else Verdict(skip=f"non-finite {finding.kind}")
+
+    @override
+    def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
+        finding, self._finding = self._finding, None
+        if finding is None or self.action != "skip":
+            return
+        if action.skipped_by is self:
             self.skipped_steps += 1
-            self._event(trainer, "skip", f"skipped optimizer step {record.step}: non-finite {finding.kind}", **details)
+            self._event(
+                trainer, "skip", f"skipped optimizer step {record.step}: non-finite {finding.kind}", **finding.details
+            )
         if self._consecutive >= self.max_consecutive_skips:
             message = (
                 f"NonFiniteDetector: {self._consecutive} consecutive optimizer steps were non-finite, the last at step "
-                f"{record.step}. Last finding: {message}"
+                f"{record.step}. Last finding: {finding.message}"
             )
             finding.hint_key = "consecutive"
-            self._event(trainer, "abort", message, **details)
-            raise self._error(message, record, finding, diagnosis)
+            self._event(trainer, "abort", message, **finding.details)
+            raise self._error(trainer, message, record, finding, finding.diagnosis)
 
     def _raise_signals(self, trainer: pl.Trainer, record: StepHealth, finding: Finding, message: str) -> None:
         index = record.optimizer_index
@@ -385,9 +382,17 @@ class NonFiniteDetector(SuiteCallback):
         return diagnosis
 
     def _error(
-        self, message: str, record: StepHealth, finding: Finding, diagnosis: Diagnosis | None = None
+        self,
+        trainer: pl.Trainer,
+        message: str,
+        record: StepHealth,
+        finding: Finding,
+        diagnosis: Diagnosis | None = None,
     ) -> NonFiniteError:
-        hint = diagnosis.hint if diagnosis is not None and diagnosis.hint else HINTS[finding.hint_key]
+        if diagnosis is not None and diagnosis.hint:
+            hint = diagnosis.hint
+        else:
+            hint = detection_hint(finding.hint_key, _present(trainer))
         return NonFiniteError(
             f"{message} HINT: {hint}.",
             kind=finding.kind,
@@ -405,14 +410,13 @@ class NonFiniteDetector(SuiteCallback):
         if reading is None:
             return
         self.last_headroom = reading
-        for logger in trainer.loggers:
-            logger.log_metrics(reading.metrics(), step=_compat.batches_that_stepped(trainer))
+        self._log(trainer, reading.metrics(), record.log_step)
         if reading.decades >= self.headroom_warn_decades:
             return
         message = (
             f"NonFiniteDetector: only {reading.decades:.1f} decades of headroom left below the FP32 limit (3.4e38) "
             f"at step {reading.step}: {reading.describe(trainer.world_size > 1)}. The run is approaching overflow "
-            f"(warning below {self.headroom_warn_decades:g} decades; shown once). HINT: {HINTS['headroom']}."
+            f"(warning below {self.headroom_warn_decades:g} decades; shown once). HINT: {detection_hint('headroom', _present(trainer))}."
         )
         if not self._headroom_warned:
             self._headroom_warned = True
@@ -460,3 +464,11 @@ class NonFiniteDetector(SuiteCallback):
 def _state_recovery_in(trainer: pl.Trainer) -> bool:
     """Whether a callback in the list restores weights and optimizer state (Rollback)."""
     return any(getattr(cb, "restores_state", False) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+
+
+def _present(trainer: pl.Trainer) -> set[str]:
+    """Class names of the Trainer's callbacks, ``Rollback`` included when any callback restores state."""
+    present = {type(cb).__name__ for cb in trainer.callbacks}  # type: ignore[attr-defined]
+    if _state_recovery_in(trainer):
+        present.add("Rollback")
+    return present

@@ -33,12 +33,13 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.callbacks._base import ROLLBACK, SuiteCallback
 from lightning_overflow.callbacks._validation import check_choice, check_int
 from lightning_overflow.distributed import reduce_and_read
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
-from lightning_overflow.health import MAX_NAMES, SIGNAL_KINDS, Signal, board_for
+from lightning_overflow.health import MAX_NAMES, SIGNAL_KINDS, Signal, StepHealth, board_for
+from lightning_overflow.policy import StepAction, Verdict
 from lightning_overflow.numerics import optimizer_state_tensors
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
@@ -201,6 +202,8 @@ class Rollback(SuiteCallback):
         ... )
     """
 
+    stage = ROLLBACK
+
     restores_state = True
 
     def __init__(
@@ -282,14 +285,15 @@ class Rollback(SuiteCallback):
             self._warnings.warn("start", refused)
 
     @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
+    def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
         if self._skip_left <= 0:
-            return
-        record = self.board(trainer).step_health(trainer, pl_module, optimizer)
+            return None
         self._skipping = True
-        if record.skip("skipped after a rollback"):
+        return Verdict(skip="skipped after a rollback")
+
+    @override
+    def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
+        if self._skipping and action.skipped_by is self:
             self.skipped_steps += 1
             nth, after = self.skip_batches - self._skip_left + 1, self.history[-1]["step"] if self.history else "?"
             message = (

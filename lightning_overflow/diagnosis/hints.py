@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from lightning_overflow.diagnosis.records import Direction, Growth, Origin
 
-__all__ = ["find_growth", "op_family", "origin_hint"]
+__all__ = ["detection_hint", "find_growth", "op_family", "origin_hint"]
 
 MIN_LAYERS = 4
 """Fewer layers than this are not a deep stack."""
@@ -161,3 +161,55 @@ def find_growth(trail: Sequence[tuple[str, float]], direction: Direction) -> Gro
             continue
         return Growth(direction, len(run), run[0][0], run[-1][0], run[0][1], run[-1][1], factor)
     return None
+
+
+def detection_hint(key: str, present: Collection[str]) -> str:
+    """What to try after a detection of kind ``key``, suggesting only suite callbacks not in ``present``.
+
+    Args:
+        key: ``"loss"``, ``"grad"``, ``"overflow"``, ``"weight"``, ``"optimizer_state"``, ``"scaler"``,
+            ``"consecutive"`` or ``"headroom"``.
+        present: class names of the callbacks the Trainer already has.
+
+    Example:
+        >>> detection_hint("weight", {"NonFiniteDetector"})
+        'the weights themselves are non-finite and skipping steps cannot repair them: add Rollback to restore the last finite state, and LRBackoff to lower the learning rate'
+        >>> detection_hint("weight", {"Rollback", "LRBackoff"})
+        "the weights themselves are non-finite and skipping steps cannot repair them: with NonFiniteDetector(action='skip') Rollback restores the last finite state and LRBackoff lowers the learning rate"
+    """
+    recover = _recovery(present)
+    clip = "lower the learning rate" + ("" if "AutoClip" in present else ", add AutoClip")
+    hints = {
+        "loss": "check this batch for inf/NaN inputs; if the loss uses exp(), compute it with torch.logsumexp or "
+        "subtract the max first; clamp the input of log() with an eps",
+        "grad": "a backward op produced inf/NaN (sqrt, pow, log or a division near 0, or an overflowing activation); "
+        "torch.autograd.set_detect_anomaly(True) names the op",
+        "overflow": f"the gradients are finite but their norm lies beyond the FP32 range: {clip}, or check the "
+        "initialisation and normalisation of deep stacks",
+        "weight": f"the weights themselves are non-finite and skipping steps cannot repair them: {recover}",
+        "optimizer_state": "the optimizer state (e.g. Adam's exp_avg_sq) is non-finite and poisons every later step: "
+        f"{recover}",
+        "scaler": "the GradScaler keeps overflowing: the model overflows fp16 even with a small loss scale; try "
+        "precision='bf16-mixed' or lower the learning rate",
+        "consecutive": "the fault repeats on every step: look at the data pipeline and the learning rate"
+        + ("" if "Rollback" in present else "; add Rollback to restore the last finite state when the weights are "
+           "affected"),
+        "headroom": f"{clip} before the values overflow; if the module named sits deep in a stack, check its "
+        "initialisation and add normalisation",
+    }
+    return hints[key]
+
+
+def _recovery(present: Collection[str]) -> str:
+    missing = [
+        text
+        for name, text in (
+            ("Rollback", "Rollback to restore the last finite state"),
+            ("LRBackoff", "LRBackoff to lower the learning rate"),
+        )
+        if name not in present
+    ]
+    if missing:
+        return "add " + ", and ".join(missing)
+    return "with NonFiniteDetector(action='skip') Rollback restores the last finite state and LRBackoff lowers the " \
+        "learning rate"

@@ -1,0 +1,92 @@
+"""The true no-op optimizer step.
+
+A skipped step changes nothing: not the weights, not the optimizer's moments, weight decay or step counts
+(``zero_grad(set_to_none=True)`` before ``optimizer.step()``: zeroing the gradients instead would still apply
+momentum and weight decay), not the module's buffers (the forward pass already moved BatchNorm's running
+statistics, so they are put back from a copy taken when the accumulation window began), and not the LR schedule
+(Lightning steps the schedulers even on a skipped step, Lightning #18828: their state and the param-group
+hyperparameters are saved here and put back once Lightning has stepped them, in ``on_train_batch_end``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["BufferCopy", "HeldSchedules", "skip_step"]
+
+
+@dataclass
+class HeldSchedules:
+    """Scheduler states and param-group hyperparameters to put back after Lightning stepped the schedulers."""
+
+    schedulers: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
+    groups: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = field(default_factory=list)
+
+    def restore(self) -> None:
+        for scheduler, state in self.schedulers:
+            scheduler.load_state_dict(state)
+        for groups, saved in self.groups:
+            for group, values in zip(groups, saved):
+                group.update(values)
+        self.schedulers.clear()
+        self.groups.clear()
+
+
+class BufferCopy:
+    """The buffers of a module as they were when an accumulation window began.
+
+    Copies go into tensors allocated once per fit on the buffers' own devices (a few kilobytes for BatchNorm; a
+    causal mask costs one copy of itself per step).
+    """
+
+    def __init__(self) -> None:
+        self._live: list[Tensor] = []
+        self._saved: list[Tensor] = []
+
+    def take(self, module: nn.Module) -> None:
+        live = list(module.buffers())
+        if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live)):
+            self._live = live
+            self._saved = [torch.empty_like(b) for b in live]
+        if live:
+            with torch.no_grad():
+                torch._foreach_copy_(self._saved, live)
+
+    def put_back(self) -> None:
+        if self._live:
+            with torch.no_grad():
+                torch._foreach_copy_(self._live, self._saved)
+
+    def release(self) -> None:
+        self._live, self._saved = [], []
+
+
+def skip_step(
+    trainer: pl.Trainer, optimizer: torch.optim.Optimizer, held: HeldSchedules, buffers: BufferCopy
+) -> None:
+    """Make the coming ``optimizer.step()`` a no-op, put the buffers back and hold the step-interval schedulers in
+    ``held``.
+
+    Under manual optimization the user steps the schedulers and may step several optimizers per batch: only the
+    gradients are dropped there.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    if not trainer.lightning_module.automatic_optimization:
+        return
+    buffers.put_back()
+    for config in trainer.lr_scheduler_configs:
+        if config.interval != "step" or config.reduce_on_plateau:
+            continue
+        scheduler = config.scheduler
+        held.schedulers.append((scheduler, copy.deepcopy(scheduler.state_dict())))
+        opt = scheduler.optimizer
+        saved = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        held.groups.append((opt.param_groups, saved))
