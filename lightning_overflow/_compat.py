@@ -26,6 +26,10 @@ else:
 
 __all__ = [
     "Callback",
+    "REPLICATED_STRATEGIES",
+    "SHARDED_STRATEGIES",
+    "replicated_strategy",
+    "sharded_strategy",
     "batches_that_stepped",
     "scaler_of",
     "scaler_scale",
@@ -52,3 +56,24 @@ def scaler_scale(scaler: Any) -> Tensor | None:
     """The scaler's current scale as a device tensor. ``GradScaler.get_scale()`` would read it to the host, a sync
     per call; ``_scale`` is the tensor behind it (torch 2.13.0). ``None`` before the first scaled backward."""
     return getattr(scaler, "_scale", None)
+
+
+SHARDED_STRATEGIES = ("FSDPStrategy", "XLAFSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
+"""Strategies under which a rank holds only part of the model or of the optimizer state (class names, 2.6.6)."""
+
+REPLICATED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+"""Strategies under which every rank holds the whole model (``ddp_fork``/``ddp_spawn`` are ``DDPStrategy``)."""
+
+
+def sharded_strategy(strategy: Any) -> str | None:
+    """The name of the sharded strategy ``strategy`` is or derives from, ``None`` for a replicated one."""
+    for cls in type(strategy).__mro__:
+        if cls.__name__ in SHARDED_STRATEGIES:
+            return cls.__name__
+    return None
+
+
+def replicated_strategy(strategy: Any) -> bool:
+    """Whether every rank holds the whole model (a known replicated strategy, and no sharded one)."""
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    return sharded_strategy(strategy) is None and bool(names & set(REPLICATED_STRATEGIES))

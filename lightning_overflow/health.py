@@ -304,7 +304,7 @@ class HealthBoard:
     def __init__(self) -> None:
         self.names: dict[int, str] = {}
         self.journal = Journal(None)
-        self.participants: list[StepParticipant] = []
+        self._participants: list[weakref.ref[StepParticipant]] = []
         self.current: StepHealth | None = None
         self.signals: list[Signal] = []
         self.metrics = MetricBuffer()
@@ -325,9 +325,11 @@ class HealthBoard:
     def join(self, participant: StepParticipant, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register ``participant`` for this fit and set up for it. Every rank calls it, in ``setup``."""
         if not any(p is participant for p in self.participants):
-            self.participants.append(participant)
+            # Weakly: Lightning gives callbacks the module's bound log methods, and the module holds the trainer,
+            # which keys this board.
+            self._participants.append(weakref.ref(participant))
             # Stable: participants of one stage keep the order in which they joined (their order in the list).
-            self.participants.sort(key=lambda p: p.stage)
+            self._participants.sort(key=lambda ref: getattr(ref(), "stage", 0))
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
         self._started_batch = self._ended_batch = None
         log_dir = trainer.log_dir  # a broadcast under DDP: every rank gets here in setup
@@ -335,6 +337,11 @@ class HealthBoard:
         if self.journal.path is None or str(self.journal.path) != str(path):
             self.journal = Journal(path, write=trainer.global_rank == 0)
         self._summarised = False
+
+    @property
+    def participants(self) -> list[StepParticipant]:
+        """The registered suite callbacks, in pipeline order."""
+        return [p for ref in self._participants if (p := ref()) is not None]
 
     def release(self) -> None:
         """Drop everything tied to the last fit's tensors (records, held schedules, buffers, loss flags)."""
@@ -417,9 +424,11 @@ class HealthBoard:
         for participant in self.participants:
             participant._after_batch(trainer, pl_module, outputs)
         if trainer.loggers and _compat.should_update_logs(trainer):
-            step = _compat.batches_that_stepped(trainer)
-            for participant in self.participants:
-                self.metrics.add(participant._counters(), step)
+            counters: dict[str, float] = {}
+            for participant in self.participants:  # several callbacks skip: their counts add up
+                for key, value in participant._counters().items():
+                    counters[key] = counters.get(key, 0.0) + float(value)
+            self.metrics.add(counters, _compat.batches_that_stepped(trainer))
         self.flush(trainer)
 
     def flush(self, trainer: pl.Trainer) -> None:

@@ -190,3 +190,81 @@ def test_the_whole_suite_together_changes_nothing_on_a_healthy_run(optimizer: st
     suite = [GradNormMonitor(per_parameter=True), NonFiniteDetector(check_weights_every_n_steps=1), LossSpikeDetector(),
              AutoClip(mode="fixed", max_norm=1e30), LRBackoff(), Rollback(every_n_steps=3)]
     assert_bit_identical(run([]), run(suite))
+
+
+# ---- after a fault: every state value non-default ------------------------------------------------------------------
+FAULT_CASES: dict[type, dict[str, Any]] = {
+    GradNormMonitor: {"per_parameter": True},
+    NonFiniteDetector: {"check_weights_every_n_steps": 1},
+    LossSpikeDetector: {"warmup": 2},
+    AutoClip: {"mode": "zscore", "warmup_steps": 2},
+    LRBackoff: {"regrow_after": 50},
+    Rollback: {"every_n_steps": 2},
+}
+
+
+def _faulty_fit(callbacks: list[Any]) -> None:
+    from lightning_overflow.testing import Fault, FaultInjector
+
+    faults = FaultInjector(Fault(4, "nan_loss"), Fault(6, "loss_spike", factor=1e3), Fault(8, "nan_weight"))
+    fit(TinyRegressor(), [*callbacks, faults], max_steps=12)
+
+
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda c: c.__name__)
+def test_state_round_trips_after_a_fault(cls: type) -> None:
+    suite = {c: c(**FAULT_CASES[c]) for c in CALLBACKS}
+    _faulty_fit(list(suite.values()))
+    callback = suite[cls]
+    state = callback.state_dict()
+    if state:
+        assert _plain(state) != _plain(cls(**FAULT_CASES[cls]).state_dict()), "the fault left no trace in the state"
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    fresh = cls(**FAULT_CASES[cls])
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    assert _plain(fresh.state_dict()) == _plain(state)
+
+
+SECOND_CONFIG: dict[type, tuple[dict[str, Any], dict[str, Any]]] = {
+    GradNormMonitor: ({"norm_type": 2.0}, {"norm_type": "inf"}),
+    NonFiniteDetector: ({"action": "skip"}, {"action": "warn"}),
+    LossSpikeDetector: ({"sigmas": 6.0}, {"sigmas": 8.0}),
+    AutoClip: ({"mode": "zscore"}, {"mode": "fixed", "max_norm": 1e30}),
+    LRBackoff: ({"factor": 0.5}, {"factor": 0.25}),
+}
+
+
+@pytest.mark.parametrize("cls", list(SECOND_CONFIG), ids=lambda c: c.__name__)
+def test_two_differently_configured_instances_keep_their_own_state(cls: type, tmp_path: Any) -> None:
+    first, second = (cls(**kwargs) for kwargs in SECOND_CONFIG[cls])
+    assert first.state_key != second.state_key
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    trainer = fit(TinyRegressor(), [first, second, checkpoint], max_steps=6)
+    saved = torch.load(tmp_path / "epoch=0-step=6.ckpt", weights_only=True)["callbacks"]
+    assert _plain(saved[first.state_key]) == _plain(first.state_dict())
+    assert _plain(saved[second.state_key]) == _plain(second.state_dict())
+    assert trainer.global_step == 6
+
+
+def test_the_whole_suite_with_real_loggers_writes_every_counter(tmp_path: Any) -> None:
+    from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+
+    csv = CSVLogger(tmp_path, name="csv")
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    suite = [c(**FAULT_CASES[c]) for c in CALLBACKS]
+    from lightning_overflow.testing import Fault, FaultInjector
+
+    fit(TinyRegressor(), [*suite, FaultInjector(Fault(4, "nan_loss"))], max_steps=12, logger=[csv, tensorboard],
+        log_every_n_steps=1)
+    import csv as csv_module
+
+    with open(f"{csv.log_dir}/metrics.csv", encoding="utf-8") as f:
+        rows = list(csv_module.DictReader(f))
+    keys = set(rows[0])
+    for key in ("grad_norm/total", "clip/coef", "clip/threshold", "overflow/skipped_steps",
+                "overflow/nonfinite_events", "overflow/spikes", "overflow/lr_scale", "overflow/rollbacks"):
+        assert key in keys, key
+    assert max(float(r["overflow/skipped_steps"] or 0) for r in rows) == 1.0
+    steps = [r["step"] for r in rows if r["grad_norm/total"]]
+    assert len(steps) == len(set(steps)), "one row per logging step: the suite logs once per step"

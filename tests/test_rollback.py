@@ -79,10 +79,7 @@ class SpikeSignal(SuiteCallback):
         self.threshold = threshold
 
     @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        record = self.board(trainer).step_health(trainer, pl_module, optimizer)
+    def _judge(self, trainer: pl.Trainer, record: Any) -> None:
         if record.loss_mean > self.threshold:
             self._signal(trainer, "loss_spike", f"loss {record.loss_mean:.3g} > {self.threshold:g}")
 

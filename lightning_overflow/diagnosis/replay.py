@@ -32,9 +32,6 @@ from lightning_overflow.diagnosis.tracer import NonFiniteTracer, floating_tensor
 
 __all__ = ["KeptBatch", "diagnose_step", "replay_batch"]
 
-_REPLAYABLE_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
-_SHARDING_STRATEGIES = ("DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy", "XLAStrategy")
-
 
 @dataclass(frozen=True)
 class KeptBatch:
@@ -61,8 +58,7 @@ def not_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: Kep
         )
     if "dataloader_iter" in _parameters(pl_module.training_step):
         return "training_step takes the dataloader_iter: it consumed the batch from an iterator the callback cannot see"
-    mro = {cls.__name__ for cls in type(trainer.strategy).__mro__}
-    if mro & set(_SHARDING_STRATEGIES) or not mro & set(_REPLAYABLE_STRATEGIES):
+    if not _compat.replicated_strategy(trainer.strategy):
         return f"{type(trainer.strategy).__name__} is not replayed (the replay needs the whole model on every rank)"
     if kept is None:
         return "the batch of this step was not kept"
