@@ -31,6 +31,8 @@ __all__ = [
     "replicated_strategy",
     "sharded_strategy",
     "batches_that_stepped",
+    "callback_metrics",
+    "progress_bar_metrics",
     "scaler_of",
     "scaler_scale",
     "should_update_logs",
@@ -45,6 +47,17 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
 def should_update_logs(trainer: pl.Trainer) -> bool:
     """Whether this training batch is a logging step under ``Trainer(log_every_n_steps=...)`` (2.6.6)."""
     return bool(trainer._logger_connector.should_update_logs)
+
+
+def callback_metrics(trainer: pl.Trainer) -> dict[str, Any]:
+    """The dict behind ``trainer.callback_metrics``: entries put there stay until Lightning overwrites the key
+    (``_LoggerConnector._callback_metrics``, returned by the public property; 2.6.6)."""
+    return trainer.callback_metrics
+
+
+def progress_bar_metrics(trainer: pl.Trainer) -> dict[str, Any]:
+    """The dict behind ``trainer.progress_bar_metrics`` (``_LoggerConnector._progress_bar_metrics``; 2.6.6)."""
+    return trainer.progress_bar_metrics
 
 
 def scaler_of(trainer: pl.Trainer) -> Any | None:

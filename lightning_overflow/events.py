@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_utilities.core.rank_zero import WarningCache as _RankZeroWarningCache
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
 from lightning_overflow.exceptions import OverflowWarning
 
 __all__ = ["JOURNAL_NAME", "Event", "Journal", "MetricBuffer", "WarningCache", "read_journal"]
@@ -110,17 +113,15 @@ def read_journal(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
             yield event
 
 
-class WarningCache:
-    """Shows each warning once per key, so a fault that repeats every step does not flood the console."""
+class WarningCache(_RankZeroWarningCache):
+    """Shows each warning once per key, on global rank zero only (Lightning's ``rank_zero_warn``), so a fault that
+    repeats every step, or on every rank, warns once. :meth:`clear` at the start of a fit: once per run."""
 
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-
-    def warn(self, key: str, message: str) -> None:
-        if key in self._seen:
+    def warn(self, key: str, message: str) -> None:  # type: ignore[override]
+        if key in self:
             return
-        self._seen.add(key)
-        warnings.warn(message, OverflowWarning, stacklevel=3)
+        self.add(key)
+        rank_zero_warn(message, category=OverflowWarning, stacklevel=4)
 
 
 class MetricBuffer:

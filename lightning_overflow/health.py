@@ -65,6 +65,9 @@ _BOARDS: weakref.WeakKeyDictionary[Any, HealthBoard] = weakref.WeakKeyDictionary
 
 MAX_NAMES = 5  # offending parameter names quoted in a message
 
+_PROGRESS_BAR = {"overflow/skipped_steps": "skips", "overflow/rollbacks": "rollbacks", "overflow/lr_scale": "lr_scale"}
+_PROGRESS_BAR_DEFAULTS = {"overflow/skipped_steps": 0.0, "overflow/rollbacks": 0.0, "overflow/lr_scale": 1.0}
+
 
 def board_for(trainer: pl.Trainer) -> HealthBoard:
     """The board of ``trainer``, created on first use."""
@@ -320,6 +323,7 @@ class HealthBoard:
         self._started_batch: tuple[int, int] | None = None
         self._ended_batch: tuple[int, int] | None = None
         self._summarised = False
+        self._published: dict[str, float] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def join(self, participant: StepParticipant, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -332,6 +336,7 @@ class HealthBoard:
             self._participants.sort(key=lambda ref: getattr(ref(), "stage", 0))
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
         self._started_batch = self._ended_batch = None
+        self._published = {}
         log_dir = trainer.log_dir  # a broadcast under DDP: every rank gets here in setup
         path = None if log_dir is None else f"{log_dir}/{JOURNAL_NAME}"
         if self.journal.path is None or str(self.journal.path) != str(path):
@@ -423,13 +428,27 @@ class HealthBoard:
         self._held.restore()
         for participant in self.participants:
             participant._after_batch(trainer, pl_module, outputs)
+        counters: dict[str, float] = {}
+        for participant in self.participants:  # several callbacks skip: their counts add up
+            for key, value in participant._counters().items():
+                counters[key] = counters.get(key, 0.0) + float(value)
+        self._publish_counters(trainer, counters)
         if trainer.loggers and _compat.should_update_logs(trainer):
-            counters: dict[str, float] = {}
-            for participant in self.participants:  # several callbacks skip: their counts add up
-                for key, value in participant._counters().items():
-                    counters[key] = counters.get(key, 0.0) + float(value)
             self.metrics.add(counters, _compat.batches_that_stepped(trainer))
         self.flush(trainer)
+
+    def _publish_counters(self, trainer: pl.Trainer, counters: dict[str, float]) -> None:
+        """Counters in ``trainer.callback_metrics`` (so ``ModelCheckpoint``/``EarlyStopping`` can monitor them) and,
+        once anything happened, short ones in the progress bar. New tensors only when a value changed."""
+        changed = {k: v for k, v in counters.items() if self._published.get(k) != v}
+        if not changed:
+            return
+        self._published.update(changed)
+        values = {k: torch.tensor(v) for k, v in changed.items()}
+        _compat.callback_metrics(trainer).update(values)
+        shown = {short: values[key] for key, short in _PROGRESS_BAR.items() if key in values}
+        if any(self._published.get(key, default) != default for key, default in _PROGRESS_BAR_DEFAULTS.items()):
+            _compat.progress_bar_metrics(trainer).update(shown)
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Send every queued metric: one ``log_metrics`` call per logger and step."""

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import assert_bit_identical, fit, weights
+from conftest import assert_bit_identical, fit, make_trainer, weights
 
 import lightning_overflow
 from lightning_overflow import AutoClip, GradNormMonitor, LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback
@@ -227,7 +227,6 @@ def test_state_round_trips_after_a_fault(cls: type) -> None:
 
 
 SECOND_CONFIG: dict[type, tuple[dict[str, Any], dict[str, Any]]] = {
-    GradNormMonitor: ({"norm_type": 2.0}, {"norm_type": "inf"}),
     NonFiniteDetector: ({"action": "skip"}, {"action": "warn"}),
     LossSpikeDetector: ({"sigmas": 6.0}, {"sigmas": 8.0}),
     AutoClip: ({"mode": "zscore"}, {"mode": "fixed", "max_norm": 1e30}),
@@ -240,11 +239,34 @@ def test_two_differently_configured_instances_keep_their_own_state(cls: type, tm
     first, second = (cls(**kwargs) for kwargs in SECOND_CONFIG[cls])
     assert first.state_key != second.state_key
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    trainer = fit(TinyRegressor(), [first, second, checkpoint], max_steps=6)
-    saved = torch.load(tmp_path / "epoch=0-step=6.ckpt", weights_only=True)["callbacks"]
-    assert _plain(saved[first.state_key]) == _plain(first.state_dict())
-    assert _plain(saved[second.state_key]) == _plain(second.state_dict())
-    assert trainer.global_step == 6
+    fit(TinyRegressor(), [first, second, checkpoint], max_steps=6, enable_checkpointing=True)
+    path = tmp_path / "epoch=0-step=6.ckpt"
+    saved = torch.load(path, weights_only=True)["callbacks"]
+    assert {first.state_key, second.state_key} <= set(saved)
+    again = [cls(**kwargs) for kwargs in SECOND_CONFIG[cls]]
+    trainer = make_trainer(again, max_steps=7)
+    trainer.fit(TinyRegressor(), ckpt_path=str(path))
+    assert trainer.global_step == 7
+    for callback in again:  # each instance resumed from its own entry (a one-step fit changes none of these)
+        assert set(_plain(callback.state_dict())) == set(_plain(saved[callback.state_key]))
+
+
+def test_two_monitors_of_different_norm_types_log_their_own_keys() -> None:
+    from conftest import MemoryLogger
+
+    logger = MemoryLogger()
+    l2, largest = GradNormMonitor(norm_type=2.0), GradNormMonitor(norm_type="inf")
+    assert l2.state_key != largest.state_key
+    model = TinyRegressor()
+    seen: list[torch.Tensor] = []
+
+    class Grads(pl.Callback):
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            seen.append(torch.cat([p.grad.reshape(-1) for p in pl_module.parameters()]).double())
+
+    fit(model, [l2, largest, Grads()], max_steps=3, logger=logger, log_every_n_steps=1)
+    assert [v for _, v in logger.metrics["grad_norm/total"]] == pytest.approx([g.norm().item() for g in seen])
+    assert [v for _, v in logger.metrics["grad_norm_inf/total"]] == pytest.approx([g.abs().max().item() for g in seen])
 
 
 def test_the_whole_suite_with_real_loggers_writes_every_counter(tmp_path: Any) -> None:

@@ -72,14 +72,14 @@ def test_headroom_per_source_is_logged_every_n_steps_with_exact_values() -> None
         warnings.simplefilter("ignore", OverflowWarning)
         fit(Amplified(), [truth, detector], max_steps=7, logger=logger, log_every_n_steps=1)
     assert [s for s, _ in logger.metrics["overflow/headroom_decades"]] == [0, 3, 6]
-    for step, value in logger.metrics["overflow/headroom_decades/activation"]:
+    for step, value in logger.metrics["overflow/headroom_activation_decades"]:
         assert value == math.log10(FP32_MAX / truth.activation[step])
-    for step, value in logger.metrics["overflow/headroom_decades/loss"]:
+    for step, value in logger.metrics["overflow/headroom_loss_decades"]:
         assert value == math.log10(FP32_MAX / truth.loss[step])
-    for step, value in logger.metrics["overflow/headroom_decades/grad"]:
+    for step, value in logger.metrics["overflow/headroom_grad_decades"]:
         assert value == pytest.approx(math.log10(FP32_MAX / truth.grad[step]), abs=1e-6)
     for (_, total), (_, act) in zip(logger.metrics["overflow/headroom_decades"],
-                                    logger.metrics["overflow/headroom_decades/activation"]):
+                                    logger.metrics["overflow/headroom_activation_decades"]):
         assert total == act  # the activations are the loudest source here
     reading = detector.last_headroom
     assert (reading.step, reading.module, reading.module_type, reading.source) == (6, "net.1", "Scale", "activation")

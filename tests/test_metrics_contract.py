@@ -19,6 +19,9 @@ CONTRACT = [
     "overflow/lr_scale",
     "overflow/rollbacks",
     "overflow/headroom_decades",
+    "overflow/headroom_loss_decades",
+    "overflow/headroom_grad_decades",
+    "overflow/headroom_activation_decades",
 ]
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -30,6 +33,9 @@ def test_default_callbacks_log_every_contract_key(tmp_path: Path) -> None:
         log_every_n_steps=1, default_root_dir=tmp_path)
     missing = [key for key in CONTRACT if key not in logger.metrics]
     assert not missing
+    keys = sorted(logger.metrics)
+    prefixes = [(a, b) for a in keys for b in keys if b.startswith(a + "/")]
+    assert not prefixes, f"metric names that are folders of others (MLflow's file store refuses them): {prefixes}"
     assert dict(logger.metrics["overflow/skipped_steps"])[59] >= 1
     assert dict(logger.metrics["overflow/rollbacks"])[59] >= 1
     assert dict(logger.metrics["overflow/lr_scale"])[59] == 0.5

@@ -29,7 +29,8 @@ class GradNormMonitor(SuiteCallback):
 
     Args:
         norm_type: ``2`` (default) or ``inf``. The L2 norm is shared with the other callbacks; ``inf`` costs one
-            extra pass over the gradients.
+            extra pass over the gradients and is logged under ``grad_norm_inf/...`` instead of ``grad_norm/...``,
+            so that an L2 monitor and an inf monitor in one Trainer each keep their own keys.
         per_parameter: also log each parameter's norm as ``grad_norm/<parameter name>``.
         log_every_n_steps: log the total every this many logging steps (Lightning's: training batches that stepped
             an optimizer, one per batch also under manual optimization; default: the Trainer's
@@ -38,7 +39,7 @@ class GradNormMonitor(SuiteCallback):
             ``log_every_n_steps``), independently of the total. Per-parameter keys cost more to log than to compute;
             space them out on big models.
 
-    Logged keys (suffixed ``_opt<i>`` when the model has several optimizers):
+    Logged keys (suffixed ``_opt<i>`` when the model has several optimizers; ``grad_norm_inf/`` for ``inf``):
 
     ===============================  ===============================================================
     key                              meaning
@@ -62,6 +63,8 @@ class GradNormMonitor(SuiteCallback):
         per_parameter_every_n_steps: int | None = None,
     ) -> None:
         self.norm_type = check_norm_type(norm_type)
+        # Two monitors of different norm types in one Trainer never write into each other's keys.
+        self.prefix = "grad_norm_inf" if math.isinf(self.norm_type) else "grad_norm"
         self.per_parameter = check_bool("per_parameter", per_parameter)
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=1, optional=True)
         self.per_parameter_every_n_steps = check_int(
@@ -88,8 +91,8 @@ class GradNormMonitor(SuiteCallback):
             if not mean.update_called:
                 continue
             # compute() syncs across ranks; every rank has updated the same metrics, so all of them get here.
-            pl_module.log(metric_key("grad_norm/total_epoch_mean", index, n_optimizers), mean.compute(), on_epoch=True)
-            pl_module.log(metric_key("grad_norm/total_epoch_max", index, n_optimizers), maximum.compute(), on_epoch=True)
+            pl_module.log(metric_key(f"{self.prefix}/total_epoch_mean", index, n_optimizers), mean.compute(), on_epoch=True)
+            pl_module.log(metric_key(f"{self.prefix}/total_epoch_max", index, n_optimizers), maximum.compute(), on_epoch=True)
             mean.reset()
             maximum.reset()
 
@@ -151,9 +154,9 @@ class GradNormMonitor(SuiteCallback):
         if norms is None:
             return
         total, per_tensor = norms
-        metrics = {record.metric_key("grad_norm/total"): total} if total_due else {}
+        metrics = {record.metric_key(f"{self.prefix}/total"): total} if total_due else {}
         if per_parameter_due and per_tensor:
-            metrics.update({record.metric_key(f"grad_norm/{name}"): v for name, v in zip(record.names, per_tensor)})
+            metrics.update({record.metric_key(f"{self.prefix}/{name}"): v for name, v in zip(record.names, per_tensor)})
         self._log(trainer, metrics, record.log_step)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -118,9 +118,9 @@ class NonFiniteDetector(SuiteCallback):
     ``overflow/skipped_steps``                  cumulative optimizer steps skipped
     ``overflow/nonfinite_events``               cumulative non-finite detections
     ``overflow/headroom_decades``               decades between the step's largest magnitude and 3.4e38
-    ``overflow/headroom_decades/loss``          the same for the loss alone
-    ``overflow/headroom_decades/grad``          the same for the total gradient norm alone
-    ``overflow/headroom_decades/activation``    the same for the largest activation of any module
+    ``overflow/headroom_loss_decades``          the same for the loss alone
+    ``overflow/headroom_grad_decades``          the same for the total gradient norm alone
+    ``overflow/headroom_activation_decades``    the same for the largest activation of any module
     ==========================================  ===============================================================
 
     The headroom keys are logged every ``headroom_every_n_steps`` on healthy steps.
@@ -188,6 +188,8 @@ class NonFiniteDetector(SuiteCallback):
             # fit loads its own state after setup).
             self.skipped_steps = self.nonfinite_events = self._consecutive = self._scaler_overflows = 0
             self._recent = []
+            self._warnings.clear()
+            _warn_about_early_stopping(trainer, self._warnings)
         if self._headroom is not None:
             self._headroom.reset()
 
@@ -472,3 +474,19 @@ def _present(trainer: pl.Trainer) -> set[str]:
     if _state_recovery_in(trainer):
         present.add("Rollback")
     return present
+
+
+def _warn_about_early_stopping(trainer: pl.Trainer, warnings: WarningCache) -> None:
+    """A skipped step's loss is NaN: logged with ``on_epoch=True`` it makes the epoch mean NaN, and
+    ``EarlyStopping(check_finite=True)`` (its default) then ends the rescued run."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if type(callback).__name__ != "EarlyStopping" or not getattr(callback, "check_finite", False):
+            continue
+        warnings.warn(
+            "early_stopping",
+            f"NonFiniteDetector: EarlyStopping(monitor={callback.monitor!r}, check_finite=True) stops the fit when "
+            f"{callback.monitor!r} is NaN. A step this detector skips has a NaN loss; if the LightningModule logs its "
+            "loss with self.log(..., on_epoch=True), that epoch's mean is NaN and the run is stopped although it was "
+            "rescued. Log the loss through torchmetrics.MeanMetric(nan_strategy='ignore') (see the README), monitor "
+            "a validation metric, or pass EarlyStopping(check_finite=False).",
+        )

@@ -262,6 +262,7 @@ class Rollback(SuiteCallback):
         _refuse_sharded(trainer.strategy)
         super().setup(trainer, pl_module, stage)
         self._reset()  # a new fit starts afresh; a resumed one loads its state right after setup
+        self._warnings.clear()
         if self.dirpath is not None and trainer.is_global_zero and self.dirpath.is_dir():
             for path in self.dirpath.iterdir():  # left behind by a process killed mid-write
                 target = temporary_target(path)

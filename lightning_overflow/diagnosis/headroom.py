@@ -88,7 +88,7 @@ class Headroom:
         for source in ("loss", "grad", "activation"):
             value = getattr(self, source)
             if value is not None:
-                metrics[f"overflow/headroom_decades/{source}"] = value
+                metrics[f"overflow/headroom_{source}_decades"] = value
         return metrics
 
 
