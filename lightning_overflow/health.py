@@ -41,7 +41,7 @@ from lightning_overflow.numerics import (
     tensor_norms,
     total_norm,
 )
-from lightning_overflow.policy import StepAction, Verdict, decide_step
+from lightning_overflow.policy import SIGNAL_KINDS, StepAction, Verdict, decide_step
 from lightning_overflow.skip import BufferCopy, HeldSchedules, skip_step
 
 if TYPE_CHECKING:
@@ -77,15 +77,6 @@ def board_for(trainer: pl.Trainer) -> HealthBoard:
     return board
 
 
-SIGNAL_KINDS = ("nonfinite", "nonfinite_burst", "nonfinite_state", "scaler_collapse", "loss_spike", "grad_spike")
-"""What detectors report to interventions:
-
-- ``nonfinite``: one step was non-finite (and skipped); isolated, it is not divergence.
-- ``nonfinite_burst``: several non-finite steps close together.
-- ``nonfinite_state``: the weights or the optimizer state hold inf/NaN.
-- ``scaler_collapse``: the GradScaler kept overflowing or its scale collapsed.
-- ``loss_spike`` / ``grad_spike``: a statistical spike of the loss / the gradient norm.
-"""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,30 @@
-"""What the suite does with one optimizer step, decided in one place from every participant's verdict.
+"""What the suite does about a step and about a batch, decided in one place: the escalation ladder.
+
+The ladder (signal -> rung), with the reason for each rule:
+
+=========================  ==========================================  ============================================
+signal (who raises it)     rung of the default interventions           why
+=========================  ==========================================  ============================================
+``nonfinite``              skip the step (NonFiniteDetector)           one bad batch: a true no-op costs nothing
+(NonFiniteDetector)                                                    else; never the LR, never the weights
+``nonfinite_burst``        none by default                             a corrupt sample that comes back every short
+                                                                       epoch is a burst and still only data
+``nonfinite_persistent``   back off the LR and roll back               steps stay non-finite on clean batches: the
+                                                                       state, not the data, produces them
+``nonfinite_state``        back off and roll back                      inf/NaN weights or moments never heal
+``scaler_collapse``        back off and roll back                      the GradScaler cannot find a finite scale
+``loss_spike``,            none by default (journaled)                 one spike is one batch, or a clip already
+``grad_spike``                                                         neutralised it
+``loss_divergence``        back off and roll back                      the loss stays above its reference (its
+(LossSpikeDetector)                                                    statistics, or an absolute anchor) for
+                                                                       several steps: the state degrades
+``loss_trend``             back off and roll back                      a slow rise with no spike and no NaN
+=========================  ==========================================  ============================================
+
+After ``max_rollbacks`` within Rollback's window, or the LR at LRBackoff's floor, the run stops with
+:class:`~lightning_overflow.DivergenceError`.
+
+For one optimizer step, each participant judges the same final record and may return a :class:`Verdict`:
 
 Each suite callback judges the same final step record and may return a :class:`Verdict`: a reason to skip the
 step, a proposed clip, or both. :func:`decide_step` turns all of them into one :class:`StepAction`, applied once by
@@ -26,7 +52,38 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["ClipPlan", "StepAction", "Verdict", "decide_step"]
+__all__ = [
+    "DEFAULT_BACKOFF_TRIGGERS",
+    "DEFAULT_ROLLBACK_TRIGGERS",
+    "DIVERGENCE_SIGNALS",
+    "SIGNAL_KINDS",
+    "ClipPlan",
+    "StepAction",
+    "Verdict",
+    "decide_step",
+]
+
+SIGNAL_KINDS = (
+    "nonfinite",
+    "nonfinite_burst",
+    "nonfinite_persistent",
+    "nonfinite_state",
+    "scaler_collapse",
+    "loss_spike",
+    "grad_spike",
+    "loss_divergence",
+    "loss_trend",
+)
+"""Every signal a detector can raise: the vocabulary of ``triggers`` (see the ladder above)."""
+
+DIVERGENCE_SIGNALS = ("nonfinite_persistent", "nonfinite_state", "scaler_collapse", "loss_divergence", "loss_trend")
+"""The signals that are evidence that the training state itself degrades."""
+
+DEFAULT_BACKOFF_TRIGGERS = DIVERGENCE_SIGNALS
+"""LRBackoff's default triggers."""
+
+DEFAULT_ROLLBACK_TRIGGERS = DIVERGENCE_SIGNALS
+"""Rollback's default triggers."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from lightning_overflow.callbacks._validation import check_bool, check_float, ch
 from lightning_overflow.health import StepHealth
 from lightning_overflow.policy import StepAction
 from lightning_overflow.numerics.running_stats import RunningStats
+from lightning_overflow.numerics.trend import slope_probability
 
 __all__ = ["LossSpikeDetector"]
 
@@ -69,11 +70,27 @@ class LossSpikeDetector(SuiteCallback):
         check_grad_norm: also test the gradient norm (default ``True``; signal ``grad_spike``).
         rebaseline_after: consecutive spikes of one series after which its statistics restart from the new level
             (default 100; ``None`` never restarts them).
+        confirm_steps: consecutive steps whose loss stays above its reference (the spike threshold, or the
+            runaway bound) before the loss counts as diverging (default 3). A single spike is one bad batch, or one
+            that a clip already neutralised: it is journaled, and signals ``loss_spike`` only.
+        runaway_factor: a loss above this many times the run's anchor (the median magnitude of its first
+            ``anchor_steps`` finite losses) is above its reference whatever the statistics say (default 100): the
+            absolute anchor that catches a run diverging inside the warm-up, or one whose statistics drifted along.
+        anchor_steps: finite losses that make the anchor (default 8).
+        min_rise: a loss spike must also exceed the mean by ``min_rise`` times the anchor (default 0.1), so that a
+            loss that sat at exactly 0 (zero mean, zero spread) and rises a little is no spike.
+        trend_window: healthy losses tested for a slow upward trend, every ``trend_window`` steps (default 200;
+            ``None`` disables the test).
+        trend_probability: ``P(slope > 0)`` of the window's least-squares line above which the loss trends up
+            (default 0.999, the test of dlib's trainer); the window's mean must also stand ``trend_margin`` times
+            above the best window mean so far (default 0.5): a loss that plateaus higher after a change of data is
+            no divergence.
 
-    Signals (read by interventions): ``loss_spike`` and ``grad_spike``, at the first step of a spike and again at
-    each step that climbs above the highest value of the same spike (still diverging). The steps of a spike that is
-    falling back (recovering) are counted and journaled but signal nothing, so that one long spike does not cost the
-    learning rate again and again.
+    Signals (read by interventions): ``loss_divergence`` when the loss stays above its reference for
+    ``confirm_steps`` steps, ``loss_trend`` for a slow rise with no spike, ``loss_spike`` and ``grad_spike`` at the
+    first step of a spike and again at each step that climbs above the highest value of the same spike. The
+    default interventions act on ``loss_divergence`` and ``loss_trend``: the evidence that the training state itself
+    degrades; a spike alone is the batch's business.
 
     Attributes:
         spikes: spikes found so far (loss and gradient norm).
@@ -107,6 +124,13 @@ class LossSpikeDetector(SuiteCallback):
         grad_ratio: float = 2.0,
         check_grad_norm: bool = True,
         rebaseline_after: int | None = 100,
+        confirm_steps: int = 3,
+        runaway_factor: float = 100.0,
+        anchor_steps: int = 8,
+        min_rise: float = 0.1,
+        trend_window: int | None = 200,
+        trend_probability: float = 0.999,
+        trend_margin: float = 0.5,
     ) -> None:
         self.window = check_int("window", window, minimum=2)
         self.warmup = check_int("warmup", warmup, minimum=1)
@@ -115,6 +139,16 @@ class LossSpikeDetector(SuiteCallback):
         self.grad_ratio = check_float("grad_ratio", grad_ratio, low=1.0)
         self.check_grad_norm = check_bool("check_grad_norm", check_grad_norm)
         self.rebaseline_after = check_int("rebaseline_after", rebaseline_after, minimum=1, optional=True)
+        self.confirm_steps = check_int("confirm_steps", confirm_steps, minimum=1)
+        self.runaway_factor = check_float("runaway_factor", runaway_factor, low=1.0, low_open=True)
+        self.anchor_steps = check_int("anchor_steps", anchor_steps, minimum=1)
+        self.min_rise = check_float("min_rise", min_rise, low=0.0)
+        self.trend_window = check_int("trend_window", trend_window, minimum=3, optional=True)
+        self.trend_probability = check_float(
+            "trend_probability", trend_probability, low=0.5, high=1.0, low_open=True, high_open=True
+        )
+        self.trend_margin = check_float("trend_margin", trend_margin, low=0.0)
+        self._evidence: dict[int, DivergenceEvidence] = {}
         self._ratios = torch.tensor([self.loss_ratio, self.grad_ratio], dtype=torch.float64)
         self._stats: dict[int, RunningStats] = {}
         self._streaks: dict[int, list[int]] = {}
@@ -138,6 +172,7 @@ class LossSpikeDetector(SuiteCallback):
             self._stats.clear()
             self._streaks.clear()
             self._peaks.clear()
+            self._evidence.clear()
             self.loss_spikes = self.grad_spikes = 0
 
     # ---- the decision -----------------------------------------------------------------------------------------
@@ -147,7 +182,11 @@ class LossSpikeDetector(SuiteCallback):
         grad = record.total_norm if self.check_grad_norm and record.grads_finite else math.nan
         values = torch.tensor([record.loss_mean, grad], dtype=torch.float64)
         stats = self._stats_for(record.optimizer_index)
+        evidence = self._evidence.setdefault(record.optimizer_index, DivergenceEvidence())
         flags = stats.spikes(values, self.sigmas, self._ratios)
+        # A reference of zero mean and zero spread gives no threshold of its own: the anchor sets the least rise.
+        floor = stats.mean[0] + self.min_rise * evidence.anchor
+        flags[0] = flags[0] & (values[0] > floor)
         found = flags.tolist()
         if any(found):
             self._report(trainer, record, stats, values.tolist(), found)
@@ -155,6 +194,30 @@ class LossSpikeDetector(SuiteCallback):
         learnable = torch.tensor([True, not record.grads_beyond_fp32])
         stats.update(values, include=~flags & learnable)
         self._track_streaks(trainer, record, stats, found, values.tolist())
+        self._weigh_evidence(trainer, record, evidence, bool(found[0]))
+
+    def _weigh_evidence(
+        self, trainer: pl.Trainer, record: StepHealth, evidence: DivergenceEvidence, spike: bool
+    ) -> None:
+        """Signal divergence when the loss stays above its reference, or trends up; a lone spike is not enough."""
+        finding = evidence.observe(
+            record.loss_mean,
+            spike=spike,
+            anchor_steps=self.anchor_steps,
+            runaway_factor=self.runaway_factor,
+            confirm_steps=self.confirm_steps,
+            trend_window=self.trend_window,
+            trend_probability=self.trend_probability,
+            trend_margin=self.trend_margin,
+        )
+        if finding is None:
+            return
+        kind, reason = finding
+        suffix = f" of optimizer {record.optimizer_index}" if record.n_optimizers > 1 else ""
+        message = f"LossSpikeDetector: the training loss{suffix} {reason} at step {record.step}."
+        self._event(trainer, kind, message, loss=record.loss_mean, anchor=evidence.anchor,
+                    optimizer=record.optimizer_index)  # fmt: skip
+        self._signal(trainer, kind, message, record.optimizer_index)
 
     def _stats_for(self, index: int) -> RunningStats:
         stats = self._stats.get(index)
@@ -239,6 +302,8 @@ class LossSpikeDetector(SuiteCallback):
         for index in self._streaks:
             self._streaks[index] = [0] * len(_CHANNELS)
             self._peaks[index] = [-math.inf] * len(_CHANNELS)
+        for evidence in self._evidence.values():
+            evidence.after_restore()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -248,6 +313,7 @@ class LossSpikeDetector(SuiteCallback):
             "peaks": {str(i): list(peaks) for i, peaks in self._peaks.items()},
             "loss_spikes": self.loss_spikes,
             "grad_spikes": self.grad_spikes,
+            "evidence": {str(i): e.state_dict() for i, e in self._evidence.items()},
         }
 
     @override
@@ -265,3 +331,84 @@ class LossSpikeDetector(SuiteCallback):
             self._peaks[int(key)] = [float(p) for p in peaks]
         self.loss_spikes = int(state_dict.get("loss_spikes", 0))
         self.grad_spikes = int(state_dict.get("grad_spikes", 0))
+        self._evidence = {int(k): DivergenceEvidence.from_state(v) for k, v in state_dict.get("evidence", {}).items()}
+
+
+class DivergenceEvidence:
+    """What one loss series says about the training state: its anchor, the streak of steps above reference, the
+    recent healthy losses for the trend test. Host floats only."""
+
+    def __init__(self) -> None:
+        self.first: list[float] = []
+        self.anchor = 0.0
+        self.streak = 0
+        self.window: list[float] = []
+        self.best_mean = math.inf
+
+    def observe(
+        self,
+        loss: float,
+        *,
+        spike: bool,
+        anchor_steps: int,
+        runaway_factor: float,
+        confirm_steps: int,
+        trend_window: int | None,
+        trend_probability: float,
+        trend_margin: float,
+    ) -> tuple[str, str] | None:
+        """Take one step's loss; return ``(signal kind, reason)`` when it is evidence of divergence."""
+        if not math.isfinite(loss):
+            return None  # the detector's business; neither breaks nor extends the streak
+        if len(self.first) < anchor_steps:
+            self.first.append(abs(loss))
+            self.anchor = sorted(self.first)[len(self.first) // 2]
+        runaway = self.anchor > 0 and loss > runaway_factor * self.anchor
+        self.streak = self.streak + 1 if (spike or runaway) else 0
+        if self.streak == confirm_steps:
+            where = (
+                f"is {loss:.4g}, {loss / self.anchor:.3g}x its anchor {self.anchor:.4g}"
+                if runaway
+                else f"is {loss:.4g}, above its spike threshold"
+            )
+            return "loss_divergence", f"{where}, for {confirm_steps} consecutive steps"
+        if spike or runaway:
+            return None  # a spike's losses stay out of the trend window
+        return self._trend(loss, trend_window, trend_probability, trend_margin)
+
+    def _trend(self, loss: float, window: int | None, probability: float, margin: float) -> tuple[str, str] | None:
+        if window is None:
+            return None
+        self.window.append(loss)
+        if len(self.window) < window:
+            return None
+        values, self.window = self.window, []
+        mean = sum(values) / len(values)
+        p = slope_probability(values)
+        rising = p > probability and mean > self.best_mean + margin * abs(self.best_mean)
+        best = self.best_mean
+        self.best_mean = min(self.best_mean, mean)
+        if not rising:
+            return None
+        return "loss_trend", (
+            f"trends up: P(slope > 0) = {p:.4f} over the last {window} healthy steps, whose mean {mean:.4g} stands "
+            f"above the best window mean {best:.4g} by more than {margin:g}x"
+        )
+
+    def after_restore(self) -> None:
+        self.streak = 0
+        self.window = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first": list(self.first), "anchor": self.anchor, "streak": self.streak, "window": list(self.window),
+                "best_mean": self.best_mean}  # fmt: skip
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> DivergenceEvidence:
+        evidence = cls()
+        evidence.first = [float(v) for v in state.get("first", [])]
+        evidence.anchor = float(state.get("anchor", 0.0))
+        evidence.streak = int(state.get("streak", 0))
+        evidence.window = [float(v) for v in state.get("window", [])]
+        evidence.best_mean = float(state.get("best_mean", math.inf))
+        return evidence

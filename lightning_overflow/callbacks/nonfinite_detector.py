@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.callbacks._validation import check_bool, check_choice, check_float, check_int
-from lightning_overflow.diagnosis.hints import detection_hint
+from lightning_overflow.diagnosis.hints import HUGE_INPUT, detection_hint
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.preserve import capture_rng
 from lightning_overflow.diagnosis.records import Diagnosis
@@ -43,6 +43,7 @@ class Finding:
     message: str = ""
     details: dict[str, Any] = field(default_factory=dict)
     diagnosis: Diagnosis | None = None
+    data_fault: bool = False
 
 
 class NonFiniteDetector(SuiteCallback):
@@ -78,6 +79,11 @@ class NonFiniteDetector(SuiteCallback):
         burst_count, burst_window: ``burst_count`` detections within ``burst_window`` optimizer steps are a burst,
             which interventions (LRBackoff, Rollback) treat as divergence (defaults 3 in 50). An isolated detection
             is absorbed by the skip alone: one corrupt sample must not cost the learning rate.
+        persist_after: consecutive non-finite steps on batches that hold no inf/NaN (nor values above 1e15) after
+            which the state itself, not the data, produces them: signal ``nonfinite_persistent``, which the default
+            interventions treat as divergence (default 3). Batches that do hold them are data faults: skipped,
+            journaled with ``data_fault``, and never held against the state, however often they recur (this needs
+            ``diagnose=True``, which measures the batch).
         diagnose: on a non-finite loss or gradient, replay the step's batch with hooks on every module and op
             (the idea of fairseq's ``NanDetector``) and ask whether it reproduces (the idea of Megatron-LM's rerun
             machinery): the first module and op whose output (forward) or gradient (backward) became inf/NaN, its
@@ -96,6 +102,7 @@ class NonFiniteDetector(SuiteCallback):
             variance, an L2 norm or an MSE, overflows FP32).
 
     Signals (read by interventions): ``nonfinite`` on every detection, ``nonfinite_burst`` on a burst,
+    ``nonfinite_persistent`` when the state keeps producing non-finite steps,
     ``nonfinite_state`` for inf/NaN weights or optimizer state, ``scaler_collapse`` for a failing GradScaler.
 
     Attributes:
@@ -141,6 +148,7 @@ class NonFiniteDetector(SuiteCallback):
         min_loss_scale: float = 1e-4,
         burst_count: int = 3,
         burst_window: int = 50,
+        persist_after: int = 3,
         diagnose: bool = True,
         headroom_every_n_steps: int | None = 100,
         headroom_warn_decades: float = 20.0,
@@ -154,6 +162,7 @@ class NonFiniteDetector(SuiteCallback):
         self.min_loss_scale = check_float("min_loss_scale", min_loss_scale, low=0.0, low_open=True)
         self.burst_count = check_int("burst_count", burst_count, minimum=1)
         self.burst_window = check_int("burst_window", burst_window, minimum=1)
+        self.persist_after = check_int("persist_after", persist_after, minimum=1)
         self.diagnose = check_bool("diagnose", diagnose)
         self.headroom_every_n_steps = (
             check_int("headroom_every_n_steps", headroom_every_n_steps, minimum=0, optional=True) or None
@@ -172,6 +181,7 @@ class NonFiniteDetector(SuiteCallback):
         self.skipped_steps = 0
         self.nonfinite_events = 0
         self._consecutive = 0
+        self._persistent = 0
         self._scaler_overflows = 0
         self._warnings = WarningCache()
 
@@ -187,6 +197,7 @@ class NonFiniteDetector(SuiteCallback):
             # A new fit starts at global_step 0: a previous fit's streaks and counts would mean nothing (a resumed
             # fit loads its own state after setup).
             self.skipped_steps = self.nonfinite_events = self._consecutive = self._scaler_overflows = 0
+            self._persistent = 0
             self._recent = []
             self._warnings.clear()
             _warn_about_early_stopping(trainer, self._warnings)
@@ -248,7 +259,7 @@ class NonFiniteDetector(SuiteCallback):
     def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
         self._finding = finding = self._find(record)
         if finding is None:
-            self._consecutive = 0
+            self._consecutive = self._persistent = 0
             self._report_headroom(trainer, record)
             return None
         return self._act(trainer, record, finding)
@@ -312,6 +323,8 @@ class NonFiniteDetector(SuiteCallback):
         }
         if diagnosis is not None:
             finding.details["diagnosis"] = diagnosis.to_dict()
+            finding.data_fault = _bad_batch(diagnosis)
+            finding.details["data_fault"] = finding.data_fault
         self._event(trainer, "nonfinite", message, rank=min(finding.ranks, default=0), **finding.details)
         self._raise_signals(trainer, record, finding, message)
         state_broken = finding.kind in ("weight", "optimizer_state")
@@ -344,6 +357,14 @@ class NonFiniteDetector(SuiteCallback):
     def _raise_signals(self, trainer: pl.Trainer, record: StepHealth, finding: Finding, message: str) -> None:
         index = record.optimizer_index
         self._signal(trainer, "nonfinite", message, index)
+        # A batch that itself holds inf/NaN or absurd values is a data fault: skipped, never held against the state.
+        self._persistent = 0 if finding.data_fault else self._persistent + 1
+        if self._persistent == self.persist_after:
+            persistent = (
+                f"{self._persistent} consecutive optimizer steps were non-finite on batches that hold no inf/NaN "
+                f"({message})"
+            )
+            self._signal(trainer, "nonfinite_persistent", persistent, index)
         if finding.kind in ("weight", "optimizer_state"):
             self._signal(trainer, "nonfinite_state", message, index)
         if finding.hint_key == "scaler":
@@ -439,6 +460,7 @@ class NonFiniteDetector(SuiteCallback):
             "skipped_steps": self.skipped_steps,
             "nonfinite_events": self.nonfinite_events,
             "consecutive": self._consecutive,
+            "persistent": self._persistent,
             "scaler_overflows": self._scaler_overflows,
             "recent": list(self._recent),
         }
@@ -448,13 +470,14 @@ class NonFiniteDetector(SuiteCallback):
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.nonfinite_events = int(state_dict.get("nonfinite_events", 0))
         self._consecutive = int(state_dict.get("consecutive", 0))
+        self._persistent = int(state_dict.get("persistent", 0))
         self._scaler_overflows = int(state_dict.get("scaler_overflows", 0))
         self._recent = [int(s) for s in state_dict.get("recent", [])]
 
     @override
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         # The state that produced the streak is gone; count afresh from the restored one.
-        self._consecutive = 0
+        self._consecutive = self._persistent = 0
         self._scaler_overflows = 0
 
     def __getstate__(self) -> dict[str, Any]:
@@ -490,3 +513,8 @@ def _warn_about_early_stopping(trainer: pl.Trainer, warnings: WarningCache) -> N
             "rescued. Log the loss through torchmetrics.MeanMetric(nan_strategy='ignore') (see the README), monitor "
             "a validation metric, or pass EarlyStopping(check_finite=False).",
         )
+
+
+def _bad_batch(diagnosis: Diagnosis) -> bool:
+    """Whether a rank's batch itself holds inf/NaN or values no normalised input has."""
+    return any(r.batch_nonfinite > 0 or r.batch_magnitude > HUGE_INPUT for r in diagnosis.replays)
