@@ -360,10 +360,10 @@ class DivergenceEvidence:
         """Take one step's loss; return ``(signal kind, reason)`` when it is evidence of divergence."""
         if not math.isfinite(loss):
             return None  # the detector's business; neither breaks nor extends the streak
-        if len(self.first) < anchor_steps:
+        runaway = self.anchor > 0 and loss > runaway_factor * self.anchor
+        if len(self.first) < anchor_steps and not runaway:
             self.first.append(abs(loss))
             self.anchor = sorted(self.first)[len(self.first) // 2]
-        runaway = self.anchor > 0 and loss > runaway_factor * self.anchor
         self.streak = self.streak + 1 if (spike or runaway) else 0
         if self.streak == confirm_steps:
             where = (

@@ -1,0 +1,99 @@
+"""The escalation ladder of default_callbacks(), rung by rung: data faults cost nothing but the skip or the clip;
+evidence that the state degrades backs off and rolls back. Faults at exact steps; the journal says what fired."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from conftest import fit
+
+from lightning_overflow import LossSpikeDetector, default_callbacks, read_journal
+from lightning_overflow.policy import DEFAULT_BACKOFF_TRIGGERS, DEFAULT_ROLLBACK_TRIGGERS, decide_step, Verdict
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+
+BATCHES_PER_EPOCH = 8  # TinyRegressor: 64 samples, batch size 8, no shuffling
+
+
+def _journal(root: Path) -> list[dict[str, Any]]:
+    return list(read_journal(root / "overflow_events.jsonl"))
+
+
+def _kinds(events: list[dict[str, Any]], *kinds: str) -> list[tuple[int, str]]:
+    return [(e["step"], e["kind"]) for e in events if e["kind"] in kinds]
+
+
+def test_a_corrupt_sample_in_every_short_epoch_is_only_skipped(tmp_path: Path) -> None:
+    model = TinyRegressor()
+    model.data.tensors[0][19, 2] = float("nan")  # sample 19: batch 2 of every 8-batch epoch
+    suite = default_callbacks(snapshot_every_n_steps=4)
+    trainer = fit(model, suite, max_steps=10 * BATCHES_PER_EPOCH, default_root_dir=str(tmp_path))
+    events = _journal(tmp_path)
+    corrupt_steps = [2 + BATCHES_PER_EPOCH * epoch for epoch in range(10)]
+    assert [step for step, _ in _kinds(events, "skip")] == corrupt_steps
+    assert _kinds(events, "backoff", "rollback", "abort") == []
+    assert all(e["details"]["data_fault"] for e in events if e["kind"] == "nonfinite")
+    assert trainer.optimizers[0].param_groups[0]["lr"] == model.lr
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_periodic_input_spikes_are_journaled_and_cost_nothing_else(tmp_path: Path) -> None:
+    model = TinyRegressor()
+    model.data.tensors[0][40:48] *= 100.0  # batch 5 of every epoch
+    trainer = fit(model, default_callbacks(snapshot_every_n_steps=4), max_steps=25 * BATCHES_PER_EPOCH,
+                  default_root_dir=str(tmp_path))
+    events = _journal(tmp_path)
+    assert _kinds(events, "spike"), "the input spikes are seen"
+    assert _kinds(events, "backoff", "rollback", "abort", "loss_divergence") == []
+    assert trainer.optimizers[0].param_groups[0]["lr"] == model.lr
+
+
+def test_a_loss_that_stays_above_its_reference_backs_off_and_rolls_back(tmp_path: Path) -> None:
+    suite = default_callbacks(snapshot_every_n_steps=4)
+    suite[2] = LossSpikeDetector(warmup=10)
+    faults = FaultInjector(*(Fault(step, "loss_spike", factor=1e3) for step in (30, 31, 32)))
+    trainer = fit(TinyRegressor(), [*suite, faults], max_steps=40, default_root_dir=str(tmp_path))
+    events = _journal(tmp_path)
+    assert _kinds(events, "loss_divergence") == [(32, "loss_divergence")]
+    (backoff,) = [e for e in events if e["kind"] == "backoff"]
+    assert backoff["step"] == 32 and backoff["details"]["kinds"] == "loss_divergence"
+    (rollback,) = [e for e in events if e["kind"] == "rollback"]
+    assert rollback["details"]["snapshot_step"] <= 30
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.5 * 0.01
+
+
+def test_a_run_that_diverges_inside_the_warm_up_is_caught_by_the_anchor(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=50)  # statistics are silent for 50 steps
+    faults = FaultInjector(*(Fault(step, "loss_spike", factor=1e4) for step in (12, 13, 14)))
+    fit(TinyRegressor(), [detector, faults], max_steps=20, default_root_dir=str(tmp_path))
+    events = _journal(tmp_path)
+    assert _kinds(events, "spike") == []
+    ((step, _),) = _kinds(events, "loss_divergence")
+    assert step == 14
+    (event,) = [e for e in events if e["kind"] == "loss_divergence"]
+    assert "x its anchor" in event["message"]
+
+
+def test_a_loss_that_sat_at_zero_and_rises_a_little_is_no_spike(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=10)
+    zero = [Fault(step, "loss_spike", factor=0.0) for step in range(10, 60)]  # exactly 0: zero mean, zero spread
+    little = [Fault(step, "loss_spike", factor=0.05) for step in range(60, 70)]
+    fit(TinyRegressor(), [detector, FaultInjector(*zero, *little)], max_steps=70, default_root_dir=str(tmp_path))
+    assert _kinds(_journal(tmp_path), "spike", "loss_divergence") == []
+
+
+def test_default_triggers_are_the_evidence_of_divergence() -> None:
+    assert set(DEFAULT_BACKOFF_TRIGGERS) == set(DEFAULT_ROLLBACK_TRIGGERS)
+    assert not {"nonfinite", "nonfinite_burst", "loss_spike", "grad_spike"} & set(DEFAULT_BACKOFF_TRIGGERS)
+
+
+def test_a_skip_request_wins_over_every_clip() -> None:
+    from lightning_overflow.policy import ClipPlan
+
+    clip = ClipPlan([], 0.5, 1.0)
+    action = decide_step([("clipper", Verdict(clip=clip)), ("detector", Verdict(skip="non-finite loss")),
+                          ("rollback", Verdict(skip="after a rollback"))])
+    assert action.skipped and action.skipped_by == "detector" and action.clips == []
+    action = decide_step([("clipper", Verdict(clip=clip)), ("detector", None)])
+    assert not action.skipped and action.clip_of("clipper") is clip
