@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 from typing_extensions import override
 
 from lightning_overflow.callbacks._base import SuiteCallback
-from lightning_overflow.callbacks._validation import check_bool, check_float, check_int
+from lightning_overflow._validation import check_bool, check_choices, check_float, check_int
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.health import SIGNAL_KINDS, Signal
 from lightning_overflow.numerics.lr_scaling import scale_lr
@@ -112,7 +112,7 @@ class LRBackoff(SuiteCallback):
         per_optimizer: bool = True,
     ) -> None:
         self.factor = check_float("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
-        self.triggers = _check_triggers(triggers)
+        self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
         self.cooldown = check_int("cooldown", cooldown, minimum=0)
         self.min_scale = check_float("min_scale", min_scale, low=0.0, high=1.0, low_open=True)
         self.min_lr = check_float("min_lr", min_lr, low=0.0, low_open=True, optional=True)
@@ -316,13 +316,6 @@ class LRBackoff(SuiteCallback):
         self._windows = [int(s) for s in state_dict.get("windows", [self.regrow_after or 0] * n)]
         self._last_regrowth = [int(s) for s in state_dict.get("last_regrowth", [-1] * n)]
         self.history = [dict(h) for h in state_dict.get("history", [])]
-
-
-def _check_triggers(triggers: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(triggers, str) or not triggers or not all(isinstance(t, str) and t in SIGNAL_KINDS for t in triggers):
-        choices = ", ".join(repr(k) for k in SIGNAL_KINDS)
-        raise ValueError(f"'triggers' must be a non-empty collection of {choices} (got {triggers!r})")
-    return tuple(dict.fromkeys(triggers))
 
 
 def _details(entry: dict[str, Any]) -> dict[str, Any]:

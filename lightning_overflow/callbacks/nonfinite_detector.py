@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_overflow import _compat
 from lightning_overflow.callbacks._base import SuiteCallback
-from lightning_overflow.callbacks._validation import check_bool, check_choice, check_float, check_int
+from lightning_overflow._validation import check_bool, check_choice, check_float, check_int
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.preserve import capture_rng
 from lightning_overflow.diagnosis.records import Diagnosis
