@@ -13,19 +13,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_overflow.numerics import grad_norm_report
+from lightning_overflow.numerics.agc import (
+    agc_,
+    agc_coefficients,
+    agc_coefficients_and_norms,
+    smallest_coefficient,
+    unitwise_norms,
+)
 from lightning_overflow.numerics.clipping import (
     FP32_TINY,
     PercentileState,
     ZScoreState,
-    agc_,
-    agc_coefficients,
-    agc_coefficients_and_norms,
     clip_coefficient,
     clip_grad_norm_,
     percentile_threshold,
     scale_grads_,
-    smallest_coefficient,
-    unitwise_norms,
     zscore_threshold,
 )
 

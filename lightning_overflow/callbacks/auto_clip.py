@@ -16,14 +16,13 @@ from lightning_overflow import _compat
 from lightning_overflow.callbacks._base import SuiteCallback
 from lightning_overflow._validation import check_choice, check_float, check_int, check_names
 from lightning_overflow.health import StepHealth
+from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
 from lightning_overflow.numerics.clipping import (
     PercentileState,
     ZScoreState,
-    agc_coefficients_and_norms,
     clip_coefficient,
     percentile_threshold,
     scale_grads_,
-    smallest_coefficient,
     zscore_threshold,
 )
 
