@@ -32,6 +32,10 @@ __all__ = [
     "check_type",
 ]
 
+# Checked by identity first: the numerics check their arguments on every optimizer step, and an isinstance against
+# the numbers ABCs (which admits numpy scalars) costs several times more.
+_PLAIN_NUMBERS = (float, int)
+
 
 def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a ``bool`` (``1`` and ``"yes"`` are not).
@@ -75,7 +79,7 @@ def check_int(name: str, value: Any, *, minimum: int = 0, optional: bool = False
     """
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         kind = "an int or None" if optional else "an int"
         raise TypeError(f"'{name}' must be {kind} (got {value!r})")
     value = int(value)
@@ -143,7 +147,7 @@ def check_float(
     """
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) not in _PLAIN_NUMBERS and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         kind = "a number or None" if optional else "a number"
         raise TypeError(f"'{name}' must be {kind} (got {value!r})")
     value = float(value)
@@ -251,6 +255,8 @@ def check_norm_type(value: Any, name: str = "norm_type") -> float:
         ...
         ValueError: 'norm_type' must be 2 or inf (got 1)
     """
+    if type(value) in _PLAIN_NUMBERS and (value == 2 or value == math.inf):
+        return float(value)  # the common case, on every optimizer step: no message built
     message = f"'{name}' must be 2 or inf (got {value!r})"
     number = value
     if isinstance(value, str):
