@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_overflow._validation import check_float, check_int
+from lightning_overflow._validation import check_float, check_int, check_type
 from lightning_overflow.numerics.norms import FP32_MAX, tensor_norms, total_norm
 
 __all__ = [
@@ -231,6 +231,7 @@ def percentile_threshold(
         >>> threshold
         tensor(2.5000, dtype=torch.float64)
     """
+    check_type("state", state, PercentileState, "a PercentileState")
     percentile = check_float("percentile", percentile, low=0.0, high=100.0)
     history = state.history
     total = _as_total(total, like=history)
@@ -319,6 +320,7 @@ def zscore_threshold(
         >>> round(threshold.item(), 4)
         2.5208
     """
+    check_type("state", state, ZScoreState, "a ZScoreState")
     alpha = check_float("alpha", alpha, low=0.0, high=1.0, low_open=True, high_open=True)
     z_threshold = check_float("z_threshold", z_threshold, low=0.0, low_open=True)
     check_int("warmup_steps", warmup_steps, minimum=2)
