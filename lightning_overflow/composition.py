@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from lightning_overflow._compat import Callback
-from lightning_overflow.callbacks._validation import check_bool, check_choice, check_float, check_int
+from lightning_overflow._validation import check_bool, check_choice, check_float, check_int, check_type
 from lightning_overflow.callbacks.auto_clip import MODES, AutoClip
 from lightning_overflow.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
@@ -64,6 +64,7 @@ def default_callbacks(
     budget = check_int("max_rollbacks", max_rollbacks, minimum=1)
     per_parameter = check_bool("per_parameter_norms", per_parameter_norms)
     with_rollback = check_bool("rollback", rollback)
+    check_type("dirpath", dirpath, (str, os.PathLike), "a path", optional=True)
     if dirpath is not None and not with_rollback:
         raise ValueError(f"'dirpath' needs rollback=True: it is where Rollback writes its snapshots (got {dirpath!r})")
     callbacks: list[Callback] = [

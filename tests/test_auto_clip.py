@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_overflow.callbacks.auto_clip import AutoClip
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.health import board_for
-from lightning_overflow.numerics.clipping import agc_coefficients
+from lightning_overflow.numerics.agc import agc_coefficients
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 
 

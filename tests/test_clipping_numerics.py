@@ -13,19 +13,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_overflow.numerics import grad_norm_report
+from lightning_overflow.numerics.agc import (
+    agc_,
+    agc_coefficients,
+    agc_coefficients_and_norms,
+    smallest_coefficient,
+    unitwise_norms,
+)
 from lightning_overflow.numerics.clipping import (
     FP32_TINY,
     PercentileState,
     ZScoreState,
-    agc_,
-    agc_coefficients,
-    agc_coefficients_and_norms,
     clip_coefficient,
     clip_grad_norm_,
     percentile_threshold,
     scale_grads_,
-    smallest_coefficient,
-    unitwise_norms,
     zscore_threshold,
 )
 
@@ -488,6 +490,11 @@ def _agc(**kwargs: object) -> None:
     ("call", "kwargs", "error", "message"),
     [
         (_zscore, {"alpha": 1.0}, ValueError, "'alpha' must be in (0, 1) (got 1)"),
+        (lambda **_: zscore_threshold(PercentileState.empty(2), 1.0), {}, TypeError,  # type: ignore[arg-type]
+         "'state' must be a ZScoreState (got PercentileState(history=tensor([nan, nan], dtype=torch.float64), "
+         "count=tensor(0)))"),
+        (lambda **_: percentile_threshold(None, 1.0), {}, TypeError, "'state' must be a PercentileState (got None)"),  # type: ignore[arg-type]
+        (lambda **_: clip_grad_norm_([torch.ones(2)], math.nan), {}, ValueError, "'max_norm' must be in (0, inf] (got nan)"),
         (_zscore, {"alpha": NAN}, ValueError, "'alpha' must be in (0, 1) (got nan)"),
         (_zscore, {"alpha": "0.9"}, TypeError, "'alpha' must be a number (got '0.9')"),
         (_zscore, {"z_threshold": 0}, ValueError, "'z_threshold' must be in (0, inf) (got 0)"),
@@ -499,6 +506,7 @@ def _agc(**kwargs: object) -> None:
         (_agc, {"clipping": None}, TypeError, "'clipping' must be a number (got None)"),
         (_agc, {"eps": 0.0}, ValueError, "'eps' must be in (0, inf) (got 0)"),
         (_agc, {"eps": True}, TypeError, "'eps' must be a number (got True)"),
+        (_agc, {"exact": 1}, TypeError, "'exact' must be a bool (got 1)"),
     ],
 )
 def test_arguments_are_checked(call: object, kwargs: dict[str, object], error: type, message: str) -> None:

@@ -108,8 +108,16 @@ def test_refine_recomputes_only_the_given_entries() -> None:
 
 
 def test_bad_norm_type_is_rejected() -> None:
-    with pytest.raises(ValueError, match=r"'norm_type' must be 2 or inf \(got 1.0\)"):
+    with pytest.raises(ValueError) as info:
         tensor_norms([torch.ones(2)], 1)
+    assert str(info.value) == "'norm_type' must be 2 or inf (got 1)"
+    with pytest.raises(ValueError) as info:
+        total_norm(torch.ones(2), -math.inf)  # the smallest magnitude is not a norm this package computes
+    assert str(info.value) == "'norm_type' must be 2 or inf (got -inf)"
+    with pytest.raises(TypeError) as info:
+        refine_norms([torch.ones(2)], torch.ones(1), [0], None)  # type: ignore[arg-type]
+    assert str(info.value) == "'norm_type' must be 2 or inf (got None)"
+    assert tensor_norms([torch.tensor([3.0, -4.0])], "inf").tolist() == [4.0]
 
 
 def test_hot_path_is_sync_free_on_meta_tensors() -> None:

@@ -54,7 +54,8 @@ def test_numerics_do_not_import_lightning() -> None:
         tree = ast.parse(path.read_text())
         imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-        assert not [m for m in imported if "lightning" in m and not m.startswith("lightning_overflow.numerics")], path
+        leaves = ("lightning_overflow.numerics", "lightning_overflow._validation", "lightning_overflow.exceptions")
+        assert not [m for m in imported if "lightning" in m and not m.startswith(leaves)], path
 
 
 def test_version() -> None:
@@ -66,7 +67,7 @@ def test_fault_arguments_are_checked() -> None:
 
     with pytest.raises(ValueError, match=r"'kind' must be one of 'nan_loss', .* \(got 'nan'\)"):
         Fault(1, "nan")
-    with pytest.raises(ValueError, match=r"'rank' must be an int >= 0 or None \(got True\)"):
+    with pytest.raises(TypeError, match=r"'rank' must be an int or None \(got True\)"):
         Fault(1, "nan_loss", rank=True)
     with pytest.raises(ValueError, match=r"'factor' must be a finite number \(got inf\)"):
         Fault(1, "loss_spike", factor=float("inf"))

@@ -152,7 +152,7 @@ def assert_checkpoint_finite(path: Path) -> None:
         ({"triggers": "loss_spike"}, TypeError, "'triggers' must be a collection of signal kinds (got 'loss_spike')"),
         ({"triggers": ("loss_spike", "boom")}, ValueError, "'triggers' must be one of 'nonfinite', "),
         ({"triggers": ()}, ValueError, "'triggers' must be a non-empty collection of signal kinds (got ())"),
-        ({"triggers": []}, ValueError, "'triggers' must be a non-empty collection of signal kinds (got ())"),
+        ({"triggers": []}, ValueError, "'triggers' must be a non-empty collection of signal kinds (got [])"),
     ],
 )
 def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:

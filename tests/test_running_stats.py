@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -170,18 +171,43 @@ def test_float32_statistics_follow_their_dtype() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"channels": 0}, "'channels' must be an int >= 1 (got 0)"),
-        ({"window": 0}, "'window' must be an int >= 1 (got 0)"),
-        ({"warmup": 0}, "'warmup' must be an int >= 1 (got 0)"),
-        ({"window": 2.5}, "'window' must be an int >= 1 (got 2.5)"),
+        ({"channels": 0}, ValueError, "'channels' must be >= 1 (got 0)"),
+        ({"channels": None}, TypeError, "'channels' must be an int (got None)"),
+        ({"window": 0}, ValueError, "'window' must be >= 1 (got 0)"),
+        ({"warmup": 0}, ValueError, "'warmup' must be >= 1 (got 0)"),
+        ({"window": 2.5}, TypeError, "'window' must be an int (got 2.5)"),
+        ({"warmup": True}, TypeError, "'warmup' must be an int (got True)"),
+        ({"dtype": "float64"}, TypeError, "'dtype' must be a torch.dtype (got 'float64')"),
+        ({"dtype": torch.int64}, ValueError, "'dtype' must be a floating-point torch.dtype (got torch.int64)"),
     ],
 )
-def test_arguments_are_checked(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError) as info:
+def test_arguments_are_checked(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as info:
         RunningStats(**kwargs)  # type: ignore[arg-type]
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: ema_alpha(0), ValueError, "'window' must be >= 1 (got 0)"),
+        (lambda: ema_alpha("128"), TypeError, "'window' must be an int (got '128')"),
+        (lambda: update_running_stats(*_stats(), torch.ones(1), alpha=0.0), ValueError, "'alpha' must be in (0, 1] (got 0)"),
+        (lambda: update_running_stats(*_stats(), torch.ones(1), alpha=None), TypeError, "'alpha' must be a number (got None)"),
+        (lambda: spike_flags(*_stats(), torch.ones(1), 6.0, 1.5, warmup=-1), ValueError, "'warmup' must be >= 0 (got -1)"),
+        (lambda: spike_flags(*_stats(), torch.ones(1), 6.0, 1.5, warmup=2.0), TypeError, "'warmup' must be an int (got 2.0)"),
+    ],
+)
+def test_function_arguments_are_checked(call: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as info:
+        call()
+    assert str(info.value) == message
+
+
+def _stats() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
 
 
 def test_ema_alpha_has_the_centre_of_mass_of_the_window() -> None:

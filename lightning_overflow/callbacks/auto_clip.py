@@ -12,17 +12,16 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_overflow._validation import check_choice, check_float, check_int, check_names
 from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
-from lightning_overflow.callbacks._validation import check_choice, check_float, check_int
 from lightning_overflow.health import StepHealth, metric_key
+from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
 from lightning_overflow.policy import ClipPlan, StepAction, Verdict
 from lightning_overflow.numerics.clipping import (
     PercentileState,
     ZScoreState,
-    agc_coefficients_and_norms,
     clip_coefficient,
     percentile_threshold,
-    smallest_coefficient,
     zscore_threshold,
 )
 
@@ -177,8 +176,7 @@ class AutoClip(SuiteCallback):
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=2)
         self.clipping = check_float("clipping", clipping, low=0.0, low_open=True)
         self.eps = check_float("eps", eps, low=0.0, low_open=True)
-        if isinstance(exclude, str) or not all(isinstance(name, str) for name in exclude):
-            raise TypeError(f"'exclude' must be a sequence of parameter names (got {exclude!r})")
+        exclude = check_names("exclude", exclude, what="parameter names")
         if exclude and self.mode != "agc":
             raise ValueError(f"'exclude' applies to mode='agc' only (got mode={self.mode!r})")
         self.exclude = tuple(exclude)

@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_overflow import _compat
 from lightning_overflow.callbacks._base import SuiteCallback
-from lightning_overflow.callbacks._validation import check_bool, check_int, check_norm_type
+from lightning_overflow._validation import check_bool, check_int, check_norm_type
 from lightning_overflow.health import StepHealth, metric_key
 from lightning_overflow.policy import StepAction
 from lightning_overflow.numerics import refine_norms, tensor_norms

@@ -9,8 +9,8 @@ import pytorch_lightning as pl
 import torch
 from typing_extensions import override
 
+from lightning_overflow._validation import check_bool, check_float, check_int
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
-from lightning_overflow.callbacks._validation import check_bool, check_float, check_int
 from lightning_overflow.health import StepHealth
 from lightning_overflow.policy import StepAction
 from lightning_overflow.numerics.running_stats import RunningStats

@@ -10,18 +10,20 @@ from typing import Any
 import pytorch_lightning as pl
 from typing_extensions import override
 
+from lightning_overflow._validation import check_bool, check_choices, check_float, check_int
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
-from lightning_overflow.callbacks._validation import check_bool, check_float, check_int
 from lightning_overflow.exceptions import DivergenceError
-from lightning_overflow.health import SIGNAL_KINDS, Signal
+from lightning_overflow.health import Signal
+from lightning_overflow.policy import DEFAULT_BACKOFF_TRIGGERS, SIGNAL_KINDS
 from lightning_overflow.numerics.lr_scaling import scale_lr
 
 __all__ = ["DEFAULT_TRIGGERS", "LRBackoff"]
 
 log = logging.getLogger("pytorch_lightning.lightning_overflow")
 
-DEFAULT_TRIGGERS = ("nonfinite_burst", "nonfinite_state", "scaler_collapse", "loss_spike", "grad_spike")
-"""The signals that mean divergence. ``nonfinite`` alone is left out: one corrupt sample must not cost the LR."""
+DEFAULT_TRIGGERS = DEFAULT_BACKOFF_TRIGGERS
+"""The signals that mean divergence (see the ladder in :mod:`lightning_overflow.policy`): a lone non-finite step,
+a burst of them on bad data, or a single spike never costs the LR."""
 
 _AT_FLOOR = 1e-9  # relative slack when comparing a scale with its floor
 
@@ -56,10 +58,11 @@ class LRBackoff(SuiteCallback):
 
     Args:
         factor: the multiplier applied on each backoff, in (0, 1) (default 0.5).
-        triggers: the signal kinds that mean divergence (default :data:`DEFAULT_TRIGGERS`: ``nonfinite_burst``,
-            ``nonfinite_state``, ``scaler_collapse``, ``loss_spike``, ``grad_spike``). An isolated ``nonfinite``
-            step, already skipped by ``NonFiniteDetector``, is not divergence; add ``"nonfinite"`` to back off on
-            every non-finite step.
+        triggers: the signal kinds that mean divergence (default :data:`DEFAULT_TRIGGERS`:
+            ``nonfinite_persistent``, ``nonfinite_state``, ``scaler_collapse``, ``loss_divergence``, ``loss_trend``:
+            evidence that the training state degrades). A non-finite step that ``NonFiniteDetector`` skipped, a
+            burst of them on bad data and a single spike are not; add ``"nonfinite_burst"`` or ``"loss_spike"`` to
+            back off on those too.
         cooldown: optimizer steps after a backoff during which further triggers are part of the same burst
             (default 10: a burst of non-finite steps or a spike lasting a few steps costs one backoff, while a
             divergence that goes on after it gets the next one soon).
@@ -114,7 +117,7 @@ class LRBackoff(SuiteCallback):
         per_optimizer: bool = True,
     ) -> None:
         self.factor = check_float("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
-        self.triggers = _check_triggers(triggers)
+        self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
         self.cooldown = check_int("cooldown", cooldown, minimum=0)
         self.min_scale = check_float("min_scale", min_scale, low=0.0, high=1.0, low_open=True)
         self.min_lr = check_float("min_lr", min_lr, low=0.0, low_open=True, optional=True)
@@ -318,13 +321,6 @@ class LRBackoff(SuiteCallback):
         self._windows = [int(s) for s in state_dict.get("windows", [self.regrow_after or 0] * n)]
         self._last_regrowth = [int(s) for s in state_dict.get("last_regrowth", [-1] * n)]
         self.history = [dict(h) for h in state_dict.get("history", [])]
-
-
-def _check_triggers(triggers: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(triggers, str) or not triggers or not all(isinstance(t, str) and t in SIGNAL_KINDS for t in triggers):
-        choices = ", ".join(repr(k) for k in SIGNAL_KINDS)
-        raise ValueError(f"'triggers' must be a non-empty collection of {choices} (got {triggers!r})")
-    return tuple(dict.fromkeys(triggers))
 
 
 def _details(entry: dict[str, Any]) -> dict[str, Any]:

@@ -11,8 +11,8 @@ import pytorch_lightning as pl
 import torch
 from typing_extensions import override
 
+from lightning_overflow._validation import check_bool, check_choice, check_float, check_int
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
-from lightning_overflow.callbacks._validation import check_bool, check_choice, check_float, check_int
 from lightning_overflow.diagnosis.hints import HUGE_INPUT, detection_hint
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.preserve import capture_rng

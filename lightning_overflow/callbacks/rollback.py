@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_overflow._validation import check_choices, check_int
 from lightning_overflow.callbacks._base import ROLLBACK, SuiteCallback
-from lightning_overflow.callbacks._validation import check_choice, check_int
 from lightning_overflow.distributed import reduce_and_read
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
@@ -224,12 +224,7 @@ class Rollback(SuiteCallback):
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, minimum=1)
         self.window = check_int("window", window, minimum=1)
         self.skip_batches = check_int("skip_batches", skip_batches, minimum=0)
-        if isinstance(triggers, str) or not isinstance(triggers, Iterable):
-            raise TypeError(f"'triggers' must be a collection of signal kinds (got {triggers!r})")
-        triggers = tuple(triggers)
-        if not triggers:
-            raise ValueError(f"'triggers' must be a non-empty collection of signal kinds (got {triggers!r})")
-        self.triggers = tuple(dict.fromkeys(check_choice("triggers", kind, SIGNAL_KINDS) for kind in triggers))
+        self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
         if "nonfinite_state" not in self.triggers:
             self.restores_state = False  # non-finite weights are not this instance's to repair
         self._reset()

@@ -1,17 +1,19 @@
 """Pure-torch numerics behind the callbacks, usable in a plain PyTorch loop (no Lightning import)."""
 
-from lightning_overflow.numerics.clipping import (
-    PercentileState,
-    ZScoreState,
+from lightning_overflow.numerics.agc import (
     agc_,
     agc_coefficients,
     agc_coefficients_and_norms,
+    smallest_coefficient,
+    unitwise_norms,
+)
+from lightning_overflow.numerics.clipping import (
+    PercentileState,
+    ZScoreState,
     clip_coefficient,
     clip_grad_norm_,
     percentile_threshold,
     scale_grads_,
-    smallest_coefficient,
-    unitwise_norms,
     zscore_threshold,
 )
 from lightning_overflow.numerics.lr_scaling import (

@@ -1,9 +1,10 @@
-"""Gradient clipping that survives overflow and NaN: fixed, percentile (AutoClip), z-score (ZClip), unit-wise (AGC).
+"""Gradient clipping of the total norm that survives overflow and NaN: fixed, percentile (AutoClip), z-score (ZClip).
 
 Pure torch, no Lightning. Every function here is sync-free: thresholds and coefficients stay on the device, the
 coefficient is clamped and always multiplied (never ``if coef < 1:``), so nothing is read back to the host. The
 adaptive statistics are small frozen dataclasses of tensors; each update returns a new state, which makes it easy
-to drop an update (a step that was skipped after all) and to checkpoint the state.
+to drop an update (a step that was skipped after all) and to checkpoint the state. Unit-wise clipping (AGC) lives
+in :mod:`~lightning_overflow.numerics.agc` and follows the same rules.
 
 Three rules hold throughout:
 
@@ -33,13 +34,10 @@ Papers:
       Source Separation Networks", IEEE MLSP 2020.
     - Z-score: A. Kumar, L. Owen, N. R. Chowdhury, F. Güra, "ZClip: Adaptive Spike Mitigation for LLM
       Pre-Training", arXiv:2504.02507, 2025.
-    - Unit-wise: A. Brock, S. De, S. L. Smith, K. Simonyan, "High-Performance Large-Scale Image Recognition Without
-      Normalization", ICML 2021.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,48 +45,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_overflow._validation import check_float, check_int, check_type
 from lightning_overflow.numerics.norms import FP32_MAX, tensor_norms, total_norm
 
 __all__ = [
     "PercentileState",
     "ZScoreState",
-    "agc_",
-    "agc_coefficients",
-    "agc_coefficients_and_norms",
     "clip_coefficient",
     "clip_grad_norm_",
     "percentile_threshold",
     "scale_grads_",
-    "smallest_coefficient",
-    "unitwise_norms",
     "zscore_threshold",
 ]
 
 FP32_TINY = float(torch.finfo(torch.float32).tiny)
 """The smallest normal FP32 number; a smaller coefficient would flush to zero under ``set_flush_denormal``."""
-
-
-def _check_number(
-    name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False
-) -> float:
-    """``value`` as a float, checked against an interval; the message grammar of the callbacks' arguments."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"'{name}' must be a number (got {value!r})")
-    value = float(value)
-    above = value > low if low_open else value >= low
-    below = value < high if high_open else value <= high
-    if not (above and below):  # NaN is neither
-        left, right = "(" if low_open else "[", ")" if high_open else "]"
-        raise ValueError(f"'{name}' must be in {left}{low:g}, {high:g}{right} (got {value:g})")
-    return value
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"'{name}' must be an int (got {value!r})")
-    if value < minimum:
-        raise ValueError(f"'{name}' must be >= {minimum} (got {value})")
-    return value
 
 
 def _as_total(total: Tensor | float, like: Tensor | None = None) -> Tensor:
@@ -175,7 +146,8 @@ def clip_grad_norm_(
         >>> grads[0]
         tensor([1.4000, 4.8000])
     """
-    _check_number("max_norm", max_norm, 0.0, low_open=True)
+    # inf is allowed: the norm is measured and nothing is clipped.
+    check_float("max_norm", max_norm, low=0.0, low_open=True, high_open=False)
     if total is None:
         total = total_norm(tensor_norms(grads)) if grads else torch.zeros((), dtype=torch.float64)
     total = _as_total(total)
@@ -200,7 +172,7 @@ class PercentileState:
     @classmethod
     def empty(cls, window: int = 1000, device: torch.device | str | None = None) -> PercentileState:
         """A state with no history yet, keeping the last ``window`` norms."""
-        _check_int("window", window, minimum=1)
+        check_int("window", window, minimum=1)
         history = torch.full((window,), float("nan"), dtype=torch.float64, device=device)
         return cls(history, torch.zeros((), dtype=torch.int64, device=device))
 
@@ -259,7 +231,8 @@ def percentile_threshold(
         >>> threshold
         tensor(2.5000, dtype=torch.float64)
     """
-    percentile = _check_number("percentile", percentile, 0.0, 100.0)
+    check_type("state", state, PercentileState, "a PercentileState")
+    percentile = check_float("percentile", percentile, low=0.0, high=100.0)
     history = state.history
     total = _as_total(total, like=history)
     ok = _accepted(total)
@@ -347,10 +320,11 @@ def zscore_threshold(
         >>> round(threshold.item(), 4)
         2.5208
     """
-    alpha = _check_number("alpha", alpha, 0.0, 1.0, low_open=True, high_open=True)
-    z_threshold = _check_number("z_threshold", z_threshold, 0.0, low_open=True, high_open=True)
-    _check_int("warmup_steps", warmup_steps, minimum=2)
-    eps = _check_number("eps", eps, 0.0, high_open=True)
+    check_type("state", state, ZScoreState, "a ZScoreState")
+    alpha = check_float("alpha", alpha, low=0.0, high=1.0, low_open=True, high_open=True)
+    z_threshold = check_float("z_threshold", z_threshold, low=0.0, low_open=True)
+    check_int("warmup_steps", warmup_steps, minimum=2)
+    eps = check_float("eps", eps, low=0.0)
     mean, var, count = state.mean, state.var, state.count
     total = _as_total(total, like=mean)
     ok = _accepted(total)
@@ -378,132 +352,3 @@ def zscore_threshold(
     new_mean = torch.where(ok, torch.where(warming, warm_mean, ema_mean), mean)
     new_var = torch.where(ok, torch.where(warming, warm_var, ema_var), var)
     return threshold, ZScoreState(new_mean, new_var, count + ok.to(count.dtype))
-
-
-# ---- unit-wise (AGC) ----------------------------------------------------------------------------------------------
-def unitwise_norms(tensors: Sequence[Tensor], exact: bool = False) -> list[Tensor]:
-    """The L2 norm of each unit (output row) of each tensor, broadcastable against it.
-
-    A unit is a slice along the first dimension (an output neuron or channel, as ``nn.Linear`` and ``nn.Conv*``
-    store their weights); a vector or scalar (bias, gain) is one unit. Accumulated in FP32, or in float64 with
-    ``exact=True`` (for values above about 1e19, whose FP32 squares overflow) and for float64 tensors.
-
-    Example:
-        >>> unitwise_norms([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([7.0, 24.0])])
-        [tensor([[5.],
-                [1.]]), tensor(25.)]
-    """
-    norms = []
-    for t in tensors:
-        dtype = torch.float64 if exact or t.dtype == torch.float64 else torch.float32
-        if t.dim() <= 1:
-            norms.append(torch.linalg.vector_norm(t, dtype=dtype))
-        else:
-            norms.append(torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())), keepdim=True, dtype=dtype))
-    return norms
-
-
-def agc_coefficients(
-    params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, exact: bool = False
-) -> list[Tensor]:
-    """AGC's per-unit coefficients: ``min(1, clipping * max(|W_i|, eps) / |G_i|)`` for each unit ``i``.
-
-    The floor ``eps`` on the weight norm lets zero-initialised weights move (without it their gradients would be
-    clipped to zero for ever). A unit whose gradient norm is inf/NaN keeps coefficient 1 (left for the detector),
-    and so does a unit whose weights are non-finite.
-
-    Args:
-        params: parameters with gradients (any floating dtype; float64 ones are handled in float64).
-        clipping: the largest allowed ratio of gradient norm to weight norm, per unit, in (0, inf) (paper: 0.01 at
-            batch 4096, larger for smaller batches).
-        eps: floor on the weight norm, in (0, inf) (paper: 1e-3).
-        exact: compute the norms in float64 (gradients above about 1e19).
-
-    Returns:
-        One coefficient tensor per parameter, in the gradient's dtype, broadcastable against it.
-
-    Raises:
-        TypeError, ValueError: ``clipping`` or ``eps`` is not a number in its range.
-    """
-    return agc_coefficients_and_norms(params, clipping, eps, exact)[0]
-
-
-def agc_coefficients_and_norms(
-    params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, exact: bool = False
-) -> tuple[list[Tensor], list[Tensor]]:
-    """AGC's coefficients (as :func:`agc_coefficients`) and the L2 norm each gradient will have once multiplied by
-    them, from the same pass over the gradients; nothing is changed.
-
-    The norms give the total norm after AGC, which is what a cap on the total norm must be computed from: a cap
-    computed from the norm before AGC would bring the final norm below it.
-
-    Returns:
-        ``(coefficients, norms)``: the coefficients of :func:`agc_coefficients`, and one 0-d tensor per parameter
-        on its device (float32; float64 with ``exact`` or for float64 gradients).
-
-    Example:
-        >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
-        >>> w.grad = torch.tensor([[70.0, 240.0], [0.0, 0.1]])
-        >>> coefs, norms = agc_coefficients_and_norms([w], clipping=0.2)
-        >>> norms  # row 1 clipped to 0.2 * 5 = 1, row 2 within 0.2 * 1: sqrt(1 + 0.01)
-        [tensor(1.0050)]
-    """
-    clipping, eps = _check_agc(clipping, eps)
-    weights = unitwise_norms([p.detach() for p in params], exact)
-    grads = unitwise_norms([p.grad for p in params], exact)  # type: ignore[misc]
-    coefs: list[Tensor] = []
-    norms: list[Tensor] = []
-    for p, w, g in zip(params, weights, grads):
-        limit = clipping * w.clamp(min=eps)
-        clip = torch.isfinite(g) & (g > limit)
-        coef = torch.where(clip, limit / torch.where(clip, g, torch.ones_like(g)), torch.ones_like(g))
-        coef = coef.clamp(min=FP32_TINY)
-        norms.append(torch.linalg.vector_norm(g * coef))
-        coefs.append(coef.to(p.grad.dtype))  # type: ignore[union-attr]
-    return coefs, norms
-
-
-def agc_(params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, exact: bool = False) -> Tensor:
-    """Adaptive gradient clipping, unit-wise and in place (Brock et al., 2021); sync-free.
-
-    Parameters without a gradient are ignored. See :func:`agc_coefficients` for the arguments.
-
-    Returns:
-        The smallest coefficient applied (a 0-d float32 tensor; 1 when nothing was clipped).
-
-    Raises:
-        TypeError, ValueError: ``clipping`` or ``eps`` is not a number in its range.
-
-    Example:
-        >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))
-        >>> w.grad = torch.tensor([[70.0, 240.0]])
-        >>> agc_([w], clipping=0.2)
-        tensor(0.0040)
-        >>> w.grad
-        tensor([[0.2800, 0.9600]])
-    """
-    _check_agc(clipping, eps)
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return torch.ones(())
-    coefs = agc_coefficients(params, clipping, eps, exact)
-    torch._foreach_mul_([p.grad for p in params], coefs)  # type: ignore[misc]
-    return smallest_coefficient(coefs)
-
-
-def _check_agc(clipping: float, eps: float) -> tuple[float, float]:
-    clipping = _check_number("clipping", clipping, 0.0, low_open=True, high_open=True)
-    eps = _check_number("eps", eps, 0.0, low_open=True, high_open=True)
-    return clipping, eps
-
-
-def smallest_coefficient(coefs: Sequence[Tensor]) -> Tensor:
-    """The smallest of several coefficient tensors, as a float32 0-d tensor on the first accelerator among them (on
-    the CPU when all are there): nothing is copied from an accelerator into host memory."""
-    if not coefs:
-        return torch.ones(())
-    device = next((c.device for c in coefs if c.device.type != "cpu"), coefs[0].device)
-    into_accelerator = device.type != "cpu"
-    return torch.stack(
-        [c.amin().to(device=device, dtype=torch.float32, non_blocking=into_accelerator) for c in coefs]
-    ).amin()

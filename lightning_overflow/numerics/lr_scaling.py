@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_overflow._validation import check_float, check_type
+
 __all__ = ["GROUP_LR_KEYS", "SCHEDULER_LR_LISTS", "scale_lr", "scheduler_tree"]
 
 GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
@@ -80,7 +82,8 @@ def scale_lr(optimizer: torch.optim.Optimizer, factor: float, schedulers: Iterab
             found on their own). A scheduler of another optimizer is left alone.
 
     Raises:
-        TypeError: ``factor`` is not a number.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, ``factor`` not a number, or ``schedulers`` not
+            an iterable.
         ValueError: ``factor`` is not a finite positive number.
 
     Example:
@@ -91,11 +94,9 @@ def scale_lr(optimizer: torch.optim.Optimizer, factor: float, schedulers: Iterab
         >>> opt.param_groups[0]["lr"]  # 0.5 x (1.0 / 2): the halving survived the scheduler
         0.25
     """
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-        raise TypeError(f"'factor' must be a number (got {factor!r})")
-    factor = float(factor)
-    if not (factor > 0.0 and factor < float("inf")):
-        raise ValueError(f"'factor' must be in (0, inf) (got {factor:g})")
+    check_type("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer")
+    factor = check_float("factor", factor, low=0.0, low_open=True)
+    check_type("schedulers", schedulers, Iterable, "an iterable of LR schedulers")
     seen: set[int] = set()
     for group in optimizer.param_groups:
         for key in GROUP_LR_KEYS:

@@ -19,6 +19,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_overflow._validation import check_norm_type
+
 __all__ = [
     "FP32_MAX",
     "NormReport",
@@ -36,13 +38,6 @@ NormStatus = Literal["finite", "overflow", "nonfinite"]
 norm is known in float64); ``nonfinite``: the tensor holds inf or NaN."""
 
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def _check_norm_type(norm_type: float) -> float:
-    norm_type = float(norm_type)
-    if norm_type != 2.0 and not math.isinf(norm_type):
-        raise ValueError(f"'norm_type' must be 2 or inf (got {norm_type})")
-    return norm_type
 
 
 def _norms_on_one_device(tensors: list[Tensor], norm_type: float) -> Tensor:
@@ -102,7 +97,7 @@ def tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
         >>> tensor_norms([torch.tensor([3.0, 4.0]), torch.tensor([7.0, 24.0])])
         tensor([ 5., 25.])
     """
-    norm_type = _check_norm_type(norm_type)
+    norm_type = check_norm_type(norm_type)
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
     by_device: dict[torch.device, list[int]] = {}
@@ -127,7 +122,7 @@ def total_norm(norms: Tensor, norm_type: float = 2.0) -> Tensor:
         >>> total_norm(torch.tensor([3.0, 4.0]))
         tensor(5., dtype=torch.float64)
     """
-    norm_type = _check_norm_type(norm_type)
+    norm_type = check_norm_type(norm_type)
     norms = norms.to(torch.float64)
     if norms.numel() == 0:
         return norms.new_zeros(())
@@ -148,7 +143,7 @@ def refine_norms(tensors: Sequence[Tensor], norms: Tensor, indices: Iterable[int
         >>> fast, refine_norms([big], fast, [0])
         (tensor([inf]), tensor([3.1623e+20], dtype=torch.float64))
     """
-    norm_type = _check_norm_type(norm_type)
+    norm_type = check_norm_type(norm_type)
     exact = norms.to(torch.float64, copy=True)
     for i in indices:
         t = tensors[i].detach()

@@ -39,19 +39,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_overflow._validation import check_float, check_int, check_type
+
 __all__ = ["RunningStats", "ema_alpha", "spike_flags", "spike_threshold", "update_running_stats"]
 
 
 def ema_alpha(window: int) -> float:
     """The EMA weight with the span of ``window`` steps: ``2 / (window + 1)``.
 
+    Raises:
+        TypeError: ``window`` is not an int.
+        ValueError: ``window`` is below 1.
+
     Example:
         >>> ema_alpha(127)
         0.015625
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"'window' must be an int >= 1 (got {window!r})")
-    return 2.0 / (window + 1)
+    return 2.0 / (check_int("window", window, minimum=1) + 1)
 
 
 def update_running_stats(
@@ -83,10 +87,7 @@ def update_running_stats(
         >>> m.item(), v.item(), n.item()
         (2.0, 1.0, 2.0)
     """
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise TypeError(f"'alpha' must be a number (got {alpha!r})")
-    if not 0.0 < alpha <= 1.0:  # NaN fails too
-        raise ValueError(f"'alpha' must be in (0, 1] (got {alpha:g})")
+    alpha = check_float("alpha", alpha, low=0.0, high=1.0, low_open=True)
     value = value.to(device=mean.device, dtype=mean.dtype)
     accept = torch.isfinite(value)
     if include is not None:
@@ -132,6 +133,7 @@ def spike_flags(
         >>> spike_flags(2 * one, 0.25 * one, 50 * one, torch.tensor([5.0, 5.1]), 6.0, 1.5, warmup=50)
         tensor([False,  True])
     """
+    warmup = check_int("warmup", warmup, minimum=0)
     value = value.to(device=mean.device, dtype=mean.dtype)
     warm = count >= warmup
     return torch.isfinite(value) & warm & (value > spike_threshold(mean, var, sigmas, ratio))
@@ -150,6 +152,10 @@ class RunningStats:
     Attributes:
         mean, var, count: the statistics (1-D tensors of ``channels`` entries).
 
+    Raises:
+        TypeError: ``channels``, ``window`` or ``warmup`` is not an int, or ``dtype`` not a ``torch.dtype``.
+        ValueError: one of them is below 1, or ``dtype`` is not a floating-point type.
+
     Example:
         >>> stats = RunningStats(channels=1, window=128, warmup=3)
         >>> for loss in (1.0, 1.1, 0.9, float("nan"), 50.0, 1.0):
@@ -166,13 +172,12 @@ class RunningStats:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float64,
     ) -> None:
-        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
-            raise ValueError(f"'channels' must be an int >= 1 (got {channels!r})")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"'warmup' must be an int >= 1 (got {warmup!r})")
+        channels = check_int("channels", channels, minimum=1)
         self.alpha = ema_alpha(window)
         self.window = window
-        self.warmup = warmup
+        self.warmup = check_int("warmup", warmup, minimum=1)
+        if not check_type("dtype", dtype, torch.dtype, "a torch.dtype").is_floating_point:
+            raise ValueError(f"'dtype' must be a floating-point torch.dtype (got {dtype})")
         self.mean = torch.zeros(channels, dtype=dtype, device=device)
         self.var = torch.zeros_like(self.mean)
         self.count = torch.zeros_like(self.mean)

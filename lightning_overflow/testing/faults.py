@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +12,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_overflow._compat import Callback
+from lightning_overflow._validation import check_bool, check_choice, check_float, check_int, check_type
 
 __all__ = ["FAULT_KINDS", "Fault", "FaultInjector"]
 
@@ -36,6 +36,10 @@ class Fault:
         parameter: the parameter name for gradient and weight faults (``None``: the first parameter).
         factor: the multiplier of ``"loss_spike"`` (default 1e3).
         once: fire on the first execution only; ``False`` fires every time the step is executed (a replay too).
+
+    Raises:
+        TypeError: an argument of the wrong type (``step=1.5``, ``rank=True``, ``factor="x"``).
+        ValueError: ``step`` or ``rank`` below 0, an unknown ``kind``, a non-finite ``factor``.
     """
 
     step: int
@@ -46,16 +50,12 @@ class Fault:
     once: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in FAULT_KINDS:
-            raise ValueError(f"'kind' must be one of {', '.join(map(repr, FAULT_KINDS))} (got {self.kind!r})")
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise ValueError(f"'step' must be an int >= 0 (got {self.step!r})")
-        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0):
-            raise ValueError(f"'rank' must be an int >= 0 or None (got {self.rank!r})")
-        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not math.isfinite(self.factor):
-            raise ValueError(f"'factor' must be a finite number (got {self.factor!r})")
-        if not isinstance(self.once, bool):
-            raise ValueError(f"'once' must be a bool (got {self.once!r})")
+        check_int("step", self.step, minimum=0)
+        check_choice("kind", self.kind, FAULT_KINDS)
+        check_int("rank", self.rank, minimum=0, optional=True)
+        check_type("parameter", self.parameter, str, "a parameter name", optional=True)
+        check_float("factor", self.factor)
+        check_bool("once", self.once)
 
 
 class FaultInjector(Callback):
@@ -72,8 +72,7 @@ class FaultInjector(Callback):
 
     def __init__(self, *faults: Fault) -> None:
         for fault in faults:
-            if not isinstance(fault, Fault):
-                raise TypeError(f"'faults' must be Fault instances (got {fault!r})")
+            check_type("faults", fault, Fault, "Fault instances")
         self.faults = list(faults)
         self.fired: list[tuple[int, str, int]] = []
         self._done: set[int] = set()
