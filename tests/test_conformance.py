@@ -83,8 +83,8 @@ CASES: dict[type, Case] = {
             (
                 {"triggers": ("boom",)},
                 ValueError,
-                "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_state', 'scaler_collapse', "
-                "'loss_spike', 'grad_spike' (got 'boom')",
+                "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', "
+                "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend' (got 'boom')",
             ),
         ],
     ),

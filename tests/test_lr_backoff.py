@@ -464,8 +464,8 @@ def test_a_run_10x_above_its_stable_lr_completes_near_the_stable_runs_loss(tmp_p
             {"triggers": ("loss_spike", "typo")},
             ValueError,
             (
-                "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_state', "
-                "'scaler_collapse', 'loss_spike', 'grad_spike' (got 'typo')"
+                "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', "
+                "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend' (got 'typo')"
             ),
         ),
     ],

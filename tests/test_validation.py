@@ -28,7 +28,10 @@ from lightning_overflow.testing import Fault, FaultInjector
 
 KINDS = ("nonfinite", "loss_spike", "grad_spike")
 LISTED = "'nonfinite', 'loss_spike', 'grad_spike'"
-SIGNALS = "'nonfinite', 'nonfinite_burst', 'nonfinite_state', 'scaler_collapse', 'loss_spike', 'grad_spike'"
+SIGNALS = (
+    "'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', 'scaler_collapse', 'loss_spike'"
+    ", 'grad_spike', 'loss_divergence', 'loss_trend'"
+)
 
 
 def raises(call: Callable[[], Any], error: type[Exception], message: str) -> None:
