@@ -318,7 +318,7 @@ class Rollback(SuiteCallback):
         if check.finite:
             return
         if trainer.interrupted:
-            if self._restore_for_exit(trainer, check, "an error"):
+            if self._restore_for_exit(trainer, check, "an exception"):
                 return
             self._refuse_checkpoint(trainer, check, "no snapshot verified finite is left to restore")
         if "nonfinite_state" not in self.triggers:
