@@ -33,7 +33,7 @@ import contextlib
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +178,23 @@ class SnapshotFiles:
     def read(self, name: str) -> tuple[int, Any]:
         """Read and verify a snapshot file (see :func:`load_snapshot`)."""
         return load_snapshot(self.path(name))
+
+    def read_checked(self, name: str, step: int, check: Callable[[Any], str]) -> tuple[Any, dict[str, Any], str]:
+        """Read a snapshot file and verify it: readable, its digest, its step, then ``check(state)`` (``""`` when
+        the state is usable, else why not). Never raises: the file is untrusted, and whatever it holds, the caller
+        must go on (every rank reaches the same collective after this).
+
+        Returns:
+            ``(state, extras, "")``, or ``(None, extras, why it cannot be used)``.
+        """
+        extras: dict[str, Any] = {}
+        try:
+            found, payload = self.read(name)
+            state, extras = payload["state"], dict(payload.get("extras", {}))
+            problem = f"it holds the snapshot of step {found}, not {step}" if found != step else check(state)
+        except Exception as err:  # a bad pickle, a missing key, a tensor where a dict belongs: all mean "unusable"
+            return None, extras, str(err) if isinstance(err, SnapshotError) else f"{type(err).__name__}: {err}"
+        return (None if problem else state), extras, problem
 
     def remove(self, name: str) -> None:
         """Remove a file if it is there (a missing file, or one that cannot be removed, is no error)."""

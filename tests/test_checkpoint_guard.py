@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from typing_extensions import override
 from lightning_overflow._compat import Callback
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
-from lightning_overflow.exceptions import NonFiniteError, OverflowWarning
+from lightning_overflow.exceptions import NonFiniteError
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 from lightning_overflow.training_state import CheckpointGuard
 
@@ -240,3 +241,37 @@ def test_no_check_and_no_read_on_steps_without_a_checkpoint(count_reads: Any) ->
     fit(TinyRegressor(), [Rollback(every_n_steps=4)], max_steps=8)
     assert count_reads["lightning_overflow.distributed"] == 3  # snapshots of steps 0, 4 and 8
     assert count_reads["lightning_overflow.training_state"] == 0  # no buffer: no constants to record
+
+
+# ---- DDP --------------------------------------------------------------------------------------------------------
+class RankHistory(Callback):
+    """Each rank writes its Rollback history to ``<out>/rank<r>.json`` (worker state does not come back)."""
+
+    def __init__(self, out: Path, rollback: Rollback) -> None:
+        self.out, self.rollback = out, rollback
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = {"history": self.rollback.history, "finite": finite(weights(pl_module)), "step": trainer.global_step}
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_a_nan_on_rank_1_is_rolled_back_on_every_rank_before_a_weights_only_save(tmp_path: Path) -> None:
+    rollback = Rollback(every_n_steps=100)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1,
+                                  save_weights_only=True)
+    faults = FaultInjector(Fault(step=5, kind="nan_weight", rank=1))
+    callbacks = [rollback, faults, RankHistory(tmp_path, rollback), checkpoints]
+    fit(TinyRegressor(), callbacks, max_steps=9, strategy="ddp_fork", devices=2, enable_checkpointing=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for report in reports:
+        assert report["history"] == [
+            {"step": 6, "reason": "nonfinite_state", "trigger_step": 6, "snapshot_step": 0, "source": "memory"}
+        ]
+        assert report["finite"] and report["step"] == 9
+    for name in names(tmp_path / "ckpt"):
+        assert finite(saved(tmp_path / "ckpt" / name)["state_dict"]), name
+    # 32 samples a rank: 4 batches an epoch
+    assert names(tmp_path / "ckpt") == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=9.ckpt"]

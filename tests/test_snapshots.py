@@ -410,7 +410,8 @@ def test_restore_optimizer_keeps_a_param_group_added_after_the_snapshot() -> Non
     assert sorted(live["state"]) == [0, 1]  # the backbone's parameters have no state again
     for index in (0, 1):
         assert torch.equal(live["state"][index]["momentum_buffer"], expected["state"][index]["momentum_buffer"])
-        assert live["state"][index]["momentum_buffer"].data_ptr() != snapshot["state"][index]["momentum_buffer"].data_ptr()
+        live_buffer, saved_buffer = live["state"][index]["momentum_buffer"], snapshot["state"][index]["momentum_buffer"]
+        assert live_buffer.data_ptr() != saved_buffer.data_ptr()
     _sgd_step(head, backbone, optimizer)  # and it steps on
     assert sorted(optimizer.state_dict()["state"]) == [0, 1, 2, 3]
 

@@ -42,7 +42,7 @@ from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
 from lightning_overflow.health import MAX_NAMES, SIGNAL_KINDS, Signal
-from lightning_overflow.snapshot_store import Snapshot, SnapshotError, SnapshotFiles, SnapshotRing, snapshot_name
+from lightning_overflow.snapshot_store import Snapshot, SnapshotFiles, SnapshotRing, snapshot_name
 from lightning_overflow.training_state import (
     CheckpointGuard,
     NonFiniteConstants,
@@ -187,6 +187,11 @@ class Rollback(SuiteCallback):
     def snapshot_steps(self) -> list[int]:
         return self._memory.steps
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_guard"] = None  # tied to one trainer (a weak reference): a copy guards none
+        return state
+
     # ---- hooks ------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -233,9 +238,7 @@ class Rollback(SuiteCallback):
     ) -> None:
         if self._guard is not None and self._guard.saving:
             return  # checked (and rolled back) by the guard before this checkpoint was assembled
-        check = self._check(trainer, checkpoint.get("state_dict", {}), checkpoint.get("optimizer_states", []))
-        if not check.finite:
-            self._refuse_checkpoint(trainer, check, "it was assembled outside trainer.save_checkpoint")
+        self._refuse_if_nonfinite(trainer, checkpoint)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -243,9 +246,7 @@ class Rollback(SuiteCallback):
             # Only the suite's errors are raised on every rank together; a foreign one may come from one rank only,
             # and the restore's collective would wait for ranks that never enter it.
             if isinstance(exception, _SUITE_ERRORS) and self._candidates():
-                check = self._check_live(trainer)
-                if not check.finite:
-                    self._restore_for_exit(trainer, check, type(exception).__name__)
+                self._restore_if_nonfinite(trainer, type(exception).__name__)
         finally:
             super().on_exception(trainer, pl_module, exception)
 
@@ -326,6 +327,18 @@ class Rollback(SuiteCallback):
         step = int(trainer.global_step)
         reason = f"Rollback: the {check.what} held inf/NaN{_quote(check.names)} when a checkpoint was to be written"
         self._roll_back(trainer, Signal("nonfinite_state", step, reason, "Rollback"))
+
+    def _refuse_if_nonfinite(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint assembled past the guard: refuse it when it holds inf/NaN (every rank)."""
+        check = self._check(trainer, checkpoint.get("state_dict", {}), checkpoint.get("optimizer_states", []))
+        if not check.finite:
+            self._refuse_checkpoint(trainer, check, "it was assembled outside trainer.save_checkpoint")
+
+    def _restore_if_nonfinite(self, trainer: pl.Trainer, cause: str) -> None:
+        """On the way out of a fit stopped by a suite error (every rank): restore when the state holds inf/NaN."""
+        check = self._check_live(trainer)
+        if not check.finite:
+            self._restore_for_exit(trainer, check, cause)
 
     def _refuse_checkpoint(self, trainer: pl.Trainer, check: StateCheck, why: str) -> NoReturn:
         step = int(trainer.global_step)
@@ -475,23 +488,23 @@ class Rollback(SuiteCallback):
     def _load(self, trainer: pl.Trainer, candidate: Snapshot) -> dict[str, Any] | None:
         """Read and verify a file from before the restart on every rank; ``None`` unless every rank could use it."""
         assert self._files is not None and candidate.file is not None
-        state: dict[str, Any] | None = None
-        problem = ""
-        try:
-            step, payload = self._files.read(candidate.file)
-            state, candidate.extras = payload["state"], payload.get("extras", {})
-            problem = f"it holds the snapshot of step {step}" if step != candidate.step else restorable(trainer, state)
-            if not problem:
-                weights, states = nonfinite_parts(state["model"], state["optimizers"], self._constants)
-                problem = f"it holds inf/NaN{_quote(weights + states)}" if weights or states else ""
-        except Exception as err:  # an untrusted file: whatever it raises, every rank must reach the collective below
-            problem = str(err) if isinstance(err, SnapshotError) else f"{type(err).__name__}: {err}"
+        state, candidate.extras, problem = self._files.read_checked(
+            candidate.file, candidate.step, lambda state: self._unfit(trainer, state)
+        )
         (unusable,) = flags_by_rank([torch.tensor(float(bool(problem)))], trainer.strategy.root_device)
         if not unusable:
             return state
         where = f"the snapshot file {self._files.path(candidate.file)}"
         self._unusable(trainer, candidate, where, problem, ranks=unusable)
         return None
+
+    def _unfit(self, trainer: pl.Trainer, state: Any) -> str:
+        """Why a state read from a file cannot become the live state here: another layout, or inf/NaN."""
+        problem = restorable(trainer, state)
+        if problem:
+            return problem
+        weights, states = nonfinite_parts(state["model"], state["optimizers"], self._constants)
+        return f"it holds inf/NaN{_quote(weights + states)}" if weights or states else ""
 
     def _unusable(
         self, trainer: pl.Trainer, candidate: Snapshot, where: str, problem: str, ranks: tuple[int, ...] = ()
