@@ -199,11 +199,7 @@ class Rollback(SuiteCallback):
             return
         _refuse_sharded(trainer.strategy)
         super().setup(trainer, pl_module, stage)
-        self._reset()  # a new fit starts afresh; a resumed one loads its state right after setup
-        self._prepare_files(trainer)
-        if self._guard is not None:  # left on the trainer of a fit that failed (no teardown then)
-            self._guard.remove()
-        self._guard = CheckpointGuard(trainer, self._before_save)
+        self._begin_fit(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -258,6 +254,14 @@ class Rollback(SuiteCallback):
         super().teardown(trainer, pl_module, stage)
 
     # ---- the start of a fit, the steps --------------------------------------------------------------------------
+    def _begin_fit(self, trainer: pl.Trainer) -> None:
+        """Start afresh (a resumed fit loads its state right after setup), check ``dirpath``, guard the saves."""
+        self._reset()
+        self._prepare_files(trainer)
+        if self._guard is not None:  # left on the trainer of a fit that failed (no teardown then)
+            self._guard.remove()
+        self._guard = CheckpointGuard(trainer, self._before_save)
+
     def _start(self, trainer: pl.Trainer) -> None:
         """Record the buffers' constants and take the first snapshot: the state the fit starts from."""
         module = trainer.lightning_module
