@@ -314,7 +314,7 @@ def check_state(
     optimizer_states: Sequence[Any],
     constants: NonFiniteConstants | None,
     device: torch.device | str,
-    labels: Sequence[Sequence[str]] | None = None,
+    labels: Callable[[], Sequence[Sequence[str]]] | None = None,
 ) -> StateCheck:
     """Check a training state on every rank together: one all-reduce of two flags per rank, one host read; the
     names (a second read) only when some rank holds inf/NaN.
@@ -323,12 +323,15 @@ def check_state(
 
     Args:
         device: where the flags are reduced (the strategy's root device).
+        labels: returns the parameter names of :func:`nonfinite_parts` (called only when there is something to
+            name, e.g. ``lambda: optimizer_labels(module, optimizers)``).
     """
     weights, moments = nonfinite_flags(model_state, optimizer_states, constants)
     weight_ranks, state_ranks = flags_by_rank([weights, moments], device)
     if not weight_ranks and not state_ranks:
         return StateCheck((), ())
-    weight_names, state_names = nonfinite_parts(model_state, optimizer_states, constants, labels)
+    names = labels() if labels is not None else None
+    weight_names, state_names = nonfinite_parts(model_state, optimizer_states, constants, names)
     return StateCheck(weight_ranks, state_ranks, tuple(weight_names), tuple(state_names))
 
 

@@ -204,11 +204,15 @@ def test_check_state_names_weights_buffers_and_moments() -> None:
     optimizer.step()
     optimizer.state[module[0].weight]["exp_avg_sq"][0, 0] = INF
     module[1].running_var[1] = float("nan")
-    labels = [["0.weight", "0.bias", "1.weight", "1.bias"]]
+    def labels() -> list[list[str]]:
+        return [["0.weight", "0.bias", "1.weight", "1.bias"]]
+
     check = check_state(module.state_dict(), [optimizer.state_dict()], NonFiniteConstants(), "cpu", labels)
     assert check == StateCheck((0,), (0,), ("1.running_var",), ("0.weight.exp_avg_sq",))
     assert not check.finite and check.what == "weights" and check.ranks == (0,)
     assert check.names == ["1.running_var", "0.weight.exp_avg_sq"]
+    finite = check_state(nn.Linear(2, 2).state_dict(), [], None, "cpu", lambda: pytest.fail("nothing to name"))
+    assert finite == StateCheck((), ()) and finite.finite
 
 
 # ---- buffers in the snapshots and the periodic check ------------------------------------------------------------

@@ -310,7 +310,9 @@ class Rollback(SuiteCallback):
     # ---- checks -----------------------------------------------------------------------------------------------
     def _check(self, trainer: pl.Trainer, model_state: Any, optimizer_states: Any) -> StateCheck:
         """The state check on every rank together (one all-reduce)."""
-        labels = optimizer_labels(trainer.lightning_module, trainer.optimizers)
+        def labels() -> list[list[str]]:
+            return optimizer_labels(trainer.lightning_module, trainer.optimizers)
+
         return check_state(model_state, optimizer_states, self._constants, trainer.strategy.root_device, labels)
 
     def _check_live(self, trainer: pl.Trainer) -> StateCheck:
