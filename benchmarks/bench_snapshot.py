@@ -26,11 +26,11 @@ from lightning_overflow.numerics.snapshots import (
     nonfinite_flag,
     restore_optimizer_,
     restore_state_,
-    save_snapshot,
     state_nbytes,
     state_tensors,
     take_snapshot,
 )
+from lightning_overflow.snapshot_store import save_snapshot
 
 
 def build(quick: bool) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:

@@ -1,9 +1,8 @@
-"""Snapshots in host memory: copies on both sides, in-place restore, finiteness, atomic files."""
+"""Snapshots in host memory: copies on both sides, in-place restore, param groups added later, finiteness."""
 
 from __future__ import annotations
 
 import math
-import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -13,24 +12,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_overflow.health import nonfinite_labels
-from lightning_overflow.numerics import snapshots
 from lightning_overflow.numerics.norms import tensor_norms
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
     clone_state,
-    load_snapshot,
+    group_sizes,
+    named_state_tensors,
     nonfinite_flag,
     nonfinite_indices,
     nonfinite_paths,
     restore_optimizer_,
     restore_state_,
-    save_snapshot,
+    state_difference,
     state_matches,
     state_nbytes,
     state_tensors,
     take_snapshot,
-    temporary_path,
-    temporary_target,
 )
 
 
@@ -378,84 +375,87 @@ def test_cuda_snapshot_uses_pinned_buffers_and_round_trips() -> None:
         assert torch.equal(value, expected[key])
 
 
-# ---- disk -------------------------------------------------------------------------------------------------------
-def test_saved_snapshot_loads_with_weights_only(tmp_path: Path) -> None:
-    model, optimizer = _adam_after_steps()
-    sched = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
-    state = {
-        "model": model.state_dict(),
-        "optimizers": [optimizer.state_dict()],
-        "schedulers": [sched.state_dict()],
-        "precision": {"scale": 65536.0, "_growth_tracker": 3},
-    }
-    snapshot = take_snapshot(state)
-    path = save_snapshot({"state": snapshot, "extras": {"LRBackoff": {"scale": 0.5}}}, tmp_path / "s.pt", step=12)
-    raw = torch.load(path, weights_only=True)
-    assert raw["step"] == 12 and raw["payload"]["extras"] == {"LRBackoff": {"scale": 0.5}}
-    step, payload = load_snapshot(path)
-    assert step == 12
-    assert state_matches(model.state_dict(), payload["state"]["model"])
-    for key, value in payload["state"]["model"].items():
-        assert torch.equal(value, snapshot["model"][key])
-    assert payload["state"]["schedulers"] == snapshot["schedulers"]
-    assert os.listdir(tmp_path) == ["s.pt"]
+# ---- param groups added during a fit ----------------------------------------------------------------------------
+def _two_layer_sgd() -> tuple[torch.nn.Linear, torch.nn.Linear, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    head, backbone = torch.nn.Linear(3, 1), torch.nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    return head, backbone, optimizer
 
 
-class SimulatedCrash(BaseException):
-    """Stands for the process dying between the temporary write and the rename."""
+def _sgd_step(head: torch.nn.Linear, backbone: torch.nn.Linear, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    head(backbone(torch.randn(4, 3))).square().mean().backward()
+    optimizer.step()
 
 
-def test_crash_before_rename_leaves_the_previous_file_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "s.pt"
-    save_snapshot({"w": torch.ones(3)}, path, step=1)
-    seen: list[str] = []
+def test_restore_optimizer_keeps_a_param_group_added_after_the_snapshot() -> None:
+    """What BackboneFinetuning does: a group added at an epoch. The snapshot's group comes back bit for bit, the new
+    group stays with its hyperparameters, its parameters without state (as when it was added)."""
+    head, backbone, optimizer = _two_layer_sgd()
+    _sgd_step(head, backbone, optimizer)
+    snapshot = take_snapshot(optimizer.state_dict())
+    expected = clone_state(optimizer.state_dict())
+    optimizer.add_param_group({"params": list(backbone.parameters()), "lr": 0.01})
+    for _ in range(2):
+        _sgd_step(head, backbone, optimizer)
+    optimizer.param_groups[0]["lr"] = 0.5
+    assert group_sizes(optimizer.param_groups) == [2, 2] and len(optimizer.state) == 4
 
-    def crash(src: str, dst: str) -> None:
-        seen.append(Path(src).name)
-        assert Path(src).stat().st_size > 0  # the temporary file was written in full
-        raise SimulatedCrash
-
-    monkeypatch.setattr(snapshots.os, "replace", crash)
-    with pytest.raises(SimulatedCrash):
-        save_snapshot({"w": torch.full((3,), 2.0)}, path, step=2)
-    monkeypatch.undo()
-    assert seen == [temporary_path(path).name]
-    step, payload = load_snapshot(path)
-    assert step == 1 and torch.equal(payload["w"], torch.ones(3))
-    assert os.listdir(tmp_path) == ["s.pt"]
-
-    fresh = tmp_path / "fresh.pt"
-    monkeypatch.setattr(snapshots.os, "replace", crash)
-    with pytest.raises(SimulatedCrash):
-        save_snapshot({"w": torch.ones(3)}, fresh, step=3)
-    assert not fresh.exists()
-
-
-def test_temporary_name_never_looks_like_a_snapshot() -> None:
-    tmp = temporary_path("/runs/rollback-step=12.pt")
-    assert tmp.parent == Path("/runs")
-    assert tmp.name.startswith(".rollback-step=12.pt.tmp-") and not tmp.name.endswith(".pt")
+    restore_optimizer_(optimizer, snapshot)
+    live = optimizer.state_dict()
+    assert group_sizes(live["param_groups"]) == [2, 2]
+    assert live["param_groups"][0] == expected["param_groups"][0]
+    assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.01]
+    assert sorted(live["state"]) == [0, 1]  # the backbone's parameters have no state again
+    for index in (0, 1):
+        assert torch.equal(live["state"][index]["momentum_buffer"], expected["state"][index]["momentum_buffer"])
+        live_buffer, saved_buffer = live["state"][index]["momentum_buffer"], snapshot["state"][index]["momentum_buffer"]
+        assert live_buffer.data_ptr() != saved_buffer.data_ptr()
+    _sgd_step(head, backbone, optimizer)  # and it steps on
+    assert sorted(optimizer.state_dict()["state"]) == [0, 1, 2, 3]
 
 
-def test_temporary_target_inverts_temporary_path() -> None:
-    assert temporary_target(temporary_path("/runs/rollback-step=12.pt")) == Path("/runs/rollback-step=12.pt")
-    assert temporary_target("/runs/.s.pt.tmp-77") == Path("/runs/s.pt")  # any process id
-    for name in ("rollback-step=12.pt", ".rollback-step=12.pt", ".s.pt.tmp-", ".s.pt.tmp-12x", "s.pt.tmp-12"):
-        assert temporary_target(Path("/runs") / name) is None, name
+def test_restore_optimizer_refuses_another_layout_and_changes_nothing() -> None:
+    head, backbone, optimizer = _two_layer_sgd()
+    _sgd_step(head, backbone, optimizer)
+    snapshot = take_snapshot(optimizer.state_dict())
+    other = torch.optim.SGD([{"params": [head.weight]}, {"params": [head.bias]}], lr=0.1, momentum=0.9)
+    _sgd_step(head, backbone, other)
+    before = clone_state(other.state_dict())
+    with pytest.raises(SnapshotError, match=r"^param groups of \[2\] parameters in the snapshot, \[1, 1\] in the "):
+        restore_optimizer_(other, snapshot)
+    after = other.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for index, values in before["state"].items():
+        assert torch.equal(after["state"][index]["momentum_buffer"], values["momentum_buffer"])
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign", "missing"])
-def test_unusable_files_are_refused(tmp_path: Path, damage: str) -> None:
-    path = tmp_path / "s.pt"
-    save_snapshot({"w": torch.ones(1000)}, path, step=4)
-    if damage == "truncate":
-        data = path.read_bytes()
-        path.write_bytes(data[: len(data) // 2])
-    elif damage == "garbage":
-        path.write_bytes(b"\x00" * 64)
-    elif damage == "foreign":
-        torch.save({"state_dict": {"w": torch.ones(2)}}, path)
-    else:
-        path.unlink()
-    with pytest.raises(SnapshotError, match="s.pt"):
-        load_snapshot(path)
+def test_state_difference_names_the_first_place() -> None:
+    assert state_difference({"a": torch.zeros(2)}, {"a": torch.ones(2)}) == ""
+    assert state_difference({"a": {"b": torch.zeros(2)}}, {"a": {"b": torch.zeros(2, dtype=torch.float64)}}) == (
+        "a.b: live (2,) torch.float32 vs snapshot (2,) torch.float64"
+    )
+    assert state_difference({"a": torch.zeros(1)}, {"c": torch.zeros(1)}) == (
+        "<root>: keys differ (missing ['a'], unexpected ['c'])"
+    )
+
+
+def test_named_state_tensors_walk_nested_extra_state() -> None:
+    state = {"w": torch.ones(1), "m._extra_state": {"calls": 3, "ema": torch.zeros(2)}, "opt": [(torch.ones(1),)]}
+    assert [path for path, _ in named_state_tensors(state, "x")] == ["x.w", "x.m._extra_state.ema", "x.opt.0.0"]
+
+
+def test_numerics_snapshots_do_no_file_io() -> None:
+    """Files are the snapshot store's: the numerics module neither imports os, pathlib nor io, nor calls
+    torch.save / torch.load / open."""
+    import ast
+
+    from lightning_overflow.numerics import snapshots
+
+    tree = ast.parse(Path(snapshots.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"os", "pathlib", "io", "shutil", "tempfile"}
+    calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert not calls & {"torch.save", "torch.load", "open"}

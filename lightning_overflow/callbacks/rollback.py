@@ -1,198 +1,129 @@
-"""Rollback: restore the last training state verified finite, in process, and never write a poisoned checkpoint.
+"""Rollback: restore the last training state verified finite, in process, and never write a non-finite checkpoint.
 
 Large runs have always recovered from divergence by hand: PaLM (Chowdhery et al., 2022, section 5.1) restarted from
 a checkpoint about 100 steps before a loss spike and skipped 200-500 data batches; the OPT-175B logbook (Zhang et
 al., 2022) shows restarts from earlier checkpoints with a lower learning rate. :class:`Rollback` does the same in
-process, in the step where the divergence is detected, from snapshots kept in host memory.
+process, in the step where the divergence is detected, from snapshots kept in host memory (and optionally on disk).
+``docs/rollback.md`` explains the snapshots, their cost, the triggers, DDP and resuming at length.
 
-How checkpoints stay clean. Lightning runs checkpoint callbacks after every other callback for the same hook, so a
-rollback made in ``on_train_batch_end`` happens before ``ModelCheckpoint`` saves in that hook. For anything still
-non-finite when a checkpoint is written (a divergence that no detector reported), :meth:`Rollback.on_save_checkpoint`
-checks the checkpoint dict itself (weights and optimizer states) and raises :class:`NonFiniteError`, so that the file
-is never written. This guard is a plain callback hook: it sees exactly what is about to be written, needs no access to
-Lightning internals or the strategy's ``CheckpointIO``, covers every writer that goes through
-``Trainer.save_checkpoint`` (``ModelCheckpoint`` in all its modes, ``OnExceptionCheckpoint``, a user's own call) and
-decides on every rank together (one all-reduce of a flag), where a check inside ``CheckpointIO`` would run on rank 0
-alone and leave the other ranks waiting. Lightning does not call callback hooks for ``save_weights_only=True``
-checkpoints, which this guard therefore does not see; the rollback before the save still applies to them.
+The callback is the policy only. What it reads, checks and restores is :mod:`lightning_overflow.training_state`;
+where snapshots live (a ring of host buffers, checksummed files on any fsspec filesystem) is
+:mod:`lightning_overflow.snapshot_store`.
+
+How checkpoints stay finite. Every Lightning checkpoint goes through ``Trainer.save_checkpoint``, on every rank:
+``ModelCheckpoint`` in all its modes (``save_weights_only=True`` included, which calls no callback hook on the way),
+``OnExceptionCheckpoint``, a user's own call. Rollback guards that method of its trainer
+(:class:`~lightning_overflow.training_state.CheckpointGuard`): before the checkpoint is assembled, every rank checks
+the live weights, buffers and optimizer state together (one all-reduce of two flags); when some rank holds inf/NaN,
+Rollback first rolls back to the last verified snapshot (a rollback like any other: journaled, counted in the budget)
+and the checkpoint is then written from the restored, finite state, and the run goes on. That covers the update that
+itself produced NaN weights on a step where ``ModelCheckpoint(every_n_train_steps=...)`` saves, whatever the
+detectors said. The check costs one pass over the state per checkpoint written, nothing on the other steps; a check
+inside the strategy's ``CheckpointIO`` would run on rank 0 alone and leave the other ranks waiting. Without
+``"nonfinite_state"`` among the triggers, or with no snapshot to return to, the save is refused with
+:class:`NonFiniteError` (nothing written). ``on_save_checkpoint`` refuses the same way a checkpoint assembled by a
+writer that bypasses the trainer's method.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NoReturn
 
 import pytorch_lightning as pl
 import torch
-from torch import Tensor
 from typing_extensions import override
 
+from lightning_overflow import _compat
 from lightning_overflow._validation import check_choices, check_int
 from lightning_overflow.callbacks._base import ROLLBACK, SuiteCallback
-from lightning_overflow.distributed import reduce_and_read
+from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
-from lightning_overflow.health import MAX_NAMES, SIGNAL_KINDS, Signal, StepHealth, board_for
-from lightning_overflow.policy import StepAction, Verdict
-from lightning_overflow.numerics import optimizer_state_tensors
-from lightning_overflow.numerics.snapshots import (
-    SnapshotError,
-    load_snapshot,
-    nonfinite_flag,
-    nonfinite_indices,
-    nonfinite_paths,
-    restore_optimizer_,
-    restore_state_,
-    save_snapshot,
-    state_matches,
-    state_tensors,
-    synchronize,
-    take_snapshot,
-    temporary_target,
+from lightning_overflow.health import MAX_NAMES, Signal, StepHealth
+from lightning_overflow.policy import DEFAULT_ROLLBACK_TRIGGERS, SIGNAL_KINDS, StepAction, Verdict
+from lightning_overflow.snapshot_store import Snapshot, SnapshotFiles, SnapshotRing, snapshot_name
+from lightning_overflow.training_state import (
+    CheckpointGuard,
+    NonFiniteConstants,
+    StateCheck,
+    check_state,
+    live_state,
+    nonfinite_parts,
+    optimizer_labels,
+    restorable,
+    restore_,
 )
 
 __all__ = ["DEFAULT_TRIGGERS", "Rollback"]
 
-DEFAULT_TRIGGERS = ("nonfinite_burst", "nonfinite_state", "scaler_collapse", "loss_spike")
+DEFAULT_TRIGGERS = DEFAULT_ROLLBACK_TRIGGERS
 
-SNAPSHOT_NAME = "rollback-step={step}.pt"
-_SNAPSHOT_FILE = re.compile(re.escape(SNAPSHOT_NAME).replace(re.escape("{step}"), r"\d+"))  # any step
 _SUITE_ERRORS = (DivergenceError, NonFiniteError, RollbackError)  # raised on every rank together
-_SHARDED = ("FSDPStrategy", "XLAFSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
-
 HINT = (
     "lower the learning rate (LRBackoff backs off on the detectors' divergence signals outside its cooldown; it "
-    "hears nothing of a rollback that Rollback starts itself for a snapshot that failed its check), clip the "
+    "hears nothing of a rollback that Rollback starts itself for a state that failed its check), clip the "
     "gradients (AutoClip), and look at the data around the steps listed; skip_batches skips the batches after a "
     "rollback, max_rollbacks and window set the budget"
 )
 
 
-@dataclass
-class _Snapshot:
-    """One rollback target: a host copy (``state``), or a file written before a restart that is not loaded yet."""
-
-    step: int
-    state: dict[str, Any] | None
-    extras: dict[str, Any] = field(default_factory=dict)
-    file: str | None = None
-
-
 class Rollback(SuiteCallback):
     """Keep snapshots of the last training state verified finite; restore one when training diverges.
 
-    An intervention. What it changes: on a rollback it restores, in place, the parameters and buffers, every
-    optimizer's state (moments, per-parameter step counts, param-group hyperparameters), every LR scheduler's state
-    and the GradScaler state to those of the snapshot, clears the gradients, then tells the other suite callbacks
-    (``_after_restore``), so that ``LRBackoff`` re-applies the learning-rate scale it holds now and a rollback never
-    undoes a backoff made for the same event, in either callback order. With ``skip_batches``, the next batches are
-    consumed without an optimizer step (PaLM's recipe). On a healthy run it changes nothing: it only reads.
+    An intervention. On a rollback it restores, in place, the LightningModule's whole ``state_dict`` (parameters,
+    buffers, ``get_extra_state`` values), every optimizer's state, every LR scheduler's state and the GradScaler's,
+    clears the gradients, and tells the other suite callbacks (``LRBackoff`` keeps the scale it holds now). With
+    ``skip_batches`` the next batches are consumed without an optimizer step. A healthy run is left bit-identical.
 
-    Snapshots. The state a fit starts from is the first snapshot; then one is taken every ``every_n_steps`` healthy
-    optimizer steps (steps of batches without any detector signal, not skipped), after the step, at the end of a
-    batch without signals, so never inside a spike. Before a snapshot becomes a rollback target its weights and
-    optimizer state are checked for inf/NaN (one max-abs pass, which large finite values such as Adam's
-    ``exp_avg_sq`` under huge gradients pass, one host read, identical verdict on every rank); one that holds
-    inf/NaN is refused and, with ``"nonfinite_state"`` among the triggers, is itself a reason to roll back,
-    so Rollback protects a run even without a detector (at snapshot granularity). The last ``keep`` verified
-    snapshots are kept. A second rollback to the same snapshot, with no newer snapshot taken in between, goes one
-    snapshot further back when there is one: the divergence started before that snapshot.
+    Snapshots: the state the fit starts from, then one every ``every_n_steps`` healthy optimizer steps (no detector
+    signal, not skipped), each verified finite on every rank first (parameters and optimizer moments strictly;
+    buffers may keep the infs they held when the fit started, such as a causal mask's ``-inf``). A state that fails
+    the check is refused and, with ``"nonfinite_state"`` among the triggers, is itself a reason to roll back. A
+    second rollback to the same snapshot goes one snapshot further back. Every checkpoint written during the fit
+    is checked first and rolled back before it is written when it is not finite (see the module docstring).
+    Not rewound: ``global_step``, the data position, RNG states, loggers. Details: ``docs/rollback.md``.
 
-    Memory and time: each kept snapshot holds one copy of the model and optimizer state in host memory (pinned on a
-    GPU), so ``keep=2`` costs twice the model and optimizer state (for AdamW, 3 x 4 bytes per parameter each).
-    The buffers are allocated once and reused; copies are batched, and asynchronous on a GPU. Nothing happens on the
-    other steps but a look at the signals. Measured on 2 busy CPU threads (``benchmarks/bench_snapshot.py``, 1M and
-    20M-parameter transformers with AdamW), taking a snapshot with its check cost 1.4-16% of one training step (the
-    check alone 0.5-9%) and restoring one 1-6%; a disk write runs at the speed of serialisation (0.2-0.5 GB/s
-    there), so with ``dirpath`` keep ``every_n_steps`` in the hundreds.
-
-    Under DDP every rank keeps its own copy (the replicas are identical), the checks and decisions are made on values
-    all-reduced across ranks, so every rank restores the same snapshot at the same step; rank 0 alone writes files.
-
-    When the fit stops with one of the suite's errors (``DivergenceError``, ``RollbackError``, ``NonFiniteError``,
-    raised on every rank together) while the weights or optimizer state hold inf/NaN (``LRBackoff`` at its floor,
-    placed before Rollback, raises before Rollback's turn in ``on_train_batch_end``), ``on_exception`` restores the
-    last verified snapshot, so the model in memory and the checkpoint ``OnExceptionCheckpoint`` writes hold finite
-    values and the original error propagates. This is no rollback: the budget and ``history`` stay as they are.
-    Lightning calls ``on_exception`` in callback order with checkpoint callbacks last, so this restore precedes
-    ``OnExceptionCheckpoint``; a callback of another kind that saves in its own ``on_exception`` before Rollback in
-    the list still meets the checkpoint guard. Other exceptions (a user's error, ``KeyboardInterrupt``) may be
-    raised on one rank only and leave the state as it is: the restore needs every rank. Under ``ddp_spawn`` and
-    ``ddp_fork`` Lightning calls ``on_exception`` in the launching process only, which holds no snapshot.
-
-    A callback instance can serve several fits: ``setup("fit")`` forgets the snapshots, the budget and the history
-    of the previous one (a resumed fit loads its own right after).
-
-    What is not rewound (no public API can): ``global_step`` and the epoch, the data position (the batches that led
-    to the divergence are not replayed), RNG states, the loggers, attributes of the LightningModule that are not in
-    its ``state_dict``. ``max_steps`` therefore counts the rolled-back steps too.
-
-    Triggers (signals of the batch that make it roll back):
-
-    - ``"nonfinite_burst"`` (default): several non-finite steps close together; skipping them no longer helps.
-    - ``"nonfinite_state"`` (default): the weights or optimizer moments hold inf/NaN; no skip can repair that.
-    - ``"scaler_collapse"`` (default): the GradScaler kept overflowing or its scale collapsed.
-    - ``"loss_spike"`` (default): a loss spike, the case PaLM rolled back for.
-    - ``"nonfinite"`` (not by default): an isolated non-finite step is skipped at no cost; rolling back for one
-      corrupt sample would throw away good progress.
-    - ``"grad_spike"`` (not by default): clipping absorbs a large gradient; the loss tells whether the step did harm.
+    Triggers (signal kinds that make it roll back; the default, :data:`DEFAULT_TRIGGERS`, is the evidence that the
+    training state degrades): ``"nonfinite_persistent"``, ``"nonfinite_state"``, ``"scaler_collapse"``,
+    ``"loss_divergence"``, ``"loss_trend"``. A skipped non-finite step, a burst of them on bad data, and a single
+    spike are not (a skip or a clip absorbs them at no cost; see :mod:`lightning_overflow.policy`).
 
     Args:
         every_n_steps: healthy optimizer steps between snapshots (default 100).
-        keep: snapshots kept in memory, and on disk with ``dirpath`` (default 2: a repeated divergence can go one
-            snapshot further back).
-        dirpath: also write each verified snapshot to this directory (``rollback-step=<step>.pt``), atomically
-            (temporary file, fsync, rename), loadable with ``torch.load(weights_only=True)``, pruned to ``keep``;
-            rank 0 writes. A run resumed with ``fit(ckpt_path=...)`` can roll back to the files listed in its
-            checkpoint (taken before the restart); a file that fails to load or verify is never used. ``None``
-            (default): memory only.
+        keep: snapshots kept in memory, and on disk with ``dirpath`` (default 2).
+        dirpath: also write each verified snapshot to this directory, a local path or an fsspec URL
+            (``s3://...``, ``memory://...``), as ``rollback-step=<step>.pt`` (checksummed, written atomically,
+            pruned to ``keep``; rank 0 writes). A fit resumed with ``ckpt_path`` can roll back to the files listed
+            in its checkpoint. Checked in ``setup`` (``None``, the default: memory only).
         max_rollbacks: rollbacks allowed within ``window`` steps (default 3); the next need raises
             :class:`DivergenceError`.
         window: the window in optimizer steps for ``max_rollbacks`` (default 1000).
-        skip_batches: after a rollback, consume this many further training batches without an optimizer step
-            (default 0; with gradient accumulation, counted in batches that would have stepped).
-        triggers: the signal kinds that cause a rollback, at least one (default :data:`DEFAULT_TRIGGERS`, see
-            above).
+        skip_batches: after a rollback, consume this many training batches without an optimizer step (default 0).
+        triggers: the signal kinds that cause a rollback, at least one (default :data:`DEFAULT_TRIGGERS`).
 
     Attributes:
         rollbacks: rollbacks made so far (kept across a resume).
-        history: one dict per rollback: ``step`` (``global_step`` when it was made), ``reason`` (the signal kind),
-            ``trigger_step`` (the step the signal concerned), ``snapshot_step`` and ``source``
-            (``"memory"``/``"disk"``).
+        history: one dict per rollback: ``step``, ``reason`` (signal kind), ``trigger_step``, ``snapshot_step``,
+            ``source`` (``"memory"``/``"disk"``).
         skipped_steps: optimizer steps skipped after rollbacks.
         snapshot_steps: the steps of the snapshots kept in memory, oldest first.
-        restores_state: ``True`` (``NonFiniteDetector`` then leaves non-finite weights to it instead of raising),
-            ``False`` when ``"nonfinite_state"`` is not among the triggers.
-
-    Its checkpoint state (budget, history, files written) is stored under the class name, so one Rollback goes in a
-    trainer, and a resumed run keeps its budget even when ``every_n_steps`` or ``keep`` change.
+        restores_state: ``False`` when ``"nonfinite_state"`` is not among the triggers (``NonFiniteDetector`` then
+            raises on non-finite weights itself).
 
     Raises:
-        DivergenceError: ``max_rollbacks`` rollbacks within ``window`` steps and another one needed; the message lists
-            every rollback of the window. The last verified snapshot is restored first, so the model in memory and
-            any checkpoint written on the way out hold finite values.
+        DivergenceError: ``max_rollbacks`` within ``window`` steps and another one needed (the last verified
+            snapshot is restored first).
         RollbackError: a rollback was needed but no snapshot verified finite exists.
-        NonFiniteError: a checkpoint about to be written holds inf/NaN weights or optimizer state (not written).
-        NotImplementedError: in ``setup`` under a sharded strategy (FSDP, DeepSpeed, model parallel), at the start
-            of training with a ``ZeroRedundancyOptimizer``: each rank holds only a shard there.
+        NonFiniteError: a checkpoint about to be written holds inf/NaN and cannot be rolled back (not written).
+        ValueError: in ``setup``, when ``dirpath`` is a file, lies under a file, or cannot be written.
+        NotImplementedError: under a sharded strategy or with a ``ZeroRedundancyOptimizer``.
 
-    Logged keys:
-
-    ============================  =================================================
-    key                           meaning
-    ============================  =================================================
-    ``overflow/rollbacks``        cumulative rollbacks
-    ``overflow/skipped_steps``    cumulative optimizer steps skipped (with others)
-    ============================  =================================================
-
-    Journal events: ``rollback``, ``skip``, ``snapshot_refused``, ``snapshot_unusable``, ``snapshot_write_failed``,
-    ``checkpoint_refused``, ``abort``, ``exit_restore`` (the restore in ``on_exception``).
+    Logged keys: ``overflow/rollbacks`` (cumulative rollbacks), ``overflow/skipped_steps`` (cumulative skipped
+    optimizer steps, with other callbacks'). Journal events: ``rollback``, ``skip``, ``snapshot_refused``,
+    ``snapshot_unusable``, ``snapshot_write_failed``, ``checkpoint_refused``, ``abort``, ``exit_restore``.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -220,13 +151,22 @@ class Rollback(SuiteCallback):
         self.keep = check_int("keep", keep, minimum=1)
         if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
             raise TypeError(f"'dirpath' must be a path or None (got {dirpath!r})")
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        if dirpath is not None and not os.fspath(dirpath):
+            raise ValueError(f"'dirpath' must be a non-empty path or None (got {dirpath!r})")
+        self.dirpath = dirpath
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, minimum=1)
         self.window = check_int("window", window, minimum=1)
         self.skip_batches = check_int("skip_batches", skip_batches, minimum=0)
+        if isinstance(triggers, str) or not isinstance(triggers, Iterable):
+            raise TypeError(f"'triggers' must be a collection of signal kinds (got {triggers!r})")
+        triggers = tuple(triggers)
+        if not triggers:
+            raise ValueError(f"'triggers' must be a non-empty collection of signal kinds (got {triggers!r})")
         self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
         if "nonfinite_state" not in self.triggers:
             self.restores_state = False  # non-finite weights are not this instance's to repair
+        self._files = SnapshotFiles(dirpath) if dirpath is not None else None
+        self._guard: CheckpointGuard | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -234,9 +174,10 @@ class Rollback(SuiteCallback):
         self.rollbacks = 0
         self.history: list[dict[str, Any]] = []
         self.skipped_steps = 0
-        self._memory: list[_Snapshot] = []  # oldest first
+        self._memory = SnapshotRing(self.keep)
         self._disk: list[dict[str, Any]] = []  # files written, oldest first: {"step", "file"}
-        self._before_restart: list[_Snapshot] = []  # files from the checkpoint's list, not loaded yet
+        self._before_restart: list[Snapshot] = []  # files from the checkpoint's list, not read yet
+        self._constants = NonFiniteConstants()
         self._healthy = 0
         self._last_step = 0
         self._skip_left = 0
@@ -247,38 +188,26 @@ class Rollback(SuiteCallback):
 
     @property
     def snapshot_steps(self) -> list[int]:
-        return [snap.step for snap in self._memory]
+        return self._memory.steps
 
-    # ---- wiring -----------------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_guard"] = None  # tied to one trainer (a weak reference): a copy guards none
+        return state
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         _refuse_sharded(trainer.strategy)
         super().setup(trainer, pl_module, stage)
-        self._reset()  # a new fit starts afresh; a resumed one loads its state right after setup
-        self._warnings.clear()
-        if self.dirpath is not None and trainer.is_global_zero and self.dirpath.is_dir():
-            for path in self.dirpath.iterdir():  # left behind by a process killed mid-write
-                target = temporary_target(path)
-                if target is not None and _SNAPSHOT_FILE.fullmatch(target.name):
-                    with contextlib.suppress(OSError):
-                        path.unlink()
+        self._begin_fit(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for optimizer in trainer.optimizers:
-            if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-                raise NotImplementedError(_sharded_message("ZeroRedundancyOptimizer"))
-        self._last_step = int(trainer.global_step)
-        self._last_target = None
-        self._disk = [entry for entry in self._disk if entry["step"] <= trainer.global_step]
-        files = [_Snapshot(entry["step"], None, file=entry["file"]) for entry in self._disk]
-        self._before_restart = files if self.dirpath is not None and self._resumed else []
-        self._resumed = False
-        refused = self._take(trainer, start=True)
-        if refused:
-            self._warnings.warn("start", refused)
+        _refuse_sharded_optimizers(trainer.optimizers)
+        self._start(trainer)
 
     @override
     def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
@@ -290,31 +219,90 @@ class Rollback(SuiteCallback):
     @override
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
         if self._skipping and action.skipped_by is self:
-            self.skipped_steps += 1
-            nth, after = self.skip_batches - self._skip_left + 1, self.history[-1]["step"] if self.history else "?"
-            message = (
-                f"Rollback: skipped optimizer step {record.step} (batch {nth} of {self.skip_batches} skipped after "
-                f"the rollback at step {after})"
-            )
-            self._event(trainer, "skip", message, reason="rollback", optimizer=record.optimizer_index)
+            self._journal_skip(trainer, record)
 
     @override
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         steps = int(trainer.global_step) - self._last_step
         self._last_step = int(trainer.global_step)
-        skipped = self._skipping
-        if skipped:
-            self._skipping = False
-            self._skip_left -= 1
         board = self.board(trainer)
+        current = board.current  # a suite callback may have skipped this batch's step
+        skipped = self._end_skip()
+        skipped = skipped or (current is not None and current.skipped and current.step >= self._last_step - steps)
         fired = [signal for signal in board.signals if signal.kind in self.triggers]
         if fired:
             self._roll_back(trainer, fired[0])
-            return
-        current = board.current
-        skipped = skipped or (current is not None and current.skipped and current.step >= self._last_step - steps)
-        if steps <= 0 or skipped or board.signals:
-            return  # not a healthy step: nothing to count, no snapshot inside a spike
+        elif steps > 0 and not skipped and not board.signals:  # healthy steps only: never a snapshot inside a spike
+            self._count_healthy(trainer, steps)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self._guard is not None and self._guard.saving:
+            return  # checked (and rolled back) by the guard before this checkpoint was assembled
+        self._refuse_if_nonfinite(trainer, checkpoint)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:
+            # Only the suite's errors are raised on every rank together; a foreign one may come from one rank only,
+            # and the restore's collective would wait for ranks that never enter it.
+            if isinstance(exception, _SUITE_ERRORS) and self._candidates():
+                self._restore_if_nonfinite(trainer, type(exception).__name__)
+        finally:
+            super().on_exception(trainer, pl_module, exception)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._guard is not None and stage == "fit":
+            self._guard.remove()
+            self._guard = None
+        super().teardown(trainer, pl_module, stage)
+
+    # ---- the start of a fit, the steps --------------------------------------------------------------------------
+    def _begin_fit(self, trainer: pl.Trainer) -> None:
+        """Start afresh (a resumed fit loads its state right after setup), check ``dirpath``, guard the saves."""
+        self._reset()
+        self._warnings.clear()
+        self._prepare_files(trainer)
+        if self._guard is not None:  # left on the trainer of a fit that failed (no teardown then)
+            self._guard.remove()
+        self._guard = CheckpointGuard(trainer, self._before_save)
+
+    def _start(self, trainer: pl.Trainer) -> None:
+        """Record the buffers' constants and take the first snapshot: the state the fit starts from."""
+        module = trainer.lightning_module
+        names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+        self._constants = NonFiniteConstants.record(trainer.strategy.lightning_module_state_dict(), names)
+        self._last_step = int(trainer.global_step)
+        self._last_target = None
+        self._disk = [entry for entry in self._disk if entry["step"] <= trainer.global_step]
+        listed = [Snapshot(entry["step"], None, file=entry["file"]) for entry in self._disk]
+        self._before_restart = listed if self._files is not None and self._resumed else []
+        self._resumed = False
+        refused = self._take(trainer, start=True)
+        if refused:
+            self._warnings.warn("start", refused)
+
+    def _journal_skip(self, trainer: pl.Trainer, record: StepHealth) -> None:
+        self.skipped_steps += 1
+        nth, after = self.skip_batches - self._skip_left + 1, self.history[-1]["step"] if self.history else "?"
+        message = (
+            f"Rollback: skipped optimizer step {record.step} (batch {nth} of {self.skip_batches} skipped after "
+            f"the rollback at step {after})"
+        )
+        self._event(trainer, "skip", message, reason="rollback", optimizer=record.optimizer_index)
+
+    def _end_skip(self) -> bool:
+        """Whether this batch was one of the batches skipped after a rollback (and count it)."""
+        if not self._skipping:
+            return False
+        self._skipping = False
+        self._skip_left -= 1
+        return True
+
+    def _count_healthy(self, trainer: pl.Trainer, steps: int) -> None:
         self._healthy += steps
         if self._healthy < self.every_n_steps:
             return
@@ -324,113 +312,106 @@ class Rollback(SuiteCallback):
         elif refused:
             self._warnings.warn("refused", refused + " (shown once)")
 
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        weight_ranks, state_ranks = _nonfinite_ranks(
-            trainer, checkpoint.get("state_dict", {}), checkpoint.get("optimizer_states", [])
-        )
-        if not weight_ranks and not state_ranks:
+    # ---- checks -----------------------------------------------------------------------------------------------
+    def _check(self, trainer: pl.Trainer, model_state: Any, optimizer_states: Any) -> StateCheck:
+        """The state check on every rank together (one all-reduce)."""
+        def labels() -> list[list[str]]:
+            return optimizer_labels(trainer.lightning_module, trainer.optimizers)
+
+        return check_state(model_state, optimizer_states, self._constants, trainer.strategy.root_device, labels)
+
+    def _check_live(self, trainer: pl.Trainer) -> StateCheck:
+        state = live_state(trainer)
+        return self._check(trainer, state["model"], state["optimizers"])
+
+    def _before_save(self, trainer: pl.Trainer) -> None:
+        """Before every checkpoint (every rank): roll back first when the state is not finite, or refuse."""
+        check = self._check_live(trainer)
+        if check.finite:
             return
-        names = nonfinite_paths(checkpoint.get("state_dict", {})) + _nonfinite_moments(trainer)
-        what = "weights" if weight_ranks else "optimizer state"
-        ranks = ", ".join(str(r) for r in (weight_ranks or state_ranks))
+        if trainer.interrupted:
+            if self._restore_for_exit(trainer, check, "an exception"):
+                return
+            self._refuse_checkpoint(trainer, check, "no snapshot verified finite is left to restore")
+        if "nonfinite_state" not in self.triggers:
+            self._refuse_checkpoint(trainer, check, "'nonfinite_state' is not among Rollback's triggers")
+        step = int(trainer.global_step)
+        reason = f"Rollback: the {check.what} held inf/NaN{_quote(check.names)} when a checkpoint was to be written"
+        self._roll_back(trainer, Signal("nonfinite_state", step, reason, "Rollback"))
+
+    def _refuse_if_nonfinite(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint assembled past the guard: refuse it when it holds inf/NaN (every rank)."""
+        check = self._check(trainer, checkpoint.get("state_dict", {}), checkpoint.get("optimizer_states", []))
+        if not check.finite:
+            self._refuse_checkpoint(trainer, check, "it was assembled outside trainer.save_checkpoint")
+
+    def _restore_if_nonfinite(self, trainer: pl.Trainer, cause: str) -> None:
+        """On the way out of a fit stopped by a suite error (every rank): restore when the state holds inf/NaN."""
+        check = self._check_live(trainer)
+        if not check.finite:
+            self._restore_for_exit(trainer, check, cause)
+
+    def _refuse_checkpoint(self, trainer: pl.Trainer, check: StateCheck, why: str) -> NoReturn:
+        step = int(trainer.global_step)
         message = (
-            f"Rollback: refused to write a checkpoint at step {trainer.global_step}: its {what} contain inf/NaN "
-            f"on rank(s) {ranks}{_quote(names)}; nothing was written."
+            f"Rollback: refused to write a checkpoint at step {step}: its {check.what} contain inf/NaN on rank(s) "
+            f"{_ranks(check.ranks)}{_quote(check.names)}, and {why}; nothing was written."
         )
-        hint = (
-            "add NonFiniteDetector (and LossSpikeDetector) before the checkpoint callbacks, so that Rollback hears "
-            "of the divergence and restores a finite state before anything is saved"
-        )
-        rank = min(weight_ranks or state_ranks)
-        self._event(trainer, "checkpoint_refused", message, rank=rank, parameters=names[:MAX_NAMES])
+        hint = _checkpoint_hint(trainer, self.triggers)
+        self._event(trainer, "checkpoint_refused", message, rank=min(check.ranks), parameters=check.names[:MAX_NAMES])
         raise NonFiniteError(
-            f"{message} HINT: {hint}.",
-            kind="weight" if weight_ranks else "optimizer_state",
-            step=int(trainer.global_step),
-            ranks=weight_ranks or state_ranks,
-            parameters=names[:MAX_NAMES],
+            f"{message} HINT: {hint}." if hint else message,
+            kind="weight" if check.weight_ranks else "optimizer_state",
+            step=step,
+            ranks=check.ranks,
+            parameters=check.names[:MAX_NAMES],
             hint=hint,
         )
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        try:
-            # Only the suite's errors are raised on every rank together; a foreign one may come from one rank only,
-            # and the restore's collective would wait for ranks that never enter it.
-            if isinstance(exception, _SUITE_ERRORS) and self._candidates():
-                self._restore_on_exit(trainer, exception)
-        finally:
-            super().on_exception(trainer, pl_module, exception)
-
-    def _restore_on_exit(self, trainer: pl.Trainer, exception: BaseException) -> None:
-        """Restore the last verified snapshot if the live state holds inf/NaN on some rank (every rank enters)."""
-        state = _live_state(trainer)
-        weight_ranks, state_ranks = _nonfinite_ranks(trainer, state["model"], state["optimizers"])
-        if not weight_ranks and not state_ranks:
-            return
-        restored = self._restore_first(trainer, self._candidates())
-        what = "weights" if weight_ranks else "optimizer state"
-        ranks = ", ".join(str(r) for r in (weight_ranks or state_ranks))
-        step = int(trainer.global_step)
-        if restored is None:
-            message = (
-                f"Rollback: the fit stopped at step {step} ({type(exception).__name__}) with inf/NaN in its {what} "
-                f"on rank(s) {ranks}, and no snapshot verified finite could be restored."
-            )
-            self._event(trainer, "exit_restore", message, error=type(exception).__name__, snapshot_step=None)
-            return
-        target, source = restored
-        message = (
-            f"Rollback: the fit stopped at step {step} ({type(exception).__name__}) with inf/NaN in its {what} on "
-            f"rank(s) {ranks}; restored the snapshot of step {target.step} ({source}), so the model in memory and "
-            f"any checkpoint written on the way out hold finite values. The error itself propagates."
-        )
-        details = {"error": type(exception).__name__, "snapshot_step": target.step, "source": source}
-        self._event(trainer, "exit_restore", message, **details)
 
     # ---- snapshots --------------------------------------------------------------------------------------------
     def _take(self, trainer: pl.Trainer, start: bool = False) -> str | None:
         """Snapshot the live state if it is finite on every rank. When it is not: journal it, return why."""
         self._healthy = 0
-        state = _live_state(trainer)
-        weight_ranks, state_ranks = _nonfinite_ranks(trainer, state["model"], state["optimizers"])
+        state = live_state(trainer)
+        check = self._check(trainer, state["model"], state["optimizers"])
         step = int(trainer.global_step)
-        if weight_ranks or state_ranks:
-            what = "weights" if weight_ranks else "optimizer state"
-            bad = nonfinite_paths(state["model"]) + _nonfinite_moments(trainer)
+        if not check.finite:
+            target = "the fit starts from a non-finite state, which" if start else "this state"
             message = (
-                f"Rollback: the {what} at step {step} contain inf/NaN on rank(s) "
-                f"{', '.join(map(str, weight_ranks or state_ranks))}{_quote(bad)}; "
-                f"{'the fit starts from a non-finite state, which' if start else 'this state'} is no rollback target"
+                f"Rollback: the {check.what} at step {step} contain inf/NaN on rank(s) {_ranks(check.ranks)}"
+                f"{_quote(check.names)}; {target} is no rollback target"
             )
-            rank = min(weight_ranks or state_ranks)
-            self._event(trainer, "snapshot_refused", message, rank=rank, tensors=bad[:MAX_NAMES])
+            self._event(trainer, "snapshot_refused", message, rank=min(check.ranks), tensors=check.names[:MAX_NAMES])
             return message
-        reuse = self._memory.pop(0).state if len(self._memory) >= self.keep else None
         extras = copy.deepcopy(self.board(trainer).snapshot_extras(trainer))
-        snapshot = _Snapshot(step, take_snapshot(state, reuse), extras)
-        self._memory = [s for s in self._memory if s.step != step] + [snapshot]
+        snapshot = self._memory.take(step, state, extras)
         self._last_target = None
-        if self.dirpath is not None:
+        if self._files is not None:
             self._write(trainer, snapshot)
         return None
 
-    def _write(self, trainer: pl.Trainer, snapshot: _Snapshot) -> None:
-        assert self.dirpath is not None
-        name = SNAPSHOT_NAME.format(step=snapshot.step)
+    def _prepare_files(self, trainer: pl.Trainer) -> None:
+        """Check ``dirpath`` on rank 0 (the writer) and raise on every rank alike; remove killed writes' leftovers."""
+        if self._files is None:
+            return
+        problem = self._files.problem() if trainer.is_global_zero else ""
+        problem = trainer.strategy.broadcast(problem)  # every rank raises, or none
+        if problem:
+            raise ValueError(f"'dirpath' must be a directory Rollback can write to (got {self.dirpath!r}: {problem})")
+        if trainer.is_global_zero:
+            self._files.remove_temporaries()
+
+    def _write(self, trainer: pl.Trainer, snapshot: Snapshot) -> None:
+        assert self._files is not None
+        name = snapshot_name(snapshot.step)
         if trainer.is_global_zero:
             try:
-                payload = {"state": snapshot.state, "extras": snapshot.extras}
-                save_snapshot(payload, self.dirpath / name, step=snapshot.step)
+                self._files.write(name, {"state": snapshot.state, "extras": snapshot.extras}, step=snapshot.step)
             except Exception as err:  # a full disk must not stop training: the memory snapshot is intact
-                with contextlib.suppress(OSError):  # an older file under this name holds another state
-                    (self.dirpath / name).unlink()
+                self._files.remove(name)  # an older file under this name holds another state
                 message = (
-                    f"Rollback: could not write the snapshot of step {snapshot.step} to {self.dirpath}: {err}; the "
-                    f"snapshot in memory is intact, and a resumed run will find no file for this step"
+                    f"Rollback: could not write the snapshot of step {snapshot.step} to {self._files.dirpath}: {err}; "
+                    f"the snapshot in memory is intact, and a resumed run will find no file for this step"
                 )
                 self._event(trainer, "snapshot_write_failed", message, file=name)
                 self._warnings.warn("write", message + " (shown once)")
@@ -442,14 +423,21 @@ class Rollback(SuiteCallback):
             old = self._disk.pop(0)
             self._before_restart = [s for s in self._before_restart if s.file != old["file"]]
             if trainer.is_global_zero:
-                with contextlib.suppress(OSError):
-                    (self.dirpath / old["file"]).unlink()
+                self._files.remove(old["file"])
 
-    def _candidates(self) -> list[_Snapshot]:
+    def _candidates(self) -> list[Snapshot]:
         """Rollback targets, newest first; a memory snapshot wins over a file of the same step."""
-        steps = {s.step for s in self._memory}
+        steps = set(self._memory.steps)
         older = [s for s in self._before_restart if s.step not in steps]
-        return sorted(self._memory + older, key=lambda s: (s.step, s.state is not None), reverse=True)
+        return sorted(self._memory.snapshots + older, key=lambda s: (s.step, s.state is not None), reverse=True)
+
+    def _targets(self) -> tuple[list[Snapshot], Snapshot | None]:
+        """The candidates in the order to try, and the one avoided: having diverged again from the last target
+        (no newer snapshot since), go one snapshot further back and keep it only as a last resort."""
+        candidates = self._candidates()
+        if len(candidates) > 1 and candidates[0].step == self._last_target:
+            return candidates[1:] + candidates[:1], candidates[0]
+        return candidates, None
 
     # ---- rolling back -----------------------------------------------------------------------------------------
     def _roll_back(self, trainer: pl.Trainer, signal: Signal) -> None:
@@ -457,19 +445,13 @@ class Rollback(SuiteCallback):
         recent = [h for h in self.history if step - h["step"] < self.window]
         if len(recent) >= self.max_rollbacks:
             self._stop(trainer, signal, recent)
-        candidates = self._candidates()
-        avoided = None
-        if len(candidates) > 1 and candidates[0].step == self._last_target:
-            # It diverged again from there: go one snapshot further back, and keep it only as a last resort.
-            avoided = candidates[0]
-            candidates = candidates[1:] + candidates[:1]
+        candidates, avoided = self._targets()
         restored = self._restore_first(trainer, candidates)
         if restored is None:
             self._no_snapshot(trainer, signal)
         target, source = restored
         if avoided is not None and target is not avoided:
-            self._memory = [s for s in self._memory if s is not avoided]
-            self._before_restart = [s for s in self._before_restart if s.step != avoided.step]
+            self._forget(avoided)
         entry = {
             "step": step,
             "reason": signal.kind,
@@ -492,43 +474,73 @@ class Rollback(SuiteCallback):
         details = {key: value for key, value in entry.items() if key != "step"}  # the event's own step
         self._event(trainer, "rollback", message, **details, rollbacks=self.rollbacks, budget_left=left)
 
-    def _restore_first(self, trainer: pl.Trainer, candidates: list[_Snapshot]) -> tuple[_Snapshot, str] | None:
-        """Restore the first usable candidate (a file is read and verified first): ``(it, "memory" or "disk")``,
-        or ``None`` when none is usable. A file that cannot be used is dropped for good."""
+    def _forget(self, snapshot: Snapshot) -> None:
+        self._memory.discard(snapshot)
+        self._before_restart = [s for s in self._before_restart if s.step != snapshot.step]
+
+    def _restore_first(self, trainer: pl.Trainer, candidates: list[Snapshot]) -> tuple[Snapshot, str] | None:
+        """Restore the first usable candidate (a file is read and verified first): ``(it, "memory" or "disk")``, or
+        ``None`` when none is usable. A candidate that cannot be used is journaled and dropped for good."""
         for candidate in candidates:
             source, state = "memory", candidate.state
             if state is None:
                 source, state = "disk", self._load(trainer, candidate)
-                if state is None:
-                    self._before_restart = [s for s in self._before_restart if s is not candidate]
-                    continue
-            _restore(trainer, state)
+            elif problem := restorable(trainer, state):
+                self._unusable(trainer, candidate, f"the snapshot of step {candidate.step} in memory", problem)
+                state = None
+            if state is None:
+                self._forget(candidate)
+                continue
+            restore_(trainer, state)
             self.board(trainer).after_restore(trainer, candidate.extras)
             return candidate, source
         return None
 
-    def _load(self, trainer: pl.Trainer, candidate: _Snapshot) -> dict[str, Any] | None:
+    def _load(self, trainer: pl.Trainer, candidate: Snapshot) -> dict[str, Any] | None:
         """Read and verify a file from before the restart on every rank; ``None`` unless every rank could use it."""
-        assert self.dirpath is not None and candidate.file is not None
-        path = self.dirpath / candidate.file
-        state: dict[str, Any] | None = None
-        problem = ""
-        try:
-            step, payload = load_snapshot(path)
-            state, candidate.extras = payload["state"], payload.get("extras", {})
-            if step != candidate.step or not _fits_live(trainer, state):
-                problem = "it does not match this model and its optimizers"
-            else:
-                bad = nonfinite_paths(state["model"]) + nonfinite_paths(state["optimizers"], scalars=False)
-                problem = f"it holds inf/NaN{_quote(bad)}" if bad else ""
-        except Exception as err:  # an untrusted file: whatever it raises, every rank must reach the collective below
-            problem = str(err) if isinstance(err, SnapshotError) else f"{type(err).__name__}: {err}"
-        (unusable,) = _flags_by_rank(trainer, [torch.tensor(float(bool(problem)))])
+        assert self._files is not None and candidate.file is not None
+        state, candidate.extras, problem = self._files.read_checked(
+            candidate.file, candidate.step, lambda state: self._unfit(trainer, state)
+        )
+        (unusable,) = flags_by_rank([torch.tensor(float(bool(problem)))], trainer.strategy.root_device)
         if not unusable:
             return state
-        message = f"Rollback: the snapshot file {path} cannot be used on rank(s) {list(unusable)}"
-        self._event(trainer, "snapshot_unusable", message + (f": {problem}" if problem else ""), file=candidate.file)
+        where = f"the snapshot file {self._files.path(candidate.file)}"
+        self._unusable(trainer, candidate, where, problem, ranks=unusable)
         return None
+
+    def _unfit(self, trainer: pl.Trainer, state: Any) -> str:
+        """Why a state read from a file cannot become the live state here: another layout, or inf/NaN."""
+        problem = restorable(trainer, state)
+        if problem:
+            return problem
+        weights, states = nonfinite_parts(state["model"], state["optimizers"], self._constants)
+        return f"it holds inf/NaN{_quote(weights + states)}" if weights or states else ""
+
+    def _unusable(
+        self, trainer: pl.Trainer, candidate: Snapshot, where: str, problem: str, ranks: tuple[int, ...] = ()
+    ) -> None:
+        on = f" on rank(s) {list(ranks)}" if ranks else ""
+        message = f"Rollback: {where} cannot be used{on}" + (f": {problem}" if problem else "")
+        self._event(trainer, "snapshot_unusable", message, file=candidate.file, snapshot_step=candidate.step)
+
+    def _restore_for_exit(self, trainer: pl.Trainer, check: StateCheck, cause: str) -> bool:
+        """On the way out of a failed fit: restore the last verified snapshot, without counting a rollback (the
+        budget and ``history`` stay). Whether one was restored."""
+        restored = self._restore_first(trainer, self._candidates())
+        step = int(trainer.global_step)
+        stopped = f"Rollback: the fit stopped at step {step} ({cause}) with inf/NaN in its {check.what} on rank(s) "
+        if restored is None:
+            message = f"{stopped}{_ranks(check.ranks)}, and no snapshot verified finite could be restored."
+            self._event(trainer, "exit_restore", message, error=cause, snapshot_step=None)
+            return False
+        target, source = restored
+        message = (
+            f"{stopped}{_ranks(check.ranks)}; restored the snapshot of step {target.step} ({source}), so the model in "
+            f"memory and any checkpoint written on the way out hold finite values. The error itself propagates."
+        )
+        self._event(trainer, "exit_restore", message, error=cause, snapshot_step=target.step, source=source)
+        return True
 
     def _no_snapshot(self, trainer: pl.Trainer, signal: Signal) -> NoReturn:
         message = (
@@ -589,79 +601,24 @@ class Rollback(SuiteCallback):
         self._resumed = True
 
 
-# ---- the training state -----------------------------------------------------------------------------------------
-def _live_state(trainer: pl.Trainer) -> dict[str, Any]:
-    """Model, optimizers, schedulers and GradScaler, as live ``state_dict`` s (their tensors are the live ones)."""
-    strategy = trainer.strategy
-    return {
-        "model": strategy.lightning_module_state_dict(),
-        "optimizers": [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers],
-        "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-        "precision": trainer.precision_plugin.state_dict(),
-    }
+# ---- messages and refusals --------------------------------------------------------------------------------------
+def _checkpoint_hint(trainer: pl.Trainer, triggers: tuple[str, ...]) -> str:
+    """What would let Rollback restore a finite state before a save, naming only what the trainer lacks."""
+    hints = []
+    if "nonfinite_state" not in triggers:
+        hints.append("add 'nonfinite_state' to Rollback's triggers, so that it rolls back before a save")
+    if not _has_callback(trainer, "NonFiniteDetector"):
+        hints.append("add NonFiniteDetector, so that inf/NaN is found at the step it appears")
+    return "; ".join(hints)
 
 
-def _restore(trainer: pl.Trainer, state: dict[str, Any]) -> None:
-    """Put ``state`` back, copying into the live tensors (never aliasing the snapshot)."""
-    synchronize()  # the host deep-copies parts of the snapshot: its device-to-host copies must have landed
-    live_model = trainer.strategy.lightning_module_state_dict()
-    if state_matches(live_model, state["model"]):
-        restore_state_(live_model, state["model"])
-    else:
-        trainer.lightning_module.load_state_dict(state["model"])  # copies
-    for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
-        restore_optimizer_(optimizer, saved)
-    for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
-        config.scheduler.load_state_dict(copy.deepcopy(saved))  # schedulers keep what they load: copy first
-    if state["precision"]:
-        trainer.precision_plugin.load_state_dict(copy.deepcopy(state["precision"]))
-    for optimizer in trainer.optimizers:
-        optimizer.zero_grad(set_to_none=True)
+def _has_callback(trainer: pl.Trainer, class_name: str) -> bool:
+    callbacks = getattr(trainer, "callbacks", [])
+    return any(cls.__name__ == class_name for cb in callbacks for cls in type(cb).__mro__)
 
 
-def _fits_live(trainer: pl.Trainer, state: Any) -> bool:
-    """Whether a state read from a file belongs to this model, its optimizers (same parameter groups) and
-    schedulers."""
-    if not isinstance(state, dict) or not {"model", "optimizers", "schedulers", "precision"} <= state.keys():
-        return False
-    if len(state["optimizers"]) != len(trainer.optimizers):
-        return False
-    if len(state["schedulers"]) != len(trainer.lr_scheduler_configs):
-        return False
-    for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
-        sizes = [len(group["params"]) for group in optimizer.param_groups]
-        if sizes != [len(group["params"]) for group in saved["param_groups"]]:
-            return False
-    return state_matches(trainer.strategy.lightning_module_state_dict(), state["model"])
-
-
-def _nonfinite_ranks(trainer: pl.Trainer, model: Any, optimizers: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The ranks whose model state, and whose optimizer states (step counters left out), hold inf/NaN."""
-    weights = nonfinite_flag(state_tensors(model))
-    moments = nonfinite_flag(state_tensors(optimizers), scalars=False)
-    weight_ranks, state_ranks = _flags_by_rank(trainer, [weights, moments])
-    return weight_ranks, state_ranks
-
-
-def _nonfinite_moments(trainer: pl.Trainer) -> list[str]:
-    """``<parameter>.<state key>`` of the live optimizer state tensors that hold inf/NaN on this rank."""
-    names = board_for(trainer).names
-    bad: list[str] = []
-    for optimizer in trainer.optimizers:
-        tensors, labels = optimizer_state_tensors(optimizer, names)
-        bad += [labels[i] for i in nonfinite_indices(tensors)]
-    return bad
-
-
-def _flags_by_rank(trainer: pl.Trainer, flags: list[Tensor]) -> list[tuple[int, ...]]:
-    """For each 0-d flag, the ranks where it is set: one all-reduce and one host read for all of them."""
-    rank, world = int(trainer.global_rank), max(int(trainer.world_size), 1)
-    device = trainer.strategy.root_device
-    packed = torch.zeros(len(flags) * world, dtype=torch.float64, device=device)
-    for i, flag in enumerate(flags):
-        packed[i * world + rank] = flag.to(device=device, dtype=torch.float64)
-    values, _ = reduce_and_read(packed, packed.new_zeros(0))
-    return [tuple(r for r in range(world) if values[i * world + r] != 0) for i in range(len(flags))]
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def _quote(names: list[str]) -> str:
@@ -672,9 +629,15 @@ def _quote(names: list[str]) -> str:
 
 
 def _refuse_sharded(strategy: Any) -> None:
-    for cls in type(strategy).__mro__:
-        if cls.__name__ in _SHARDED:
-            raise NotImplementedError(_sharded_message(cls.__name__))
+    name = _compat.sharded_strategy(strategy)
+    if name is not None:
+        raise NotImplementedError(_sharded_message(name))
+
+
+def _refuse_sharded_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
+    for optimizer in optimizers:
+        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+            raise NotImplementedError(_sharded_message("ZeroRedundancyOptimizer"))
 
 
 def _sharded_message(name: str) -> str:

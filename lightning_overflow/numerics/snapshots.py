@@ -1,9 +1,9 @@
-"""Snapshots of a training state: host copies that are verified finite, restored in place and saved atomically.
+"""Snapshots of a training state in host memory: copies taken, verified finite and restored in place.
 
-Pure torch, no Lightning. A *state* is any nesting of dicts, lists and tuples whose leaves are tensors or plain
-values: a module's ``state_dict()``, an optimizer's ``state_dict()``, a dict of those. A *snapshot* is the same
-nesting with every tensor copied into a host buffer. It can be copied back into the live state in place, written to
-disk atomically, and read back with ``torch.load(weights_only=True)``.
+Pure torch, no Lightning, no file I/O (files are :mod:`lightning_overflow.snapshot_store`'s). A *state* is any
+nesting of dicts, lists and tuples whose leaves are tensors or plain values: a module's ``state_dict()``, an
+optimizer's ``state_dict()``, a dict of those. A *snapshot* is the same nesting with every tensor copied into a host
+buffer. It can be copied back into the live state in place.
 
 Facts that shape it (torch 2.13):
 
@@ -15,6 +15,9 @@ Facts that shape it (torch 2.13):
   (page faults): :func:`take_snapshot` reuses the buffers of a snapshot that is no longer needed. On a GPU the buffers
   are pinned and every copy is ``non_blocking``: no host synchronisation per tensor. :func:`synchronize` waits once,
   before the host itself reads the buffers (to write them to disk, or to clone them).
+- Param groups can be added during a fit (Lightning's ``BackboneFinetuning`` adds one when it unfreezes the
+  backbone). A snapshot taken before holds fewer groups: :func:`restore_optimizer_` restores the groups it holds
+  and leaves the newer ones in place, their parameters without state, as when they were added.
 - Finiteness is read through each tensor's largest magnitude (the max-abs norm), on the device and without a host
   read (:func:`nonfinite_flag`). NaN propagates through it and, unlike the L2 norm, it cannot overflow while the
   values are finite: Adam's ``exp_avg_sq`` under gradients of 1e11 holds values near 1e19, whose squares overflow
@@ -37,14 +40,10 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import os
-import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,28 +53,22 @@ from lightning_overflow.numerics.norms import tensor_norms
 from lightning_overflow.numerics.state import parameters_of
 
 __all__ = [
-    "SNAPSHOT_FORMAT",
     "SnapshotError",
     "clone_state",
-    "load_snapshot",
+    "group_sizes",
+    "named_state_tensors",
     "nonfinite_flag",
     "nonfinite_indices",
     "nonfinite_paths",
     "restore_optimizer_",
     "restore_state_",
-    "save_snapshot",
+    "state_difference",
     "state_matches",
     "state_nbytes",
     "state_tensors",
     "synchronize",
     "take_snapshot",
-    "temporary_path",
-    "temporary_target",
 ]
-
-SNAPSHOT_FORMAT = "lightning_overflow.snapshot"
-_VERSION = 1
-_TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp-\d+")  # the names temporary_path gives
 
 
 class SnapshotError(ValueError):
@@ -134,32 +127,65 @@ def restore_state_(live: Any, snapshot: Any) -> None:
 
 def state_matches(live: Any, snapshot: Any) -> bool:
     """Whether :func:`restore_state_` can copy ``snapshot`` into ``live`` in place."""
+    return not state_difference(live, snapshot)
+
+
+def state_difference(live: Any, snapshot: Any) -> str:
+    """The first place where ``snapshot`` cannot be copied into ``live`` in place, or ``""`` when it can.
+
+    Example:
+        >>> state_difference({"w": torch.zeros(2)}, {"w": torch.zeros(3)})
+        'w: live (2,) torch.float32 vs snapshot (3,) torch.float32'
+    """
     try:
         _pair(live, snapshot, [], [], "")
-    except SnapshotError:
-        return False
-    return True
+    except SnapshotError as err:
+        return str(err)
+    return ""
 
 
 def restore_optimizer_(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, Any]) -> None:
     """Restore an optimizer from a snapshot of its ``state_dict()``: moments and step counts copied in place, plain
     values and param-group hyperparameters (``lr``, ``betas``...) set back.
 
-    When the live state has another shape (a parameter that had no state when the snapshot was taken, a different
-    param-group layout), the optimizer loads a clone of the snapshot instead, so the live state never shares memory
-    with it.
+    When the live state has another shape (a parameter that had no state when the snapshot was taken), the optimizer
+    loads a clone of the snapshot instead, so the live state never shares memory with it. When param groups were
+    added since the snapshot (the snapshot's groups are the first groups of the optimizer, parameter for parameter),
+    the snapshot's groups are restored and the newer groups stay, their hyperparameters as they are now and their
+    parameters without state, as they were when the groups were added.
 
     Args:
         optimizer: the live optimizer.
         snapshot: a snapshot of ``optimizer.state_dict()`` (see :func:`take_snapshot`).
+
+    Raises:
+        SnapshotError: the param groups of the snapshot are neither those of the optimizer nor its first ones
+            (:func:`group_sizes` names both layouts). Nothing has been changed then.
+
+    Example:
+        >>> p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+        >>> optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        >>> snapshot = take_snapshot(optimizer.state_dict())
+        >>> optimizer.add_param_group({"params": [q], "lr": 0.01})
+        >>> restore_optimizer_(optimizer, snapshot)
+        >>> [group["lr"] for group in optimizer.param_groups]
+        [0.1, 0.01]
     """
     live = optimizer.state_dict()
     groups, saved_groups = live["param_groups"], snapshot["param_groups"]
-    same_groups = len(groups) == len(saved_groups) and all(
-        list(g["params"]) == list(s["params"]) for g, s in zip(groups, saved_groups)
-    )
-    if not same_groups or not state_matches(live["state"], snapshot["state"]):
+    live_sizes, saved_sizes = group_sizes(groups), group_sizes(saved_groups)
+    if live_sizes != saved_sizes:
+        if live_sizes[: len(saved_sizes)] != saved_sizes:
+            raise SnapshotError(
+                f"param groups of {saved_sizes} parameters in the snapshot, {live_sizes} in the optimizer"
+            )
         synchronize()  # the host clones the buffers: pending device-to-host copies into them must be done
+        kept = [{**clone_state(saved), "params": list(group["params"])} for saved, group in zip(saved_groups, groups)]
+        state = clone_state(dict(snapshot["state"]))
+        optimizer.load_state_dict({"state": state, "param_groups": kept + list(groups[len(saved_groups) :])})
+        return
+    if not state_matches(live["state"], snapshot["state"]):
+        synchronize()
         optimizer.load_state_dict(clone_state(snapshot))
         return
     restore_state_(live["state"], snapshot["state"])
@@ -172,6 +198,16 @@ def restore_optimizer_(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, 
         group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
 
 
+def group_sizes(param_groups: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The number of parameters in each param group (of an optimizer or of its ``state_dict()``).
+
+    Example:
+        >>> group_sizes([{"params": [0, 1]}, {"params": [2]}])
+        [2, 1]
+    """
+    return [len(group["params"]) for group in param_groups]
+
+
 def clone_state(state: Any) -> Any:
     """A deep copy of ``state`` whose tensors are fresh clones (on their own devices)."""
     return _rebuild(state, None, lambda tensor, _: tensor.detach().clone())
@@ -182,6 +218,18 @@ def state_tensors(state: Any) -> list[Tensor]:
     out: list[Tensor] = []
     _visit(state, "", lambda path, t: out.append(t))
     return out
+
+
+def named_state_tensors(state: Any, prefix: str = "") -> list[tuple[str, Tensor]]:
+    """``(dotted path, tensor)`` for the tensors of a state, in the order of :func:`state_tensors`.
+
+    Example:
+        >>> [path for path, _ in named_state_tensors({"w": torch.ones(1), "opt": [{"m": torch.ones(1)}]})]
+        ['w', 'opt.0.m']
+    """
+    found: list[tuple[str, Tensor]] = []
+    _visit(state, prefix, lambda path, t: found.append((path, t)))
+    return found
 
 
 def state_nbytes(state: Any) -> int:
@@ -250,85 +298,8 @@ def nonfinite_paths(state: Any, prefix: str = "", *, scalars: bool = True) -> li
     For messages, off the hot path. Example: ``["net.0.weight"]`` for a model state, ``["state.0.exp_avg_sq"]``
     for an optimizer state (pass ``scalars=False`` there to leave the step counters out, as :func:`nonfinite_flag`).
     """
-    found: list[tuple[str, Tensor]] = []
-    _visit(state, prefix, lambda path, t: found.append((path, t)))
+    found = named_state_tensors(state, prefix)
     return [found[i][0] for i in nonfinite_indices([t for _, t in found], scalars=scalars)]
-
-
-# ---- disk -------------------------------------------------------------------------------------------------------
-def temporary_path(path: str | os.PathLike[str]) -> Path:
-    """Where :func:`save_snapshot` writes before the rename: a hidden name that never looks like a snapshot."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def temporary_target(path: str | os.PathLike[str]) -> Path | None:
-    """The file that a temporary file of :func:`save_snapshot` was written for, or ``None`` when ``path`` is not
-    one (the inverse of :func:`temporary_path`, for any process id).
-
-    Example:
-        >>> temporary_target("/runs/.rollback-step=12.pt.tmp-4242").name
-        'rollback-step=12.pt'
-        >>> temporary_target("/runs/rollback-step=12.pt") is None
-        True
-    """
-    path = Path(path)
-    match = _TEMPORARY.fullmatch(path.name)
-    return None if match is None else path.with_name(match["name"])
-
-
-def save_snapshot(payload: Any, path: str | os.PathLike[str], *, step: int) -> Path:
-    """Write a snapshot to ``path`` atomically: a temporary file, flushed to disk, then renamed over ``path``.
-
-    A crash at any point leaves either no file at ``path`` or a previous complete one, never a partial file: the
-    rename is atomic on POSIX and Windows filesystems. On an error the temporary file is removed; after a hard kill
-    it stays behind under its hidden name (:func:`temporary_path`), which no loader takes for a snapshot.
-
-    Args:
-        payload: what to save: primitives and tensors only, so that ``torch.load(weights_only=True)`` reads it.
-        path: the file to write.
-        step: the training step the snapshot belongs to, stored beside the payload.
-
-    Returns:
-        ``path``.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_path(path)
-    synchronize()  # the host reads the buffers now: pending device-to-host copies must be done
-    record = {"format": SNAPSHOT_FORMAT, "version": _VERSION, "step": int(step), "payload": payload}
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_directory(path.parent)
-    return path
-
-
-def load_snapshot(path: str | os.PathLike[str]) -> tuple[int, Any]:
-    """Read a snapshot written by :func:`save_snapshot`, with ``torch.load(weights_only=True)``, onto the CPU.
-
-    Returns:
-        ``(step, payload)``.
-
-    Raises:
-        SnapshotError: the file is missing, truncated, corrupt, or not a snapshot of this format.
-    """
-    try:
-        record = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, bad pickle, missing file: all mean "not usable"
-        raise SnapshotError(f"{path} is not a readable snapshot ({type(err).__name__}: {err})") from err
-    if not isinstance(record, dict) or record.get("format") != SNAPSHOT_FORMAT or "payload" not in record:
-        raise SnapshotError(f"{path} is not a {SNAPSHOT_FORMAT} file")
-    if record.get("version") != _VERSION or not isinstance(record.get("step"), int):
-        raise SnapshotError(f"{path} has an unsupported version or no step ({record.get('version')!r})")
-    return record["step"], record["payload"]
 
 
 # ---- internals --------------------------------------------------------------------------------------------------
@@ -432,13 +403,3 @@ def _visit(node: Any, path: str, fn: Any) -> None:
     elif isinstance(node, (list, tuple)):
         for i, value in enumerate(node):
             _visit(value, f"{path}.{i}" if path else str(i), fn)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

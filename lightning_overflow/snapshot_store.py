@@ -1,0 +1,379 @@
+"""Where rollback snapshots are kept: a ring of host buffers in memory, and checksummed files on any filesystem.
+
+Memory (:class:`SnapshotRing`). The last ``keep`` snapshots, each a host copy of the training state. When the ring
+is full, the next snapshot is copied into the buffers of the oldest one: after the first ``keep`` snapshots no host
+memory is allocated again, and a copy into memory already touched runs about three times as fast as into fresh
+pages. A snapshot is only taken of a state verified finite, so the buffers are overwritten by a good state only.
+
+Files (:class:`SnapshotFiles`, :func:`save_snapshot`, :func:`load_snapshot`). Each file is one ``torch.save`` record,
+readable with ``torch.load(weights_only=True)``::
+
+    {"format": "lightning_overflow.snapshot", "version": 2, "step": 12, "sha256": "<hex>", "payload": {...}}
+
+``sha256`` is a digest of the step and the payload's content (every tensor's dtype, shape and bytes, every plain
+value, every key, in order). :func:`load_snapshot` recomputes it: a file whose bytes changed after it was written (one
+float overwritten, which ``torch.load`` itself does not notice) is refused with :class:`SnapshotError`. Paths go
+through fsspec, the way Lightning's own ``ModelCheckpoint`` writes (``get_filesystem``): a local directory, or
+``s3://``, ``gs://``, ``memory://`` and any other protocol fsspec knows. A file is written under a hidden temporary
+name in the same directory (flushed to disk on a local filesystem) and then moved over its final name, so a crash
+leaves either no file or a complete previous one; a temporary file left by a killed process never looks like a
+snapshot (:func:`temporary_target` recognises it for cleaning).
+
+Example:
+    >>> ring = SnapshotRing(keep=2)
+    >>> for step in (2, 4, 6):
+    ...     _ = ring.take(step, {"w": torch.full((3,), float(step))}, extras={})
+    >>> ring.steps
+    [4, 6]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning_fabric.utilities.cloud_io import get_filesystem
+from torch import Tensor
+
+from lightning_overflow.numerics.snapshots import SnapshotError, synchronize, take_snapshot
+
+__all__ = [
+    "SNAPSHOT_FORMAT",
+    "SNAPSHOT_NAME",
+    "Snapshot",
+    "SnapshotError",
+    "SnapshotFiles",
+    "SnapshotRing",
+    "content_digest",
+    "load_snapshot",
+    "save_snapshot",
+    "snapshot_name",
+    "temporary_path",
+    "temporary_target",
+]
+
+SNAPSHOT_FORMAT = "lightning_overflow.snapshot"
+SNAPSHOT_NAME = "rollback-step={step}.pt"
+_VERSION = 2  # 2: with a content digest
+_SNAPSHOT_FILE = re.compile(re.escape(SNAPSHOT_NAME).replace(re.escape("{step}"), r"\d+"))  # any step
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp-\d+")  # the names temporary_path gives
+
+
+# ---- memory -----------------------------------------------------------------------------------------------------
+@dataclass
+class Snapshot:
+    """One rollback target.
+
+    Attributes:
+        step: the ``global_step`` it was taken at.
+        state: the host copy of the training state, or ``None`` for a file not read yet (one listed by a checkpoint
+            written before a restart).
+        extras: what the suite's callbacks keep beside it (primitives).
+        file: its file name in the snapshot directory, once written (or listed).
+    """
+
+    step: int
+    state: dict[str, Any] | None
+    extras: dict[str, Any] = field(default_factory=dict)
+    file: str | None = None
+
+
+class SnapshotRing:
+    """The last ``keep`` snapshots in host memory, oldest first; the oldest's buffers hold the next one.
+
+    Args:
+        keep: how many snapshots to keep (at least 1).
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.snapshots: list[Snapshot] = []
+
+    @property
+    def steps(self) -> list[int]:
+        return [snapshot.step for snapshot in self.snapshots]
+
+    def take(self, step: int, state: Any, extras: dict[str, Any]) -> Snapshot:
+        """Copy ``state`` (live tensors) into the ring as the newest snapshot; a snapshot of the same step is
+        replaced. Asynchronous on a GPU (see :func:`~lightning_overflow.numerics.snapshots.take_snapshot`)."""
+        reuse = self.snapshots.pop(0).state if len(self.snapshots) >= self.keep else None
+        snapshot = Snapshot(step, take_snapshot(state, reuse), extras)
+        self.snapshots = [s for s in self.snapshots if s.step != step] + [snapshot]
+        return snapshot
+
+    def discard(self, snapshot: Snapshot) -> None:
+        self.snapshots = [s for s in self.snapshots if s is not snapshot]
+
+    def clear(self) -> None:
+        self.snapshots = []
+
+
+# ---- files ------------------------------------------------------------------------------------------------------
+def snapshot_name(step: int) -> str:
+    """The file name of the snapshot of ``step``: ``rollback-step=<step>.pt``."""
+    return SNAPSHOT_NAME.format(step=int(step))
+
+
+class SnapshotFiles:
+    """A directory of snapshot files, local or remote (any fsspec URL).
+
+    Args:
+        dirpath: the directory (created when needed).
+
+    Example:
+        >>> files = SnapshotFiles("memory://doc-snapshots")
+        >>> files.problem()
+        ''
+        >>> files.write(snapshot_name(3), {"w": torch.ones(2)}, step=3)
+        >>> files.read(snapshot_name(3))[0]
+        3
+        >>> files.remove(snapshot_name(3))
+    """
+
+    def __init__(self, dirpath: str | os.PathLike[str]) -> None:
+        self.dirpath = os.fspath(dirpath)
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem of :attr:`dirpath` (looked up on use: the store pickles as its path)."""
+        return get_filesystem(self.dirpath)
+
+    def __repr__(self) -> str:
+        return f"SnapshotFiles({self.dirpath!r})"
+
+    def path(self, name: str) -> str:
+        return _join(self.fs, self.dirpath, name)
+
+    def problem(self) -> str:
+        """Why snapshots cannot be written to this directory, or ``""``: it is a file, lies under a file, or a probe
+        file cannot be written and removed there. Creates the directory."""
+        if self.fs.isfile(self.dirpath):
+            return "it is an existing file"
+        if isinstance(self.fs, LocalFileSystem):
+            for parent in Path(self.dirpath).absolute().parents:
+                if parent.is_file():
+                    return f"it lies under the file {parent}"
+        probe = self.path(f".rollback-probe.tmp-{os.getpid()}")
+        try:
+            self.fs.makedirs(self.dirpath, exist_ok=True)
+            with self.fs.open(probe, "wb") as f:
+                f.write(b"probe")
+            self.fs.rm(probe)
+        except Exception as err:  # permission, read-only filesystem, credentials: all mean "cannot write here"
+            return f"it cannot be written ({type(err).__name__}: {err})"
+        return ""
+
+    def write(self, name: str, payload: Any, *, step: int) -> None:
+        """Write a snapshot file atomically (see :func:`save_snapshot`)."""
+        save_snapshot(payload, self.path(name), step=step)
+
+    def read(self, name: str) -> tuple[int, Any]:
+        """Read and verify a snapshot file (see :func:`load_snapshot`)."""
+        return load_snapshot(self.path(name))
+
+    def read_checked(self, name: str, step: int, check: Callable[[Any], str]) -> tuple[Any, dict[str, Any], str]:
+        """Read a snapshot file and verify it: readable, its digest, its step, then ``check(state)`` (``""`` when
+        the state is usable, else why not). Never raises: the file is untrusted, and whatever it holds, the caller
+        must go on (every rank reaches the same collective after this).
+
+        Returns:
+            ``(state, extras, "")``, or ``(None, extras, why it cannot be used)``.
+        """
+        extras: dict[str, Any] = {}
+        try:
+            found, payload = self.read(name)
+            state, extras = payload["state"], dict(payload.get("extras", {}))
+            problem = f"it holds the snapshot of step {found}, not {step}" if found != step else check(state)
+        except Exception as err:  # a bad pickle, a missing key, a tensor where a dict belongs: all mean "unusable"
+            return None, extras, str(err) if isinstance(err, SnapshotError) else f"{type(err).__name__}: {err}"
+        return (None if problem else state), extras, problem
+
+    def remove(self, name: str) -> None:
+        """Remove a file if it is there (a missing file, or one that cannot be removed, is no error)."""
+        with contextlib.suppress(Exception):
+            path = self.path(name)
+            if self.fs.exists(path):
+                self.fs.rm(path)
+
+    def remove_temporaries(self) -> list[str]:
+        """Remove the temporary files a killed process left for snapshot files; their names."""
+        if not self.fs.isdir(self.dirpath):
+            return []
+        removed = []
+        for entry in self.fs.ls(self.dirpath, detail=False):
+            name = _split(str(entry).rstrip("/"))[1]
+            target = temporary_target(name)
+            if target is not None and _SNAPSHOT_FILE.fullmatch(target):
+                self.remove(name)
+                removed.append(name)
+        return removed
+
+
+def temporary_path(path: str | os.PathLike[str]) -> str:
+    """Where :func:`save_snapshot` writes before the move: a hidden name beside ``path`` that never looks like a
+    snapshot.
+
+    Example:
+        >>> temporary_path("memory://runs/rollback-step=12.pt").startswith("memory://runs/.rollback-step=12.pt.tmp-")
+        True
+    """
+    head, name = _split(os.fspath(path))
+    return f"{head}.{name}.tmp-{os.getpid()}"
+
+
+def temporary_target(path: str | os.PathLike[str]) -> str | None:
+    """The file name that a temporary file of :func:`save_snapshot` was written for, or ``None`` when ``path`` is
+    not one (the inverse of :func:`temporary_path`, for any process id).
+
+    Example:
+        >>> temporary_target("/runs/.rollback-step=12.pt.tmp-4242")
+        'rollback-step=12.pt'
+        >>> temporary_target("/runs/rollback-step=12.pt") is None
+        True
+    """
+    match = _TEMPORARY.fullmatch(_split(os.fspath(path))[1])
+    return None if match is None else match["name"]
+
+
+def save_snapshot(payload: Any, path: str | os.PathLike[str], *, step: int) -> str:
+    """Write a snapshot file: a temporary file beside ``path``, flushed to disk (locally), then moved over ``path``.
+
+    A crash at any point leaves either no file at ``path`` or a previous complete one (the move is a rename on a
+    local filesystem). On an error the temporary file is removed; after a hard kill it stays behind under its hidden
+    name (:func:`temporary_path`), which no loader takes for a snapshot.
+
+    Args:
+        payload: what to save: primitives and tensors only, so that ``torch.load(weights_only=True)`` reads it.
+        path: the file to write: a local path or an fsspec URL.
+        step: the training step the snapshot belongs to, stored beside the payload and in its digest.
+
+    Returns:
+        ``path`` as a string.
+    """
+    path = os.fspath(path)
+    fs = get_filesystem(path)
+    tmp = temporary_path(path)
+    synchronize()  # the host reads the buffers now: pending device-to-host copies must be done
+    record = {
+        "format": SNAPSHOT_FORMAT,
+        "version": _VERSION,
+        "step": int(step),
+        "sha256": content_digest(int(step), payload),
+        "payload": payload,
+    }
+    head = _split(path)[0].rstrip("/" + os.sep)
+    if head:
+        fs.makedirs(head, exist_ok=True)
+    try:
+        with fs.open(tmp, "wb") as f:
+            torch.save(record, f)
+            if isinstance(fs, LocalFileSystem):
+                f.flush()
+                os.fsync(f.fileno())
+        fs.mv(tmp, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        raise
+    if isinstance(fs, LocalFileSystem) and head:
+        _fsync_directory(head)
+    return path
+
+
+def load_snapshot(path: str | os.PathLike[str]) -> tuple[int, Any]:
+    """Read a snapshot written by :func:`save_snapshot` onto the CPU (``torch.load(weights_only=True)``) and verify
+    its digest.
+
+    Returns:
+        ``(step, payload)``.
+
+    Raises:
+        SnapshotError: the file is missing, truncated, unreadable, not a snapshot of this format and version, or its
+            content does not match its digest.
+    """
+    path = os.fspath(path)
+    try:
+        with get_filesystem(path).open(path, "rb") as f:
+            record = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated zip, bad pickle, missing file: all mean "not usable"
+        raise SnapshotError(f"{path} is not a readable snapshot ({type(err).__name__}: {err})") from err
+    if not isinstance(record, dict) or record.get("format") != SNAPSHOT_FORMAT or "payload" not in record:
+        raise SnapshotError(f"{path} is not a {SNAPSHOT_FORMAT} file")
+    step = record.get("step")
+    if record.get("version") != _VERSION or not isinstance(step, int) or not isinstance(record.get("sha256"), str):
+        version = record.get("version")
+        raise SnapshotError(f"{path} has an unsupported version, no step or no digest (version {version!r})")
+    digest = content_digest(step, record["payload"])
+    if digest != record["sha256"]:
+        raise SnapshotError(
+            f"{path} does not match its checksum (sha256 {record['sha256'][:16]}... written, {digest[:16]}... read): "
+            f"its bytes changed after it was written"
+        )
+    return step, record["payload"]
+
+
+def content_digest(step: int, payload: Any) -> str:
+    """The sha256 of a snapshot's step and content: every key, plain value, and tensor dtype, shape and bytes, in
+    order. Equal for a payload and what ``torch.load`` reads back from its file.
+
+    Example:
+        >>> a = content_digest(1, {"w": torch.zeros(2)})
+        >>> a == content_digest(1, {"w": torch.zeros(2)}), a == content_digest(1, {"w": torch.tensor([0.0, 1e-45])})
+        (True, False)
+    """
+    digest = hashlib.sha256(f"step={int(step)};".encode())
+    _feed(digest, payload)
+    return digest.hexdigest()
+
+
+# ---- internals --------------------------------------------------------------------------------------------------
+def _feed(digest: Any, node: Any) -> None:
+    if isinstance(node, Tensor):
+        tensor = node.detach()
+        if tensor.layout != torch.strided:
+            tensor = tensor.to_dense()
+        tensor = tensor.cpu().contiguous()
+        digest.update(f"tensor {tensor.dtype} {tuple(tensor.shape)};".encode())
+        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    elif isinstance(node, Mapping):
+        digest.update(f"map {len(node)};".encode())
+        for key, value in node.items():
+            digest.update(f"key {key!r};".encode())
+            _feed(digest, value)
+    elif isinstance(node, (list, tuple)):
+        digest.update(f"{type(node).__name__} {len(node)};".encode())
+        for value in node:
+            _feed(digest, value)
+    else:
+        digest.update(f"{type(node).__name__} {node!r};".encode())
+
+
+def _split(path: str) -> tuple[str, str]:
+    """``(directory with its trailing separator, file name)``, for local paths and URLs alike."""
+    cut = max(path.rfind("/"), path.rfind(os.sep)) + 1
+    return path[:cut], path[cut:]
+
+
+def _join(fs: Any, directory: str, name: str) -> str:
+    if isinstance(fs, LocalFileSystem):
+        return os.path.join(directory, name)
+    return f"{directory.rstrip('/')}/{name}"
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,430 @@
+"""The live training state of a Lightning fit: read it, verify it finite, restore it, guard the checkpoints it goes to.
+
+The *training state* is what a rollback puts back: the LightningModule's whole ``state_dict`` (parameters, floating
+and integer buffers, the values of ``get_extra_state``), every optimizer's state (moments, step counts, param-group
+hyperparameters), every LR scheduler's state and the precision plugin's (the GradScaler). This module knows no board
+and no callback: it reads and writes a trainer's state and answers questions about it.
+
+The one finiteness check of a training state lives here (:func:`nonfinite_flags` on the device, :func:`check_state`
+across ranks, :func:`nonfinite_parts` for the names). Its rule:
+
+- parameters and optimizer state (moments, not the 0-d step counters) are non-finite when they hold inf or NaN,
+  read through each tensor's largest magnitude, which cannot overflow while the values are finite (see
+  :mod:`lightning_overflow.numerics.snapshots`);
+- buffers and extra-state tensors may hold non-finite *constants*: a causal-attention mask registered as a buffer
+  holds ``-inf`` above the diagonal (``register_buffer("mask", torch.triu(torch.full((n, n), -inf), 1))``, the
+  nanoGPT pattern). :class:`NonFiniteConstants` records, when the fit starts, where each buffer holds ``+inf`` and
+  ``-inf`` (two boolean masks, only for the buffers that hold any; most hold none). Later a buffer is non-finite when
+  it holds NaN, or an inf where it held none at the start, or of the other sign. BatchNorm's running statistics hold
+  no inf at the start, so they stay strictly checked.
+
+The checkpoint guard (:class:`CheckpointGuard`). Every Lightning writer of checkpoints (``ModelCheckpoint`` in all its
+modes, ``OnExceptionCheckpoint``, a user's own call) goes through ``Trainer.save_checkpoint``, which Lightning
+requires on every rank. ``ModelCheckpoint(save_weights_only=True)`` does not call the callbacks'
+``on_save_checkpoint`` on the way, and the strategy's ``CheckpointIO`` writes on rank 0 alone, where a check that
+needs every rank's verdict would hang the others. So the guard wraps ``save_checkpoint`` of one trainer instance:
+before the checkpoint is assembled, on every rank together, it calls a function (Rollback's: check the state, roll
+back when it is not finite), then delegates to the trainer's own method. It is installed in ``setup`` and removed in
+``teardown``; nothing else on the trainer changes.
+
+Example:
+    >>> module = torch.nn.Linear(2, 2)
+    >>> module.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+    >>> constants = NonFiniteConstants.record(module.state_dict(), ["weight", "bias"])
+    >>> constants.paths
+    ['mask']
+    >>> nonfinite_parts(module.state_dict(), [], constants)
+    ([], [])
+    >>> module.mask[0] = float("-inf")  # an inf where the fit started with none
+    >>> nonfinite_parts(module.state_dict(), [], constants)
+    (['mask'], [])
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_overflow.distributed import flags_by_rank
+from lightning_overflow.numerics.snapshots import (
+    clone_state,
+    group_sizes,
+    named_state_tensors,
+    nonfinite_flag,
+    nonfinite_indices,
+    restore_optimizer_,
+    restore_state_,
+    state_difference,
+    state_tensors,
+    synchronize,
+)
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = [
+    "STATE_PARTS",
+    "CheckpointGuard",
+    "NonFiniteConstants",
+    "StateCheck",
+    "check_state",
+    "live_state",
+    "nonfinite_flags",
+    "nonfinite_parts",
+    "optimizer_labels",
+    "restorable",
+    "restore_",
+    "restore_module_",
+]
+
+STATE_PARTS = ("model", "optimizers", "schedulers", "precision")
+"""The keys of a training state as :func:`live_state` returns it."""
+
+_EXTRA_STATE = "_extra_state"  # the key torch gives the value of ``get_extra_state`` (Module._EXTRA_STATE_KEY_SUFFIX)
+
+
+# ---- reading and restoring --------------------------------------------------------------------------------------
+def live_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """The training state of ``trainer`` as live ``state_dict`` s: their tensors are the live ones (no copy).
+
+    Returns:
+        ``{"model": ..., "optimizers": [...], "schedulers": [...], "precision": ...}`` (see :data:`STATE_PARTS`).
+    """
+    strategy = trainer.strategy
+    return {
+        "model": strategy.lightning_module_state_dict(),
+        "optimizers": [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers],
+        "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "precision": trainer.precision_plugin.state_dict(),
+    }
+
+
+def restorable(trainer: pl.Trainer, state: Any) -> str:
+    """Why ``state`` cannot be restored into ``trainer``, or ``""`` when it can.
+
+    It can when it is a training state of this model (same parameters and buffers, the same extra-state entries),
+    with one state per optimizer and per scheduler, and each optimizer's param groups are those of the snapshot,
+    or more (groups added since, see :func:`~lightning_overflow.numerics.snapshots.restore_optimizer_`).
+    """
+    if not isinstance(state, Mapping) or not set(STATE_PARTS) <= state.keys():
+        return f"it is not a training state (a mapping of {', '.join(STATE_PARTS)})"
+    optimizers, schedulers = state["optimizers"], state["schedulers"]
+    if len(optimizers) != len(trainer.optimizers):
+        return f"it holds {len(optimizers)} optimizer state(s), the fit has {len(trainer.optimizers)} optimizer(s)"
+    if len(schedulers) != len(trainer.lr_scheduler_configs):
+        return f"it holds {len(schedulers)} scheduler state(s), the fit has {len(trainer.lr_scheduler_configs)}"
+    for index, (optimizer, saved) in enumerate(zip(trainer.optimizers, optimizers)):
+        live_sizes, saved_sizes = group_sizes(optimizer.param_groups), group_sizes(saved["param_groups"])
+        if live_sizes[: len(saved_sizes)] != saved_sizes:
+            return (
+                f"optimizer {index} has param groups of {live_sizes} parameters, the snapshot {saved_sizes}: "
+                f"it belongs to another model or optimizer"
+            )
+    difference = _module_difference(trainer.lightning_module.state_dict(), state["model"])
+    return f"the model state differs ({difference})" if difference else ""
+
+
+def restore_(trainer: pl.Trainer, state: Mapping[str, Any]) -> None:
+    """Put a training state back into ``trainer``, copying into the live tensors (never aliasing ``state``).
+
+    Check it first with :func:`restorable`. The gradients are cleared afterwards (``set_to_none``).
+    """
+    synchronize()  # the host deep-copies parts of the snapshot: its device-to-host copies must have landed
+    restore_module_(trainer.lightning_module, state["model"])
+    for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
+        restore_optimizer_(optimizer, saved)
+    for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+        config.scheduler.load_state_dict(copy.deepcopy(saved))  # schedulers keep what they load: copy first
+    if state["precision"]:
+        trainer.precision_plugin.load_state_dict(copy.deepcopy(state["precision"]))
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def restore_module_(module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
+    """Restore a module's whole ``state_dict`` from a snapshot of it: parameters and buffers copied in place, each
+    ``get_extra_state`` value handed to its module's ``set_extra_state`` (as a clone).
+
+    Copying into ``module.state_dict()`` alone would miss the extra state: ``get_extra_state`` returns a new object,
+    and a copy into it changes nothing. A snapshot of another layout is loaded from a clone instead.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 1)
+        >>> saved = clone_state(layer.state_dict())
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.fill_(float("nan"))
+        >>> restore_module_(layer, saved)
+        >>> bool(torch.equal(layer.weight, saved["weight"]))
+        True
+    """
+    live = module.state_dict()
+    if _module_difference(live, saved):
+        module.load_state_dict(clone_state(saved))
+        return
+    restore_state_(_tensor_entries(live), _tensor_entries(saved))
+    for key, value in saved.items():
+        if _is_extra_state(key):
+            owner = module.get_submodule(key[: -len(_EXTRA_STATE)].rstrip("."))
+            owner.set_extra_state(clone_state(value))
+
+
+# ---- finiteness -------------------------------------------------------------------------------------------------
+class NonFiniteConstants:
+    """Where the buffers of a module state held ``+inf`` and ``-inf`` when they were recorded.
+
+    Attributes:
+        paths: the dotted state paths of the tensors that held an inf (most modules have none).
+
+    Use :meth:`record` at the start of the fit; :func:`nonfinite_flags` then accepts those infs where they were,
+    and nowhere else. Parameters are never recorded: they stay strictly checked.
+    """
+
+    def __init__(self, patterns: Mapping[str, tuple[Tensor, Tensor]] | None = None) -> None:
+        self._patterns = dict(patterns or {})
+
+    @classmethod
+    def record(cls, model_state: Mapping[str, Any], parameter_names: Iterable[str]) -> NonFiniteConstants:
+        """Record the inf positions of every floating-point tensor of ``model_state`` that is no parameter.
+
+        One host read for all tensors, and two boolean masks kept for each tensor that holds an inf.
+
+        Args:
+            model_state: a module's ``state_dict()`` (extra-state values are walked too).
+            parameter_names: the state keys of the parameters (``named_parameters(remove_duplicate=False)``).
+        """
+        parameters = set(parameter_names)
+        candidates = [
+            (path, t.detach())
+            for path, t in named_state_tensors(model_state)
+            if path not in parameters and t.is_floating_point() and t.numel() > 0 and t.device.type != "meta"
+        ]
+        if not candidates:
+            return cls()
+        device = candidates[0][1].device
+        holds_inf = torch.stack([torch.isinf(t).any().to(device) for _, t in candidates]).tolist()
+        held = [(path, t) for (path, t), inf in zip(candidates, holds_inf) if inf]
+        return cls({path: (torch.isposinf(t), torch.isneginf(t)) for path, t in held})
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module) -> NonFiniteConstants:
+        """:meth:`record` for a module's own state."""
+        names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+        return cls.record(module.state_dict(), names)
+
+    @property
+    def paths(self) -> list[str]:
+        return list(self._patterns)
+
+    def without_constants(self, path: str, tensor: Tensor) -> Tensor:
+        """``tensor`` with its recorded infs set to 0 (no host read); ``tensor`` itself when it has none recorded.
+
+        An inf of the recorded sign at a recorded position is a constant; NaN, an inf elsewhere or of the other
+        sign stay, and the finiteness check sees them.
+        """
+        pattern = self._patterns.get(path)
+        if pattern is None or pattern[0].shape != tensor.shape:
+            return tensor
+        positive, negative = (mask.to(tensor.device) for mask in pattern)
+        known = (positive & (tensor == float("inf"))) | (negative & (tensor == float("-inf")))
+        return tensor.detach().masked_fill(known, 0)
+
+
+@dataclass(frozen=True)
+class StateCheck:
+    """Which ranks hold non-finite weights (parameters and buffers) or optimizer state, and this rank's offenders.
+
+    Identical on every rank but for the names, which are local (a rank whose state is finite lists none).
+    """
+
+    weight_ranks: tuple[int, ...]
+    state_ranks: tuple[int, ...]
+    weight_names: tuple[str, ...] = ()
+    state_names: tuple[str, ...] = ()
+
+    @property
+    def finite(self) -> bool:
+        return not self.weight_ranks and not self.state_ranks
+
+    @property
+    def what(self) -> str:
+        """``"weights"`` or ``"optimizer state"``: the part to name in a message (the weights first)."""
+        return "weights" if self.weight_ranks else "optimizer state"
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks of :attr:`what`."""
+        return self.weight_ranks or self.state_ranks
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.weight_names, *self.state_names]
+
+
+def nonfinite_flags(
+    model_state: Mapping[str, Any], optimizer_states: Sequence[Any], constants: NonFiniteConstants | None = None
+) -> tuple[Tensor, Tensor]:
+    """Two 0-d float64 device flags, ``1.0`` where the model state, and the optimizer states, hold inf/NaN by the
+    rule of this module. No host read.
+
+    Args:
+        model_state: a module's ``state_dict()`` (the live one costs no copy), a snapshot or file of it.
+        optimizer_states: ``optimizer.state_dict()`` of each optimizer (0-d entries, the step counters, are left
+            out).
+        constants: the buffers' legitimate infs (default: none, every inf is non-finite).
+    """
+    constants = constants or NonFiniteConstants()
+    weights = [constants.without_constants(path, t) for path, t in named_state_tensors(model_state)]
+    return nonfinite_flag(weights), nonfinite_flag(state_tensors(list(optimizer_states)), scalars=False)
+
+
+def nonfinite_parts(
+    model_state: Mapping[str, Any],
+    optimizer_states: Sequence[Any],
+    constants: NonFiniteConstants | None = None,
+    labels: Sequence[Sequence[str]] | None = None,
+) -> tuple[list[str], list[str]]:
+    """The names of the tensors that hold inf/NaN on this rank, by the rule of :func:`nonfinite_flags`: model state
+    paths (``"net.0.weight"``, ``"bn.running_var"``) and optimizer state labels (``"net.0.weight.exp_avg_sq"``
+    with ``labels``, ``"state.0.exp_avg_sq"`` without). One host read; for messages, off the hot path.
+
+    Args:
+        labels: for each optimizer, its parameter names in ``state_dict`` order (see :func:`optimizer_labels`).
+    """
+    constants = constants or NonFiniteConstants()
+    weights = named_state_tensors(model_state)
+    moments = [
+        (_label(path, labels[i] if labels is not None and i < len(labels) else None), t)
+        for i, state in enumerate(optimizer_states)
+        for path, t in named_state_tensors(state)
+    ]
+    checked = [constants.without_constants(path, t) for path, t in weights]
+    weight_names = [weights[i][0] for i in nonfinite_indices(checked)]
+    state_names = [moments[i][0] for i in nonfinite_indices([t for _, t in moments], scalars=False)]
+    return weight_names, state_names
+
+
+def check_state(
+    model_state: Mapping[str, Any],
+    optimizer_states: Sequence[Any],
+    constants: NonFiniteConstants | None,
+    device: torch.device | str,
+    labels: Callable[[], Sequence[Sequence[str]]] | None = None,
+) -> StateCheck:
+    """Check a training state on every rank together: one all-reduce of two flags per rank, one host read; the
+    names (a second read) only when some rank holds inf/NaN.
+
+    Entered on every rank at the same point (the caller decides from values identical on all ranks).
+
+    Args:
+        device: where the flags are reduced (the strategy's root device).
+        labels: returns the parameter names of :func:`nonfinite_parts` (called only when there is something to
+            name, e.g. ``lambda: optimizer_labels(module, optimizers)``).
+    """
+    weights, moments = nonfinite_flags(model_state, optimizer_states, constants)
+    weight_ranks, state_ranks = flags_by_rank([weights, moments], device)
+    if not weight_ranks and not state_ranks:
+        return StateCheck((), ())
+    names = labels() if labels is not None else None
+    weight_names, state_names = nonfinite_parts(model_state, optimizer_states, constants, names)
+    return StateCheck(weight_ranks, state_ranks, tuple(weight_names), tuple(state_names))
+
+
+def optimizer_labels(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[list[str]]:
+    """For each optimizer, the names of its parameters in ``state_dict`` order (for :func:`nonfinite_parts`)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [
+        [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for group in optimizer.param_groups for p in group["params"]]
+        for optimizer in optimizers
+    ]
+
+
+# ---- the checkpoint guard ---------------------------------------------------------------------------------------
+class CheckpointGuard:
+    """Call ``before_save(trainer)`` before every ``trainer.save_checkpoint(...)`` of one trainer, on every rank.
+
+    ``before_save`` runs before the checkpoint is assembled, so what it changes (a rollback) is what gets written;
+    when it raises, nothing is written. The trainer's own ``save_checkpoint`` (a subclass's too) does the writing.
+
+    Args:
+        trainer: the trainer whose saves to guard (held weakly).
+        before_save: called with the trainer; entered on every rank together, as ``save_checkpoint`` is.
+
+    Attributes:
+        saving: ``True`` while a guarded save runs (so that a callback's ``on_save_checkpoint`` knows the state was
+            just checked).
+
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> trainer = pl.Trainer(logger=False, enable_checkpointing=False)
+        >>> guard = CheckpointGuard(trainer, lambda trainer: None)
+        >>> trainer.save_checkpoint is guard
+        True
+        >>> guard.remove()
+        >>> trainer.save_checkpoint is guard
+        False
+    """
+
+    def __init__(self, trainer: pl.Trainer, before_save: Callable[[pl.Trainer], None]) -> None:
+        self._trainer = weakref.ref(trainer)
+        self._before_save = before_save
+        self._inner = vars(trainer).get("save_checkpoint")  # another guard already there keeps working
+        self.saving = False
+        trainer.save_checkpoint = self  # type: ignore[method-assign]
+
+    def __call__(self, filepath: Any, weights_only: bool | None = None, storage_options: Any | None = None) -> None:
+        trainer = self._trainer()
+        if trainer is None:
+            raise RuntimeError("the trainer of this checkpoint guard is gone")
+        self._before_save(trainer)
+        save = self._inner if self._inner is not None else type(trainer).save_checkpoint.__get__(trainer)
+        self.saving = True
+        try:
+            save(filepath, weights_only=weights_only, storage_options=storage_options)
+        finally:
+            self.saving = False
+
+    def remove(self) -> None:
+        """Give the trainer its own ``save_checkpoint`` back (what was there before the guard)."""
+        trainer = self._trainer()
+        if trainer is None or vars(trainer).get("save_checkpoint") is not self:
+            return
+        if self._inner is None:
+            del trainer.save_checkpoint
+        else:
+            trainer.save_checkpoint = self._inner  # type: ignore[method-assign]
+
+
+# ---- internals --------------------------------------------------------------------------------------------------
+def _is_extra_state(key: str) -> bool:
+    return key == _EXTRA_STATE or key.endswith("." + _EXTRA_STATE)
+
+
+def _tensor_entries(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in state.items() if not _is_extra_state(key)}
+
+
+def _module_difference(live: Mapping[str, Any], saved: Any) -> str:
+    """Where a module snapshot cannot be restored in place: tensors by :func:`state_difference`, extra state by key
+    (its values may change shape freely: they are handed to ``set_extra_state``)."""
+    if not isinstance(saved, Mapping):
+        return f"a {type(saved).__name__}, not a state_dict"
+    extra_live = sorted(key for key in live if _is_extra_state(key))
+    extra_saved = sorted(str(key) for key in saved if _is_extra_state(str(key)))
+    if extra_live != extra_saved:
+        return f"extra state of {extra_saved} in the snapshot, of {extra_live} in the model"
+    return state_difference(_tensor_entries(live), _tensor_entries(saved))
+
+
+def _label(path: str, names: Sequence[str] | None) -> str:
+    """``state.<index>.<key>`` as ``<parameter name>.<key>`` when the names are known."""
+    parts = path.split(".", 2)
+    if names is None or len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
+        return path
+    index = int(parts[1])
+    return f"{names[index]}.{parts[2]}" if index < len(names) else path

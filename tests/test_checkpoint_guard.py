@@ -1,0 +1,277 @@
+"""No checkpoint with inf/NaN in any mode, and no rescuable run killed by the guard: roll back first, then save."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, fit, make_trainer, weights
+from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from typing_extensions import override
+
+from lightning_overflow._compat import Callback
+from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
+from lightning_overflow.callbacks.rollback import Rollback
+from lightning_overflow.exceptions import NonFiniteError
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+from lightning_overflow.training_state import CheckpointGuard
+
+
+class WeightsAt(Callback):
+    """Records the weights when training starts and at the end of every batch (put it after Rollback)."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, torch.Tensor]] = {}
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.at[trainer.global_step] = weights(pl_module)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.at[trainer.global_step] = weights(pl_module)
+
+
+def finite(tensors: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+
+
+def saved(path: Path) -> dict[str, Any]:
+    return torch.load(path, weights_only=True)
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("*.ckpt"))
+
+
+def kinds(trainer: pl.Trainer, rollback: Rollback) -> list[str]:
+    return [e.kind for e in rollback.board(trainer).journal.events]
+
+
+def nan_grad(step: int) -> FaultInjector:
+    """One NaN in ``net.0.weight``'s gradient: with no step skipped, the update itself writes NaN into that weight."""
+    return FaultInjector(Fault(step=step, kind="nan_grad", parameter="net.0.weight"))
+
+
+# ---- save_weights_only: no callback hook, still no NaN file -----------------------------------------------------
+def test_weights_only_checkpoint_at_a_nan_step_is_rolled_back_first(tmp_path: Path) -> None:
+    """``save_weights_only=True`` calls no callback's ``on_save_checkpoint``. No detector, no snapshot due: only the
+    guard sees the NaN weight of step 5 when the file of step 6 is about to be written."""
+    rollback, probe = Rollback(every_n_steps=100), WeightsAt()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, save_weights_only=True)
+    faults = FaultInjector(Fault(step=5, kind="nan_weight"))
+    trainer = fit(TinyRegressor(), [rollback, probe, faults, checkpoints], max_steps=9, enable_checkpointing=True)
+
+    assert rollback.history == [
+        {"step": 6, "reason": "nonfinite_state", "trigger_step": 6, "snapshot_step": 0, "source": "memory"}
+    ]
+    assert names(tmp_path) == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "epoch=1-step=9.ckpt"]
+    at_six = saved(tmp_path / "epoch=0-step=6.ckpt")
+    assert "optimizer_states" not in at_six and "callbacks" not in at_six  # weights only, indeed
+    assert_bit_identical(dict(at_six["state_dict"]), probe.at[0])  # the snapshot the fit started from
+    for name in names(tmp_path):
+        assert finite(saved(tmp_path / name)["state_dict"]), name
+    assert trainer.global_step == 9 and finite(weights(trainer.lightning_module))
+    assert kinds(trainer, rollback) == ["rollback"]
+    assert rollback.board(trainer).journal.events[0].message == (
+        "Rollback: restored the snapshot of step 0 (memory) at step 6 after nonfinite_state at step 6 (Rollback: the "
+        "weights held inf/NaN (in net.0.weight, net.0.bias, net.2.weight, net.2.bias, net.0.weight.exp_avg (+7 more)) "
+        "when a checkpoint was to be written). 2 rollback(s) left within 1000 steps."
+    )
+
+
+def test_without_rollback_the_weights_only_checkpoint_holds_the_nan(tmp_path: Path) -> None:
+    """The control for the test above: the same run without Rollback writes NaN into the file of step 6."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, save_weights_only=True)
+    fit(TinyRegressor(), [FaultInjector(Fault(step=5, kind="nan_weight")), checkpoints], max_steps=6,
+        enable_checkpointing=True)
+    assert finite(saved(tmp_path / "epoch=0-step=3.ckpt")["state_dict"])
+    assert not finite(saved(tmp_path / "epoch=0-step=6.ckpt")["state_dict"])
+
+
+# ---- a NaN made by the update itself on a save step ---------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::lightning_overflow.exceptions.OverflowWarning")
+def test_an_update_that_makes_nan_weights_on_a_save_step_is_rolled_back_then_saved(tmp_path: Path) -> None:
+    """A detector that only warns lets the step with a NaN gradient happen: the update writes NaN into the weights
+    of step 4, where ModelCheckpoint saves. Rollback restores the snapshot of step 2 first, the file of step 4 holds
+    it, and the run goes on to its last step."""
+    rollback, probe = Rollback(every_n_steps=2), WeightsAt()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    callbacks = [NonFiniteDetector(action="warn"), rollback, probe, nan_grad(3), checkpoints]
+    trainer = fit(TinyRegressor(), callbacks, max_steps=8, enable_checkpointing=True)
+
+    assert rollback.history == [
+        {"step": 4, "reason": "nonfinite_state", "trigger_step": 4, "snapshot_step": 2, "source": "memory"}
+    ]
+    assert not finite(probe.at[4])  # Rollback's own hook saw no trigger: the save found the NaN
+    assert names(tmp_path) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
+    at_four = saved(tmp_path / "epoch=0-step=4.ckpt")
+    assert_bit_identical(dict(at_four["state_dict"]), probe.at[2])
+    for state in at_four["optimizer_states"][0]["state"].values():
+        assert all(bool(torch.isfinite(v).all()) for v in state.values())
+    assert at_four["callbacks"]["Rollback"]["rollbacks"] == 1  # the checkpoint is assembled after the rollback
+    assert trainer.global_step == 8 and finite(weights(trainer.lightning_module))
+    assert kinds(trainer, rollback) == ["nonfinite", "rollback"]
+
+
+# ---- refusals, with hints for what the list lacks -----------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::lightning_overflow.exceptions.OverflowWarning")
+@pytest.mark.parametrize("detector", [True, False], ids=["with_detector", "without_detector"])
+def test_without_nonfinite_state_the_save_is_refused_with_a_true_hint(tmp_path: Path, detector: bool) -> None:
+    rollback = Rollback(every_n_steps=100, triggers=("loss_spike",))  # not this instance's to repair
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    callbacks = [NonFiniteDetector(action="warn")] * detector + [rollback, nan_grad(3), checkpoints]
+    with pytest.raises(NonFiniteError) as info:
+        fit(TinyRegressor(), callbacks, max_steps=8, enable_checkpointing=True)
+    message = str(info.value)
+    assert message.startswith(
+        "Rollback: refused to write a checkpoint at step 4: its weights contain inf/NaN on rank(s) 0 (in "
+        "net.0.weight, net.0.weight.exp_avg, net.0.weight.exp_avg_sq), and 'nonfinite_state' is not among "
+        "Rollback's triggers; nothing was written. HINT: add 'nonfinite_state' to Rollback's triggers, so that it "
+        "rolls back before a save"
+    )
+    detector_hint = "; add NonFiniteDetector, so that inf/NaN is found at the step it appears."
+    assert message.endswith(".") and (detector_hint in message) is (not detector)
+    assert ("NonFiniteDetector" in message) is (not detector)  # never suggested when it is in the list
+    error = info.value
+    assert error.kind == "weight" and error.step == 4 and error.ranks == [0]
+    assert error.parameters == ["net.0.weight", "net.0.weight.exp_avg", "net.0.weight.exp_avg_sq"]
+    assert names(tmp_path) == ["epoch=0-step=2.ckpt"]  # nothing written for step 4
+
+
+class UnguardedSave(Callback):
+    """Writes a checkpoint at ``step`` through the class's method, past the guard on the instance."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step = path, step
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            pl.Trainer.save_checkpoint(trainer, self.path)
+
+
+def test_a_writer_past_the_guard_meets_on_save_checkpoint(tmp_path: Path) -> None:
+    rollback = Rollback(every_n_steps=100)
+    callbacks = [rollback, FaultInjector(Fault(step=3, kind="nan_weight")), UnguardedSave(tmp_path / "x.ckpt", 4)]
+    with pytest.raises(NonFiniteError) as info:
+        fit(TinyRegressor(), callbacks, max_steps=8)
+    assert str(info.value).startswith(
+        "Rollback: refused to write a checkpoint at step 4: its weights contain inf/NaN on rank(s) 0 (in net.0.weight"
+    )
+    assert str(info.value).endswith(
+        "and it was assembled outside trainer.save_checkpoint; nothing was written. HINT: add NonFiniteDetector, so "
+        "that inf/NaN is found at the step it appears."
+    )
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+# ---- the guard itself ---------------------------------------------------------------------------------------------
+class CountingTrainer(pl.Trainer):
+    """A Trainer subclass with its own ``save_checkpoint``: the guard must still call it."""
+
+    saves = 0
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        CountingTrainer.saves += 1
+        super().save_checkpoint(*args, **kwargs)
+
+
+class SeesTheGuard(Callback):
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        self.seen.append(isinstance(vars(trainer).get("save_checkpoint"), CheckpointGuard))
+
+
+def test_the_guard_lives_for_the_fit_and_delegates_to_the_trainers_own_method(tmp_path: Path) -> None:
+    CountingTrainer.saves = 0
+    sees = SeesTheGuard()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_weights_only=True)
+    trainer = CountingTrainer(
+        callbacks=[Rollback(every_n_steps=2), sees, checkpoints], max_steps=4, accelerator="cpu", devices=1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(TinyRegressor())
+    assert sees.seen == [True] * 4
+    assert CountingTrainer.saves == 2 and names(tmp_path) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    assert "save_checkpoint" not in vars(trainer)  # removed in teardown
+    trainer.save_checkpoint(tmp_path / "after.ckpt")  # the class's own method again
+    assert CountingTrainer.saves == 3
+
+
+class Boom(Callback):
+    """A user's own error at the end of batch ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("boom")
+
+
+@pytest.mark.filterwarnings("ignore:.*was called without a model")
+def test_an_exception_checkpoint_after_a_foreign_error_is_finite(tmp_path: Path) -> None:
+    """A user's error with NaN weights in memory: Rollback restores nothing in its own ``on_exception`` (that error
+    may be one rank's alone), but ``OnExceptionCheckpoint`` saves on every rank, and the guard restores the last
+    verified snapshot before that file is written; the user's error propagates."""
+    rollback, probe = Rollback(every_n_steps=2), WeightsAt()
+    callbacks = [OnExceptionCheckpoint(dirpath=tmp_path), rollback, probe, nan_grad(2), Boom(3)]
+    trainer = make_trainer(callbacks, max_steps=10, enable_checkpointing=True, default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="^boom$"):
+        trainer.fit(TinyRegressor())
+    assert_bit_identical(dict(saved(tmp_path / "on_exception.ckpt")["state_dict"]), probe.at[2])
+    restores = [e for e in rollback.board(trainer).journal.events if e.kind == "exit_restore"]
+    assert [e.details for e in restores] == [{"error": "an exception", "snapshot_step": 2, "source": "memory"}]
+    assert rollback.rollbacks == 0 and rollback.history == []  # no rollback: the budget is untouched
+
+
+def test_no_check_and_no_read_on_steps_without_a_checkpoint(count_reads: Any) -> None:
+    """The guard costs nothing on the steps where nothing is saved: Rollback reads the device only for its
+    snapshots (one read each for the flags of the state)."""
+    fit(TinyRegressor(), [Rollback(every_n_steps=4)], max_steps=8)
+    assert count_reads["lightning_overflow.distributed"] == 3  # snapshots of steps 0, 4 and 8
+    assert count_reads["lightning_overflow.training_state"] == 0  # no buffer: no constants to record
+
+
+# ---- DDP --------------------------------------------------------------------------------------------------------
+class RankHistory(Callback):
+    """Each rank writes its Rollback history to ``<out>/rank<r>.json`` (worker state does not come back)."""
+
+    def __init__(self, out: Path, rollback: Rollback) -> None:
+        self.out, self.rollback = out, rollback
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = {"history": self.rollback.history, "finite": finite(weights(pl_module)), "step": trainer.global_step}
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_a_nan_on_rank_1_is_rolled_back_on_every_rank_before_a_weights_only_save(tmp_path: Path) -> None:
+    rollback = Rollback(every_n_steps=100)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1,
+                                  save_weights_only=True)
+    faults = FaultInjector(Fault(step=5, kind="nan_weight", rank=1))
+    callbacks = [rollback, faults, RankHistory(tmp_path, rollback), checkpoints]
+    fit(TinyRegressor(), callbacks, max_steps=9, strategy="ddp_fork", devices=2, enable_checkpointing=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for report in reports:
+        assert report["history"] == [
+            {"step": 6, "reason": "nonfinite_state", "trigger_step": 6, "snapshot_step": 0, "source": "memory"}
+        ]
+        assert report["finite"] and report["step"] == 9
+    for name in names(tmp_path / "ckpt"):
+        assert finite(saved(tmp_path / "ckpt" / name)["state_dict"]), name
+    # 32 samples a rank: 4 batches an epoch
+    assert names(tmp_path / "ckpt") == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=9.ckpt"]

@@ -1,0 +1,389 @@
+"""The training state: buffers' non-finite constants, buffers and extra state in every snapshot, param groups added
+during the fit, what can be restored."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, fit
+from pytorch_lightning.callbacks import BackboneFinetuning
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from lightning_overflow._compat import Callback
+from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
+from lightning_overflow.callbacks.rollback import Rollback
+from lightning_overflow.numerics.snapshots import clone_state, nonfinite_flag, state_tensors, take_snapshot
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+from lightning_overflow.training_state import (
+    NonFiniteConstants,
+    StateCheck,
+    check_state,
+    nonfinite_flags,
+    nonfinite_parts,
+    restorable,
+    restore_module_,
+)
+
+INF = float("inf")
+
+
+# ---- models and probes ------------------------------------------------------------------------------------------
+class TinyCausalLM(pl.LightningModule):
+    """One causal self-attention layer, nanoGPT style: the mask is a buffer holding ``-inf`` above the diagonal.
+
+    Sequences are ``block`` tokens; the model reads the first ``block - 1``, so the mask's last row is never used by
+    the forward pass (a fault written there can only be found by the state check).
+    """
+
+    def __init__(self, vocab: int = 11, block: int = 6, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.head = nn.Linear(width, vocab)
+        self.register_buffer("mask", torch.triu(torch.full((block, block), -INF), 1))
+        gen = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randint(0, vocab, (64, block), generator=gen))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.embed(idx)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        t = idx.shape[1]
+        attention = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(x.shape[-1]) + self.mask[:t, :t], dim=-1)
+        return self.head(x + attention @ v)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        (idx,) = batch
+        logits = self(idx[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=8)
+
+
+class BufferFault(Callback):
+    """Writes ``value`` at ``index`` of buffer ``name`` when batch ``step`` starts (once)."""
+
+    def __init__(self, step: int, name: str, index: tuple[int, ...], value: float) -> None:
+        self.step, self.name, self.index, self.value = step, name, index, value
+        self.fired = False
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step and not self.fired:
+            self.fired = True
+            with torch.no_grad():
+                pl_module.get_buffer(self.name)[self.index] = self.value
+
+
+class StateAt(Callback):
+    """The module's whole state (and extra state) at the start and at the end of every batch (after Rollback)."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, Any]] = {}
+
+    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.at[trainer.global_step] = clone_state(pl_module.state_dict())
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self._record(trainer, pl_module)
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def journal(trainer: pl.Trainer, rollback: Rollback) -> list[tuple[str, int]]:
+    return [(e.kind, e.step) for e in rollback.board(trainer).journal.events]
+
+
+# ---- non-finite constants ---------------------------------------------------------------------------------------
+def test_the_causal_mask_fails_the_strict_rule() -> None:
+    """Why constants are recorded: every state of this model holds -inf."""
+    assert nonfinite_flag(state_tensors(TinyCausalLM().state_dict())).item() == 1.0
+
+
+def test_a_healthy_run_with_a_causal_mask_takes_every_snapshot() -> None:
+    rollback = Rollback(every_n_steps=2)
+    trainer = fit(TinyCausalLM(), [rollback], max_steps=8)
+    assert trainer.global_step == 8 and rollback.rollbacks == 0
+    assert rollback.snapshot_steps == [6, 8]
+    assert journal(trainer, rollback) == []  # no snapshot refused, no warning, no rollback
+    assert torch.equal(trainer.lightning_module.mask, TinyCausalLM().mask)
+
+
+@pytest.mark.parametrize(
+    ("index", "value", "what"),
+    [((5, 0), float("nan"), "NaN below the diagonal"), ((5, 0), -INF, "-inf where it held 0"),
+     ((4, 5), float("nan"), "NaN where it held -inf"), ((4, 5), INF, "+inf where it held -inf")],
+)
+def test_corruption_of_the_mask_is_found_and_rolled_back(index: tuple[int, int], value: float, what: str) -> None:
+    """Row 5 is not read by the forward pass, (4, 5) is masked out anyway: the loss and the weights stay finite, and
+    only the state check can find the fault, written at step 3 and found at the snapshot due at step 4."""
+    rollback, probe = Rollback(every_n_steps=2), StateAt()
+    faults = BufferFault(3, "mask", index, value)
+    trainer = fit(TinyCausalLM(), [rollback, probe, faults], max_steps=6)
+    assert rollback.history == [
+        {"step": 4, "reason": "nonfinite_state", "trigger_step": 4, "snapshot_step": 2, "source": "memory"}
+    ], what
+    assert journal(trainer, rollback) == [("snapshot_refused", 4), ("rollback", 4)]
+    refused = rollback.board(trainer).journal.events[0]
+    assert refused.message == (
+        "Rollback: the weights at step 4 contain inf/NaN on rank(s) 0 (in mask); this state is no rollback target"
+    )
+    assert torch.equal(_bits(probe.at[4]["mask"]), _bits(probe.at[2]["mask"]))  # bit for bit, -inf included
+    assert trainer.global_step == 6 and rollback.snapshot_steps == [2, 6]
+
+
+def test_constants_are_recorded_for_buffers_only_and_judged_by_position_and_sign() -> None:
+    module = TinyCausalLM(block=3)
+    with torch.no_grad():
+        module.qkv.bias[0] = -INF  # a parameter: never a constant
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    constants = NonFiniteConstants.record(module.state_dict(), names)
+    assert constants.paths == ["mask"]
+    assert nonfinite_parts(module.state_dict(), [], constants) == (["qkv.bias"], [])
+    with torch.no_grad():
+        module.qkv.bias[0] = 0.0
+    assert [f.item() for f in nonfinite_flags(module.state_dict(), [], constants)] == [0.0, 0.0]
+    mask = module.mask
+    for position, value, bad in [
+        ((0, 1), -INF, False),  # the constant itself
+        ((0, 1), 0.0, False),  # a constant gone finite is no inf/NaN
+        ((0, 1), INF, True),  # the other sign
+        ((1, 0), -INF, True),  # a new position
+        ((0, 0), float("nan"), True),
+    ]:
+        saved = mask.clone()
+        mask[position] = value
+        flag = nonfinite_flags(module.state_dict(), [], constants)[0].item()
+        assert flag == float(bad), (position, value)
+        mask.copy_(saved)
+    assert nonfinite_parts(module.state_dict(), [], NonFiniteConstants()) == (["mask"], [])  # strict without them
+
+
+def test_constants_apply_to_copies_and_files_of_the_state() -> None:
+    """The rule follows the state path, so a snapshot or a file read back (CPU tensors) is judged alike."""
+    module = TinyCausalLM(block=3)
+    constants = NonFiniteConstants.of_module(module)
+    snapshot = take_snapshot(module.state_dict())
+    assert nonfinite_parts(snapshot, [], constants) == ([], [])
+    snapshot["mask"][2, 0] = -INF
+    assert nonfinite_parts(snapshot, [], constants) == (["mask"], [])
+    snapshot["mask"] = torch.full((4, 4), -INF)  # another shape: strictly checked
+    assert nonfinite_parts(snapshot, [], constants) == (["mask"], [])
+
+
+def test_the_flags_are_computed_without_a_host_read() -> None:
+    module = nn.Linear(4, 4, device="meta")
+    module.register_buffer("mask", torch.empty(4, 4, device="meta"))
+    constants = NonFiniteConstants.of_module(module)  # meta tensors have no values: none recorded, no read
+    optimizer = torch.optim.Adam(module.parameters())
+    weights_flag, moments_flag = nonfinite_flags(module.state_dict(), [optimizer.state_dict()], constants)
+    assert weights_flag.device.type == "meta" and moments_flag.device.type == "cpu"  # no moments yet: a CPU zero
+
+
+def test_check_state_names_weights_buffers_and_moments() -> None:
+    module = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    optimizer = torch.optim.Adam(module.parameters())
+    module(torch.randn(4, 2)).sum().backward()
+    optimizer.step()
+    optimizer.state[module[0].weight]["exp_avg_sq"][0, 0] = INF
+    module[1].running_var[1] = float("nan")
+    def labels() -> list[list[str]]:
+        return [["0.weight", "0.bias", "1.weight", "1.bias"]]
+
+    check = check_state(module.state_dict(), [optimizer.state_dict()], NonFiniteConstants(), "cpu", labels)
+    assert check == StateCheck((0,), (0,), ("1.running_var",), ("0.weight.exp_avg_sq",))
+    assert not check.finite and check.what == "weights" and check.ranks == (0,)
+    assert check.names == ["1.running_var", "0.weight.exp_avg_sq"]
+    finite = check_state(nn.Linear(2, 2).state_dict(), [], None, "cpu", lambda: pytest.fail("nothing to name"))
+    assert finite == StateCheck((), ()) and finite.finite
+
+
+# ---- buffers in the snapshots and the periodic check ------------------------------------------------------------
+def test_nan_in_a_batchnorm_running_var_is_found_at_the_next_check_and_rolled_back() -> None:
+    """BatchNorm in train mode normalises with the batch statistics: the loss and the weights stay finite, and only
+    the check of the buffers finds the NaN written at step 3, at the snapshot due at step 4."""
+    rollback, probe = Rollback(every_n_steps=2), StateAt()
+    model = TinyRegressor(batch_norm=True)
+    faults = BufferFault(3, "net.1.running_var", (7,), float("nan"))
+    trainer = fit(model, [NonFiniteDetector(), rollback, probe, faults], max_steps=6)
+    assert rollback.history == [
+        {"step": 4, "reason": "nonfinite_state", "trigger_step": 4, "snapshot_step": 2, "source": "memory"}
+    ]
+    refused = rollback.board(trainer).journal.events[0]
+    assert (refused.kind, refused.step) == ("snapshot_refused", 4)
+    assert "contain inf/NaN on rank(s) 0 (in net.1.running_var)" in refused.message
+    for key in ("net.1.running_var", "net.1.running_mean", "net.1.num_batches_tracked", "net.0.weight"):
+        assert torch.equal(_bits(probe.at[4][key]), _bits(probe.at[2][key])), key
+    assert probe.at[4]["net.1.num_batches_tracked"].item() == 2  # integer buffers come back too
+    assert bool(torch.isfinite(model.net[1].running_var).all())
+
+
+# ---- extra state ------------------------------------------------------------------------------------------------
+class CountingRegressor(TinyRegressor):
+    """Counts its training batches in ``get_extra_state``: a plain value and a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.seen = torch.zeros(2)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.calls += 1
+        self.seen = self.seen + batch[0][:, :2].mean(0)
+        return super().training_step(batch, batch_idx)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"calls": self.calls, "seen": self.seen.clone()}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.calls, self.seen = state["calls"], state["seen"]
+
+
+def test_rollback_restores_get_extra_state_values() -> None:
+    rollback, probe = Rollback(every_n_steps=2), StateAt()
+    model = CountingRegressor()
+    fit(model, [NonFiniteDetector(), rollback, probe, FaultInjector(Fault(step=3, kind="nan_weight"))], max_steps=4)
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(4, 2)]
+    assert probe.at[2]["_extra_state"]["calls"] == 2
+    assert probe.at[4]["_extra_state"]["calls"] == 2 and model.calls == 2  # 4 batches ran; the state of 2 is back
+    assert torch.equal(_bits(model.seen), _bits(probe.at[2]["_extra_state"]["seen"]))
+    tensors = {k: v for k, v in model.state_dict().items() if k != "_extra_state"}
+    assert_bit_identical(tensors, {k: v for k, v in probe.at[2].items() if k != "_extra_state"})
+
+
+def test_restore_module_hands_a_clone_to_set_extra_state() -> None:
+    model = CountingRegressor()
+    saved = take_snapshot(model.state_dict())
+    model.calls, model.seen = 9, torch.ones(2)
+    restore_module_(model, saved)
+    assert model.calls == 0 and torch.equal(model.seen, torch.zeros(2))
+    assert model.seen.data_ptr() != saved["_extra_state"]["seen"].data_ptr()  # the snapshot stays the snapshot
+    model.seen.add_(5.0)
+    assert torch.equal(saved["_extra_state"]["seen"], torch.zeros(2))
+
+
+# ---- param groups added during the fit --------------------------------------------------------------------------
+class TransferRegressor(pl.LightningModule):
+    """A backbone and a head, for ``BackboneFinetuning``: the optimizer starts with the head only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+        self.data = TinyRegressor().data
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=8)  # 8 batches an epoch
+
+
+class GroupsAt(Callback):
+    def __init__(self) -> None:
+        self.at: dict[int, list[dict[str, Any]]] = {}
+        self.states: dict[int, int] = {}
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        optimizer = trainer.optimizers[0]
+        self.at[trainer.global_step] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self.states[trainer.global_step] = len(optimizer.state)
+
+
+def test_a_snapshot_from_before_backbone_finetuning_added_a_group_is_restored() -> None:
+    """BackboneFinetuning adds the backbone's group at epoch 1 (step 8). The NaN of step 9 rolls back to the
+    snapshot of step 8, which has one group: the head's state comes back, the backbone's group stays (with the LR
+    BackboneFinetuning gave it) and its parameters start again without state, as when the group was added."""
+    rollback, groups, probe = Rollback(every_n_steps=4), GroupsAt(), StateAt()
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    model = TransferRegressor()
+    callbacks = [finetuning, NonFiniteDetector(), rollback, groups, probe, FaultInjector(Fault(9, "nan_weight"))]
+    trainer = fit(model, callbacks, max_steps=16)
+    assert rollback.history == [
+        {"step": 10, "reason": "nonfinite_state", "trigger_step": 9, "snapshot_step": 8, "source": "memory"}
+    ]
+    snapshot_groups = 1
+    assert len(groups.at[8]) == snapshot_groups and len(groups.at[9]) == 2  # step 8's batch ran in epoch 0
+    assert len(groups.at[10]) == 2 and groups.at[10][1]["lr"] == groups.at[9][1]["lr"]
+    assert groups.states[9] == 4 and groups.states[10] == 2  # the head's two parameters keep their state
+    assert_bit_identical(probe.at[10], probe.at[8])
+    assert "snapshot_unusable" not in [kind for kind, _ in journal(trainer, rollback)]
+    assert trainer.global_step == 16 and groups.states[16] == 4
+    assert not torch.equal(probe.at[16]["backbone.0.weight"], probe.at[8]["backbone.0.weight"])  # it trains
+
+
+def test_restorable_names_what_does_not_fit() -> None:
+    model = TinyRegressor()
+    optimizer = torch.optim.Adam(model.parameters())
+    trainer = SimpleNamespace(optimizers=[optimizer], lr_scheduler_configs=[], lightning_module=model)
+    state = {"model": model.state_dict(), "optimizers": [optimizer.state_dict()], "schedulers": [], "precision": {}}
+    assert restorable(trainer, state) == ""  # type: ignore[arg-type]
+    assert restorable(trainer, {"model": {}}) == (  # type: ignore[arg-type]
+        "it is not a training state (a mapping of model, optimizers, schedulers, precision)"
+    )
+    assert restorable(trainer, {**state, "optimizers": []}) == (  # type: ignore[arg-type]
+        "it holds 0 optimizer state(s), the fit has 1 optimizer(s)"
+    )
+    split = torch.optim.Adam([{"params": [model.net[0].weight]}, {"params": list(model.parameters())[1:]}])
+    assert restorable(trainer, {**state, "optimizers": [split.state_dict()]}) == (  # type: ignore[arg-type]
+        "optimizer 0 has param groups of [4] parameters, the snapshot [1, 3]: it belongs to another model or optimizer"
+    )
+    wider = TinyRegressor(hidden=16).state_dict()
+    assert restorable(trainer, {**state, "model": wider}) == (  # type: ignore[arg-type]
+        "the model state differs (net.0.weight: live (32, 4) torch.float32 vs snapshot (16, 4) torch.float32)"
+    )
+
+
+class SplitGroups(Callback):
+    """At the start of batch ``step``, moves the optimizer's last parameter into a group of its own (a layout no
+    earlier snapshot can be restored into)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            optimizer = trainer.optimizers[0]
+            last = optimizer.param_groups[0]["params"].pop()
+            optimizer.add_param_group({"params": [last]})
+
+
+def test_a_snapshot_of_another_layout_is_journaled_and_a_newer_one_used() -> None:
+    rollback = Rollback(every_n_steps=2, keep=2)
+    faults = FaultInjector(Fault(step=5, kind="nan_weight"), Fault(step=7, kind="nan_weight"))
+    trainer = fit(TinyRegressor(), [NonFiniteDetector(), rollback, SplitGroups(3), faults], max_steps=8)
+    # Step 6: back to the snapshot of step 4 (taken after the split). Step 8: again from step 4, so one further back
+    # (step 2, before the split): refused with its reason, and step 4 serves again.
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(6, 4), (8, 4)]
+    unusable = [e for e in rollback.board(trainer).journal.events if e.kind == "snapshot_unusable"]
+    assert [e.message for e in unusable] == [
+        "Rollback: the snapshot of step 2 in memory cannot be used: optimizer 0 has param groups of [3, 1] "
+        "parameters, the snapshot [4]: it belongs to another model or optimizer"
+    ]
+    assert unusable[0].details == {"file": None, "snapshot_step": 2}
