@@ -31,6 +31,14 @@ STEPS = 40
 SPIKE_AT = 20
 
 
+# The mechanics below are driven by single spikes and bursts, which the default ladder deliberately ignores.
+SPIKES_AND_BURSTS = ("nonfinite_burst", "nonfinite_state", "scaler_collapse", "loss_spike", "grad_spike")
+
+
+def backoff_on_spikes(**kwargs: Any) -> LRBackoff:
+    return LRBackoff(triggers=SPIKES_AND_BURSTS, **kwargs)
+
+
 class LRRecorder(pl.Callback):
     """The learning rate of every optimizer at the start of each batch (the rate that batch trains with)."""
 
@@ -93,7 +101,7 @@ def _spike_run(tmp_path: Path, name: str, backoff: LRBackoff | None) -> LRRecord
 
 @pytest.mark.parametrize("name", list(SCHEDULERS))
 def test_after_a_backoff_every_later_lr_is_factor_times_the_unprotected_runs(tmp_path: Path, name: str) -> None:
-    backoff = LRBackoff(factor=0.5, cooldown=STEPS, regrow_after=None)
+    backoff = backoff_on_spikes(factor=0.5, cooldown=STEPS, regrow_after=None)
     reference = _spike_run(tmp_path, name, None).lrs
     backed_off = _spike_run(tmp_path, name, backoff).lrs
     assert [(h["step"], h["action"]) for h in backoff.history] == [(SPIKE_AT, "backoff")]
@@ -114,7 +122,7 @@ def test_an_isolated_nonfinite_step_does_not_back_off(tmp_path: Path) -> None:
         )
         return recorder
 
-    backoff = LRBackoff()
+    backoff = backoff_on_spikes()
     assert run(backoff).lrs == run(None).lrs
     assert backoff.scales == [1.0] and backoff.history == []
 
@@ -129,7 +137,7 @@ def test_a_burst_of_nonfinite_steps_backs_off_once(tmp_path: Path) -> None:
         make_trainer(callbacks, max_steps=40, default_root_dir=str(tmp_path)).fit(model)
         return recorder
 
-    backoff = LRBackoff()
+    backoff = backoff_on_spikes()
     reference, backed_off = run(None).lrs, run(backoff).lrs
     # bursts are signalled at steps 22, 23 and 24 (3 within 50 steps): one burst, one backoff
     assert [(h["step"], h["action"], h["kinds"]) for h in backoff.history] == [(22, "backoff", "nonfinite_burst")]
@@ -139,7 +147,7 @@ def test_a_burst_of_nonfinite_steps_backs_off_once(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("second", "expected"), [(25, [0.5]), (31, [0.5, 0.25])])
 def test_cooldown_counts_one_burst_once(tmp_path: Path, second: int, expected: list[float]) -> None:
-    backoff = LRBackoff(cooldown=10, regrow_after=None)
+    backoff = backoff_on_spikes(cooldown=10, regrow_after=None)
     faults = FaultInjector(Fault(SPIKE_AT, "loss_spike"), Fault(second, "loss_spike"))
     make_trainer(
         [backoff, LossSpikeDetector(warmup=10, check_grad_norm=False), faults],
@@ -151,7 +159,7 @@ def test_cooldown_counts_one_burst_once(tmp_path: Path, second: int, expected: l
 
 
 def test_reaching_min_scale_with_divergence_continuing_raises_with_the_history(tmp_path: Path) -> None:
-    backoff = LRBackoff(min_scale=0.25, cooldown=0)
+    backoff = backoff_on_spikes(min_scale=0.25, cooldown=0)
     faults = FaultInjector(*(Fault(s, "loss_spike") for s in (20, 22, 24)))
     trainer = make_trainer(
         [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, faults],
@@ -178,7 +186,7 @@ def test_reaching_min_scale_with_divergence_continuing_raises_with_the_history(t
 
 
 def test_min_lr_is_a_floor_on_the_base_learning_rate(tmp_path: Path) -> None:
-    backoff = LRBackoff(min_lr=4e-3, cooldown=0)  # lr 0.01: the floor is a scale of 0.4
+    backoff = backoff_on_spikes(min_lr=4e-3, cooldown=0)  # lr 0.01: the floor is a scale of 0.4
     faults = FaultInjector(*(Fault(s, "loss_spike") for s in (20, 22, 24)))
     trainer = make_trainer(
         [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, faults],
@@ -205,7 +213,7 @@ def test_regrowth_returns_exactly_to_the_configured_schedule(tmp_path: Path) -> 
         )
         return recorder
 
-    backoff = LRBackoff(regrow_after=10)
+    backoff = backoff_on_spikes(regrow_after=10)
     reference, backed_off = run(None).lrs, run(backoff).lrs
     assert [(h["step"], h["action"], h["scale"]) for h in backoff.history] == [
         (20, "backoff", 0.5),
@@ -221,7 +229,7 @@ def test_regrowth_returns_exactly_to_the_configured_schedule(tmp_path: Path) -> 
 def test_the_growth_window_lengthens_after_a_backoff_soon_after_a_regrowth(
     tmp_path: Path, second: int, window: int
 ) -> None:
-    backoff = LRBackoff(regrow_after=10, window_growth=2.0)
+    backoff = backoff_on_spikes(regrow_after=10, window_growth=2.0)
     faults = FaultInjector(Fault(SPIKE_AT, "loss_spike"), Fault(second, "loss_spike"))
     make_trainer(
         [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, faults],
@@ -246,7 +254,7 @@ def test_gan_optimizers_back_off_on_their_own_or_together(
     tmp_path: Path, per_optimizer: bool, scales: list[float]
 ) -> None:
     """TinyGAN steps the discriminator (optimizer 0) at even global steps and the generator at odd ones."""
-    backoff = LRBackoff(per_optimizer=per_optimizer, regrow_after=None)
+    backoff = backoff_on_spikes(per_optimizer=per_optimizer, regrow_after=None)
     recorder = LRRecorder()
     faults = FaultInjector(Fault(step=41, kind="loss_spike"))
     callbacks = [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, faults, recorder]
@@ -260,7 +268,7 @@ def test_gan_optimizers_back_off_on_their_own_or_together(
 def test_lr_monitor_and_the_lr_scale_key_show_the_backoff(tmp_path: Path) -> None:
     logger = CSVLogger(str(tmp_path))
     callbacks = [
-        LRBackoff(regrow_after=None),
+        backoff_on_spikes(regrow_after=None),
         LossSpikeDetector(warmup=10),
         FaultInjector(Fault(SPIKE_AT, "loss_spike")),
         LearningRateMonitor(logging_interval="step"),
@@ -286,9 +294,9 @@ def test_a_resumed_run_continues_with_the_same_scale_and_nothing_applied_twice(t
         return TinyRegressor(scheduler=SCHEDULERS["LambdaLR"])
 
     whole = LRRecorder()
-    make_trainer(callbacks(whole, LRBackoff()), max_steps=48, default_root_dir=str(tmp_path / "a")).fit(model())
+    make_trainer(callbacks(whole, backoff_on_spikes()), max_steps=48, default_root_dir=str(tmp_path / "a")).fit(model())
 
-    first = LRBackoff()
+    first = backoff_on_spikes()
     trainer = make_trainer(callbacks(LRRecorder(), first), max_steps=32, default_root_dir=str(tmp_path / "b"))
     trainer.fit(model())
     ckpt = tmp_path / "b" / "stop.ckpt"
@@ -296,7 +304,7 @@ def test_a_resumed_run_continues_with_the_same_scale_and_nothing_applied_twice(t
     saved = torch.load(ckpt, weights_only=True)
     assert saved["callbacks"][first.state_key]["scales"] == [0.5]
 
-    resumed, tail = LRBackoff(), LRRecorder()
+    resumed, tail = backoff_on_spikes(), LRRecorder()
     make_trainer(callbacks(tail, resumed), max_steps=48, default_root_dir=str(tmp_path / "b")).fit(
         model(), ckpt_path=str(ckpt)
     )
@@ -336,7 +344,7 @@ def test_a_rollback_never_undoes_a_backoff_in_either_order(tmp_path: Path, backo
         return recorder
 
     reference = run([]).lrs
-    backoff, rollback = LRBackoff(regrow_after=None), FakeRollback(snapshot_at=10)
+    backoff, rollback = backoff_on_spikes(regrow_after=None), FakeRollback(snapshot_at=10)
     rolled_back = run([backoff, rollback] if backoff_first else [rollback, backoff]).lrs
     assert backoff.scales == [0.5]
     assert rolled_back[: SPIKE_AT + 1] == reference[: SPIKE_AT + 1]
@@ -346,7 +354,7 @@ def test_a_rollback_never_undoes_a_backoff_in_either_order(tmp_path: Path, backo
 
 
 def test_after_restore_without_extras_assumes_the_configured_schedule(tmp_path: Path) -> None:
-    backoff = LRBackoff(regrow_after=None)
+    backoff = backoff_on_spikes(regrow_after=None)
     trainer = make_trainer(
         [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, FaultInjector(Fault(SPIKE_AT, "loss_spike"))],
         max_steps=22,
@@ -366,7 +374,7 @@ def test_a_healthy_run_is_bit_identical_with_and_without_the_suite(tmp_path: Pat
     make_trainer(max_steps=STEPS, default_root_dir=str(tmp_path)).fit(plain)
     pl.seed_everything(0)
     guarded = TinyRegressor(scheduler=SCHEDULERS["OneCycleLR"])
-    backoff = LRBackoff()
+    backoff = backoff_on_spikes()
     suite = [NonFiniteDetector(), LossSpikeDetector(warmup=10), backoff]
     make_trainer(suite, max_steps=STEPS, default_root_dir=str(tmp_path)).fit(guarded)
     assert_bit_identical(weights(plain), weights(guarded))
@@ -380,7 +388,7 @@ class ConstantLossRegressor(TinyRegressor):
 
 
 def test_a_constant_loss_run_never_backs_off(tmp_path: Path) -> None:
-    detector, backoff = LossSpikeDetector(), LRBackoff()
+    detector, backoff = LossSpikeDetector(), backoff_on_spikes()
     make_trainer([NonFiniteDetector(), detector, backoff], max_steps=80, default_root_dir=str(tmp_path)).fit(
         ConstantLossRegressor()
     )
@@ -389,7 +397,7 @@ def test_a_constant_loss_run_never_backs_off(tmp_path: Path) -> None:
 
 
 def test_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> None:
-    backoff = LRBackoff(regrow_after=50)
+    backoff = backoff_on_spikes(regrow_after=50)
     make_trainer(
         [LossSpikeDetector(warmup=10), backoff, FaultInjector(Fault(SPIKE_AT, "loss_spike"))],
         max_steps=25,
@@ -398,7 +406,7 @@ def test_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> No
     buffer = io.BytesIO()
     torch.save(backoff.state_dict(), buffer)
     buffer.seek(0)
-    restored = LRBackoff(regrow_after=50)
+    restored = backoff_on_spikes(regrow_after=50)
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     assert restored.state_dict() == backoff.state_dict()
     assert restored.state_dict() == {
@@ -416,7 +424,7 @@ def test_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> No
 def test_a_spike_on_rank_0_only_backs_off_both_ranks_at_the_same_step(tmp_path: Path) -> None:
     callbacks = [
         LossSpikeDetector(warmup=10),
-        LRBackoff(regrow_after=None),
+        backoff_on_spikes(regrow_after=None),
         FaultInjector(Fault(step=SPIKE_AT, kind="loss_spike", rank=0)),
     ]
     reports = run_ddp(TinyRegressor(), callbacks, tmp_path, max_steps=30)
@@ -443,7 +451,7 @@ def test_a_run_10x_above_its_stable_lr_completes_near_the_stable_runs_loss(tmp_p
 
     stable = run(0.02, [])
     assert math.isnan(run(0.2, []))
-    backoff = LRBackoff()
+    backoff = backoff_on_spikes()
     protected = run(0.2, [NonFiniteDetector(), LossSpikeDetector(), backoff])
     assert backoff.history and all(h["action"] == "backoff" for h in backoff.history)
     assert protected < 1.5 * stable, (protected, stable)

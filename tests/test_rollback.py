@@ -204,7 +204,7 @@ def test_without_a_detector_the_snapshot_check_finds_the_nan() -> None:
 
 
 def test_poison_batch_is_rolled_back_and_the_next_batches_skipped() -> None:
-    rollback, probe = Rollback(every_n_steps=2, skip_batches=2), Probe()
+    rollback, probe = Rollback(every_n_steps=2, skip_batches=2, triggers=("loss_spike",)), Probe()
     injector = FaultInjector(Fault(step=6, kind="loss_spike", factor=1e4))
     trainer = fit(TinyRegressor(scheduler=step_lr), [SpikeSignal(), rollback, probe, injector], max_steps=12)
 
@@ -349,7 +349,8 @@ def test_poison_batch_with_spike_detector_and_lr_backoff_in_either_order() -> No
     finals = []
     for order in ("backoff_first", "rollback_first"):
         pl.seed_everything(0, verbose=False)
-        model, rollback, backoff = TinyRegressor(), Rollback(every_n_steps=5), LRBackoff(factor=0.5)
+        model, rollback, backoff = (TinyRegressor(), Rollback(every_n_steps=5, triggers=("loss_spike",)),
+                                   LRBackoff(factor=0.5, triggers=("loss_spike",)))
         pair = [backoff, rollback] if order == "backoff_first" else [rollback, backoff]
         poison = FaultInjector(Fault(step=30, kind="loss_spike", factor=1e4))
         trainer = fit(model, [NonFiniteDetector(), LossSpikeDetector(warmup=10), *pair, poison], max_steps=60)

@@ -157,11 +157,6 @@ class Rollback(SuiteCallback):
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, minimum=1)
         self.window = check_int("window", window, minimum=1)
         self.skip_batches = check_int("skip_batches", skip_batches, minimum=0)
-        if isinstance(triggers, str) or not isinstance(triggers, Iterable):
-            raise TypeError(f"'triggers' must be a collection of signal kinds (got {triggers!r})")
-        triggers = tuple(triggers)
-        if not triggers:
-            raise ValueError(f"'triggers' must be a non-empty collection of signal kinds (got {triggers!r})")
         self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
         if "nonfinite_state" not in self.triggers:
             self.restores_state = False  # non-finite weights are not this instance's to repair
