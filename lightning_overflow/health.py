@@ -28,13 +28,11 @@ import torch
 from torch import Tensor
 
 from lightning_overflow import _compat
-from lightning_overflow.distributed import flags_by_rank, reduce_and_read
+from lightning_overflow.distributed import reduce_and_read
 from lightning_overflow.events import JOURNAL_NAME, Event, Journal, MetricBuffer
 from lightning_overflow.numerics import (
     FP32_MAX,
-    nonfinite_indices,
     norm_status,
-    optimizer_state_tensors,
     parameters_of,
     refine_norms,
     scale_grads_,
@@ -43,6 +41,13 @@ from lightning_overflow.numerics import (
 )
 from lightning_overflow.policy import SIGNAL_KINDS, StepAction, Verdict, decide_step
 from lightning_overflow.skip import BufferCopy, HeldSchedules, skip_step
+from lightning_overflow.training_state import (
+    NonFiniteConstants,
+    StateCheck,
+    check_state,
+    nonfinite_flags,
+    optimizer_labels,
+)
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -56,7 +61,7 @@ __all__ = [
     "StepParticipant",
     "board_for",
     "inspect_state",
-    "nonfinite_labels",
+    "state_flags",
 ]
 
 log = logging.getLogger("pytorch_lightning.lightning_overflow")
@@ -96,20 +101,6 @@ class Signal:
     reason: str
     source: str
     optimizer_index: int = 0
-
-
-@dataclass(frozen=True)
-class StateCheck:
-    """Which ranks hold non-finite weights or optimizer state, and the local names of the offenders."""
-
-    weight_ranks: tuple[int, ...]
-    state_ranks: tuple[int, ...]
-    weight_names: tuple[str, ...]
-    state_names: tuple[str, ...]
-
-    @property
-    def finite(self) -> bool:
-        return not self.weight_ranks and not self.state_ranks
 
 
 class StepParticipant(Protocol):
@@ -315,6 +306,7 @@ class HealthBoard:
         self._ended_batch: tuple[int, int] | None = None
         self._summarised = False
         self._published: dict[str, float] = {}
+        self._constants: NonFiniteConstants | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def join(self, participant: StepParticipant, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -328,6 +320,7 @@ class HealthBoard:
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
         self._started_batch = self._ended_batch = None
         self._published = {}
+        self._constants = None
         log_dir = trainer.log_dir  # a broadcast under DDP: every rank gets here in setup
         path = None if log_dir is None else f"{log_dir}/{JOURNAL_NAME}"
         if self.journal.path is None or str(self.journal.path) != str(path):
@@ -359,6 +352,13 @@ class HealthBoard:
     def signal(self, signal: Signal) -> None:
         """Report a signal for this batch; interventions read :attr:`signals` in ``_after_batch``."""
         self.signals.append(signal)
+
+    def constants(self, trainer: pl.Trainer) -> NonFiniteConstants:
+        """The infs the module's buffers hold as constants (a causal mask's ``-inf``), recorded the first time a
+        check asks in this fit: the one record every state check of the suite uses."""
+        if self._constants is None:
+            self._constants = NonFiniteConstants.of_module(trainer.lightning_module)
+        return self._constants
 
     def snapshot_extras(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Every participant's ``_snapshot_extra()``, by state key, to store beside a snapshot."""
@@ -561,30 +561,28 @@ class HealthBoard:
             log.info(f"lightning_overflow: {summary} during this fit{where}")
 
 
-def inspect_state(record: StepHealth) -> StateCheck:
-    """Check the weights and optimizer state of the record's optimizer on every rank (kept on the record).
+def inspect_state(trainer: pl.Trainer, record: StepHealth) -> StateCheck:
+    """Check the module state (parameters and buffers, less the buffers' constants) and the record's optimizer
+    state on every rank, by the one rule of :mod:`lightning_overflow.training_state` (kept on the record).
 
-    Entered on every rank together (callers decide from values identical on all ranks): it ends with one
-    all-reduce of per-rank flags.
+    Entered on every rank together (callers decide from values identical on all ranks): one all-reduce.
     """
     if record.state_check is None:
-        optimizer = record.optimizer
-        params = parameters_of(optimizer)
-        param_names = [record.all_names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params]
-        states, state_names = optimizer_state_tensors(optimizer, record.all_names)
-        bad_weights = nonfinite_labels(params, param_names)
-        bad_states = nonfinite_labels(states, state_names)
-        flags = [torch.tensor(float(bool(bad_weights))), torch.tensor(float(bool(bad_states)))]
-        weight_ranks, state_ranks = flags_by_rank(flags, record.grad_norms.device)
-        record.state_check = StateCheck(weight_ranks, state_ranks, tuple(bad_weights), tuple(bad_states))
+        module = trainer.lightning_module
+        record.state_check = check_state(
+            module.state_dict(),
+            [record.optimizer.state_dict()],
+            board_for(trainer).constants(trainer),
+            record.grad_norms.device,
+            lambda: optimizer_labels(module, [record.optimizer]),
+        )
     return record.state_check
 
 
-def nonfinite_labels(tensors: list[Tensor], labels: list[str]) -> list[str]:
-    """Labels of the tensors holding inf/NaN, by the snapshots' rule (largest magnitude: no spurious FP32 overflow
-    of finite values). One host read."""
-    with torch.no_grad():
-        return [labels[i] for i in nonfinite_indices(tensors)]
+def state_flags(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> tuple[Tensor, Tensor]:
+    """This rank's device flags for non-finite module state and optimizer state (no read), by the same rule."""
+    constants = board_for(trainer).constants(trainer)
+    return nonfinite_flags(trainer.lightning_module.state_dict(), [optimizer.state_dict()], constants)
 
 
 def _index_of(items: Sequence[Any], item: Any) -> int:

@@ -20,9 +20,9 @@ from lightning_overflow.diagnosis.records import Diagnosis
 from lightning_overflow.diagnosis.replay import KeptBatch, diagnose_step
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import NonFiniteError
-from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state
+from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state, state_flags
 from lightning_overflow.policy import StepAction, Verdict
-from lightning_overflow.numerics import FP32_MAX, optimizer_state_tensors, parameters_of, tensor_norms, total_norm
+from lightning_overflow.numerics import FP32_MAX
 
 __all__ = ["NonFiniteDetector"]
 
@@ -243,13 +243,9 @@ class NonFiniteDetector(SuiteCallback):
         every = self.check_weights_every_n_steps
         if every is None or record.step % every:
             return
-        with torch.no_grad():
-            weights = total_norm(tensor_norms([p.detach() for p in parameters_of(record.optimizer)]))
-            states, _ = optimizer_state_tensors(record.optimizer)
-            moments = total_norm(tensor_norms(states))
         # Per rank: one rank's weights can differ from the others' when something wrote to them locally.
-        bad = (~torch.isfinite(weights)) | (~torch.isfinite(moments))
-        record.add(self._key(), bad.to(torch.float64), per_rank=True)
+        weights, moments = state_flags(trainer, record.optimizer)
+        record.add(self._key(), torch.maximum(weights, moments), per_rank=True)
 
     def _key(self) -> str:
         return f"{type(self).__name__}.{id(self)}.state"
@@ -257,14 +253,14 @@ class NonFiniteDetector(SuiteCallback):
     # ---- the decision -----------------------------------------------------------------------------------------
     @override
     def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
-        self._finding = finding = self._find(record)
+        self._finding = finding = self._find(trainer, record)
         if finding is None:
             self._consecutive = self._persistent = 0
             self._report_headroom(trainer, record)
             return None
         return self._act(trainer, record, finding)
 
-    def _find(self, record: StepHealth) -> Finding | None:
+    def _find(self, trainer: pl.Trainer, record: StepHealth) -> Finding | None:
         """What, if anything, is non-finite on this step. Only values identical on every rank are used."""
         state_flagged = record.has(self._key()) and any(record.value(self._key()))
         if record.healthy and not state_flagged:
@@ -272,7 +268,7 @@ class NonFiniteDetector(SuiteCallback):
             return None
         if record.loss_finite and record.loss_scale is not None and not record.grads_finite and not state_flagged:
             return self._judge_scaler(record)  # inf/NaN gradients: the scaler skips the step itself
-        state = inspect_state(record)
+        state = inspect_state(trainer, record)
         if state.weight_ranks:
             return Finding("weight", state.weight_ranks, list(state.weight_names), hint_key="weight")
         if state.state_ranks:

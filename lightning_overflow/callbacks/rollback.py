@@ -267,9 +267,7 @@ class Rollback(SuiteCallback):
 
     def _start(self, trainer: pl.Trainer) -> None:
         """Record the buffers' constants and take the first snapshot: the state the fit starts from."""
-        module = trainer.lightning_module
-        names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
-        self._constants = NonFiniteConstants.record(trainer.strategy.lightning_module_state_dict(), names)
+        self._constants = self.board(trainer).constants(trainer)
         self._last_step = int(trainer.global_step)
         self._last_target = None
         self._disk = [entry for entry in self._disk if entry["step"] <= trainer.global_step]
