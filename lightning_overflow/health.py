@@ -360,6 +360,15 @@ class HealthBoard:
             self._constants = NonFiniteConstants.of_module(trainer.lightning_module)
         return self._constants
 
+    def state_before_step(self, module: torch.nn.Module) -> dict[str, Any]:
+        """The module's state with its buffers as the step found them: this step's forward passes moved them (a NaN
+        sample writes NaN into BatchNorm's statistics), and a skip puts them back, so they are not yet the state."""
+        state = module.state_dict()
+        for name, saved in self._buffers.saved().items():
+            if name in state:
+                state[name] = saved
+        return state
+
     def snapshot_extras(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Every participant's ``_snapshot_extra()``, by state key, to store beside a snapshot."""
         return {p.state_key: p._snapshot_extra() for p in self.participants}
@@ -570,7 +579,7 @@ def inspect_state(trainer: pl.Trainer, record: StepHealth) -> StateCheck:
     if record.state_check is None:
         module = trainer.lightning_module
         record.state_check = check_state(
-            module.state_dict(),
+            board_for(trainer).state_before_step(module),
             [record.optimizer.state_dict()],
             board_for(trainer).constants(trainer),
             record.grad_norms.device,
@@ -581,8 +590,9 @@ def inspect_state(trainer: pl.Trainer, record: StepHealth) -> StateCheck:
 
 def state_flags(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> tuple[Tensor, Tensor]:
     """This rank's device flags for non-finite module state and optimizer state (no read), by the same rule."""
-    constants = board_for(trainer).constants(trainer)
-    return nonfinite_flags(trainer.lightning_module.state_dict(), [optimizer.state_dict()], constants)
+    board = board_for(trainer)
+    model_state = board.state_before_step(trainer.lightning_module)
+    return nonfinite_flags(model_state, [optimizer.state_dict()], board.constants(trainer))
 
 
 def _index_of(items: Sequence[Any], item: Any) -> int:

@@ -48,12 +48,15 @@ class BufferCopy:
     """
 
     def __init__(self) -> None:
+        self._names: list[str] = []
         self._live: list[Tensor] = []
         self._saved: list[Tensor] = []
 
     def take(self, module: nn.Module) -> None:
-        live = list(module.buffers())
+        named = list(module.named_buffers())
+        live = [b for _, b in named]
         if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live)):
+            self._names = [name for name, _ in named]
             self._live = live
             self._saved = [torch.empty_like(b) for b in live]
         if live:
@@ -65,8 +68,12 @@ class BufferCopy:
             with torch.no_grad():
                 torch._foreach_copy_(self._live, self._saved)
 
+    def saved(self) -> dict[str, Tensor]:
+        """The copies by buffer name: the buffers as the current step found them, before its forward passes."""
+        return dict(zip(self._names, self._saved))
+
     def release(self) -> None:
-        self._live, self._saved = [], []
+        self._names, self._live, self._saved = [], [], []
 
 
 def skip_step(

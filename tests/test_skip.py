@@ -1,0 +1,66 @@
+"""A skipped step is a true no-op: parameters, buffers (BatchNorm's running statistics, which the forward pass of
+the bad batch already moved), optimizer state and the LR schedule are exactly as before it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from conftest import fit
+
+from lightning_overflow import NonFiniteDetector, default_callbacks
+from lightning_overflow.testing import TinyRegressor
+
+BAD_BATCH = 3
+
+
+class StateProbe(pl.Callback):
+    """Module state (parameters and buffers) and the LR at the end of every batch."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, tuple[dict[str, torch.Tensor], float]] = {}  # by batch index
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        self.at[batch_idx] = (state, trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def _model_with_a_nan_sample() -> TinyRegressor:
+    model = TinyRegressor(batch_norm=True, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.9))
+    model.data.tensors[0][BAD_BATCH * model.batch_size + 1, 0] = float("nan")
+    return model
+
+
+def test_a_skipped_step_leaves_the_buffers_as_they_were() -> None:
+    probe = StateProbe()
+    model = _model_with_a_nan_sample()
+    fit(model, [NonFiniteDetector(), probe], max_steps=6)
+    before, lr_before = probe.at[BAD_BATCH - 1]
+    after, lr_after = probe.at[BAD_BATCH]
+    assert set(before) >= {"net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"}
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    assert lr_after == lr_before
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randn(5, 4))).all()
+
+
+def test_without_a_skip_the_bad_batch_poisons_the_running_statistics() -> None:
+    probe = StateProbe()
+    fit(_model_with_a_nan_sample(), [probe], max_steps=6)
+    after, _ = probe.at[BAD_BATCH]
+    assert not torch.isfinite(after["net.1.running_mean"]).all()
+
+
+def test_the_whole_suite_keeps_buffers_through_accumulated_micro_batches() -> None:
+    probe = StateProbe()
+    model = _model_with_a_nan_sample()
+    fit(model, [*default_callbacks(), probe], max_steps=4, accumulate_grad_batches=2)
+    # Batches 2 and 3 form step 1: the window began before batch 2, whose forward pass moved the statistics too.
+    before, _ = probe.at[1]
+    after, _ = probe.at[3]
+    for key in ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"):
+        assert torch.equal(before[key], after[key]), key
