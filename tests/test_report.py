@@ -269,7 +269,7 @@ def test_journal_events_map_to_one_marker_each() -> None:
         (7, "rollback", "D", "deeppink", "rollback"),
         (8, "regrowth", "P", "goldenrod", "LR regrowth"),
         (9, "snapshot_refused", "h", "silver", "other event (see the journal)"),
-        (11, "abort", "X", "red", "abort: run stopped"),
+        (11, "abort", "X", "red", "abort (run stopped)"),
     ]
     specs = list(EVENT_MARKERS.values())
     assert len({s.marker for s in specs}) == len(specs) and len({s.colour for s in specs}) == len(specs)
@@ -321,6 +321,6 @@ def test_how_each_run_ended(tmp_path: Path) -> None:
     assert [t.get_text() for t in lanes.texts] == [
         "finished at step 9  |  no events",
         "stopped at step 5: loss NaN since step 3  |  no events",
-        "stopped at step 9: DivergenceError raised by Rollback  |  1 rollback, 1 abort: run stopped",
+        "stopped at step 9: DivergenceError raised by Rollback  |  rollback x1, abort (run stopped) x1",
     ]
     assert math.isnan(nan_tail.metrics["train_loss"][-1][1])

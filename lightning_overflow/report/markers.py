@@ -47,7 +47,7 @@ EVENT_MARKERS: dict[str, MarkerSpec] = {
     "backoff": MarkerSpec("LR backoff", "s", "tab:brown"),
     "regrowth": MarkerSpec("LR regrowth", "P", "goldenrod"),
     "rollback": MarkerSpec("rollback", "D", "deeppink"),
-    "abort": MarkerSpec("abort: run stopped", "X", "red", 12.0),
+    "abort": MarkerSpec("abort (run stopped)", "X", "red", 12.0),
 }
 OTHER_MARKER = MarkerSpec("other event (see the journal)", "h", "silver", 7.0)
 # Routine kinds: clipping shows in the gradient-norm panel, a re-baseline only restarts statistics.

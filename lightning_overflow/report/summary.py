@@ -7,9 +7,10 @@ from collections import Counter
 from lightning_overflow.report.outcome import Outcome, run_outcome
 from lightning_overflow.report.runs import PANEL_NAMES, Run
 
-__all__ = ["MAX_EVENT_LINES", "summarise"]
+__all__ = ["MAX_EVENT_LINES", "MAX_MESSAGE", "summarise"]
 
 MAX_EVENT_LINES = 20
+MAX_MESSAGE = 150  # characters of an event's message on its line; the journal keeps it whole
 
 
 def summarise(run: Run, outcome: Outcome | None = None) -> str:
@@ -32,7 +33,10 @@ def summarise(run: Run, outcome: Outcome | None = None) -> str:
     counts = Counter(e["kind"] for e in run.events)
     lines.append("  events: " + (", ".join(f"{n} {k}" for k, n in counts.most_common()) or "none"))
     for event in run.events[:MAX_EVENT_LINES]:
-        lines.append(f"  step {event['step']:>6}  {event['kind']:<10} {event.get('message', '')}")
+        message = str(event.get("message", ""))
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 3] + "..."
+        lines.append(f"  step {event['step']:>6}  {event['kind']:<10} {message}")
     if len(run.events) > MAX_EVENT_LINES:
         lines.append(f"  ... {len(run.events) - MAX_EVENT_LINES} more in the journal under {run.path}")
     return "\n".join(lines)
