@@ -81,7 +81,9 @@ def _accelerator(text: str) -> str:
 def _out_file(text: str) -> Path:
     path = Path(text)
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"'{path}' is a directory; name the picture to write (e.g. {path}/dashboard.png)")
+        raise argparse.ArgumentTypeError(
+            f"'{path}' is a directory; name the picture to write (e.g. {path}/dashboard.png)"
+        )
     if path.suffix.lower() not in OUT_SUFFIXES:
         raise argparse.ArgumentTypeError(f"must end in {', '.join(OUT_SUFFIXES)} (got '{path}')")
     parent = path.parent
@@ -149,7 +151,7 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if len(set(labels)) != len(labels):
         parser.error(f"two runs share a label ({', '.join(labels)}): name them with --labels or NAME=DIR")
     try:
-        runs = [load_run(path, label, loss_key=args.loss_key, val_key=args.val_key) for path, label in zip(paths, labels)]
+        runs = [load_run(p, label, loss_key=args.loss_key, val_key=args.val_key) for p, label in zip(paths, labels)]
     except ReportError as err:
         parser.error(str(err))
     last_of_all = max(run.last_step for run in runs)

@@ -53,7 +53,8 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["--steps", "many"], "argument --steps: must be an int >= 1 (got 'many')"),
     (["--seed", "1.5"], "argument --seed: must be an int in [0, 4294967295] (got '1.5')"),
     (["--seed", "-1"], "argument --seed: must be an int in [0, 4294967295] (got -1)"),
-    (["--accelerator", "tpu"], "argument --accelerator: must be one of 'auto', 'cpu', 'gpu', 'cuda', 'mps' (got 'tpu')"),
+    (["--accelerator", "tpu"],
+     "argument --accelerator: must be one of 'auto', 'cpu', 'gpu', 'cuda', 'mps' (got 'tpu')"),
 ])
 def test_demo_refuses_bad_numbers_before_any_training(argv: list[str], message: str, demo_calls: list[Any],
                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -66,8 +67,9 @@ def test_demo_refuses_bad_numbers_before_any_training(argv: list[str], message: 
     ("cuda", "'cuda' needs a CUDA device and torch finds none; use --accelerator cpu"),
     ("mps", "'mps' needs an Apple MPS device and torch finds none; use --accelerator cpu"),
 ])
-def test_demo_refuses_an_accelerator_that_is_not_there(accelerator: str, message: str, no_gpu: None,
-                                                       demo_calls: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_refuses_an_accelerator_that_is_not_there(
+    accelerator: str, message: str, no_gpu: None, demo_calls: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert refused(["demo", "--accelerator", accelerator], capsys) == f"{DEMO}argument --accelerator: {message}\n"
     assert demo_calls == []
 

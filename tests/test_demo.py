@@ -35,7 +35,8 @@ def test_demo_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--steps", "many"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == "lightning-overflow demo: error: argument --steps: must be an int >= 1 (got 'many')\n"
+    err = capsys.readouterr().err
+    assert err == "lightning-overflow demo: error: argument --steps: must be an int >= 1 (got 'many')\n"
     with pytest.raises(SystemExit):
         main(["demo", "--steps", "0"])
     assert capsys.readouterr().err == "lightning-overflow demo: error: argument --steps: must be an int >= 1 (got 0)\n"

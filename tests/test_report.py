@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def small_run(tmp_path: Path, logger_cls: type = CSVLogger, model: TinyRegressor
     return Path(logger.log_dir)
 
 
-def write_run(folder: Path, rows: dict[str, list[tuple[int, float]]], events: list[dict[str, Any]] = ()) -> Path:
+def write_run(folder: Path, rows: dict[str, list[tuple[int, float]]], events: Sequence[dict[str, Any]] = ()) -> Path:
     """A run folder as CSVLogger writes it: ``metrics.csv`` (one row per step and key) and the journal."""
     folder.mkdir(parents=True, exist_ok=True)
     keys = sorted(rows)
@@ -74,6 +75,20 @@ def panels(fig: Any) -> dict[str, Any]:
     return {ax.get_label(): ax for ax in fig.axes}
 
 
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every figure the report command draws, kept for inspection."""
+    figures: list[Any] = []
+    real_draw = report_figure.draw
+
+    def keep(runs: Sequence[Any], title: str | None = None) -> Any:
+        figures.append(real_draw(runs, title))
+        return figures[-1]
+
+    monkeypatch.setattr(report_figure, "draw", keep)
+    return figures
+
+
 def png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -90,7 +105,8 @@ def test_renders_a_dashboard_png_and_prints_the_events(tmp_path: Path, capsys: p
     assert png_size(out) == (1300, 1150)  # one picture whatever the number of runs: they are overlaid
     printed = capsys.readouterr().out
     assert f"run ({run_dir / 'metrics.csv'}): finished at step 19\n" in printed
-    assert "  panels: loss = train/loss; gradient norm = grad_norm/total; skipped steps = overflow/skipped_steps;" in printed
+    assert "  panels: loss = train/loss; gradient norm = grad_norm/total; skipped steps = overflow/skipped_steps;" \
+        in printed
     assert "not logged: validation loss, clip threshold, LR scale\n" in printed
     assert "  events: 1 nonfinite, 1 skip\n" in printed and "  step      5  skip " in printed
     assert printed.endswith(f"dashboard: {out}\n")
@@ -120,20 +136,18 @@ def test_reads_tensorboard_event_files(tmp_path: Path) -> None:
     assert run.source == run.path and run.panels["loss"] is None
 
 
-def test_two_runs_are_overlaid_with_their_labels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_two_runs_are_overlaid_with_their_labels(tmp_path: Path, drawn: list[Any],
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     first = small_run(tmp_path / "a", model=LoggingRegressor())
     second = small_run(tmp_path / "b", model=LoggingRegressor())
-    drawn = []
-    real_draw = report_figure.draw
-    monkeypatch.setattr(report_figure, "draw", lambda runs, title=None: drawn.append(real_draw(runs, title)) or drawn[-1])
     out = tmp_path / "both.png"
     assert main(["report", f"bare={first}", f"suite={second}", "--out", str(out), "--title", "bare vs suite"]) == 0
     assert png_size(out) == (1300, 1150)
     fig = drawn[0]
     assert fig.get_suptitle() == "bare vs suite"
     assert [t.get_text() for t in panels(fig)["events"].get_yticklabels()] == ["bare", "suite"]
-    assert [t.get_text() for t in panels(fig)["loss"].get_legend().get_texts()] == ["bare: train/loss", "suite: train/loss"]
+    legend = panels(fig)["loss"].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["bare: train/loss", "suite: train/loss"]
     printed = capsys.readouterr().out
     assert f"bare ({first / 'metrics.csv'}): finished at step 19" in printed
     assert f"suite ({second / 'metrics.csv'}): finished at step 19" in printed
@@ -143,7 +157,8 @@ def test_missing_and_empty_directories_are_clear_errors(tmp_path: Path, capsys: 
     with pytest.raises(SystemExit) as exit_info:
         main(["report", str(tmp_path / "nope")])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == f"lightning-overflow report: error: run directory '{tmp_path / 'nope'}' does not exist\n"
+    err = capsys.readouterr().err
+    assert err == f"lightning-overflow report: error: run directory '{tmp_path / 'nope'}' does not exist\n"
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "overflow_events.jsonl").write_text('{"step": 1, "kind": "skip"}\n')  # a journal alone
     with pytest.raises(ReportError, match=r"holds no metrics.csv and no TensorBoard event file \(events.out.tfevents"):
@@ -220,7 +235,8 @@ def test_headroom_parts_under_the_new_and_the_old_names(tmp_path: Path, names: t
 
 
 def test_a_run_without_any_loss_says_which_keys_it_has(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folder = write_run(tmp_path / "r", {"grad_norm/total": steps([1.0, 2.0]), "overflow/headroom_decades/loss": [(0, 38.0)]})
+    rows = {"grad_norm/total": steps([1.0, 2.0]), "overflow/headroom_decades/loss": [(0, 38.0)]}
+    folder = write_run(tmp_path / "r", rows)
     assert main(["report", str(folder), "--out", str(tmp_path / "x.png")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == ("  no training loss chosen: none of the keys logged reads as one (keys found: grad_norm/total, "
@@ -238,12 +254,9 @@ def test_default_labels_skip_version_folders_and_stay_unique(tmp_path: Path) -> 
     assert default_labels([tmp_path / "version_3x"]) == ["version_3x"]
 
 
-def test_labels_from_the_option_and_from_name_equals_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_labels_from_the_option_and_from_name_equals_dir(tmp_path: Path, drawn: list[Any]) -> None:
     rows = {"grad_norm/total": steps([1.0, 2.0]), "train_loss": steps([2.0, 1.0])}
     first, second = write_run(tmp_path / "x" / "version_0", rows), write_run(tmp_path / "y" / "version_0", rows)
-    drawn = []
-    real_draw = report_figure.draw
-    monkeypatch.setattr(report_figure, "draw", lambda runs, title=None: drawn.append(real_draw(runs, title)) or drawn[-1])
     for argv, labels in (([str(first), str(second)], ["x", "y"]),
                          ([str(first), str(second), "--labels", "lr 1e-3, lr 1e-2"], ["lr 1e-3", "lr 1e-2"]),
                          ([f"small={first}", str(second)], ["small", "y"])):
@@ -289,8 +302,9 @@ def test_every_panel_marks_an_event_with_the_same_marker(tmp_path: Path) -> None
 
 
 def test_the_loss_goes_log_scale_only_when_it_spans_decades(tmp_path: Path) -> None:
-    calm = load_run(write_run(tmp_path / "calm", {"train_loss": steps([3.0, 2.0, 1.5]), "grad_norm/total": steps([1.0] * 3)}))
-    wild = load_run(write_run(tmp_path / "wild", {"train_loss": steps([3.0, 2e4, 1.5]), "grad_norm/total": steps([1.0] * 3)}))
+    grad = {"grad_norm/total": steps([1.0] * 3)}
+    calm = load_run(write_run(tmp_path / "calm", {"train_loss": steps([3.0, 2.0, 1.5]), **grad}))
+    wild = load_run(write_run(tmp_path / "wild", {"train_loss": steps([3.0, 2e4, 1.5]), **grad}))
     assert panels(draw([calm]))["loss"].get_yscale() == "linear"
     assert panels(draw([calm, wild]))["loss"].get_yscale() == "log"
 
@@ -308,7 +322,8 @@ def test_how_each_run_ended(tmp_path: Path) -> None:
     exited = load_run(write_run(tmp_path / "e", {"grad_norm/total": steps([1.0] * 5)}, [
         {"step": 4, "kind": "exit_restore", "source": "Rollback", "details": {"error": "KeyboardInterrupt"}}]))
     short = load_run(write_run(tmp_path / "s", {"grad_norm/total": steps([1.0] * 5), "train_loss": steps([1.0] * 5)}))
-    texts = [(o.kind, o.text) for o in (run_outcome(r, 9) for r in (finished, nan_tail, diverged, raised, exited, short))]
+    outcomes = [run_outcome(r, 9) for r in (finished, nan_tail, diverged, raised, exited, short)]
+    texts = [(o.kind, o.text) for o in outcomes]
     assert texts == [
         ("finished", "finished at step 9"),
         ("nonfinite", "stopped at step 5: loss NaN since step 3"),

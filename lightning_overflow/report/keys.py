@@ -87,8 +87,11 @@ def choose_val_key(keys: Collection[str]) -> str | None:
     for name in VAL_KEYS:
         if name in user:
             return name
-    named = sorted(k for k in user if "loss" in k.lower() and _EVALUATION.match(k) and not k.lower().startswith(
-        ("test", "predict")))
+    # Only validation: a test or predict loss is measured after the fit, not during it.
+    named = sorted(
+        k for k in user
+        if "loss" in k.lower() and _EVALUATION.match(k) and not k.lower().startswith(("test", "predict"))
+    )
     return named[0] if named else None
 
 

@@ -78,7 +78,8 @@ def load_run(path: str | Path, label: str | None = None, loss_key: str | None = 
     Args:
         path: the directory; the newest ``metrics.csv`` below it is read, else its TensorBoard event files.
         label: the run's name (default: see :func:`default_labels`).
-        loss_key: the training loss to draw (default: chosen by :func:`~lightning_overflow.report.keys.choose_loss_key`).
+        loss_key: the training loss to draw (default: chosen by
+            :func:`~lightning_overflow.report.keys.choose_loss_key`).
         val_key: the validation loss to draw (default: chosen by
             :func:`~lightning_overflow.report.keys.choose_val_key`).
 
