@@ -116,8 +116,10 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[Path], list[str] | None]:
-    """The run directories and their labels from ``NAME=DIR`` arguments or ``--labels``."""
+def _run_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[Path], list[str]]:
+    """The run directories and their labels: from ``NAME=DIR``, ``--labels``, else the folders' names."""
+    from lightning_overflow.report import default_labels
+
     paths: list[Path] = []
     named: list[str | None] = []
     for text in args.run_dirs:
@@ -136,18 +138,13 @@ def _run_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tupl
         if len(args.labels) != len(paths):
             parser.error(f"argument --labels: {len(args.labels)} label(s) for {len(paths)} run directories")
         return paths, args.labels
-    if all(n is None for n in named):
-        return paths, None
-    from lightning_overflow.report import default_labels
-
     return paths, [n if n is not None else d for n, d in zip(named, default_labels(paths))]
 
 
 def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from lightning_overflow.report import ReportError, default_labels, load_run, render, run_outcome, summarise
+    from lightning_overflow.report import ReportError, load_run, render, run_outcome, summarise
 
     paths, labels = _run_dirs(parser, args)
-    labels = labels or default_labels(paths)
     if len(set(labels)) != len(labels):
         parser.error(f"two runs share a label ({', '.join(labels)}): name them with --labels or NAME=DIR")
     try:
