@@ -66,7 +66,7 @@ def draw(runs: Sequence[Run], title: str | None = None) -> Figure:
         for i, run in enumerate(runs)
     ]
     fig = Figure(figsize=(13, 11.5), layout="constrained")
-    grid = fig.add_gridspec(4, 2, height_ratios=[3.2, 0.5 + 0.45 * len(runs), 1.8, 1.8])
+    grid = fig.add_gridspec(4, 2, height_ratios=[3.2, 0.5 + 0.6 * len(runs), 1.8, 1.8])
     loss = fig.add_subplot(grid[0, :], label="loss")
     lanes = fig.add_subplot(grid[1, :], sharex=loss, label="events")
     grad = fig.add_subplot(grid[2, 0], sharex=loss, label="gradient norm")
@@ -186,14 +186,19 @@ def _lanes_panel(ax: Axes, looks: list[_Look]) -> None:
         first = min((s[0][0] for s in run.metrics.values() if s), default=0)
         ax.hlines(lane, first, outcome.step, color=colour, lw=7, alpha=0.3)
         ax.plot([outcome.step], [lane], marker="|", ms=22, mew=3, color=colour)
-        for kind in dict.fromkeys(m.kind for m in look.markers):
+        # One row per kind inside the lane: events of several kinds at the same steps stay apart.
+        present = {m.kind for m in look.markers}
+        kinds = [k for k in EVENT_MARKERS if k in present] + sorted(present - EVENT_MARKERS.keys())
+        gap = min(0.22, 0.6 / max(len(kinds) - 1, 1))
+        for row, kind in enumerate(kinds):
             spec = EVENT_MARKERS.get(kind, OTHER_MARKER)
             at = [m.step for m in look.markers if m.kind == kind]
-            ax.plot(at, [lane] * len(at), ls="", marker=spec.marker, color=spec.colour, ms=spec.size, mec="white",
+            y = lane + (row - (len(kinds) - 1) / 2) * gap
+            ax.plot(at, [y] * len(at), ls="", marker=spec.marker, color=spec.colour, ms=spec.size, mec="white",
                     mew=0.6, zorder=7)
-        ax.text(first, lane - 0.3, f"{outcome.text}  |  {_story(look.markers)}", fontsize=9, va="bottom",
+        ax.text(first, lane - 0.42, f"{outcome.text}  |  {_story(look.markers)}", fontsize=9, va="bottom",
                 color="black" if outcome.kind == "finished" else _STOPPED)
-    ax.set_ylim(len(looks) - 0.5, -0.85)
+    ax.set_ylim(len(looks) - 0.55, -1.0)
     ax.set_yticks(range(len(looks)), [look.run.label for look in looks])
     for label, look in zip(ax.get_yticklabels(), looks):
         label.set_color(look.colour)
