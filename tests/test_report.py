@@ -336,6 +336,6 @@ def test_how_each_run_ended(tmp_path: Path) -> None:
     assert [t.get_text() for t in lanes.texts] == [
         "finished at step 9  |  no events",
         "stopped at step 5: loss NaN since step 3  |  no events",
-        "stopped at step 9: DivergenceError raised by Rollback  |  rollback x1, abort (run stopped) x1",
+        "stopped at step 9: DivergenceError raised by Rollback  |  1 rollback, 1 abort",
     ]
     assert math.isnan(nan_tail.metrics["train_loss"][-1][1])

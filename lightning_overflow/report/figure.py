@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_overflow.report.markers import EVENT_MARKERS, OTHER_MARKER, RUN_COLOURS, Marker, event_markers
+from lightning_overflow.report.markers import (
+    EVENT_MARKERS,
+    OTHER_MARKER,
+    RUN_COLOURS,
+    Marker,
+    MarkerSpec,
+    event_markers,
+)
 from lightning_overflow.report.outcome import Outcome, run_outcome
 from lightning_overflow.report.runs import Run, Series
 
@@ -135,9 +142,7 @@ def _mark(ax: Axes, series: Series, markers: list[Marker], stepwise: bool = Fals
     for marker in markers:
         by_kind.setdefault(marker.kind, []).append(marker.step)
     for kind, at in by_kind.items():
-        spec = EVENT_MARKERS.get(kind, OTHER_MARKER)
-        style: dict[str, Any] = {"ls": "", "marker": spec.marker, "color": spec.colour, "ms": spec.size,
-                                 "mec": "white", "mew": 0.6, "zorder": 7}
+        style = _marker_style(EVENT_MARKERS.get(kind, OTHER_MARKER))
         if steps:
             ax.plot(at, [_value_at(steps, values, s, stepwise) for s in at], **style)
         else:
@@ -171,13 +176,23 @@ def _loss_panel(ax: Axes, looks: list[_Look]) -> None:
         return
     if finite and min(finite) > 0 and max(finite) / min(finite) >= 30:
         ax.set_yscale("log")  # a divergence spans decades; the healthy runs would be a flat line beside it
-    ax.legend(loc="lower left", fontsize=9)
+    ax.legend(loc="best", fontsize=9)
     ax.grid(alpha=0.3)
 
 
 def _story(markers: list[Marker]) -> str:
+    """``"4 skip, 1 backoff, 2 rollback"``: the journal's own names, short enough for one line."""
     counts = Counter(m.kind for m in markers)
-    return ", ".join(f"{EVENT_MARKERS.get(k, OTHER_MARKER).label} x{n}" for k, n in counts.items()) or "no events"
+    return ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "no events"
+
+
+def _marker_style(spec: MarkerSpec) -> dict[str, Any]:
+    from matplotlib.lines import Line2D
+
+    # A white edge sets filled markers off the curves; a line-only marker ("x") is all edge, so keeps its colour.
+    edge = "white" if spec.marker in Line2D.filled_markers else spec.colour
+    return {"ls": "", "marker": spec.marker, "color": spec.colour, "ms": spec.size, "mec": edge, "mew": 0.6,
+            "zorder": 7}
 
 
 def _lanes_panel(ax: Axes, looks: list[_Look]) -> None:
@@ -194,10 +209,10 @@ def _lanes_panel(ax: Axes, looks: list[_Look]) -> None:
             spec = EVENT_MARKERS.get(kind, OTHER_MARKER)
             at = [m.step for m in look.markers if m.kind == kind]
             y = lane + (row - (len(kinds) - 1) / 2) * gap
-            ax.plot(at, [y] * len(at), ls="", marker=spec.marker, color=spec.colour, ms=spec.size, mec="white",
-                    mew=0.6, zorder=7)
-        ax.text(first, lane - 0.42, f"{outcome.text}  |  {_story(look.markers)}", fontsize=9, va="bottom",
-                color="black" if outcome.kind == "finished" else _STOPPED)
+            ax.plot(at, [y] * len(at), **_marker_style(spec))
+        text = ax.text(first, lane - 0.42, f"{outcome.text}  |  {_story(look.markers)}", fontsize=9, va="bottom",
+                       color="black" if outcome.kind == "finished" else _STOPPED, clip_on=True)
+        text.set_in_layout(False)  # a long sentence is cut at the panel's edge instead of squeezing the figure
     ax.set_ylim(len(looks) - 0.55, -1.0)
     ax.set_yticks(range(len(looks)), [look.run.label for look in looks])
     for label, look in zip(ax.get_yticklabels(), looks):
