@@ -1,39 +1,31 @@
-"""Command line: ``python -m lightning_overflow demo`` (the main job) and ``... report RUN_DIR`` (the dashboard)."""
+"""Command line: ``python -m lightning_overflow demo`` (the main job) and ``... report RUN_DIR`` (the dashboard).
+
+Every bad argument ends the command before any work with one line on stderr,
+``lightning-overflow <command>: error: <what is wrong>``, and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = ["ACCELERATORS", "OUT_SUFFIXES", "build_parser", "main"]
 
-
-def _demo(args: argparse.Namespace) -> int:
-    import torch
-
-    from lightning_overflow.demo.run import run_demo
-
-    torch.set_flush_denormal(True)  # denormals make CPU steps several times slower; a process-wide setting
-    run_demo(steps=args.steps, seed=args.seed, out=Path(args.out), accelerator=args.accelerator, lr=args.lr)
-    return 0
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+OUT_SUFFIXES = (".png", ".svg", ".pdf")
+MAX_SEED = 2**32 - 1  # the range pl.seed_everything accepts; outside it, it picks a random seed instead
 
 
-def _report(args: argparse.Namespace) -> int:
-    from lightning_overflow.report import ReportError, load_run, render, summarise
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are the one line ``prog: error: message`` (no usage block)."""
 
-    try:
-        runs = [load_run(path) for path in args.run_dirs]
-    except ReportError as err:
-        print(f"report: {err}", file=sys.stderr)
-        return 2
-    for run in runs:
-        print(summarise(run))
-    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "overflow_dashboard.png"
-    print(f"dashboard: {render(runs, out)}")
-    return 0
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _positive_int(text: str) -> int:
@@ -46,25 +38,166 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int in [0, {MAX_SEED}] (got {text!r})") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an int in [0, {MAX_SEED}] (got {value})")
+    return value
+
+
+def _learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (got {text!r})") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (got {value})")
+    return value
+
+
+def _accelerator(text: str) -> str:
+    if text not in ACCELERATORS:
+        allowed = ", ".join(repr(a) for a in ACCELERATORS)
+        raise argparse.ArgumentTypeError(f"must be one of {allowed} (got {text!r})")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    mps = torch.backends.mps.is_available()
+    # Checked here, before any model or Trainer exists, so the answer is this line and not a traceback.
+    if text == "cuda" and not cuda:
+        raise argparse.ArgumentTypeError("'cuda' needs a CUDA device and torch finds none; use --accelerator cpu")
+    if text == "mps" and not mps:
+        raise argparse.ArgumentTypeError("'mps' needs an Apple MPS device and torch finds none; use --accelerator cpu")
+    if text == "gpu" and not (cuda or mps):
+        raise argparse.ArgumentTypeError(
+            "'gpu' needs a CUDA or Apple MPS device and torch finds none; use --accelerator cpu"
+        )
+    return text
+
+
+def _out_file(text: str) -> Path:
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"'{path}' is a directory; name the picture to write (e.g. {path}/dashboard.png)"
+        )
+    if path.suffix.lower() not in OUT_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"must end in {', '.join(OUT_SUFFIXES)} (got '{path}')")
+    parent = path.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder '{parent}' does not exist (got '{path}'); create it first")
+    return path
+
+
+def _out_folder(text: str) -> Path:
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"'{path}' is a file; the demo writes its runs into a folder")
+    return path
+
+
+def _labels(text: str) -> list[str]:
+    labels = [label.strip() for label in text.split(",")]
+    if not all(labels):
+        raise argparse.ArgumentTypeError(f"must be comma-separated non-empty names (got {text!r})")
+    return labels
+
+
+def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import torch
+
+    from lightning_overflow.demo.run import run_demo
+
+    torch.set_flush_denormal(True)  # denormals make CPU steps several times slower; a process-wide setting
+    run_demo(steps=args.steps, seed=args.seed, out=args.out, accelerator=args.accelerator, lr=args.lr)
+    return 0
+
+
+def _run_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[Path], list[str]]:
+    """The run directories and their labels: from ``NAME=DIR``, ``--labels``, else the folders' names."""
+    from lightning_overflow.report import default_labels
+
+    paths: list[Path] = []
+    named: list[str | None] = []
+    for text in args.run_dirs:
+        name, sep, folder = text.partition("=")
+        if sep and not Path(text).exists():  # a folder whose own name holds '=' stays a folder
+            if not name or not folder:
+                parser.error(f"argument RUN_DIR: NAME=DIR needs both a name and a folder (got {text!r})")
+            paths.append(Path(folder))
+            named.append(name)
+        else:
+            paths.append(Path(text))
+            named.append(None)
+    if args.labels is not None:
+        if any(n is not None for n in named):
+            parser.error("argument --labels: give each run's label once, either as NAME=DIR or in --labels")
+        if len(args.labels) != len(paths):
+            parser.error(f"argument --labels: {len(args.labels)} label(s) for {len(paths)} run directories")
+        return paths, args.labels
+    return paths, [n if n is not None else d for n, d in zip(named, default_labels(paths))]
+
+
+def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from lightning_overflow.report import ReportError, load_run, render, run_outcome, summarise
+
+    paths, labels = _run_dirs(parser, args)
+    if len(set(labels)) != len(labels):
+        parser.error(f"two runs share a label ({', '.join(labels)}): name them with --labels or NAME=DIR")
+    try:
+        runs = [load_run(p, label, loss_key=args.loss_key, val_key=args.val_key) for p, label in zip(paths, labels)]
+    except ReportError as err:
+        parser.error(str(err))
+    last_of_all = max(run.last_step for run in runs)
+    for run in runs:
+        print(summarise(run, run_outcome(run, last_of_all)))
+    out = args.out or paths[0] / "overflow_dashboard.png"
+    print(f"dashboard: {render(runs, out, title=args.title)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-overflow", description=__doc__)
+    """The ``lightning-overflow`` parser with its ``demo`` and ``report`` commands."""
+    parser = _Parser(prog="lightning-overflow", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a diverging model bare and with the suite; print the comparison")
     demo.add_argument("--steps", type=_positive_int, default=500, help="optimizer steps per run (default 500)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of both runs (default 0)")
-    demo.add_argument("--out", default="overflow_demo", help="output folder (default ./overflow_demo)")
-    demo.add_argument("--accelerator", default="cpu", help="Lightning accelerator (default cpu)")
-    demo.add_argument("--lr", type=float, default=None, help="learning rate (default: one that diverges bare)")
-    demo.set_defaults(run=_demo)
-    report = commands.add_parser("report", help="render the dashboard PNG of one or more run directories")
-    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a logger's run folder (metrics + journal)")
-    report.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/overflow_dashboard.png)")
-    report.set_defaults(run=_report)
+    demo.add_argument("--seed", type=_seed, default=0, help="seed of both runs (default 0)")
+    demo.add_argument("--out", type=_out_folder, default=Path("overflow_demo"),
+                      help="output folder (default ./overflow_demo)")
+    demo.add_argument("--accelerator", type=_accelerator, default="cpu",
+                      help=f"Lightning accelerator: {', '.join(ACCELERATORS)} (default cpu)")
+    demo.add_argument("--lr", type=_learning_rate, default=None, help="learning rate (default: one that diverges bare)")
+    demo.set_defaults(run=_demo, parser=demo)
+    report = commands.add_parser(
+        "report", help="draw the dashboard of one or more run directories",
+        description="Draw the dashboard of one or more runs, overlaid, and print what happened in each.",
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="a logger's folder for one run (metrics.csv or TensorBoard events, and the journal); "
+                             "NAME=RUN_DIR labels it NAME")
+    report.add_argument("--out", type=_out_file, default=None,
+                        help="the picture to write, .png/.svg/.pdf, in an existing folder "
+                             "(default RUN_DIR/overflow_dashboard.png of the first run)")
+    report.add_argument("--title", default=None, help="the picture's title (default: the run labels)")
+    report.add_argument("--labels", type=_labels, default=None,
+                        help="comma-separated run labels, one per RUN_DIR (default: each folder's name, or its "
+                             "parent's for a version_N folder)")
+    report.add_argument("--loss-key", default=None, metavar="KEY",
+                        help="the training loss to draw (default: train_loss, train/loss, loss, train_loss_step... "
+                             "whichever the run logged; never one of the suite's keys)")
+    report.add_argument("--val-key", default=None, metavar="KEY",
+                        help="the validation loss to draw (default: val_loss, val/loss... whichever was logged)")
+    report.set_defaults(run=_report, parser=report)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (bad arguments raise ``SystemExit(2)``)."""
     args = build_parser().parse_args(argv)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-        return int(args.run(args))
+        return int(args.run(args.parser, args))  # the command's own parser, so errors name the command

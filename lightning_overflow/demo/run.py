@@ -124,8 +124,18 @@ def _run(label: str, protected: bool, steps: int, seed: int, out: Path, accelera
     )
 
 
-def _table(results: list[RunResult]) -> str:
+def _ending(result: RunResult, steps: int) -> str:
+    """How a run ended, in a table cell: ``finished``, ``NaN, stopped``, ``NaN at the end`` or the error's class."""
+    if result.stopped_by:
+        return result.stopped_by.split(":", 1)[0]
+    if math.isnan(result.train_loss):
+        return "NaN, stopped" if result.steps < steps else "NaN at the end"
+    return "finished"
+
+
+def _table(results: list[RunResult], steps: int) -> str:
     rows = [
+        ("how it ended", [_ending(r, steps) for r in results]),
         ("steps completed", [str(r.steps) for r in results]),
         ("final train loss (last 20)", [f"{r.train_loss:.3f}" for r in results]),
         ("final validation loss", [f"{r.val_loss:.3f}" for r in results]),
@@ -145,8 +155,14 @@ def _table(results: list[RunResult]) -> str:
 def run_demo(steps: int = 500, seed: int = 0, out: Path = Path("overflow_demo"), accelerator: str = "cpu",
              lr: float | None = None) -> list[RunResult]:
     """Train the byte-level transformer bare and protected, print the comparison, write the dashboard."""
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"'steps' must be an int (got {type(steps).__name__})")
     if steps < 1:
         raise ValueError(f"'steps' must be >= 1 (got {steps})")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**32 - 1:
+        raise ValueError(f"'seed' must be an int in [0, {2**32 - 1}] (got {seed!r})")
+    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"'lr' must be a finite number > 0 or None (got {lr!r})")
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
     lr = DEFAULT_LR if lr is None else lr
     out = Path(out)
@@ -158,12 +174,14 @@ def run_demo(steps: int = 500, seed: int = 0, out: Path = Path("overflow_demo"),
         _run("protected", True, steps, seed, out, accelerator, lr),
     ]
     print()
-    print(_table(results))
+    print(_table(results, steps))
     for result in results:
         if result.stopped_by:
             print(f"{result.label} stopped: {result.stopped_by}")
-    picture = render([load_run(r.log_dir, r.label) for r in results], out / "dashboard.png",
-                     title=f"byte transformer, Adam lr={lr:g}: unprotected vs default_callbacks()")
+    title = f"byte transformer, Adam lr={lr:g}: unprotected vs default_callbacks()"
+    picture = render([load_run(r.log_dir, r.label) for r in results], out / "dashboard.png", title=title)
     print(f"\ndashboard: {picture}")
+    print(f"redraw:    python -m lightning_overflow report {' '.join(str(r.log_dir) for r in results)} "
+          f"--title '{title}' --out {picture}")
     print(f"journal:   {results[1].log_dir / JOURNAL_NAME}")
     return results

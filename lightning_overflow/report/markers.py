@@ -1,0 +1,76 @@
+"""How each journal event is drawn: one marker shape and colour per kind, the same in every panel.
+
+The colours are kept apart from the run colours (:data:`RUN_COLOURS`), so a marker never reads as a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["EVENT_MARKERS", "HIDDEN_KINDS", "OTHER_MARKER", "RUN_COLOURS", "Marker", "MarkerSpec", "event_markers"]
+
+RUN_COLOURS = ("tab:blue", "tab:green", "tab:gray", "tab:cyan", "tab:olive", "navy")
+
+
+@dataclass(frozen=True)
+class MarkerSpec:
+    """The look of one kind of event.
+
+    Attributes:
+        label: the legend text.
+        marker: a matplotlib marker.
+        colour: a matplotlib colour.
+        size: the marker size in points.
+    """
+
+    label: str
+    marker: str
+    colour: str
+    size: float = 8.0
+
+
+@dataclass(frozen=True)
+class Marker:
+    """One event to draw: where (``step``), what (``kind``) and how (``spec``)."""
+
+    step: int
+    kind: str
+    spec: MarkerSpec
+
+
+EVENT_MARKERS: dict[str, MarkerSpec] = {
+    "skip": MarkerSpec("skipped step", "v", "tab:orange"),
+    "nonfinite": MarkerSpec("non-finite step, not skipped", "x", "black"),
+    "spike": MarkerSpec("loss / gradient spike", "^", "tab:purple"),
+    "backoff": MarkerSpec("LR backoff", "s", "tab:brown"),
+    "regrowth": MarkerSpec("LR regrowth", "P", "goldenrod"),
+    "rollback": MarkerSpec("rollback", "D", "deeppink"),
+    "abort": MarkerSpec("abort (run stopped)", "X", "red", 12.0),
+}
+OTHER_MARKER = MarkerSpec("other event (see the journal)", "h", "silver", 7.0)
+# Routine kinds: clipping shows in the gradient-norm panel, a re-baseline only restarts statistics.
+HIDDEN_KINDS = frozenset({"clip", "rebaseline"})
+
+
+def event_markers(events: Iterable[Mapping[str, Any]]) -> list[Marker]:
+    """The markers of a journal's ``events``, in journal order.
+
+    A ``nonfinite`` detection at a step that was skipped is drawn once, as the skip; a detection that was not
+    skipped (the run went on, or raised) keeps its own marker. Clips and re-baselines are not drawn.
+
+    Example:
+        >>> [(m.step, m.kind, m.spec.marker) for m in event_markers(
+        ...     [{"step": 5, "kind": "nonfinite"}, {"step": 5, "kind": "skip"}, {"step": 9, "kind": "rollback"}])]
+        [(5, 'skip', 'v'), (9, 'rollback', 'D')]
+    """
+    events = list(events)
+    skipped = {int(e["step"]) for e in events if e["kind"] == "skip"}
+    markers = []
+    for event in events:
+        kind, step = str(event["kind"]), int(event["step"])
+        if kind in HIDDEN_KINDS or (kind == "nonfinite" and step in skipped):
+            continue
+        markers.append(Marker(step, kind, EVENT_MARKERS.get(kind, OTHER_MARKER)))
+    return markers
