@@ -135,6 +135,9 @@ class StepParticipant(Protocol):
     def _snapshot_extra(self) -> dict[str, Any]:
         """Primitives to keep beside a rollback snapshot."""
 
+    def _settings(self) -> tuple[float, ...]:
+        """What the participant changed in how the run trains (LR scales)."""
+
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         """The training state was restored from a snapshot taken with ``extra`` beside it."""
 
@@ -368,6 +371,10 @@ class HealthBoard:
             if name in state:
                 state[name] = saved
         return state
+
+    def settings(self) -> tuple[float, ...]:
+        """Every participant's ``_settings()``, in pipeline order."""
+        return tuple(value for p in self.participants for value in p._settings())
 
     def snapshot_extras(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Every participant's ``_snapshot_extra()``, by state key, to store beside a snapshot."""

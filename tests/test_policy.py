@@ -17,7 +17,8 @@ BATCHES_PER_EPOCH = 8  # TinyRegressor: 64 samples, batch size 8, no shuffling
 
 
 def _journal(root: Path) -> list[dict[str, Any]]:
-    return list(read_journal(root / "overflow_events.jsonl"))
+    path = root / "overflow_events.jsonl"
+    return list(read_journal(path)) if path.exists() else []  # no file: nothing happened
 
 
 def _kinds(events: list[dict[str, Any]], *kinds: str) -> list[tuple[int, str]]:
@@ -40,7 +41,8 @@ def test_a_corrupt_sample_in_every_short_epoch_is_only_skipped(tmp_path: Path) -
 
 def test_periodic_input_spikes_are_journaled_and_cost_nothing_else(tmp_path: Path) -> None:
     model = TinyRegressor()
-    model.data.tensors[0][40:48] *= 100.0  # batch 5 of every epoch
+    model.data.tensors[0][40:48] *= 100.0  # batch 5 of every epoch: inputs and targets far beyond the rest
+    model.data.tensors[1][40:48] *= 100.0
     trainer = fit(model, default_callbacks(snapshot_every_n_steps=4), max_steps=25 * BATCHES_PER_EPOCH,
                   default_root_dir=str(tmp_path))
     events = _journal(tmp_path)
@@ -97,3 +99,22 @@ def test_a_skip_request_wins_over_every_clip() -> None:
     assert action.skipped and action.skipped_by == "detector" and action.clips == []
     action = decide_step([("clipper", Verdict(clip=clip)), ("detector", None)])
     assert not action.skipped and action.clip_of("clipper") is clip
+
+
+def test_a_rollback_returns_to_the_newest_snapshot_when_the_lr_was_backed_off_since() -> None:
+    from lightning_overflow import LRBackoff, NonFiniteDetector, Rollback
+
+    rollback = Rollback(every_n_steps=2, keep=2)
+    faults = FaultInjector(Fault(5, "nan_weight"), Fault(6, "nan_weight"))
+    trainer = fit(TinyRegressor(), [NonFiniteDetector(), LRBackoff(cooldown=0), rollback, faults], max_steps=10)
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(6, 4), (7, 4)]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.25 * 0.01
+
+
+def test_without_new_settings_a_second_divergence_goes_further_back() -> None:
+    from lightning_overflow import NonFiniteDetector, Rollback
+
+    rollback = Rollback(every_n_steps=2, keep=2)
+    faults = FaultInjector(Fault(5, "nan_weight"), Fault(6, "nan_weight"))
+    fit(TinyRegressor(), [NonFiniteDetector(), rollback, faults], max_steps=10)
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(6, 4), (7, 2)]

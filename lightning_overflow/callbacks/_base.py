@@ -105,6 +105,11 @@ class SuiteCallback(Callback):
         """Primitives to store beside a rollback snapshot (default: nothing)."""
         return {}
 
+    def _settings(self) -> tuple[float, ...]:
+        """What this callback changed in how the run trains (LRBackoff: its scales), so that a rollback can tell
+        a return to a snapshot with new settings from a repeat of the same (default: nothing)."""
+        return ()
+
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         """The training state was just restored from a snapshot taken with ``extra`` beside it (default: nothing)."""
 

@@ -287,6 +287,10 @@ class LRBackoff(SuiteCallback):
         return {f"overflow/lr_scale_opt{i}": scale for i, scale in enumerate(self.scales)}
 
     @override
+    def _settings(self) -> tuple[float, ...]:
+        return tuple(self.scales)
+
+    @override
     def _snapshot_extra(self) -> dict[str, Any]:
         return {"scales": list(self.scales)}
 

@@ -178,6 +178,7 @@ class Rollback(SuiteCallback):
         self._skip_left = 0
         self._skipping = False
         self._last_target: int | None = None
+        self._last_settings: tuple[float, ...] = ()
         self._resumed = False
         self._warnings = WarningCache()
 
@@ -270,6 +271,7 @@ class Rollback(SuiteCallback):
         self._constants = self.board(trainer).constants(trainer)
         self._last_step = int(trainer.global_step)
         self._last_target = None
+        self._last_settings = ()
         self._disk = [entry for entry in self._disk if entry["step"] <= trainer.global_step]
         listed = [Snapshot(entry["step"], None, file=entry["file"]) for entry in self._disk]
         self._before_restart = listed if self._files is not None and self._resumed else []
@@ -379,6 +381,7 @@ class Rollback(SuiteCallback):
         extras = copy.deepcopy(self.board(trainer).snapshot_extras(trainer))
         snapshot = self._memory.take(step, state, extras)
         self._last_target = None
+        self._last_settings = ()
         if self._files is not None:
             self._write(trainer, snapshot)
         return None
@@ -424,11 +427,14 @@ class Rollback(SuiteCallback):
         older = [s for s in self._before_restart if s.step not in steps]
         return sorted(self._memory.snapshots + older, key=lambda s: (s.step, s.state is not None), reverse=True)
 
-    def _targets(self) -> tuple[list[Snapshot], Snapshot | None]:
-        """The candidates in the order to try, and the one avoided: having diverged again from the last target
-        (no newer snapshot since), go one snapshot further back and keep it only as a last resort."""
+    def _targets(self, settings: tuple[float, ...]) -> tuple[list[Snapshot], Snapshot | None]:
+        """The candidates in the order to try, and the one avoided. Never the same snapshot twice with the same
+        settings: having diverged again from the last target (no newer snapshot since) with nothing changed (no
+        backoff since), go one snapshot further back and keep that one only as a last resort. With a new LR scale,
+        the newest snapshot is the best place to try again."""
         candidates = self._candidates()
-        if len(candidates) > 1 and candidates[0].step == self._last_target:
+        repeat = candidates and candidates[0].step == self._last_target and settings == self._last_settings
+        if len(candidates) > 1 and repeat:
             return candidates[1:] + candidates[:1], candidates[0]
         return candidates, None
 
@@ -438,7 +444,8 @@ class Rollback(SuiteCallback):
         recent = [h for h in self.history if step - h["step"] < self.window]
         if len(recent) >= self.max_rollbacks:
             self._stop(trainer, signal, recent)
-        candidates, avoided = self._targets()
+        settings = self.board(trainer).settings()
+        candidates, avoided = self._targets(settings)
         restored = self._restore_first(trainer, candidates)
         if restored is None:
             self._no_snapshot(trainer, signal)
@@ -455,6 +462,7 @@ class Rollback(SuiteCallback):
         self.history.append(entry)
         self.rollbacks += 1
         self._last_target = target.step
+        self._last_settings = settings
         self._healthy = 0
         self._skip_left = self.skip_batches
         left = self.max_rollbacks - len(recent) - 1
