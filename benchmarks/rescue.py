@@ -414,41 +414,57 @@ def summary_table(results: Results) -> str:
     return "\n".join(lines)
 
 
-def targets(results: Results) -> list[tuple[bool, str]]:
-    """The targets as ``(passed, line)``; a target whose methods did not run is reported as failed, saying why."""
-    checks: list[tuple[bool, str]] = []
+Check = tuple[bool, str]  # (passed, the line that says what was measured)
+
+
+def _where(ok: bool, line: str, label: str, cases: Sequence[str]) -> Check:
+    return ok, line + (f"; {label}: {', '.join(cases)}" if cases else "")
+
+
+def targets(results: Results) -> list[Check]:
+    """The targets, each as ``(passed, line)``; a target whose methods did not run fails, saying why."""
     if OURS not in results.methods:
         return [(False, f"{OURS} did not run: no target can be checked")]
     ours = {(r.scenario, r.seed): r for r in results.matrix_runs(OURS)}
+    return [
+        *_share_and_peers(results, ours),
+        _raises_where_a_peer_rescues(results, ours),
+        *[_never_worse_than(results, ours, part) for part in PARTS],
+        *_stable_checks(results),
+    ]
+
+
+def _share_and_peers(results: Results, ours: dict[tuple[str, int], Run]) -> list[Check]:
     within = sum(r.within_reference for r in ours.values())
     share = within / len(ours) if ours else 0.0
-    checks.append((share >= TARGET_SHARE,
-                   f"{OURS} within reference on {within}/{len(ours)} runs ({share:.0%}; target >= {TARGET_SHARE:.0%})"))
-    peers = [m for m in results.methods if METHODS[m].peer]
-    beaten = [(m, sum(r.within_reference for r in results.matrix_runs(m))) for m in peers]
-    losers = [f"{m} {n}" for m, n in beaten if n >= within]
-    checks.append((not losers, f"{OURS} within reference on more runs ({within}) than every peer "
-                   f"({', '.join(f'{m} {n}' for m, n in beaten)})" + (f"; not more than: {', '.join(losers)}" if losers else "")))
-    rescued_by_peer = {
-        (r.scenario, r.seed) for r in results.runs if r.method in peers and r.within_reference and r.scenario in results.scenarios
-    }  # fmt: skip
-    bad_raises = sorted(f"{s} seed {seed}" for (s, seed), r in ours.items() if r.raised and (s, seed) in rescued_by_peer)
-    checks.append((not bad_raises, f"{OURS} never raises where a peer finishes within reference"
-                   + (f": raised on {', '.join(bad_raises)}" if bad_raises else "")))
-    for part in PARTS:
-        if part not in results.methods:
-            checks.append((False, f"{OURS} never worse than {part} alone: {part} did not run"))
-            continue
-        worse = sorted(
-            f"{r.scenario} seed {r.seed}" for r in results.matrix_runs(part)
-            if r.within_reference and not ours[(r.scenario, r.seed)].within_reference
-        )  # fmt: skip
-        checks.append((not worse, f"{OURS} never worse than {part} alone" + (f": worse on {', '.join(worse)}" if worse else "")))
-    checks += _stable_checks(results)
-    return checks
+    counts = {m: sum(r.within_reference for r in results.matrix_runs(m)) for m in results.methods if METHODS[m].peer}
+    listed = ", ".join(f"{m} {n}" for m, n in counts.items())
+    return [
+        (share >= TARGET_SHARE,
+         f"{OURS} within reference on {within}/{len(ours)} runs ({share:.0%}; target >= {TARGET_SHARE:.0%})"),
+        _where(all(n < within for n in counts.values()),
+               f"{OURS} within reference on more runs ({within}) than every peer ({listed})",
+               "not more than", [m for m, n in counts.items() if n >= within]),
+    ]  # fmt: skip
 
 
-def _stable_checks(results: Results) -> list[tuple[bool, str]]:
+def _raises_where_a_peer_rescues(results: Results, ours: dict[tuple[str, int], Run]) -> Check:
+    rescued = {(r.scenario, r.seed) for r in results.runs if METHODS[r.method].peer and r.within_reference}
+    raised = sorted(f"{name} seed {seed}" for (name, seed), r in ours.items() if r.raised and (name, seed) in rescued)
+    return _where(not raised, f"{OURS} never raises where a peer finishes within reference", "raised on", raised)
+
+
+def _never_worse_than(results: Results, ours: dict[tuple[str, int], Run], part: str) -> Check:
+    if part not in results.methods:
+        return False, f"{OURS} never worse than {part} alone: {part} did not run"
+    worse = sorted(
+        f"{r.scenario} seed {r.seed}" for r in results.matrix_runs(part)
+        if r.within_reference and not ours[(r.scenario, r.seed)].within_reference
+    )  # fmt: skip
+    return _where(not worse, f"{OURS} never worse than {part} alone", "worse on", worse)
+
+
+def _stable_checks(results: Results) -> list[Check]:
     stable = [name for name in results.scenarios if SCENARIOS[name].stable]
     if not stable:
         return [(False, "a stable LR is unchanged: no stable scenario ran")]
@@ -467,12 +483,12 @@ def _stable_checks(results: Results) -> list[tuple[bool, str]]:
                 if run is None or not (run.ended_finite and run.final_eval <= STABLE_TOLERANCE * bare.final_eval):
                     ratio = run.final_eval / bare.final_eval if run else math.nan
                     where.append(f"{name} seed {seed} ({ratio:.3f}x)")
-    checks = [(compared > 0 and not differ,
-               f"stable LR bit-identical: {BIT_IDENTICAL} vs unprotected on {compared - len(differ)}/{compared} "
-               f"(scenario, seed) of {', '.join(stable)}" + (f"; differ: {', '.join(differ)}" if differ else ""))]
+    identical = (f"stable LR bit-identical: {BIT_IDENTICAL} vs unprotected on {compared - len(differ)}/{compared} "
+                 f"(scenario, seed) of {', '.join(stable)}")  # fmt: skip
+    checks = [_where(compared > 0 and not differ, identical, "differ", differ)]
     for method, where in moved.items():
-        checks.append((not where, f"stable LR within {STABLE_TOLERANCE}x final eval with {method}"
-                       + (f": beyond on {', '.join(where)}" if where else "")))
+        checks.append(_where(not where, f"stable LR within {STABLE_TOLERANCE}x final eval with {method}", "beyond on",
+                             where))  # fmt: skip
     return checks
 
 

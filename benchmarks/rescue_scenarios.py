@@ -516,10 +516,10 @@ def _catalogue() -> list[Scenario]:
         ),
         Scenario(
             "gan_nan_grad", "gan",
-            "a GAN (manual optimization, two optimizers): a NaN in the generator's gradient at step 400",
-            GAN, 1000, "gan_clean", faults=(Fault(step=400, kind="nan_grad", parameter="generator.0.weight"),),
+            "a GAN (manual optimization, two optimizers): a NaN in the generator's gradient at step 250",
+            GAN, 500, "gan_clean", faults=(Fault(step=250, kind="nan_grad", parameter="generator.0.weight"),),
         ),
-        Scenario("gan_clean", "gan", "the same GAN without the fault", GAN, 1000, "gan_clean", in_matrix=False),
+        Scenario("gan_clean", "gan", "the same GAN without the fault", GAN, 500, "gan_clean", in_matrix=False),
         *_fault_and_reference(
             "rnn_long_sequence", "rnn",
             "a ReLU RNN over 48 steps, recurrent matrix orthogonal x 1.5: the BPTT gradients explode",
