@@ -189,7 +189,7 @@ def _journal(log_dir: Path) -> tuple[dict[str, int], list[dict[str, Any]]]:
     events = list(read_journal(path))
     counts = Counter(str(e["kind"]) for e in events)
     kept = [
-        {"step": e["step"], "kind": e["kind"], "source": e.get("source", ""), "message": str(e.get("message", ""))[:400]}
+        {"step": e["step"], "kind": e["kind"], "source": e.get("source", ""), "message": str(e.get("message"))[:400]}
         for e in events
         if e["kind"] != "skip"
     ]
@@ -522,6 +522,24 @@ def to_json(results: Results, meta: dict[str, Any]) -> dict[str, Any]:
     })  # fmt: skip
 
 
+def load(path: str | os.PathLike[str]) -> tuple[Results, dict[str, Any]]:
+    """The results and metadata that ``--json`` wrote to ``path``, scored again."""
+    saved = json.loads(Path(path).read_text())
+    runs = []
+    for fields in saved["runs"]:
+        run = Run(**fields)
+        run.final_eval, run.ratio = float(run.final_eval), float(run.ratio)  # "nan" / "inf" were written as text
+        runs.append(run)
+    meta = saved["meta"]
+    ran = {r.scenario for r in runs if r.method != "unprotected"}  # a reference-only scenario runs unprotected only
+    scenarios = [name for name in SCENARIOS if name in ran]
+    methods = [m for m in MATRIX_METHODS if any(r.method == m for r in runs)]
+    seeds = sorted({r.seed for r in runs})
+    results = Results(runs, {}, {}, scenarios, methods, seeds, list(saved.get("skipped", [])))
+    score(results)
+    return results, meta
+
+
 def plot(results: Results, path: str | os.PathLike[str]) -> None:
     """A heat map of final evaluation / reference: a row per scenario, a block of seed cells per method. Black is a
     non-finite evaluation, R marks a run that raised, grey a run that is missing."""
@@ -555,10 +573,13 @@ def plot(results: Results, path: str | os.PathLike[str]) -> None:
                     ax.text(column, i, "R", ha="center", va="center", fontsize=7, fontweight="bold",
                             color="white" if dark else "black")  # fmt: skip
     ax.imshow(image, aspect="auto", interpolation="nearest")
+    ax.set_xticks([c + 0.5 for c in range(image.shape[1] - 1)], minor=True)  # thin white lines between the cells
+    ax.set_yticks([r + 0.5 for r in range(len(names) - 1)], minor=True)
+    ax.grid(which="minor", color="white", linewidth=0.6)
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.set_xticks([j * width + (len(seeds) - 1) / 2 for j in range(len(methods))], methods, fontsize=8,
                   rotation=25, ha="right")  # fmt: skip
-    ax.tick_params(length=0)
+    ax.tick_params(which="both", length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
     bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, ticks=bounds[:-1], fraction=0.03, pad=0.01)
@@ -587,7 +608,7 @@ def select(names: str | None, quick: bool) -> list[Scenario]:
 def _methods(names: str | None) -> list[str]:
     if not names:
         return list(MATRIX_METHODS)
-    chosen = [n.strip() for n in names.split(";" if ";" in names else ",") if n.strip()]
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
     for name in chosen:
         _method(name)
     return chosen
@@ -599,39 +620,42 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="runs in parallel processes (default 1)")
     parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, 1 with --quick)")
     parser.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: all)")
-    parser.add_argument("--methods", default=None, help="method names, separated by ';' (default: all)")
+    parser.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
     parser.add_argument("--steps", type=int, default=None, help="one step budget for every scenario (a smoke test)")
     parser.add_argument("--json", default=None, help="write the results as JSON there")
     parser.add_argument("--png", default=None, help="draw the heat map there")
     parser.add_argument("--progress", action="store_true", help="print a line per finished run (to stderr)")
+    parser.add_argument("--report", default=None, help="print and draw the results saved by --json there; run nothing")
     args = parser.parse_args(None if argv is None else list(argv))
     if args.workers < 1:
         parser.error(f"'--workers' must be >= 1 (got {args.workers})")
+    if args.report:
+        results, meta = load(args.report)
+        print(report(results) + "\n\n" + _footer(meta))
+        if args.png:
+            plot(results, args.png)
+        return 0
     configure_process()
     seeds = list(range(args.seeds)) if args.seeds else ([0] if args.quick else list(SEEDS))
     scenarios, methods = select(args.scenarios, args.quick), _methods(args.methods)
-    start_wall, start_cpu = time.perf_counter(), time.process_time()
+    start = time.perf_counter()
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None
     results = run_matrix(scenarios, methods, seeds, quick=args.quick, workers=args.workers, steps=args.steps,
                          progress=progress)  # fmt: skip
-    wall = time.perf_counter() - start_wall
-    cpu = sum(r.cpu_s for r in results.runs)
-    print(report(results))
     meta = {
         "command": "python benchmarks/rescue.py " + " ".join(sys.argv[1:] if argv is None else list(argv)),
         "quick": args.quick,
         "workers": args.workers,
-        "wall_s": round(wall, 1),
-        "run_cpu_s": round(cpu, 1),
+        "wall_s": round(time.perf_counter() - start, 1),
+        "run_cpu_s": round(sum(r.cpu_s for r in results.runs), 1),
         "runs": len(results.runs),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s), {platform.platform()}",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "pytorch_lightning": pl.__version__,
-        "peers": {name: _version(module) for name, module in (("zclip", "zclip"), ("arc-training", "arc"))},
+        "peers": {name: _version(name) for name in ("zclip", "arc-training")},
     }
-    print(f"\n{len(results.runs)} runs in {wall:.0f} s wall ({cpu:.0f} s of CPU in the runs, {args.workers} worker(s)); "
-          f"{meta['machine']}; torch {torch.__version__}, pytorch_lightning {pl.__version__}")  # fmt: skip
+    print(report(results) + "\n\n" + _footer(meta))
     if args.json:
         Path(args.json).write_text(json.dumps(to_json(results, meta), indent=1))
     if args.png:
@@ -639,12 +663,18 @@ def main(argv: Iterable[str] | None = None) -> int:
     return 0
 
 
-def _version(module: str) -> str | None:
+def _footer(meta: dict[str, Any]) -> str:
+    peers = ", ".join(f"{name} {version}" for name, version in meta["peers"].items() if version) or "no peers"
+    return (f"{meta['runs']} runs in {meta['wall_s']:.0f} s wall ({meta['run_cpu_s']:.0f} s of CPU in the runs, "
+            f"{meta['workers']} worker(s)); {meta['machine']}; torch {meta['torch']}, pytorch_lightning "
+            f"{meta['pytorch_lightning']}, {peers}")  # fmt: skip
+
+
+def _version(distribution: str) -> str | None:
     from importlib import metadata
 
-    names = {"zclip": "zclip", "arc": "arc-training"}
     try:
-        return metadata.version(names[module])
+        return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
 

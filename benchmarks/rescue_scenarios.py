@@ -11,8 +11,8 @@ rate, without the fault (``reference == name`` where the scenario is itself that
 unprotected for every seed and keeps the best final evaluation.
 
 Faults are properties of the data (a corrupt sample, a spiking or poisoned batch at an exact step), of the model (a
-bad initialisation), of the loss as written (a raw ``exp`` or ``log(sigmoid)``), of the schedule (a learning rate
-too high, or a warm-up to too high a peak), or a NaN written into a weight by
+bad initialisation, an expansive recurrent matrix), of the loss as written (a raw ``exp``), of the schedule (a
+learning rate too high, or a warm-up to too high a peak), or a NaN written into a weight or a gradient by
 :class:`lightning_overflow.testing.FaultInjector` at an exact step. None is provoked by an absurd learning rate
 except where the scenario is the learning rate.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytorch_lightning as pl
