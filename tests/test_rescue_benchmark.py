@@ -53,8 +53,8 @@ def test_renders_the_tables_targets_and_picture(results: rescue.Results, tmp_pat
     reference = results.references["mlp_sgd"]
     table = rescue.scenario_table(results, "nan_weight").splitlines()
     assert table[0] == "### nan_weight: FaultInjector writes NaN into net.0.weight before step 150"
-    assert table[2] == (f"reference: {reference:.4g} (best of `mlp_sgd_lr1x` unprotected over the seeds); "
-                        f"within reference: at most {1.5 * reference:.4g}")  # fmt: skip
+    assert table[2] == (f"reference: {reference:.4g}, the best of `mlp_sgd_lr1x` unprotected over the seeds "
+                        f"({reference:.4g}); within reference: at most {1.5 * reference:.4g}")  # fmt: skip
     assert table[4:7] == ["| method | seed 0 |", "| --- | --- |", "| unprotected | nan ✗ |"]
     assert table[7].startswith("| NonFiniteDetector() | ") and len(table) == 8
     summary = rescue.summary_table(results).splitlines()
