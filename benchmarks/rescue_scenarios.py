@@ -1,0 +1,574 @@
+"""The divergence scenarios of the rescue benchmark: tiny models, their data, and the fault each one carries.
+
+Every scenario is a :class:`Scenario`: a name, a family, a builder ``seed -> LightningModule``, a step budget and the
+faults injected at exact steps. Each module evaluates itself on clean held-out data (``evaluation_loss``), so a
+scenario's fault never reaches its evaluation. The data of a family are fixed (the same for every seed); the seed
+draws the initialisation and the order of the batches, through generators the module owns, so that nothing a
+callback draws from the global RNG changes the run.
+
+A family's reference is the scenario named by ``Scenario.reference``: the same model and data at the stable learning
+rate, without the fault (``reference == name`` where the scenario is itself that run). The benchmark trains it
+unprotected for every seed and keeps the best final evaluation.
+
+Faults are properties of the data (a corrupt sample, a spiking or poisoned batch at an exact step), of the model (a
+bad initialisation, an expansive recurrent matrix), of the loss as written (a raw ``exp``), of the schedule (a
+learning rate too high, or a warm-up to too high a peak), or a NaN written into a weight or a gradient by
+:class:`lightning_overflow.testing.FaultInjector` at an exact step. None is provoked by an absurd learning rate
+except where the scenario is the learning rate.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+
+from lightning_overflow.testing import Fault
+
+__all__ = ["SCENARIOS", "Scenario", "scenario"]
+
+DATA_SEED = 1234  # the data of every family; the run's seed never changes them
+
+
+# ---- data -----------------------------------------------------------------------------------------------------------
+def _batches(data: TensorDataset, batch_size: int, seed: int) -> DataLoader:
+    """Shuffled whole batches, indexed at once (collating single samples costs more than a tiny model's step)."""
+    order = RandomSampler(data, generator=torch.Generator().manual_seed(seed))
+    return DataLoader(data, batch_size=None, sampler=BatchSampler(order, batch_size, drop_last=False))
+
+
+@functools.lru_cache(maxsize=None)
+def _teacher(in_features: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    return torch.randn(in_features, 16, generator=gen) / math.sqrt(in_features), torch.randn(16, 1, generator=gen)
+
+
+def regression_set(samples: int, in_features: int = 16, offset: int = 0) -> TensorDataset:
+    """A fixed nonlinear regression problem, ``y = tanh(x @ w1) @ w2 + 0.1 noise``; ``offset`` draws another split."""
+    w1, w2 = _teacher(in_features)
+    gen = torch.Generator().manual_seed(DATA_SEED + 1 + offset)
+    x = torch.randn(samples, in_features, generator=gen)
+    return TensorDataset(x, torch.tanh(x @ w1) @ w2 + 0.1 * torch.randn(samples, 1, generator=gen))
+
+
+# ---- models ---------------------------------------------------------------------------------------------------------
+class Benchmarked(pl.LightningModule):
+    """What every scenario's module offers the benchmark.
+
+    ``clip_manually`` is set by the benchmark for ``gradient_clip_val`` under manual optimization, where Lightning
+    refuses the Trainer argument and the documented equivalent is ``self.clip_gradients`` before each step.
+    """
+
+    clip_manually: float | None = None
+
+    def evaluation_loss(self) -> float:
+        raise NotImplementedError
+
+
+class Regression(Benchmarked):
+    """An MLP regression (ReLU) on :func:`regression_set`, with the faults of its data and schedule.
+
+    Args:
+        seed: initialisation and batch order.
+        optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"``.
+        lr: the learning rate.
+        depth, width: hidden layers and their width.
+        init_std: draw hidden weights from N(0, ``init_std``) (``None``: PyTorch's default).
+        samples, batch_size: the training set and its batches.
+        corrupt_index: the training sample whose features are all NaN (it comes back once an epoch).
+        spike_every: every ``spike_every`` steps, starting at ``spike_every // 2``, the batch's inputs are multiplied
+            by ``spike_factor``.
+        poison_step: the step whose batch is multiplied by ``poison_factor``, once.
+        schedule: ``"constant"``; ``"warmup"``, a linear rise from 1x to ``peak`` x the LR over ``total_steps``; or
+            ``"onecycle"``, PyTorch's ``OneCycleLR`` peaking at ``lr`` over ``total_steps``.
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        optimizer: str = "sgd",
+        lr: float = 0.01,
+        depth: int = 2,
+        width: int = 64,
+        init_std: float | None = None,
+        samples: int = 512,
+        batch_size: int = 16,
+        corrupt_index: int | None = None,
+        spike_every: int | None = None,
+        spike_factor: float = 100.0,
+        poison_step: int | None = None,
+        poison_factor: float = 1e4,
+        schedule: str = "constant",
+        peak: float = 1.0,
+        total_steps: int = 1,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = []
+        features = 16
+        for _ in range(depth):
+            linear = nn.Linear(features, width)
+            if init_std is not None:
+                nn.init.normal_(linear.weight, 0.0, init_std)
+                nn.init.zeros_(linear.bias)
+            layers += [linear, nn.ReLU()]
+            features = width
+        self.net = nn.Sequential(*layers, nn.Linear(features, 1))
+        self.seed, self.optimizer_name, self.lr, self.batch_size = seed, optimizer, lr, batch_size
+        self.spike_every, self.spike_factor = spike_every, spike_factor
+        self.poison_step, self.poison_factor = poison_step, poison_factor
+        self.schedule, self.peak, self.total_steps = schedule, peak, total_steps
+        self.data = regression_set(samples)
+        if corrupt_index is not None:
+            x, y = self.data.tensors
+            x = x.clone()
+            x[corrupt_index] = float("nan")
+            self.data = TensorDataset(x, y)
+        self.evaluation = regression_set(1024, offset=1)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        step = self.trainer.global_step
+        if self.spike_every is not None and step % self.spike_every == self.spike_every // 2:
+            x = x * self.spike_factor
+        if step == self.poison_step:
+            x = x * self.poison_factor
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "sgd":
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        else:
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        if self.schedule == "constant":
+            return optimizer
+        steps = self.total_steps
+        if self.schedule == "onecycle":
+            schedule: Any = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr, total_steps=steps + 1)
+        else:
+            rise = self.peak - 1.0
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 + rise * min(s, steps) / steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return _batches(self.data, self.batch_size, self.seed)
+
+    def evaluation_loss(self) -> float:
+        x, y = self.evaluation.tensors
+        with torch.no_grad():
+            return float(nn.functional.mse_loss(self.net(x), y))
+
+
+class Contrastive(Benchmarked):
+    """An encoder trained with InfoNCE on two noisy views of each point, at temperature 0.1 on unnormalised
+    embeddings; ``raw_exp`` writes the loss as ``-log(exp(s_ii / t) / sum_j exp(s_ij / t))``, which overflows once
+    the similarities pass 8.9. Evaluated with the stable form of the same loss on cosine similarities, so that the
+    length of the embeddings (which the raw form cannot survive) does not enter the comparison."""
+
+    TEMPERATURE = 0.1
+
+    def __init__(self, seed: int, raw_exp: bool = True, lr: float = 5e-3, samples: int = 1024) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.encoder = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.seed, self.raw_exp, self.lr = seed, raw_exp, lr
+        self.noise = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(DATA_SEED)
+        self.data = TensorDataset(torch.randn(samples, 32, generator=gen))
+        held_out = torch.randn(256, 32, generator=gen)
+        noise = 0.1 * torch.randn(2, 256, 32, generator=gen)
+        self.evaluation = (held_out + noise[0], held_out + noise[1])
+
+    def _views(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        noise = torch.randn((2, *x.shape), generator=self.noise)
+        return x + 0.1 * noise[0], x + 0.1 * noise[1]
+
+    def training_step(self, batch: tuple[Tensor], batch_idx: int) -> Tensor:
+        (x,) = batch
+        a, b = self._views(x)
+        sim = self.encoder(a) @ self.encoder(b).T / self.TEMPERATURE
+        if self.raw_exp:
+            return -torch.log(torch.exp(sim.diagonal()) / torch.exp(sim).sum(dim=1)).mean()
+        return nn.functional.cross_entropy(sim, torch.arange(len(x)))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return _batches(self.data, 64, self.seed)
+
+    def evaluation_loss(self) -> float:
+        a, b = self.evaluation
+        with torch.no_grad():
+            za = nn.functional.normalize(self.encoder(a), dim=1)
+            zb = nn.functional.normalize(self.encoder(b), dim=1)
+            return float(nn.functional.cross_entropy(za @ zb.T / self.TEMPERATURE, torch.arange(len(a))))
+
+
+class GAN(Benchmarked):
+    """A small GAN (manual optimization, two Adam optimizers, two optimizer steps per batch) learning a 2-D Gaussian,
+    with the losses in their stable form (``logsigmoid``).
+
+    Evaluated by the sliced 1-Wasserstein distance between 1024 generated points (fixed noise) and 1024 held-out
+    real points, over 32 fixed directions.
+    """
+
+    def __init__(self, seed: int, lr_d: float = 5e-3, lr_g: float = 2e-3) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(seed)
+        self.generator = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 2))
+        self.discriminator = nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.seed, self.lr_d, self.lr_g = seed, lr_d, lr_g
+        self.noise = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(DATA_SEED)
+        scale, shift = torch.tensor([0.5, 1.0]), torch.tensor([3.0, -2.0])
+        self.data = TensorDataset(torch.randn(4096, 2, generator=gen) * scale + shift)
+        self.real = torch.randn(1024, 2, generator=gen) * scale + shift
+        self.latent = torch.randn(1024, 4, generator=gen)
+        self.projections = nn.functional.normalize(torch.randn(2, 32, generator=gen), dim=0)
+
+    def _step(self, optimizer: Any, loss: Tensor) -> None:
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        if self.clip_manually is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=self.clip_manually, gradient_clip_algorithm="norm")
+        optimizer.step()
+
+    def training_step(self, batch: tuple[Tensor], batch_idx: int) -> None:
+        (real,) = batch
+        opt_d, opt_g = self.optimizers()  # type: ignore[misc]
+        fake = self.generator(torch.randn(len(real), 4, generator=self.noise))
+        logsigmoid = nn.functional.logsigmoid
+        d_loss = -(logsigmoid(self.discriminator(real)) + logsigmoid(-self.discriminator(fake.detach()))).mean()
+        self._step(opt_d, d_loss)
+        self._step(opt_g, -logsigmoid(self.discriminator(fake)).mean())
+
+    def configure_optimizers(self) -> Any:
+        betas = (0.5, 0.999)
+        return (
+            torch.optim.Adam(self.discriminator.parameters(), lr=self.lr_d, betas=betas),
+            torch.optim.Adam(self.generator.parameters(), lr=self.lr_g, betas=betas),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return _batches(self.data, 64, self.seed)
+
+    def evaluation_loss(self) -> float:
+        with torch.no_grad():
+            fake = self.generator(self.latent) @ self.projections
+        real = self.real @ self.projections
+        return float((fake.sort(dim=0).values - real.sort(dim=0).values).abs().mean())
+
+
+class SequenceRNN(Benchmarked):
+    """A ReLU RNN over sequences of ``length`` steps that outputs, at every step, the first feature of two steps
+    before (plus noise 0.1, so the best evaluation is about 0.01).
+
+    Its recurrent matrix is orthogonal times ``gain``: above 1 some directions of the hidden state grow ``gain``x
+    per time step, and backpropagation through time multiplies the gradient by the same matrix ``length`` times
+    (Pascanu, Mikolov and Bengio, ICML 2013).
+    """
+
+    def __init__(self, seed: int, gain: float = 1.5, length: int = 48, lr: float = 3e-3) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.rnn = nn.RNN(4, 32, nonlinearity="relu", batch_first=True)
+        self.head = nn.Linear(32, 1)
+        with torch.no_grad():
+            nn.init.orthogonal_(self.rnn.weight_hh_l0)
+            self.rnn.weight_hh_l0.mul_(gain)
+        self.seed, self.lr = seed, lr
+        gen = torch.Generator().manual_seed(DATA_SEED)
+        x = torch.randn(768, length, 4, generator=gen)
+        y = 0.1 * torch.randn(768, length, 1, generator=gen)
+        y[:, 2:, 0] += x[:, :-2, 0]
+        self.data = TensorDataset(x[:512], y[:512])
+        self.evaluation = (x[512:], y[512:])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(x)[0])
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return _batches(self.data, 32, self.seed)
+
+    def evaluation_loss(self) -> float:
+        x, y = self.evaluation
+        with torch.no_grad():
+            return float(nn.functional.mse_loss(self(x), y))
+
+
+@functools.lru_cache(maxsize=None)
+def _corpus(chars: int) -> tuple[Tensor, int]:
+    """Text of random words from a fixed vocabulary of 24 made-up words (a to p), as symbol indices."""
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    letters = "abcdefghijklmnop"
+    words = []
+    for _ in range(24):
+        size = int(torch.randint(2, 7, (1,), generator=gen))
+        words.append("".join(letters[int(i)] for i in torch.randint(0, len(letters), (size,), generator=gen)))
+    text: list[str] = []
+    while sum(map(len, text)) < chars:
+        text.append(words[int(torch.randint(0, len(words), (1,), generator=gen))] + " ")
+    alphabet = " " + letters
+    return torch.tensor([alphabet.index(c) for c in "".join(text)[:chars]]), len(alphabet)
+
+
+class CharTransformer(Benchmarked):
+    """A two-layer causal transformer (d=32, 2 heads, pre-norm) over a character corpus, trained with AdamW.
+
+    Its causal mask is a buffer of ``-inf`` above the diagonal, a legitimate non-finite constant.
+    """
+
+    CONTEXT = 32
+
+    def __init__(self, seed: int, lr: float = 3e-3) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        text, vocabulary = _corpus(40_000)
+        self.embed = nn.Embedding(vocabulary, 32)
+        self.position = nn.Parameter(0.02 * torch.randn(self.CONTEXT, 32))
+        layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True, norm_first=False)
+        self.blocks = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.out = nn.Linear(32, vocabulary)
+        self.register_buffer("mask", torch.triu(torch.full((self.CONTEXT, self.CONTEXT), float("-inf")), 1))
+        self.seed, self.lr = seed, lr
+        windows = text[: (len(text) // (self.CONTEXT + 1)) * (self.CONTEXT + 1)].view(-1, self.CONTEXT + 1)
+        self.data = TensorDataset(windows[:-128])
+        self.evaluation = windows[-128:]
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens) + self.position[: tokens.shape[1]]
+        return self.out(self.blocks(h, mask=self.mask, is_causal=True))
+
+    def _loss(self, windows: Tensor) -> Tensor:
+        logits = self(windows[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+
+    def training_step(self, batch: tuple[Tensor], batch_idx: int) -> Tensor:
+        return self._loss(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return _batches(self.data, 16, self.seed)
+
+    def evaluation_loss(self) -> float:
+        with torch.no_grad():
+            return float(self._loss(self.evaluation))
+
+
+class Hinge(Benchmarked):
+    """A linear classifier with a hinge loss and weight decay on separable data: the loss sits at exactly 0 once every
+    margin passes 1, until the weight decay shrinks the margins and it rises a little. A healthy run.
+
+    Evaluated by the logistic loss of the held-out margins (the hinge loss of a good model is 0 there too, which
+    no ratio can compare).
+    """
+
+    def __init__(self, seed: int, lr: float = 0.05, weight_decay: float = 1e-3) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = nn.Linear(8, 1)
+        self.seed, self.lr, self.weight_decay = seed, lr, weight_decay
+        gen = torch.Generator().manual_seed(DATA_SEED)
+        direction = nn.functional.normalize(torch.randn(8, generator=gen), dim=0)
+
+        def separable(n: int) -> tuple[Tensor, Tensor]:
+            x = torch.randn(n, 8, generator=gen)
+            y = torch.where(x @ direction >= 0, 1.0, -1.0)
+            return x + y[:, None] * direction, y  # a gap of 2 between the classes: margins of 1 fit
+
+        self.data = TensorDataset(*separable(256))
+        self.evaluation = separable(512)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return torch.relu(1.0 - y * self.linear(x).squeeze(1)).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+    def train_dataloader(self) -> DataLoader:
+        return _batches(self.data, 32, self.seed)
+
+    def evaluation_loss(self) -> float:
+        x, y = self.evaluation
+        with torch.no_grad():
+            return float(nn.functional.softplus(-y * self.linear(x).squeeze(1)).mean())
+
+
+# ---- the catalogue --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Scenario:
+    """One divergence scenario.
+
+    Attributes:
+        name: its key in :data:`SCENARIOS`.
+        family: scenarios of one family share a model and data, and one reference.
+        description: what goes wrong, for a person.
+        build: ``seed -> module``.
+        steps: the optimizer-step budget (``max_steps``; a GAN batch makes two steps).
+        reference: the scenario whose best unprotected final evaluation over the seeds is the family's reference.
+        faults: injected by ``FaultInjector`` at their exact steps.
+        stable: a healthy run at a stable LR, which the suite must leave unchanged.
+        quick: part of the ``--quick`` subset.
+        in_matrix: ``False`` for a reference that only serves as one (trained unprotected, no row of its own).
+    """
+
+    name: str
+    family: str
+    description: str
+    build: Callable[[int], Benchmarked]
+    steps: int
+    reference: str
+    faults: tuple[Fault, ...] = ()
+    stable: bool = False
+    quick: bool = False
+    in_matrix: bool = True
+
+
+SGD_LR, ADAM_LR, ADAMW_LR = 0.02, 1e-2, 1e-2  # the stable learning rates of the three sweeps
+SWEEP = (1, 4, 8, 16)
+STEPS = 400  # the budget of the MLP regressions
+FAULT_STEP = 150  # where the one-off faults of the SGD regression strike
+
+
+def _sweep(prefix: str, what: str, build: Callable[..., Benchmarked], lr: float, steps: int, quick: tuple[int, ...]
+           ) -> list[Scenario]:  # fmt: skip
+    return [
+        Scenario(
+            name=f"{prefix}_lr{multiple}x",
+            family=prefix,
+            description=f"{what} at {multiple}x the stable LR ({lr * multiple:g})",
+            build=functools.partial(build, lr=lr * multiple),
+            steps=steps,
+            reference=f"{prefix}_lr1x",
+            stable=multiple == 1,
+            quick=multiple in quick,
+        )
+        for multiple in SWEEP
+    ]
+
+
+def _fault_and_reference(name: str, family: str, description: str, build: Callable[[int], Benchmarked], steps: int,
+                         reference: str, reference_description: str, reference_build: Callable[[int], Benchmarked],
+                         quick: bool = False) -> list[Scenario]:  # fmt: skip
+    """A scenario and the fault-free run of the same model that serves as its reference."""
+    return [
+        Scenario(name, family, description, build, steps, reference, quick=quick),
+        Scenario(reference, family, reference_description, reference_build, steps, reference, in_matrix=False),
+    ]
+
+
+def _catalogue() -> list[Scenario]:
+    sgd = functools.partial(Regression, optimizer="sgd", lr=SGD_LR)
+    adam = functools.partial(Regression, optimizer="adam")
+    deep = functools.partial(Regression, depth=8, lr=SGD_LR / 4)
+    large = functools.partial(Regression, samples=4096, batch_size=256)
+    scenarios = [
+        *_sweep("mlp_sgd", "MLP regression, SGD + momentum 0.9", Regression, SGD_LR, STEPS, quick=(1, 8)),
+        *_sweep("mlp_adam", "MLP regression, Adam", adam, ADAM_LR, STEPS, quick=()),
+        *_sweep("transformer", "character transformer (post-norm), AdamW", CharTransformer, ADAMW_LR, 300, quick=()),
+        *_fault_and_reference(
+            "deep_mlp_bad_init", "deep_mlp",
+            "8 ReLU layers of width 64 drawn from N(0, 0.25) (Kaiming: 0.18): the activations grow 1.4x a layer",
+            functools.partial(deep, init_std=0.25), STEPS,
+            "deep_mlp_kaiming", "the same deep MLP drawn with Kaiming's std", functools.partial(deep, init_std=0.177),
+        ),
+        *_fault_and_reference(
+            "large_batch_high_lr", "large_batch",
+            f"batches of 256 with the LR scaled up 8x for the batch ({8 * SGD_LR:g}), past the stability limit",
+            functools.partial(large, lr=8 * SGD_LR), 200,
+            "large_batch_stable", "the same large batches at the stable LR", functools.partial(large, lr=SGD_LR),
+        ),
+    ]
+    for epoch, samples in (("short", 96), ("long", 640)):
+        scenarios += _fault_and_reference(
+            f"corrupt_sample_{epoch}_epoch", f"corrupt_{epoch}",
+            f"one sample of {samples} has NaN features; it is back once an epoch of {samples // 16} batches",
+            functools.partial(sgd, samples=samples, corrupt_index=samples // 3), STEPS,
+            f"clean_{epoch}_epoch", f"the same {samples} samples without the corrupt one",
+            functools.partial(sgd, samples=samples), quick=epoch == "short",
+        )
+    scenarios += [
+        *_fault_and_reference(
+            "infonce_raw_exp", "infonce",
+            "InfoNCE at temperature 0.1 written with a raw exp() on unnormalised similarities: inf once they pass 8.9",
+            Contrastive, 300,
+            "infonce_stable", "the same InfoNCE through cross_entropy (log-sum-exp)",
+            functools.partial(Contrastive, raw_exp=False),
+        ),
+        Scenario(
+            "gan_nan_grad", "gan",
+            "a GAN (manual optimization, two optimizers): a NaN in the generator's gradient at step 250",
+            GAN, 500, "gan_clean", faults=(Fault(step=250, kind="nan_grad", parameter="generator.0.weight"),),
+        ),
+        Scenario("gan_clean", "gan", "the same GAN without the fault", GAN, 500, "gan_clean", in_matrix=False),
+        *_fault_and_reference(
+            "rnn_long_sequence", "rnn",
+            "a ReLU RNN over 48 steps, recurrent matrix orthogonal x 1.5: the BPTT gradients explode",
+            SequenceRNN, 250,
+            "rnn_orthogonal", "the same RNN with an orthogonal recurrent matrix (gain 1)",
+            functools.partial(SequenceRNN, gain=1.0),
+        ),
+        Scenario(
+            "periodic_spikes", "mlp_sgd", "one batch in 50 has its inputs multiplied by 100 (steps 25, 75, ...)",
+            functools.partial(Regression, spike_every=50), STEPS, "mlp_sgd_lr1x", quick=True,
+        ),
+        Scenario(
+            "poison_batch", "mlp_sgd", f"the batch of step {FAULT_STEP} has its inputs multiplied by 1e4, once",
+            functools.partial(Regression, poison_step=FAULT_STEP), STEPS, "mlp_sgd_lr1x",
+        ),
+        Scenario(
+            "nan_weight", "mlp_sgd", f"FaultInjector writes NaN into net.0.weight before step {FAULT_STEP}",
+            Regression, STEPS, "mlp_sgd_lr1x",
+            faults=(Fault(step=FAULT_STEP, kind="nan_weight", parameter="net.0.weight"),), quick=True,
+        ),
+        Scenario(
+            "slow_drift", "mlp_adam",
+            "Adam warmed up linearly over the whole run to 40x the stable LR: the loss creeps up, no spike, no NaN",
+            functools.partial(adam, lr=ADAM_LR, schedule="warmup", peak=40.0, total_steps=STEPS), STEPS,
+            "mlp_adam_lr1x",
+        ),
+        Scenario(
+            "hinge_at_zero", "hinge",
+            "a hinge loss that sits at exactly 0 for stretches, then rises a little (healthy)",
+            Hinge, 300, "hinge_at_zero", stable=True, quick=True,
+        ),
+        Scenario(
+            "healthy", "healthy", "MLP regression, Adam under OneCycleLR at the stable LR (healthy)",
+            functools.partial(adam, lr=ADAM_LR, schedule="onecycle", total_steps=STEPS), STEPS, "healthy",
+            stable=True,
+        ),
+    ]
+    return scenarios
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in _catalogue()}
+
+
+def scenario(name: str) -> Scenario:
+    """The scenario called ``name``.
+
+    Raises:
+        ValueError: no scenario has that name.
+    """
+    if name not in SCENARIOS:
+        raise ValueError(f"'scenario' must be one of {', '.join(map(repr, SCENARIOS))} (got {name!r})")
+    return SCENARIOS[name]
