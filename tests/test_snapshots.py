@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_overflow.health import nonfinite_labels
+from lightning_overflow.training_state import nonfinite_parts
 from lightning_overflow.numerics.norms import tensor_norms
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
@@ -301,7 +301,7 @@ def test_flag_moved_to_the_cpu_is_ready_to_read() -> None:
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     poison=st.lists(st.sampled_from([None, float("nan"), float("inf"), -float("inf")]), min_size=6, max_size=6),
 )
-def test_nonfinite_paths_agree_with_health_nonfinite_labels(
+def test_nonfinite_paths_agree_with_the_training_state_check(
     exponents: list[int], sizes: list[int], dtype: torch.dtype, poison: list[float | None]
 ) -> None:
     """One rule across the suite: a tensor is non-finite when it holds inf or NaN, whatever its magnitude."""
@@ -315,7 +315,7 @@ def test_nonfinite_paths_agree_with_health_nonfinite_labels(
     labels = [f"t{i}" for i in range(len(tensors))]
     expected = [label for label, t in zip(labels, tensors) if not torch.isfinite(t).all()]
     assert nonfinite_paths(dict(zip(labels, tensors))) == expected
-    assert nonfinite_labels(tensors, labels) == expected
+    assert nonfinite_parts(dict(zip(labels, tensors)), [])[0] == expected
 
 
 def test_nonfinite_paths_name_the_tensors() -> None:
