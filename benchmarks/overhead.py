@@ -15,9 +15,9 @@ suite's norm and finiteness check (``tensor_norms`` + ``total_norm``, one host r
 
 Models: ``mlp`` (about 1M parameters), ``gpt`` (a GPT-like transformer, about 25M parameters), ``gpt11m`` (11M).
 On the GPTs the default rows are the peers and ``default_callbacks()`` (``--all-rows`` adds every single callback).
-Peers that are not installed are skipped with a line saying so; install them with::
+Peers that are not installed are skipped with a line saying so. Install them (the ``bench`` extra) with::
 
-    pip install --no-deps zclip arc-training && pip install scipy
+    pip install --no-deps zclip arc-training && pip install scipy   # ZClip's callback also imports ``lightning``
 
 On a machine shared with other busy processes, OpenMP's waiting threads turn every parallel region of a 2-thread
 run into a wait for a scheduler time slice (a 1M-parameter step then takes ten times longer, and the figures measure
@@ -25,8 +25,8 @@ the scheduler): there, ``--threads 1 --clock cpu`` measures the work itself (the
 
 Usage::
 
-    python benchmarks/overhead.py                    # mlp + gpt, 7 rounds: about 10 minutes on 2 busy threads
-    python benchmarks/overhead.py --quick            # mlp + gpt11m, fewer rounds and steps: a couple of minutes
+    python benchmarks/overhead.py                    # mlp + gpt, 7 rounds (the longest: tens of minutes)
+    python benchmarks/overhead.py --quick            # mlp + gpt11m, 3 rounds, 5-step GPT windows (minutes)
     python benchmarks/overhead.py --model gpt11m --rounds 9
     python benchmarks/overhead.py --accelerator gpu  # the same on one GPU (synchronised at every step boundary)
     python benchmarks/overhead.py --threads 1 --clock cpu   # on a shared, busy machine
