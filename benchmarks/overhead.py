@@ -1,0 +1,587 @@
+"""Per-step cost of the suite against bare Lightning training and against the other safety nets, side by side.
+
+Every configuration trains the same model from the same initial weights in its own short ``Trainer.fit``; the
+configurations take turns, round after round, in one process (a drift in the machine's load hits all of them alike;
+the order rotates every round), every ratio is taken to the bare fits that open and close the same round, and the
+median over rounds is reported with its spread. A first round of short fits warms every code path and is discarded.
+A step is the time from one ``on_train_batch_start`` to the next: data loading, forward, backward, the optimizer,
+every hook, and Lightning's logging into a ``CSVLogger`` (``log_every_n_steps=50``, Lightning's default; shorter
+windows log once per window, which only makes logging weigh more). The model logs its loss every step, as real
+training does.
+
+Measured in the same run: one read of all gradient bytes (``g.sum()`` of every gradient, one host read) against the
+suite's norm and finiteness check (``tensor_norms`` + ``total_norm``, one host read), and the host memory a
+``Rollback`` snapshot holds (``keep=2``).
+
+Models: ``mlp`` (about 1M parameters), ``gpt`` (a GPT-like transformer, about 25M parameters), ``gpt11m`` (11M).
+On the GPTs the default rows are the peers and ``default_callbacks()`` (``--all-rows`` adds every single callback).
+Peers that are not installed are skipped with a line saying so. Install them (the ``bench`` extra) with::
+
+    pip install --no-deps zclip arc-training && pip install scipy   # ZClip's callback also imports ``lightning``
+
+On a machine shared with other busy processes, OpenMP's waiting threads turn every parallel region of a 2-thread
+run into a wait for a scheduler time slice (a 1M-parameter step then takes ten times longer, and the figures measure
+the scheduler): there, ``--threads 1 --clock cpu`` measures the work itself (the process's CPU time per step).
+
+Usage::
+
+    python benchmarks/overhead.py                    # mlp + gpt, 7 rounds (the longest: tens of minutes)
+    python benchmarks/overhead.py --quick            # mlp + gpt11m, 3 rounds, 5-step GPT windows (minutes)
+    python benchmarks/overhead.py --model gpt11m --rounds 9
+    python benchmarks/overhead.py --accelerator gpu  # the same on one GPU (synchronised at every step boundary)
+    python benchmarks/overhead.py --threads 1 --clock cpu   # on a shared, busy machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import math
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_overflow import (
+    AutoClip,
+    GradNormMonitor,
+    LossSpikeDetector,
+    LRBackoff,
+    NonFiniteDetector,
+    Rollback,
+    default_callbacks,
+)
+from lightning_overflow.numerics import tensor_norms, total_norm
+from lightning_overflow.numerics.snapshots import state_nbytes
+
+THREADS = 2
+LOG_EVERY = 50  # Lightning's default log_every_n_steps
+
+# ---- targets ----------------------------------------------------------------------------------------------------
+SUITE = "default_callbacks()"
+SUITE_TARGET = {"mlp": 1.05, "gpt": 1.02, "gpt11m": 1.02}
+SINGLE_TARGET = 1.03  # every single callback of ours, on the MLP
+NORM_TARGET = 1.5  # norm + finiteness check against one read of the gradient bytes
+PEERS_TO_BEAT = ("detect_anomaly=True", "ZClip callback", "ARC callback")
+
+
+# ---- models -----------------------------------------------------------------------------------------------------
+class MLP(pl.LightningModule):
+    """Regression MLP: ``depth`` hidden layers of ``width`` (4 x 512: 1.05M parameters), AdamW, batch 64."""
+
+    def __init__(self, width: int = 512, depth: int = 4, batch_size: int = 64, samples: int = 4096) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.GELU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+        gen = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randn(samples, width, generator=gen), torch.randn(samples, 1, generator=gen))
+        self.batch_size = batch_size
+
+    def example_batch(self) -> tuple[Tensor, Tensor]:
+        x, y = self.data[: self.batch_size]
+        return x, y
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(pl.LightningModule):
+    """A GPT-like causal language model on random tokens (pre-norm blocks, learned positions, untied head), AdamW."""
+
+    def __init__(
+        self, dim: int, layers: int, heads: int = 8, vocab: int = 512, context: int = 64, batch_size: int = 4,
+        samples: int = 512,
+    ) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Parameter(torch.zeros(context, dim))
+        self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        gen = torch.Generator().manual_seed(0)
+        windows = torch.randint(0, vocab, (samples, context + 1), generator=gen)
+        self.data = TensorDataset(windows[:, :-1], windows[:, 1:])
+        self.batch_size = batch_size
+
+    def example_batch(self) -> tuple[Tensor, Tensor]:
+        x, y = self.data[: self.batch_size]
+        return x, y
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.tokens(x) + self.positions[: x.shape[1]]
+        return self.head(self.norm(self.blocks(h)))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    key: str
+    build: Callable[[int], pl.LightningModule]  # samples needed -> model
+    warmup_steps: int  # steps of each fit before the timed window (allocator, AdamW state)
+    timed_steps: int
+    quick_timed_steps: int
+    norm_repeats: int  # calls of each norm row per round
+
+
+MODELS = {
+    # 100 steps: the window holds two logging steps and, once each, the work done every 100 steps (Rollback's
+    # snapshot, NonFiniteDetector's weights check and headroom sample), so the mean amortises them exactly.
+    "mlp": ModelSpec("mlp", lambda n: MLP(samples=64 * n), 5, 100, 100, norm_repeats=30),
+    "gpt": ModelSpec("gpt", lambda n: GPT(dim=512, layers=8, samples=4 * n), 2, 8, 4, norm_repeats=5),
+    "gpt11m": ModelSpec("gpt11m", lambda n: GPT(dim=384, layers=6, samples=4 * n), 2, 10, 5, norm_repeats=10),
+}
+
+
+# ---- configurations ---------------------------------------------------------------------------------------------
+class LightningGradNorm(pl.Callback):
+    """Lightning's recipe for logging gradient norms: ``grad_norm`` in ``on_before_optimizer_step``, every step."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        from pytorch_lightning.utilities import grad_norm
+
+        pl_module.log_dict(grad_norm(pl_module, norm_type=2))
+
+
+@dataclass
+class Config:
+    name: str
+    make: Callable[[Path], tuple[list[Any], dict[str, Any]]]  # temp dir -> (callbacks, Trainer kwargs)
+    kind: str  # "bare", "lightning", "peer", "single" (one of ours), "suite"
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _zclip(_: Path) -> tuple[list[Any], dict[str, Any]]:
+    from zclip import ZClipLightningCallback
+
+    return [ZClipLightningCallback(mode="zscore", alpha=0.97, z_thresh=2.5)], {}
+
+
+def _arc(_: Path) -> tuple[list[Any], dict[str, Any]]:
+    from arc.api.integrations import LightningCallback
+
+    return [LightningCallback(verbose=False)], {}
+
+
+def _spike_detection(tmp: Path) -> tuple[list[Any], dict[str, Any]]:
+    from pytorch_lightning.callbacks import SpikeDetection
+
+    return [SpikeDetection(mode="min", window=10, warmup=1, rtol=2.0, exclude_batches_path=tmp / "skip.json")], {}
+
+
+def configurations(all_rows: bool, model: str) -> list[Config]:
+    """Every row for the MLP; on the GPTs the peers and the suite unless ``all_rows``."""
+    rows = [
+        Config("bare", lambda _: ([], {}), "bare"),
+        Config("gradient_clip_val=1.0", lambda _: ([], {"gradient_clip_val": 1.0}), "lightning"),
+        Config("Lightning grad_norm logged", lambda _: ([LightningGradNorm()], {}), "lightning"),
+        Config("detect_anomaly=True", lambda _: ([], {"detect_anomaly": True}), "lightning"),
+        Config("Lightning SpikeDetection", _spike_detection, "lightning"),
+    ]
+    if _installed("zclip") and _installed("lightning"):
+        rows.append(Config("ZClip callback", _zclip, "peer"))
+    else:
+        print("skipped: ZClip callback (zclip, which needs lightning, is not installed)")
+    if _installed("arc") and _installed("scipy"):
+        rows.append(Config("ARC callback", _arc, "peer"))
+    else:
+        print("skipped: ARC callback (arc-training and scipy are not installed)")
+    singles = [
+        Config("GradNormMonitor", lambda _: ([GradNormMonitor()], {}), "single"),
+        Config("NonFiniteDetector", lambda _: ([NonFiniteDetector()], {}), "single"),
+        Config("LossSpikeDetector", lambda _: ([LossSpikeDetector()], {}), "single"),
+        Config("LRBackoff", lambda _: ([LRBackoff()], {}), "single"),
+        Config("Rollback", lambda _: ([Rollback()], {}), "single"),
+        Config("AutoClip(fixed, max_norm=1.0)", lambda _: ([AutoClip(mode="fixed", max_norm=1.0)], {}), "single"),
+        Config("AutoClip(percentile)", lambda _: ([AutoClip(mode="percentile")], {}), "single"),
+        Config("AutoClip(zscore)", lambda _: ([AutoClip(mode="zscore")], {}), "single"),
+        Config("AutoClip(agc)", lambda _: ([AutoClip(mode="agc")], {}), "single"),
+    ]
+    if model == "mlp" or all_rows:
+        rows += singles
+    rows.append(Config(SUITE, lambda _: (default_callbacks(), {}), "suite"))
+    return rows
+
+
+# ---- one fit ----------------------------------------------------------------------------------------------------
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+class StepTimer(pl.Callback):
+    """The clock at every ``on_train_batch_start`` (first in the list, so before any other callback's hook)."""
+
+    def __init__(self, cuda: bool, clock: Callable[[], float]) -> None:
+        self.cuda = cuda
+        self.clock = clock
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, *_: Any) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.starts.append(self.clock())
+
+
+def fit_ms_per_step(
+    spec: ModelSpec, config: Config, timed: int, accelerator: str, tmp: Path, tag: str, clock: str = "wall"
+) -> float:
+    """Mean milliseconds per step over the timed window of one fresh fit."""
+    steps = spec.warmup_steps + timed + 1  # the timed window ends at the start of the last step
+    torch.manual_seed(0)
+    model = spec.build(steps)
+    callbacks, kwargs = config.make(tmp)
+    timer = StepTimer(cuda=accelerator == "gpu", clock=CLOCKS[clock])
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator=accelerator,
+        devices=1,
+        logger=CSVLogger(tmp, name=tag),
+        log_every_n_steps=min(LOG_EVERY, timed),
+        default_root_dir=tmp,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[timer, *callbacks],
+        **kwargs,
+    )
+    trainer.fit(model)
+    start, end = timer.starts[spec.warmup_steps], timer.starts[spec.warmup_steps + timed]
+    return 1000 * (end - start) / timed
+
+
+# ---- the gradient read against the norm check -------------------------------------------------------------------
+def gradients(spec: ModelSpec, accelerator: str) -> list[Tensor]:
+    torch.manual_seed(0)
+    model = spec.build(1)
+    device = torch.device("cuda" if accelerator == "gpu" else "cpu")
+    model.to(device)
+    x, y = (t.to(device) for t in model.example_batch())  # the loss without log(), which needs a trainer
+    out = model.net(x) if isinstance(model, MLP) else model(x)
+    loss = F.mse_loss(out, y) if isinstance(model, MLP) else F.cross_entropy(out.flatten(0, 1), y.flatten())
+    loss.backward()
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def read_all(grads: list[Tensor]) -> float:
+    """One read of every gradient byte: the sum of each gradient, then one host read."""
+    return torch.stack([g.sum() for g in grads]).sum().item()
+
+
+def norm_and_check(grads: list[Tensor]) -> bool:
+    """The suite's check: per-tensor norms, the exact total, one host read, finite or not."""
+    return math.isfinite(total_norm(tensor_norms(grads)).item())
+
+
+def torch_total_norm(grads: list[Tensor]) -> float:
+    return torch.nn.utils.get_total_norm(grads).item()
+
+
+def isfinite_each(grads: list[Tensor]) -> bool:
+    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all().item())
+
+
+NORM_ROWS: dict[str, Callable[[list[Tensor]], Any]] = {
+    "one read of the gradient bytes (sum)": read_all,
+    "ours: tensor_norms + total_norm": norm_and_check,
+    "torch get_total_norm": torch_total_norm,
+    "torch isfinite(g).all() per tensor": isfinite_each,
+}
+
+
+def time_norms(grads: list[Tensor], repeats: int) -> dict[str, float]:
+    """Median milliseconds of each norm row, interleaved within the repeats."""
+    times: dict[str, list[float]] = {name: [] for name in NORM_ROWS}
+    for _ in range(repeats):
+        for name, fn in NORM_ROWS.items():
+            start = time.perf_counter()
+            fn(grads)
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(values) for name, values in times.items()}
+
+
+# ---- the snapshot's memory --------------------------------------------------------------------------------------
+def snapshot_memory(spec: ModelSpec, accelerator: str, tmp: Path) -> tuple[int, int, int, float]:
+    """``(snapshot bytes held with keep=2, parameter bytes, snapshots held, ms per snapshot)`` after a short fit."""
+    torch.manual_seed(0)
+    model = spec.build(12)
+    rollback = Rollback(every_n_steps=5, keep=2)
+    taken: list[float] = []
+    take = rollback._take  # timed from outside: the snapshot with its finiteness check
+
+    def timed_take(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = take(*args, **kwargs)
+        taken.append(time.perf_counter() - start)
+        return result
+
+    rollback._take = timed_take  # type: ignore[method-assign]
+    trainer = pl.Trainer(
+        max_steps=12, accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp, callbacks=[rollback],
+    )  # fmt: skip
+    trainer.fit(model)
+    memory = rollback._memory
+    held = sum(state_nbytes(snapshot.state) for snapshot in memory if snapshot.state is not None)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return held, params, len(memory), 1000 * statistics.median(taken[1:] or taken)
+
+
+# ---- the run ----------------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    config: Config
+    ms: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    failed: str = ""
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f}"
+
+
+def bench_model(spec: ModelSpec, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    configs = configurations(args.all_rows, spec.key)
+    timed = args.timed_steps or (spec.quick_timed_steps if args.quick else spec.timed_steps)
+    rounds = args.rounds or (3 if args.quick else 7)
+    results = {c.name: Result(c) for c in configs}
+    grads = gradients(spec, args.accelerator)
+    n_params = sum(g.numel() for g in grads)
+    print(f"\n## {spec.key}: {n_params / 1e6:.2f}M parameters; {rounds} rounds of {len(configs) + 1} fits "
+          f"(bare first and last), {spec.warmup_steps} + {timed} steps each", flush=True)  # fmt: skip
+    norm_ratios: dict[str, list[float]] = {name: [] for name in NORM_ROWS}
+    norm_ms: dict[str, list[float]] = {name: [] for name in NORM_ROWS}
+    started = time.perf_counter()
+    bare_config, others = configs[0], configs[1:]
+    for round_index in range(rounds + 1):  # round 0 warms every code path with short fits and is discarded
+        steps = timed if round_index else 2
+        # Bare opens and closes the round (its ratio base is the mean of both); the others rotate, so that none
+        # always runs right after the same neighbour.
+        shift = round_index % len(others)
+        order = [bare_config, *others[shift:], *others[:shift], bare_config]
+        measured_ms: dict[str, list[float]] = {}
+        for config in order:
+            result = results[config.name]
+            if result.failed:
+                continue
+            try:
+                tag = f"{spec.key}-r{round_index}"
+                ms = fit_ms_per_step(spec, config, steps, args.accelerator, tmp, tag, args.clock)
+            except Exception as err:  # a peer that breaks on this model is reported, the others go on
+                result.failed = f"{type(err).__name__}: {err}"
+                print(f"  {config.name}: failed ({result.failed}); dropped", flush=True)
+                continue
+            measured_ms.setdefault(config.name, []).append(ms)
+        measured = time_norms(grads, spec.norm_repeats)
+        if not round_index:
+            continue
+        bare = statistics.mean(measured_ms["bare"])
+        for name, values in measured_ms.items():
+            results[name].ms.append(statistics.mean(values))
+            results[name].ratios.append(statistics.mean(values) / bare)
+        for name, ms in measured.items():
+            norm_ms[name].append(ms)
+            norm_ratios[name].append(ms / measured["one read of the gradient bytes (sum)"])
+        suite = results[SUITE].ratios[-1] if results[SUITE].ratios else math.nan
+        print(f"  round {round_index}/{rounds}: bare {bare:.2f} ms/step, {SUITE} {suite:.3f}x "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+    held, param_bytes, count, snap_ms = snapshot_memory(spec, args.accelerator, tmp)
+    return {
+        "spec": spec, "params": n_params, "results": results, "norm_ms": norm_ms, "norm_ratios": norm_ratios,
+        "snapshot": (held, param_bytes, count, snap_ms), "rounds": rounds, "timed": timed,
+    }  # fmt: skip
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def report(run: dict[str, Any]) -> list[tuple[str, bool]]:
+    """Print one model's figures; return its targets as ``(description, met)``."""
+    spec: ModelSpec = run["spec"]
+    results: dict[str, Result] = run["results"]
+    bare = results["bare"].ms
+    checks: list[tuple[str, bool]] = []
+    print(f"\n### {spec.key} ({run['params'] / 1e6:.2f}M parameters): ms per step, medians of {run['rounds']} "
+          f"rounds x {run['timed']} steps; ratio to bare of the same round (min-max over rounds)")  # fmt: skip
+    print(f"bare: {statistics.median(bare):.2f} ms/step (rounds {spread(bare)}; "
+          f"spread of the bare step {100 * (max(bare) - min(bare)) / statistics.median(bare):.0f}%)")  # fmt: skip
+    print("| configuration | ms/step | x bare | min-max | +ms/step | target |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    suite = statistics.median(results[SUITE].ratios) if results[SUITE].ratios else math.nan
+    for name, result in results.items():
+        if result.failed or not result.ratios:
+            print(f"| {name} | failed: {result.failed} | | | | |")
+            continue
+        ratio = statistics.median(result.ratios)
+        extra = statistics.median([m - b for m, b in zip(result.ms, bare)])
+        target = ""
+        if result.config.kind == "suite":
+            limit = SUITE_TARGET[spec.key]
+            checks.append((f"{spec.key}: {SUITE} {ratio:.3f}x <= {limit}x", ratio <= limit))
+            target = f"<= {limit}x {verdict(ratio <= limit)}"
+        elif result.config.kind == "single" and spec.key == "mlp":
+            checks.append((f"mlp: {name} {ratio:.3f}x <= {SINGLE_TARGET}x", ratio <= SINGLE_TARGET))
+            target = f"<= {SINGLE_TARGET}x {verdict(ratio <= SINGLE_TARGET)}"
+        elif name in PEERS_TO_BEAT:
+            checks.append((f"{spec.key}: {SUITE} {suite:.3f}x < {name} {ratio:.3f}x", suite < ratio))
+            target = f"suite cheaper {verdict(suite < ratio)}"
+        row = f"| {name} | {statistics.median(result.ms):.2f} | {ratio:.3f} | {spread(result.ratios)} | "
+        print(row + f"{extra:+.3f} | {target} |")
+    print(f"\ngradients of {spec.key} ({run['params'] / 1e6:.2f}M fp32 values): median ms per call, ratio to the read "
+          "in the same round")  # fmt: skip
+    for name, values in run["norm_ms"].items():
+        ratio = statistics.median(run["norm_ratios"][name])
+        line = f"  {name:<38} {statistics.median(values):8.3f} ms  {ratio:6.3f}x  ({spread(run['norm_ratios'][name])})"
+        if name == "ours: tensor_norms + total_norm":
+            met = ratio <= NORM_TARGET
+            description = f"{spec.key}: norm + finiteness {ratio:.3f}x one read of the gradients <= {NORM_TARGET}x"
+            checks.append((description, met))
+            line += f"  target <= {NORM_TARGET}x {verdict(met)}"
+        print(line)
+    if run["timed"] < 100:
+        print(f"(a window of {run['timed']} steps holds none of the work done every 100 steps: Rollback's snapshot, "
+              "whose cost is below, NonFiniteDetector's weights check and headroom sample)")  # fmt: skip
+    held, param_bytes, count, snap_ms = run["snapshot"]
+    print(f"Rollback snapshots (keep=2): {count} held, {held / 2**20:.1f} MiB of host memory = "
+          f"{held / param_bytes:.2f}x the parameter bytes ({held / max(count, 1) / 2**20:.1f} MiB each, model + "
+          f"AdamW state); taking one with its check: {snap_ms:.1f} ms, which at every_n_steps=100 adds "
+          f"{snap_ms / 100 / statistics.median(bare):.2%} to a step on average")  # fmt: skip
+    return checks
+
+
+ISSUE_COLUMNS = (
+    "bare", "gradient_clip_val=1.0", "detect_anomaly=True", "ZClip callback", "ARC callback", "GradNormMonitor",
+    "NonFiniteDetector", SUITE,
+)  # fmt: skip
+
+
+def summary_table(runs: list[dict[str, Any]]) -> None:
+    print("\n| model | " + " | ".join(f"`{c}`" for c in ISSUE_COLUMNS) + " |")
+    print("| --- " * (len(ISSUE_COLUMNS) + 1) + "|")
+    for run in runs:
+        cells = []
+        for column in ISSUE_COLUMNS:
+            result = run["results"].get(column)
+            if result is None or not result.ratios:
+                cells.append("-")
+            elif column == "bare":
+                cells.append(f"{statistics.median(result.ms):.2f} ms")
+            else:
+                ratio = statistics.median(result.ratios)
+                cells.append(f"**{ratio:.2f}x**" if column == SUITE else f"{ratio:.2f}x")
+        print(f"| {run['params'] / 1e6:.1f}M {run['spec'].key} | " + " | ".join(cells) + " |")
+
+
+def quiet() -> None:
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
+    warnings.filterwarnings("ignore", message=".*The number of training batches.*")
+    warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
+    warnings.filterwarnings("ignore", message=".*Anomaly Detection has been enabled.*")
+    warnings.filterwarnings("ignore", message=".*anomaly.*")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", nargs="+", choices=sorted(MODELS), help="default: mlp gpt (--quick: mlp gpt11m)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds and shorter GPT windows: a couple of minutes")
+    parser.add_argument("--rounds", type=int, help="rounds measured after the warm-up round (default 7; quick 3)")
+    parser.add_argument("--all-rows", action="store_true", help="every single callback on the GPTs too")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--threads", type=int, default=THREADS, help=f"torch CPU threads (default {THREADS})")
+    parser.add_argument(
+        "--clock", choices=sorted(CLOCKS), default="wall",
+        help="wall (default) or cpu: the process's CPU time, which waiting for the scheduler does not inflate "
+        "(with --threads 1 it is the work itself; CPU only)",
+    )  # fmt: skip
+    parser.add_argument("--timed-steps", type=int, help="steps timed per fit (default: 100 on the MLP, 8-10 on GPTs)")
+    args = parser.parse_args()
+    for name in ("rounds", "threads", "timed_steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    if args.accelerator == "gpu" and not torch.cuda.is_available():
+        parser.error("--accelerator gpu needs CUDA, and torch.cuda.is_available() is False here")
+    if args.accelerator == "gpu" and args.clock == "cpu":
+        parser.error("--clock cpu measures host CPU time, which says nothing of GPU work: use --clock wall")
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    quiet()
+    models = args.model or (["mlp", "gpt11m"] if args.quick else ["mlp", "gpt"])
+    device = torch.cuda.get_device_name() if args.accelerator == "gpu" else f"CPU, {torch.get_num_threads()} thread(s)"
+    print(f"torch {torch.__version__}, pytorch_lightning {pl.__version__}, {device}, {args.clock} clock, "
+          f"Python {sys.version.split()[0]}")  # fmt: skip
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in models:
+            runs.append(bench_model(MODELS[key], args, Path(tmp)))
+    checks: list[tuple[str, bool]] = []
+    for run in runs:
+        checks += report(run)
+    summary_table(runs)
+    print("\ntargets:")
+    for description, ok in checks:
+        print(f"  {verdict(ok)}  {description}")
+    failed = sum(not ok for _, ok in checks)
+    print(f"{len(checks) - failed} of {len(checks)} targets met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
