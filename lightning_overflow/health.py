@@ -293,6 +293,7 @@ class HealthBoard:
         self.names: dict[int, str] = {}
         self.journal = Journal(None)
         self._participants: list[weakref.ref[StepParticipant]] = []
+        self._ordered: list[StepParticipant] | None = None
         self.current: StepHealth | None = None
         self.signals: list[Signal] = []
         self.metrics = MetricBuffer()
@@ -320,6 +321,7 @@ class HealthBoard:
             self._participants.append(weakref.ref(participant))
             # Stable: participants of one stage keep the order in which they joined (their order in the list).
             self._participants.sort(key=lambda ref: getattr(ref(), "stage", 0))
+            self._ordered = None
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
         self._started_batch = self._ended_batch = None
         self._published = {}
@@ -332,12 +334,15 @@ class HealthBoard:
 
     @property
     def participants(self) -> list[StepParticipant]:
-        """The registered suite callbacks, in pipeline order."""
-        return [p for ref in self._participants if (p := ref()) is not None]
+        """The registered suite callbacks, in pipeline order (resolved once per fit: read several times a step)."""
+        if self._ordered is None:
+            self._ordered = [p for ref in self._participants if (p := ref()) is not None]
+        return self._ordered
 
     def release(self) -> None:
         """Drop everything tied to the last fit's tensors (records, held schedules, buffers, loss flags)."""
         self.current = None
+        self._ordered = None  # strong references to the callbacks end with the fit
         self._loss_flags = self._loss_sum = None
         self._loss_count = 0
         self._last_loss = None

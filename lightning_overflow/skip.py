@@ -44,24 +44,26 @@ class BufferCopy:
     """The buffers of a module as they were when an accumulation window began.
 
     Copies go into tensors allocated once per fit on the buffers' own devices (a few kilobytes for BatchNorm; a
-    causal mask costs one copy of itself per step).
+    causal mask costs one copy of itself per step). The buffers are listed once per fit: a buffer that the module
+    replaces by a new tensor during the fit is not put back.
     """
 
     def __init__(self) -> None:
+        self._module: nn.Module | None = None
         self._names: list[str] = []
         self._live: list[Tensor] = []
         self._saved: list[Tensor] = []
 
     def take(self, module: nn.Module) -> None:
-        named = list(module.named_buffers())
-        live = [b for _, b in named]
-        if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live)):
+        if self._module is not module:  # walked once per fit: a module tree walk per batch costs tens of us
+            named = list(module.named_buffers())
+            self._module = module
             self._names = [name for name, _ in named]
-            self._live = live
-            self._saved = [torch.empty_like(b) for b in live]
-        if live:
+            self._live = [b for _, b in named]
+            self._saved = [torch.empty_like(b) for b in self._live]
+        if self._live:
             with torch.no_grad():
-                torch._foreach_copy_(self._saved, live)
+                torch._foreach_copy_(self._saved, self._live)
 
     def put_back(self) -> None:
         if self._live:
@@ -73,6 +75,7 @@ class BufferCopy:
         return dict(zip(self._names, self._saved))
 
     def release(self) -> None:
+        self._module = None
         self._names, self._live, self._saved = [], [], []
 
 
