@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path

@@ -45,7 +45,8 @@ def default_callbacks(
             build that ``AutoClip`` yourself), or ``None`` for no clipping (use this when the Trainer has
             ``gradient_clip_val``).
         lr_factor: the LR multiplier on divergence (default 0.5).
-        snapshot_every_n_steps: Rollback's snapshot interval (default 100). Each snapshot holds the model and
+        snapshot_every_n_steps: Rollback's snapshot interval, and the interval of the DDP replica-parity check
+            (default 100). Each snapshot holds the model and
             optimizer state in host memory, ``keep=2`` of them.
         max_rollbacks: rollbacks allowed within Rollback's window before ``DivergenceError`` (default 3).
         dirpath: also write snapshots there (atomically), so a restarted run can roll back past the restart.
@@ -69,7 +70,8 @@ def default_callbacks(
         raise ValueError(f"'dirpath' needs rollback=True: it is where Rollback writes its snapshots (got {dirpath!r})")
     callbacks: list[Callback] = [
         GradNormMonitor(per_parameter=per_parameter),
-        NonFiniteDetector(action="skip"),
+        # Replica parity at the snapshot interval: a snapshot is taken on a step whose weights the ranks agree on.
+        NonFiniteDetector(action="skip", check_replicas_every_n_steps=every),
         LossSpikeDetector(),
     ]
     if clip is not None:

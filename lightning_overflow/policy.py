@@ -19,6 +19,8 @@ signal (who raises it)     rung of the default interventions           why
 (LossSpikeDetector)                                                    statistics, or an absolute anchor) for
                                                                        several steps: the state degrades
 ``loss_trend``             back off and roll back                      a slow rise with no spike and no NaN
+``replica_mismatch``       roll back (every rank to the same           DDP replicas whose weights differ: silent
+(NonFiniteDetector)        snapshot)                                   data corruption, no fault of the LR
 =========================  ==========================================  ============================================
 
 After ``max_rollbacks`` within Rollback's window, or the LR at LRBackoff's floor, the run stops with
@@ -73,6 +75,7 @@ SIGNAL_KINDS = (
     "grad_spike",
     "loss_divergence",
     "loss_trend",
+    "replica_mismatch",
 )
 """Every signal a detector can raise: the vocabulary of ``triggers`` (see the ladder above)."""
 
@@ -82,8 +85,8 @@ DIVERGENCE_SIGNALS = ("nonfinite_persistent", "nonfinite_state", "scaler_collaps
 DEFAULT_BACKOFF_TRIGGERS = DIVERGENCE_SIGNALS
 """LRBackoff's default triggers."""
 
-DEFAULT_ROLLBACK_TRIGGERS = DIVERGENCE_SIGNALS
-"""Rollback's default triggers."""
+DEFAULT_ROLLBACK_TRIGGERS = (*DIVERGENCE_SIGNALS, "replica_mismatch")
+"""Rollback's default triggers: divergence, and DDP replicas whose weights differ (no LR is to blame for those)."""
 
 
 @dataclass

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import pytorch_lightning as pl
+import torch
 from ddp_utils import run_ddp
 
-from lightning_overflow import GradNormMonitor, NonFiniteDetector
+from lightning_overflow import GradNormMonitor, NonFiniteDetector, Rollback
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
@@ -40,3 +44,29 @@ def test_nonfinite_weight_on_one_rank_is_found_by_every_rank(tmp_path: Path) -> 
     for report in reports:
         assert report["error"]["type"] == "NonFiniteError"
         assert report["error"]["attrs"]["kind"] == "weight" and report["error"]["attrs"]["ranks"] == [0]
+
+
+class PerturbOnRank(pl.Callback):
+    """Adds 1e-3 to one weight on one rank at the start of one batch: the replicas silently disagree."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            with torch.no_grad():
+                pl_module.net[0].weight.view(-1)[3] += 1e-3
+
+
+def test_a_replica_whose_weights_drift_is_named_and_rolled_back(tmp_path: Path) -> None:
+    detector = NonFiniteDetector(check_replicas_every_n_steps=1)
+    rollback = Rollback(every_n_steps=2)
+    reports = run_ddp(TinyRegressor(), [detector, rollback, PerturbOnRank(5, rank=1)], tmp_path, max_steps=8)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["digest"] == reports[1]["digest"], "every rank back to the same weights"
+    events = [json.loads(line) for line in (tmp_path / "overflow_events.jsonl").read_text().splitlines()]
+    (mismatch,) = [e for e in events if e["kind"] == "replica_mismatch"]
+    assert mismatch["step"] == 5 and mismatch["details"]["ranks"] == [1]
+    assert mismatch["details"]["parameters"] == ["net.0.weight"]
+    (rolled,) = [e for e in events if e["kind"] == "rollback"]
+    assert rolled["details"]["reason"] == "replica_mismatch" and rolled["details"]["snapshot_step"] == 4

@@ -86,7 +86,7 @@ def test_a_loss_that_sat_at_zero_and_rises_a_little_is_no_spike(tmp_path: Path) 
 
 
 def test_default_triggers_are_the_evidence_of_divergence() -> None:
-    assert set(DEFAULT_BACKOFF_TRIGGERS) == set(DEFAULT_ROLLBACK_TRIGGERS)
+    assert set(DEFAULT_ROLLBACK_TRIGGERS) == {*DEFAULT_BACKOFF_TRIGGERS, "replica_mismatch"}
     assert not {"nonfinite", "nonfinite_burst", "loss_spike", "grad_spike"} & set(DEFAULT_BACKOFF_TRIGGERS)
 
 

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_overflow._validation import check_bool, check_choice, check_float, check_int
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
+from lightning_overflow import _compat
 from lightning_overflow.diagnosis.hints import HUGE_INPUT, detection_hint
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.preserve import capture_rng
@@ -22,7 +23,8 @@ from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import NonFiniteError
 from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state, state_flags
 from lightning_overflow.policy import StepAction, Verdict
-from lightning_overflow.numerics import FP32_MAX
+from lightning_overflow.numerics import FP32_MAX, parameters_of
+from lightning_overflow.replicas import checksum, compare, differing_parameters
 
 __all__ = ["NonFiniteDetector"]
 
@@ -70,6 +72,11 @@ class NonFiniteDetector(SuiteCallback):
             non-finite steps (skipped, or left to Rollback when the weights themselves are non-finite; default 20:
             enough to ride out a bad stretch of data, few enough that a dead run stops before it wastes its
             schedule).
+        check_replicas_every_n_steps: under DDP, compare a checksum of the weights across the replicas every this
+            many steps (default ``None``: off; ``default_callbacks()`` turns it on at its snapshot interval). A rank
+            whose weights differ (silent data corruption, a rank-local write) is named with the parameters that
+            differ, journaled as ``replica_mismatch`` and signalled: ``Rollback`` then restores every rank to the
+            same verified snapshot. Cost: one read of the weights per check, inside the step's one all-reduce.
         check_weights_every_n_steps: check weights and optimizer state every this many steps (default 100; ``None``
             or 0 disables). They are also checked whenever the loss or the gradients are non-finite, to name the
             cause.
@@ -102,7 +109,8 @@ class NonFiniteDetector(SuiteCallback):
             variance, an L2 norm or an MSE, overflows FP32).
 
     Signals (read by interventions): ``nonfinite`` on every detection, ``nonfinite_burst`` on a burst,
-    ``nonfinite_persistent`` when the state keeps producing non-finite steps,
+    ``nonfinite_persistent`` when the state keeps producing non-finite steps, ``replica_mismatch`` when the DDP
+    replicas' weights differ,
     ``nonfinite_state`` for inf/NaN weights or optimizer state, ``scaler_collapse`` for a failing GradScaler.
 
     Attributes:
@@ -144,6 +152,7 @@ class NonFiniteDetector(SuiteCallback):
         action: Action = "skip",
         max_consecutive_skips: int = 20,
         check_weights_every_n_steps: int | None = 100,
+        check_replicas_every_n_steps: int | None = None,
         max_scaler_overflows: int = 20,
         min_loss_scale: float = 1e-4,
         burst_count: int = 3,
@@ -157,6 +166,9 @@ class NonFiniteDetector(SuiteCallback):
         self.max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, minimum=1)
         self.check_weights_every_n_steps = (
             check_int("check_weights_every_n_steps", check_weights_every_n_steps, minimum=0, optional=True) or None
+        )
+        self.check_replicas_every_n_steps = (
+            check_int("check_replicas_every_n_steps", check_replicas_every_n_steps, minimum=0, optional=True) or None
         )
         self.max_scaler_overflows = check_int("max_scaler_overflows", max_scaler_overflows, minimum=1)
         self.min_loss_scale = check_float("min_loss_scale", min_loss_scale, low=0.0, low_open=True)
@@ -240,6 +252,10 @@ class NonFiniteDetector(SuiteCallback):
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
         if self._headroom is not None:
             self._headroom.contribute(record)
+        if self._replicas_due(trainer, record):
+            sums = checksum(parameters_of(record.optimizer))
+            record.add(self._key("replica_sum"), sums[0], per_rank=True)
+            record.add(self._key("replica_sq"), sums[1], per_rank=True)
         every = self.check_weights_every_n_steps
         if every is None or record.step % every:
             return
@@ -247,12 +263,49 @@ class NonFiniteDetector(SuiteCallback):
         weights, moments = state_flags(trainer, record.optimizer)
         record.add(self._key(), torch.maximum(weights, moments), per_rank=True)
 
-    def _key(self) -> str:
-        return f"{type(self).__name__}.{id(self)}.state"
+    def _key(self, what: str = "state") -> str:
+        return f"{type(self).__name__}.{id(self)}.{what}"
+
+    def _replicas_due(self, trainer: pl.Trainer, record: StepHealth) -> bool:
+        every = self.check_replicas_every_n_steps
+        return (
+            every is not None
+            and record.step % every == 0
+            and record.world_size > 1
+            and _compat.replicated_strategy(trainer.strategy)
+        )
+
+    def _check_replicas(self, trainer: pl.Trainer, record: StepHealth) -> None:
+        """Compare the replicas' checksums (identical host values on every rank); on a mismatch name the ranks and
+        the parameters (a second collective, entered by every rank), journal and signal it."""
+        if not record.has(self._key("replica_sum")):
+            return
+        slots = record.value(self._key("replica_sum")) + record.value(self._key("replica_sq"))
+        mismatch = compare(slots, record.world_size)
+        if mismatch is None:
+            return
+        module = trainer.lightning_module
+        names = differing_parameters(list(module.named_parameters()), record.rank, record.world_size,
+                                     record.grad_norms.device)  # fmt: skip
+        ranks = ", ".join(map(str, mismatch.ranks))
+        more = f" (+{len(names) - MAX_NAMES} more)" if len(names) > MAX_NAMES else ""
+        message = (
+            f"NonFiniteDetector: the weights of rank(s) {ranks} differ from the other replicas' at step {record.step} "
+            f"(in {', '.join(names[:MAX_NAMES]) or 'no single parameter'}{more}): silent data corruption or a "
+            f"rank-local write. "
+            + ("Rollback restores every rank to the same verified snapshot." if _state_recovery_in(trainer)
+               else "HINT: add Rollback to restore every rank to the same verified snapshot.")
+        )
+        self._event(trainer, "replica_mismatch", message, rank=min(mismatch.ranks), ranks=list(mismatch.ranks),
+                    parameters=names[:MAX_NAMES])  # fmt: skip
+        self._signal(trainer, "replica_mismatch", message, record.optimizer_index)
+        if not _state_recovery_in(trainer):
+            self._warnings.warn("replicas", message)
 
     # ---- the decision -----------------------------------------------------------------------------------------
     @override
     def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
+        self._check_replicas(trainer, record)
         self._finding = finding = self._find(trainer, record)
         if finding is None:
             self._consecutive = self._persistent = 0
