@@ -117,6 +117,9 @@ class StepParticipant(Protocol):
     @property
     def state_key(self) -> str: ...
 
+    def _wants_record(self) -> bool:
+        """Whether the participant needs this step's record (the pipeline runs only if one does)."""
+
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
         """Add device values to the step's one host read."""
 
@@ -487,6 +490,10 @@ class HealthBoard:
             return
         self._seen = {id(caller)}
         self._seen_optimizer = optimizer
+        if not any(p._wants_record() for p in self.participants):
+            self.current = None
+            self._window_open = False  # the accumulation window ends with this step all the same
+            return
         self._run_step(trainer, pl_module, optimizer)
 
     def _run_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:

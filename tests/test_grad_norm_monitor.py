@@ -40,12 +40,13 @@ def test_total_and_per_parameter_norms_match_float64(norm_type: float) -> None:
     model = TinyRegressor()
     fit(model, [reference, GradNormMonitor(norm_type=norm_type, per_parameter=True)], max_steps=5, logger=logger,
         log_every_n_steps=1)
-    totals = [v for _, v in logger.metrics["grad_norm/total"]]
-    assert [s for s, _ in logger.metrics["grad_norm/total"]] == [0, 1, 2, 3, 4]
+    prefix = "grad_norm_inf" if math.isinf(norm_type) else "grad_norm"
+    totals = [v for _, v in logger.metrics[f"{prefix}/total"]]
+    assert [s for s, _ in logger.metrics[f"{prefix}/total"]] == [0, 1, 2, 3, 4]
     assert totals == pytest.approx(reference.totals, rel=1e-5)
     names = [n for n, _ in model.named_parameters()]
     for name in names:
-        logged = [v for _, v in logger.metrics[f"grad_norm/{name}"]]
+        logged = [v for _, v in logger.metrics[f"{prefix}/{name}"]]
         assert logged == pytest.approx([p[name] for p in reference.per_param], rel=1e-5)
 
 

@@ -118,7 +118,7 @@ def test_renders_a_dashboard_png_and_prints_the_events(tmp_path: Path, capsys: p
 
 def test_a_real_run_logging_train_slash_loss_draws_that_and_not_the_headroom(tmp_path: Path) -> None:
     run = load_run(small_run(tmp_path, model=LoggingRegressor()))
-    assert "overflow/headroom_decades/loss" in run.metrics and run.panels["loss"] == "train/loss"
+    assert "overflow/headroom_loss_decades" in run.metrics and run.panels["loss"] == "train/loss"
     fig = draw([run])
     loss = panels(fig)["loss"]
     assert [line.get_label() for line in loss.get_legend().get_lines()] == ["run: train/loss"]

@@ -84,6 +84,11 @@ class SuiteCallback(Callback):
         self.board(trainer).release()
 
     # ---- pipeline stages --------------------------------------------------------------------------------------
+    def _wants_record(self) -> bool:
+        """Whether this callback needs the step record now (default: yes). When no participant does, the step
+        costs the suite no norm and no read."""
+        return True
+
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
         """Add this callback's device statistics to the step's single read (default: nothing)."""
 

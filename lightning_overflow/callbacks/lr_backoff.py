@@ -287,6 +287,10 @@ class LRBackoff(SuiteCallback):
         return {f"overflow/lr_scale_opt{i}": scale for i, scale in enumerate(self.scales)}
 
     @override
+    def _wants_record(self) -> bool:
+        return False  # it acts on the detectors' signals at batch end, never on a step's values
+
+    @override
     def _settings(self) -> tuple[float, ...]:
         return tuple(self.scales)
 

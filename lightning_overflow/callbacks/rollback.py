@@ -206,6 +206,10 @@ class Rollback(SuiteCallback):
         self._start(trainer)
 
     @override
+    def _wants_record(self) -> bool:
+        return self._skip_left > 0  # only to skip the batches after a rollback
+
+    @override
     def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
         if self._skip_left <= 0:
             return None
