@@ -242,6 +242,28 @@ def test_global_norm_equals_the_unsharded_models_in_float64(tmp_path: Path) -> N
     assert reports[0]["metrics"] == reports[1]["metrics"]
 
 
+def test_a_shard_whose_fp32_norm_overflows_gets_its_exact_norm_and_is_clipped_not_zeroed(tmp_path: Path) -> None:
+    # 1e20 in rank 1's shard: finite, but its square overflows FP32, so that shard's fast norm is inf (the rare
+    # path: a float64 recomputation of the shards and one more all-reduce).
+    clip = AutoClip(mode="fixed", max_norm=1.0)
+    reports = fit_sharded([NonFiniteDetector(), clip, PoisonShard(2, 1, "grad", value=1e20)], tmp_path)
+    assert [r["error"] for r in reports] == [None, None]
+    poison = float(torch.tensor(1e20))  # as FP32 holds it
+    steps = [r["steps"][2] for r in reports]
+    reference = reference_norms(steps[0], [s["batch"] for s in steps])
+    for seen in steps:
+        assert seen["status"] == "overflow" and not seen["skipped"]
+        assert seen["total"] == pytest.approx(poison, rel=1e-12, abs=0)
+        assert seen["per_parameter"]["net.0.weight"] == pytest.approx(poison, rel=1e-12, abs=0)
+        for name in NAMES[1:]:  # the other parameters keep their own norms
+            assert seen["per_parameter"][name] == pytest.approx(reference[name], rel=2e-6, abs=0), name
+        after = math.sqrt(sum(torch.linalg.vector_norm(g.double()).item() ** 2 for g in seen["grads"].values()))
+        assert after == pytest.approx(1.0, rel=1e-6)  # scaled to max_norm, not zeroed
+        assert not torch.equal(seen["shards"]["net.0.weight"], seen["shards_after"]["net.0.weight"])
+    assert steps[0]["per_parameter"] == steps[1]["per_parameter"]
+    assert [r["states"][0]["skipped_steps"] for r in reports] == [0, 0]
+
+
 # ---- the skip and the state check ------------------------------------------------------------------------------
 def test_a_nan_in_one_shards_gradient_skips_the_step_on_both_ranks(tmp_path: Path) -> None:
     detector = NonFiniteDetector()
