@@ -6,8 +6,9 @@ global norm, the full parameters' norms under their own names, one verdict on ev
 shard, a state check that covers every shard, and clip thresholds identical on both ranks.
 
 The strategy always relaunches the script (``strategy="ddp"`` style); here its processes are forked instead, as
-``ddp_fork`` does for DDP (about 1.5 s a fit, against 10 s or more for a relaunched script on this machine).
-Each rank writes what it saw to ``rank<r>.pt``; the test reads both.
+``ddp_fork`` does for DDP: about 2 s a fit, where a relaunched script took 26 s on a busy 2-core machine (11 s of
+it importing torch and Lightning in each process). Each rank writes what it saw to ``rank<r>.pt``; the test reads
+both. A second case shards over a (2 x 1) mesh (HSDP): both ranks then hold replicas, which must count once.
 """
 
 from __future__ import annotations
@@ -64,6 +65,18 @@ class ShardedRegressor(TinyRegressor):
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+class HybridShardedRegressor(TinyRegressor):
+    """TinyRegressor under HSDP: the 2 ranks replicate shards of size 1 (placements ``(Replicate(), Shard(0))``), so
+    every rank holds a whole copy and each copy must count once."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh  # (data_parallel=2, tensor_parallel=1): replicate over the first, shard over the second
         for layer in self.net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -152,8 +165,8 @@ def _moments(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
 
 
 def fit_sharded(callbacks: list[Any], directory: Path, *, logger: MemoryLogger | None = None,
-                **kwargs: Any) -> list[dict[str, Any]]:
-    """Fit ShardedRegressor on 2 forked processes; each rank's report, rank 0 first."""
+                model: type[TinyRegressor] = ShardedRegressor, **kwargs: Any) -> list[dict[str, Any]]:
+    """Fit ``model`` (ShardedRegressor) on 2 forked processes; each rank's report, rank 0 first."""
     watch = [cb for cb in callbacks if hasattr(cb, "state_dict")]
     options: dict[str, Any] = {
         "max_steps": 6, "accelerator": "cpu", "devices": 2, "strategy": ForkedModelParallel(),
@@ -166,7 +179,7 @@ def fit_sharded(callbacks: list[Any], directory: Path, *, logger: MemoryLogger |
     trainer = pl.Trainer(callbacks=[*callbacks, Recorder(directory, watch, logger)], **options)
     error: BaseException | None = None
     try:
-        trainer.fit(ShardedRegressor())
+        trainer.fit(model())
     except Exception as caught:  # a worker's exception, re-raised by the launcher
         error = caught
     files = [directory / f"rank{r}.pt" for r in range(2)]
@@ -214,14 +227,19 @@ def reference_norms(step: dict[str, Any], batches: list[list[torch.Tensor]]) -> 
 
 
 # ---- norms ----------------------------------------------------------------------------------------------------------
-def test_global_norm_equals_the_unsharded_models_in_float64(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("model", "shards"), [(ShardedRegressor, [(16, 4), (0, 32)]),
+                                               (HybridShardedRegressor, [(32, 4), (1, 32)])], ids=["fsdp", "hsdp"])
+def test_global_norm_equals_the_unsharded_models_in_float64(
+    tmp_path: Path, model: type[TinyRegressor], shards: list[tuple[int, int]]
+) -> None:
     logger = MemoryLogger(str(tmp_path))
     monitor = GradNormMonitor(per_parameter=True, log_every_n_steps=1)
     reports = fit_sharded([monitor, NonFiniteDetector(), LossSpikeDetector()], tmp_path, logger=logger,
-                          log_every_n_steps=1)
+                          model=model, log_every_n_steps=1)
     assert [r["error"] for r in reports] == [None, None]
-    assert reports[0]["steps"][3]["shards"]["net.0.weight"].shape == (16, 4)  # the parameters are sharded
-    assert reports[1]["steps"][3]["shards"]["net.2.weight"].shape == (0, 32)  # and rank 1 holds none of this one
+    # FSDP: half of net.0.weight on each rank, all of net.2.weight on rank 0; HSDP: whole copies on both ranks.
+    assert reports[1]["steps"][3]["shards"]["net.0.weight"].shape == shards[0]
+    assert reports[1]["steps"][3]["shards"]["net.2.weight"].shape == shards[1]
     for step in range(6):
         steps = [r["steps"][step] for r in reports]
         reference = reference_norms(steps[0], [s["batch"] for s in steps])
