@@ -28,6 +28,9 @@ __all__ = [
     "Callback",
     "REPLICATED_STRATEGIES",
     "SHARDED_STRATEGIES",
+    "SUPPORTED_SHARDED_STRATEGIES",
+    "UNSUPPORTED_STRATEGIES",
+    "check_strategy",
     "replicated_strategy",
     "sharded_strategy",
     "batches_that_stepped",
@@ -74,6 +77,34 @@ def scaler_scale(scaler: Any) -> Tensor | None:
 SHARDED_STRATEGIES = ("FSDPStrategy", "XLAFSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
 """Strategies under which a rank holds only part of the model or of the optimizer state (class names, 2.6.6)."""
 
+SUPPORTED_SHARDED_STRATEGIES = ("ModelParallelStrategy",)
+"""Sharded strategies the suite's monitors, detectors and clippers support: FSDP2's ``DTensor`` shards, whose norms
+and finiteness are combined across ranks (checked on CPU with 2 gloo processes, torch 2.13.0)."""
+
+UNSUPPORTED_STRATEGIES = {
+    "FSDPStrategy": (
+        "FSDP1 flattens the parameters of each wrapped module into one FlatParameter and gives every rank a flat "
+        "slice of it, so per-parameter norms, names and the state check would be those of one rank's slice, and "
+        "Lightning runs it on CUDA only, where the suite has not been run under it; use ModelParallelStrategy with "
+        "fully_shard in configure_model (FSDP2) instead"
+    ),
+    "XLAFSDPStrategy": (
+        "XLA's FSDP flattens and shards the parameters as FSDP1 does, and the suite has not been run under it; use "
+        "XLAStrategy (data parallel) instead"
+    ),
+    "DeepSpeedStrategy": (
+        "DeepSpeed's engine keeps the gradients (partitioned under ZeRO) in its own buffers and clips and skips "
+        "overflowing steps inside its own step, and Lightning runs it on CUDA only, where the suite has not been "
+        "run under it; use ModelParallelStrategy with fully_shard in configure_model (FSDP2), or DDP, instead"
+    ),
+}
+"""Strategies the suite refuses at ``setup``, each with the reason (class names, 2.6.6)."""
+
+_SUPPORTED = (
+    "Supported: a single device, DDPStrategy (strategy='ddp', 'ddp_spawn', 'ddp_fork') and ModelParallelStrategy "
+    "(FSDP2: fully_shard in configure_model; there Rollback and AutoClip(mode='agc') are not supported yet)."
+)
+
 REPLICATED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 """Strategies under which every rank holds the whole model (``ddp_fork``/``ddp_spawn`` are ``DDPStrategy``)."""
 
@@ -84,6 +115,22 @@ def sharded_strategy(strategy: Any) -> str | None:
         if cls.__name__ in SHARDED_STRATEGIES:
             return cls.__name__
     return None
+
+
+def check_strategy(strategy: Any, user: str) -> None:
+    """Refuse a strategy the suite does not support, naming it, why, and what is supported.
+
+    Args:
+        strategy: the trainer's strategy.
+        user: who refuses it (the callback's class name), for the message.
+
+    Raises:
+        NotImplementedError: ``strategy`` is, or derives from, one of :data:`UNSUPPORTED_STRATEGIES`.
+    """
+    for cls in type(strategy).__mro__:
+        reason = UNSUPPORTED_STRATEGIES.get(cls.__name__)
+        if reason is not None:
+            raise NotImplementedError(f"{user} does not support {cls.__name__}: {reason}. {_SUPPORTED}")
 
 
 def replicated_strategy(strategy: Any) -> bool:

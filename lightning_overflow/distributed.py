@@ -1,7 +1,8 @@
 """The suite's collectives: one all-reduce per checked step, and the per-rank flag packer.
 
 Every value that must reach the host goes into one small float64 tensor. The part that differs between ranks (loss
-flags, per-rank statistics) is summed across ranks with a single all-reduce; the part that is already identical
+flags, per-rank statistics, and under FSDP2 each rank's part of the gradients' squared norms, which add up to those
+of the full gradients) is summed across ranks with a single all-reduce; the part that is already identical
 (gradient norms, all-reduced by DDP before ``on_before_optimizer_step``) is not reduced, so it stays bit-exact.
 Then the whole tensor is read once. Every rank calls these at the same points, so no rank waits on another.
 """
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["flags_by_rank", "pack_per_rank", "ranks_where", "reduce_and_read", "world"]
+__all__ = ["flags_by_rank", "pack_per_rank", "ranks_where", "reduce_and_read", "sum_and_read", "world"]
 
 
 def world() -> tuple[int, int]:
@@ -39,6 +40,11 @@ def reduce_and_read(summed: Tensor, local: Tensor) -> tuple[list[float], list[fl
         dist.all_reduce(head, op=dist.ReduceOp.SUM)
     values = packed.tolist()
     return values[:n], values[n:]
+
+
+def sum_and_read(values: Tensor) -> list[float]:
+    """Sum 1-D ``values`` across ranks (one all-reduce) and read them to the host. Entered on every rank together."""
+    return reduce_and_read(values.reshape(-1), values.new_zeros(0))[0]
 
 
 def pack_per_rank(values: list[Tensor], rank: int, world_size: int, device: torch.device | str) -> Tensor:

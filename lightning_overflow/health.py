@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_overflow import _compat
-from lightning_overflow.distributed import reduce_and_read
+from lightning_overflow.distributed import reduce_and_read, sum_and_read
 from lightning_overflow.events import JOURNAL_NAME, Event, Journal, MetricBuffer
 from lightning_overflow.numerics import (
     FP32_MAX,
@@ -39,6 +39,7 @@ from lightning_overflow.numerics import (
     tensor_norms,
     total_norm,
 )
+from lightning_overflow.numerics.norms import is_sharded, shard_squares
 from lightning_overflow.policy import SIGNAL_KINDS, StepAction, Verdict, decide_step
 from lightning_overflow.skip import BufferCopy, HeldSchedules, skip_step
 from lightning_overflow.training_state import (
@@ -157,10 +158,14 @@ class StepHealth:
         params: the parameters that have gradients, in the order of ``grad_norms``.
         names: their names, as in ``named_parameters()``.
         all_names: names of every parameter by ``id``, for messages about weights and optimizer state.
-        grad_norms: per-tensor fp32 gradient norms (device tensor, pre-clip, after unscale).
-        total_norm: the exact total L2 norm of the gradients (host float, pre-clip).
+        grad_norms: per-tensor fp32 gradient norms (device tensor, pre-clip, after unscale). Sharded gradients
+            (``DTensor``): the norms of this rank's shards until the read, the norms of the full gradients after it.
+        sharded: whether some gradient is a ``DTensor`` (FSDP2): the norms of the full gradients then come from the
+            shards' squares, summed across ranks in the read.
+        total_norm: the exact total L2 norm of the gradients (host float, pre-clip), the same on every rank.
         grad_status: ``"finite"``, ``"overflow"`` (finite values whose FP32 norm overflowed) or ``"nonfinite"``.
-        exact_grad_norms: per-tensor norms recomputed in float64 (only when some fast norm was not finite).
+        exact_grad_norms: per-tensor norms recomputed in float64 (only when some fast norm was not finite); with
+            sharded gradients, always: the norms of the full gradients (float64 sums of the shards' squares).
         loss_nonfinite_ranks: the ranks whose loss was inf/NaN in this step's backward passes.
         loss_mean: the mean finite training loss of this step over micro-batches and ranks (``nan`` if none).
         loss_scale: the GradScaler scale under ``16-mixed`` (``None`` otherwise).
@@ -195,7 +200,9 @@ class StepHealth:
         self.all_names = all_names
         self.log_step = log_step
         self.log_due = log_due
-        self.grad_norms = tensor_norms([p.grad for p in params])  # type: ignore[misc]
+        grads = [p.grad for p in params]
+        self.sharded = any(is_sharded(g) for g in grads)  # type: ignore[arg-type]
+        self.grad_norms = tensor_norms(grads)  # type: ignore[arg-type]
         self._summed: dict[str, Tensor] = {}
         self._local: dict[str, Tensor] = {}
         self._values: dict[str, list[float]] = {}
@@ -533,7 +540,13 @@ class HealthBoard:
         record.add("loss_count", torch.full((), float(self._loss_count), device=device), summed=True)
         self._loss_flags = self._loss_sum = None
         self._loss_count = 0
-        record.add("grad_total", total_norm(record.grad_norms))
+        if record.sharded:
+            # Each rank's part of the full gradients' squared norms: summed in the read, not yet a norm of anything.
+            grads = [p.grad for p in record.params]
+            record.add("grad_squares", shard_squares(record.grad_norms, grads, record.world_size), summed=True)  # type: ignore[arg-type]
+        else:
+            # Replicated gradients (all-reduced by DDP, or one device): identical on every rank, so not reduced.
+            record.add("grad_total", total_norm(record.grad_norms))
         scaler = _compat.scaler_of(trainer)
         scale = _compat.scaler_scale(scaler) if scaler is not None else None
         if scale is not None:
@@ -548,6 +561,9 @@ class HealthBoard:
         record.loss_mean = record.value("loss_sum")[0] / count if count > 0 else math.nan
         if record.has("loss_scale"):
             record.loss_scale = record.value("loss_scale")[0]
+        if record.sharded:
+            HealthBoard._interpret_shards(record)
+            return
         total = record.value("grad_total")[0]
         if math.isfinite(total):
             record.total_norm = total
@@ -561,6 +577,34 @@ class HealthBoard:
         statuses = [norm_status(f, e) for f, e in zip(fast, exact)]
         record.grad_status = "nonfinite" if "nonfinite" in statuses else "overflow"
         record.total_norm = total_norm(torch.tensor(exact, dtype=torch.float64)).item() if exact else 0.0
+
+    @staticmethod
+    def _interpret_shards(record: StepHealth) -> None:
+        """The norms of the full gradients from the shards' squares summed in the read: identical on every rank.
+
+        Where some full gradient's fast norm is inf/NaN (a shard's fp32 norm overflowed or holds inf/NaN: the rare
+        path), every rank recomputes its shards of those gradients in float64 and one more all-reduce sums them.
+        Every rank enters it: all of them read the same sums.
+        """
+        squares = record.value("grad_squares")
+        fast = torch.tensor([math.sqrt(v) for v in squares], dtype=torch.float32)  # beyond FP32 reads as inf
+        fast_host = fast.tolist()
+        bad = [i for i, v in enumerate(fast_host) if not math.isfinite(v)]
+        if bad:
+            grads = [p.grad for p in record.params]
+            local = refine_norms(grads, record.grad_norms, bad)  # type: ignore[arg-type]
+            picked = local[torch.tensor(bad, device=local.device)]
+            refined = sum_and_read(shard_squares(picked, [grads[i] for i in bad], record.world_size))  # type: ignore[misc]
+            squares = list(squares)
+            for i, value in zip(bad, refined):
+                squares[i] = value
+        exact = [math.sqrt(v) for v in squares]
+        if bad:
+            statuses = [norm_status(f, e) for f, e in zip(fast_host, exact)]
+            record.grad_status = "nonfinite" if "nonfinite" in statuses else "overflow"
+        record.grad_norms = fast.to(record.grad_norms.device, non_blocking=True)
+        record.exact_grad_norms = exact
+        record.total_norm = math.sqrt(sum(squares))
 
     def _apply(
         self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, record: StepHealth, action: StepAction

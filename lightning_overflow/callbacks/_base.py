@@ -46,6 +46,7 @@ class SuiteCallback(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
+            _compat.check_strategy(trainer.strategy, type(self).__name__)
             self.board(trainer).join(self, trainer, pl_module)
 
     @override

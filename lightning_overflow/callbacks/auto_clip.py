@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_overflow import _compat
 from lightning_overflow._validation import check_choice, check_float, check_int, check_names
 from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
 from lightning_overflow.health import StepHealth, metric_key
@@ -200,6 +201,14 @@ class AutoClip(SuiteCallback):
     # ---- wiring -----------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        sharded = _compat.sharded_strategy(trainer.strategy)  # the others are refused by every suite callback
+        if stage == "fit" and self.mode == "agc" and sharded in _compat.SUPPORTED_SHARDED_STRATEGIES:
+            raise NotImplementedError(
+                f"AutoClip(mode='agc') does not support {sharded}: a unit of a sharded parameter (a bias, a row split "
+                "by tensor parallelism) can span the ranks, and its norm would be that of one rank's part. Use "
+                "AutoClip(mode='zscore'), 'percentile' or 'fixed' (they clip by the global norm), or AGC under "
+                "strategy='ddp'."
+            )
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return

@@ -7,11 +7,18 @@ tensors whose fast norm came out non-finite, and tells a real inf/NaN from a spu
 Why not ``torch.nn.utils.get_total_norm``: for finite gradients of magnitude 1e20 the squares overflow FP32 and it
 returns ``inf``; ``clip_grad_norm_`` then multiplies every gradient by ``max_norm / inf = 0`` and the step is lost
 silently. Here the same gradients give their true norm (3.2e21 for ten of them).
+
+Sharded tensors (``DTensor``, as FSDP2's ``fully_shard`` makes parameters, gradients and optimizer moments): every
+function here works on this rank's local shard (``to_local()``, no copy and no collective), so a norm of a
+``DTensor`` is the norm of the part this rank holds. The norm of the full tensor is the square root of the sum of
+the shards' squares over the ranks: :func:`shard_squares` gives each rank's part of that sum, weighted so that
+ranks holding the same shard (replicas) count once, for one all-reduce of all tensors together.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -25,8 +32,11 @@ __all__ = [
     "FP32_MAX",
     "NormReport",
     "grad_norm_report",
+    "is_sharded",
+    "local_shard",
     "norm_status",
     "refine_norms",
+    "shard_squares",
     "tensor_norms",
     "total_norm",
 ]
@@ -38,6 +48,58 @@ NormStatus = Literal["finite", "overflow", "nonfinite"]
 norm is known in float64); ``nonfinite``: the tensor holds inf or NaN."""
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def _dtensor_type() -> type | None:
+    """``DTensor`` once its module is loaded, else ``None``: no DTensor can exist before, and importing
+    ``torch.distributed.tensor`` here would cost every process that never shards."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_sharded(t: Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (each rank holds a shard or a replica of it)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """The part of ``t`` this rank holds: a ``DTensor``'s local tensor (a view: writing into it writes the
+    ``DTensor``), any other tensor itself.
+
+    A ``DTensor`` with a ``Partial`` placement (each rank holds a summand, not a shard) is first reduced to the
+    replicated tensor: a collective, entered by every rank of its mesh at the same point.
+
+    Example:
+        >>> t = torch.ones(3)
+        >>> local_shard(t) is t
+        True
+    """
+    if not is_sharded(t):
+        return t
+    placements = t.placements  # type: ignore[attr-defined]
+    if any(p.is_partial() for p in placements):
+        from torch.distributed.tensor import Replicate
+
+        t = t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in placements])  # type: ignore[attr-defined]
+    return t.to_local()  # type: ignore[attr-defined]
+
+
+def _copies(t: Tensor, world_size: int) -> int:
+    """How many of the ``world_size`` ranks hold the same local part of ``t``.
+
+    A ``DTensor`` is replicated along the mesh dimensions of its ``Replicate`` placements, and once per copy of its
+    mesh in the world (FSDP2 over the data-parallel sub-mesh of a data x tensor-parallel mesh: one copy per
+    tensor-parallel rank). A plain tensor beside ``DTensor`` s is taken as replicated on every rank.
+    """
+    if not is_sharded(t):
+        return world_size
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    copies = max(world_size // mesh.size(), 1)
+    for dim, placement in enumerate(t.placements):  # type: ignore[attr-defined]
+        if placement.is_replicate():
+            copies *= mesh.size(dim)
+    return copies
 
 
 def _norms_on_one_device(tensors: list[Tensor], norm_type: float) -> Tensor:
@@ -89,6 +151,9 @@ def tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     Tensors on several devices (a model split across GPUs, or CPU counters beside GPU moments) are allowed: the
     result then lies on the first accelerator among them, so nothing waits on a device-to-host copy.
 
+    A ``DTensor`` gets the norm of this rank's shard (:func:`local_shard`); :func:`shard_squares` turns these into
+    each rank's part of the full tensors' squared norms.
+
     Args:
         tensors: the tensors (gradients, weights, optimizer moments). Dense only.
         norm_type: ``2`` (L2) or ``inf`` (largest magnitude).
@@ -100,6 +165,7 @@ def tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     norm_type = check_norm_type(norm_type)
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
+    tensors = [local_shard(t) for t in tensors]
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
@@ -135,7 +201,8 @@ def refine_norms(tensors: Sequence[Tensor], norms: Tensor, indices: Iterable[int
     """Recompute the given entries of ``norms`` exactly, in float64; return all norms as float64.
 
     Call it only for the indices whose fast norm is not finite (a rare path): a tensor whose values are finite gets
-    its true norm, a tensor holding inf gets ``inf``, one holding NaN gets ``nan``.
+    its true norm, a tensor holding inf gets ``inf``, one holding NaN gets ``nan``. A ``DTensor`` gets the exact norm
+    of this rank's shard.
 
     Example:
         >>> big = torch.full((10,), 1e20)
@@ -146,13 +213,38 @@ def refine_norms(tensors: Sequence[Tensor], norms: Tensor, indices: Iterable[int
     norm_type = check_norm_type(norm_type)
     exact = norms.to(torch.float64, copy=True)
     for i in indices:
-        t = tensors[i].detach()
+        t = local_shard(tensors[i].detach())
         if math.isinf(norm_type):
             value = _max_abs(t.double()).double() if t.numel() else exact.new_zeros(())
         else:
             value = torch.linalg.vector_norm(t, dtype=torch.float64)
         exact[i] = value.to(exact.device)
     return exact
+
+
+def shard_squares(norms: Tensor, tensors: Sequence[Tensor], world_size: int) -> Tensor:
+    """This rank's part of the squared L2 norms of the full tensors, from the norms of its shards (float64).
+
+    Summed over the ``world_size`` ranks (one all-reduce for all tensors), entry ``i`` is the squared norm of the
+    full ``tensors[i]``: a ``DTensor`` sharded across ranks adds up its shards, and ranks holding the same shard
+    (replicas, see :func:`local_shard`) share its square, so it counts once. Non-finite norms stay non-finite.
+    No host read.
+
+    Args:
+        norms: this rank's per-tensor L2 norms of ``tensors`` (:func:`tensor_norms` or :func:`refine_norms`).
+        tensors: the tensors, for their placements.
+        world_size: the number of ranks of the all-reduce.
+
+    Example:
+        >>> shard_squares(torch.tensor([3.0, 4.0]), [torch.zeros(1), torch.zeros(1)], world_size=1)
+        tensor([ 9., 16.], dtype=torch.float64)
+    """
+    squares = norms.to(torch.float64).square()
+    copies = [_copies(t, world_size) for t in tensors]
+    if any(c != 1 for c in copies):
+        shares = torch.tensor([1.0 / c for c in copies], dtype=torch.float64).to(squares.device, non_blocking=True)
+        squares = squares * shares
+    return squares
 
 
 def norm_status(fast: float, exact: float) -> NormStatus:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_overflow.numerics.norms import tensor_norms
+from lightning_overflow.numerics.norms import local_shard, tensor_norms
 from lightning_overflow.numerics.state import parameters_of
 
 __all__ = [
@@ -316,13 +316,15 @@ def _host_buffer(t: Tensor) -> Tensor:
 
 
 def _checked(t: Tensor, scalars: bool) -> bool:
-    """Whether a finiteness check reads ``t``: floating point, not empty, and not 0-d unless ``scalars``."""
-    return t.is_floating_point() and t.numel() > 0 and (scalars or t.dim() > 0)
+    """Whether a finiteness check reads ``t``: floating point, not empty on this rank (a ``DTensor``'s shard may
+    be), and not 0-d unless ``scalars``."""
+    return t.is_floating_point() and local_shard(t).numel() > 0 and (scalars or t.dim() > 0)
 
 
 def _nonfinite_each(tensors: list[Tensor]) -> Tensor:
-    """Per tensor, whether it holds inf or NaN: a bool tensor, computed without a host read."""
-    return ~torch.isfinite(tensor_norms([_fp32_proxy(t) for t in tensors], math.inf))
+    """Per tensor, whether it holds inf or NaN (a ``DTensor``: its shard on this rank): a bool tensor, computed
+    without a host read."""
+    return ~torch.isfinite(tensor_norms([_fp32_proxy(local_shard(t)) for t in tensors], math.inf))
 
 
 def _fp32_proxy(t: Tensor) -> Tensor:

@@ -1,0 +1,367 @@
+"""FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) with 2 CPU processes on gloo.
+
+Each rank holds half of every parameter, gradient and Adam moment (``DTensor`` shards; the last layer's ``(1, 32)``
+weight and ``(1,)`` bias lie wholly on rank 0, rank 1's shards are empty). The suite must see the full model: the
+global norm, the full parameters' norms under their own names, one verdict on every rank, a skip that changes no
+shard, a state check that covers every shard, and clip thresholds identical on both ranks.
+
+The strategy always relaunches the script (``strategy="ddp"`` style); here its processes are forked instead, as
+``ddp_fork`` does for DDP: about 2 s a fit, where a relaunched script took 26 s on a busy 2-core machine (11 s of
+it importing torch and Lightning in each process). Each rank writes what it saw to ``rank<r>.pt``; the test reads
+both. A second case shards over a (2 x 1) mesh (HSDP): both ranks then hold replicas, which must count once.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import MemoryLogger
+from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
+from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_overflow import AutoClip, GradNormMonitor, LossSpikeDetector, NonFiniteDetector
+from lightning_overflow.health import board_for
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+
+pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
+
+NAMES = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+
+
+# ---- running a fit on 2 forked processes ------------------------------------------------------------------------
+class _ForkLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher of ``ddp_fork``. Rank 0 sends no weights back: they are shards, and each rank reports
+    its own to the test."""
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        if self._strategy.local_rank != 0:
+            return None
+        return _WorkerOutput(None, None, trainer.state, results, self.get_extra_results(trainer))
+
+
+class ForkedModelParallel(ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose processes are forked from the test's."""
+
+    def __init__(self) -> None:
+        # A collective that one rank never enters fails within a minute instead of hanging the session.
+        super().__init__(data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=60))
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _ForkLauncher(self, start_method="fork")
+
+
+class ShardedRegressor(TinyRegressor):
+    """TinyRegressor with each linear layer and the whole model sharded by FSDP2 over the data-parallel ranks."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+class HybridShardedRegressor(TinyRegressor):
+    """TinyRegressor under HSDP: the 2 ranks replicate shards of size 1 (placements ``(Replicate(), Shard(0))``), so
+    every rank holds a whole copy and each copy must count once."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh  # (data_parallel=2, tensor_parallel=1): replicate over the first, shard over the second
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a collective for a DTensor: every rank calls it at the same point)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+class Recorder(pl.Callback):
+    """Put after the suite: records, per step, what a test asserts on, and writes ``rank<r>.pt`` at the end of the
+    fit (or where a suite callback raised)."""
+
+    def __init__(self, directory: Path, watch: list[Any], logger: MemoryLogger | None = None) -> None:
+        self.directory, self.watch, self.logger = directory, watch, logger
+        self.steps: dict[int, dict[str, Any]] = {}
+        for callback in watch:
+            self._watch_errors(callback)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
+        optimizer = trainer.optimizers[0]
+        self.steps[int(trainer.global_step)] = {
+            "weights": {n: full(p) for n, p in pl_module.named_parameters()},
+            "shards": {n: local(p) for n, p in pl_module.named_parameters()},
+            "moments": {k: local(v) for k, v in _moments(optimizer).items()},
+            "batch": [t.clone() for t in batch],
+        }
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        record = board_for(trainer).current
+        assert record is not None and record.step == trainer.global_step
+        self.steps[record.step].update(
+            total=record.total_norm,
+            per_parameter=dict(zip(record.names, record.exact_grad_norms or [])),
+            status=record.grad_status,
+            skipped=record.skipped,
+            # After the suite's action: the clipped gradients, or none at all on a skipped step.
+            grads={n: full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None},
+        )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        step = self.steps[int(trainer.global_step) - 1]
+        step["shards_after"] = {n: local(p) for n, p in pl_module.named_parameters()}
+        step["moments_after"] = {k: local(v) for k, v in _moments(trainer.optimizers[0]).items()}
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer, None)
+
+    def _write(self, trainer: pl.Trainer, error: BaseException | None) -> None:
+        report = {
+            "rank": trainer.global_rank,
+            "global_step": trainer.global_step,
+            "steps": self.steps,
+            "states": [cb.state_dict() for cb in self.watch],
+            "metrics": {} if self.logger is None else self.logger.metrics,
+            "error": None if error is None else {"type": type(error).__name__, "message": str(error),
+                                                 "kind": getattr(error, "kind", None),
+                                                 "ranks": list(getattr(error, "ranks", ())),
+                                                 "parameters": list(getattr(error, "parameters", ()))},
+        }
+        torch.save(report, self.directory / f"rank{trainer.global_rank}.pt")
+
+    def _watch_errors(self, callback: Any) -> None:
+        """Forked workers run without Lightning's exception handling: record errors where they are raised."""
+        for hook in ("setup", "on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end"):
+            original = getattr(callback, hook)
+
+            def wrapped(trainer: pl.Trainer, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                try:
+                    return _original(trainer, *args, **kwargs)
+                except Exception as error:
+                    self._write(trainer, error)
+                    raise
+
+            setattr(callback, hook, wrapped)
+
+
+def _moments(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    return {f"{i}.{key}": value for i, state in enumerate(optimizer.state.values()) for key, value in state.items()}
+
+
+def fit_sharded(callbacks: list[Any], directory: Path, *, logger: MemoryLogger | None = None,
+                model: type[TinyRegressor] = ShardedRegressor, **kwargs: Any) -> list[dict[str, Any]]:
+    """Fit ``model`` (ShardedRegressor) on 2 forked processes; each rank's report, rank 0 first."""
+    watch = [cb for cb in callbacks if hasattr(cb, "state_dict")]
+    options: dict[str, Any] = {
+        "max_steps": 6, "accelerator": "cpu", "devices": 2, "strategy": ForkedModelParallel(),
+        "logger": logger if logger is not None else False, "enable_checkpointing": False,
+        "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
+        "limit_val_batches": 0, "default_root_dir": str(directory),
+    }
+    options.update(kwargs)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(callbacks=[*callbacks, Recorder(directory, watch, logger)], **options)
+    error: BaseException | None = None
+    try:
+        trainer.fit(model())
+    except Exception as caught:  # a worker's exception, re-raised by the launcher
+        error = caught
+    files = [directory / f"rank{r}.pt" for r in range(2)]
+    if error is not None and not all(f.exists() for f in files):
+        raise error
+    reports = [torch.load(f, weights_only=True) for f in files]
+    if error is not None and all(r["error"] is None for r in reports):
+        raise error
+    return reports
+
+
+class PoisonShard(pl.Callback):
+    """Writes ``value`` into the first element of ``rank``'s local shard of a parameter's gradient (after the
+    reduce-scatter: only that shard holds it) or of the parameter itself (before the batch), at ``step``."""
+
+    def __init__(self, step: int, rank: int, target: str, parameter: str = "net.0.weight",
+                 value: float = math.nan) -> None:
+        self.step, self.rank, self.target, self.parameter, self.value = step, rank, target, parameter, value
+
+    def _due(self, trainer: pl.Trainer) -> bool:
+        return trainer.global_step == self.step and trainer.global_rank == self.rank
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if self.target == "weight" and self._due(trainer):
+            with torch.no_grad():
+                dict(pl_module.named_parameters())[self.parameter].to_local().view(-1)[0] = self.value
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.target == "grad" and self._due(trainer):
+            grad = dict(pl_module.named_parameters())[self.parameter].grad
+            grad.to_local().view(-1)[0] = self.value
+
+
+# ---- reference ----------------------------------------------------------------------------------------------------
+def reference_norms(step: dict[str, Any], batches: list[list[torch.Tensor]]) -> dict[str, float]:
+    """The gradient norms of the unsharded model in float64, with the step's weights, on both ranks' batches: FSDP2
+    averages the ranks' gradients, as DDP does."""
+    model = TinyRegressor().double()
+    model.load_state_dict({n: w.double() for n, w in step["weights"].items()})
+    losses = [nn.functional.mse_loss(model(x.double()), y.double()) for x, y in batches]
+    (sum(losses) / len(losses)).backward()
+    norms = {n: torch.linalg.vector_norm(p.grad).item() for n, p in model.named_parameters()}
+    norms["total"] = math.sqrt(sum(v * v for v in norms.values()))
+    return norms
+
+
+# ---- norms ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("model", "shards"), [(ShardedRegressor, [(16, 4), (0, 32)]),
+                                               (HybridShardedRegressor, [(32, 4), (1, 32)])], ids=["fsdp", "hsdp"])
+def test_global_norm_equals_the_unsharded_models_in_float64(
+    tmp_path: Path, model: type[TinyRegressor], shards: list[tuple[int, int]]
+) -> None:
+    logger = MemoryLogger(str(tmp_path))
+    monitor = GradNormMonitor(per_parameter=True, log_every_n_steps=1)
+    reports = fit_sharded([monitor, NonFiniteDetector(), LossSpikeDetector()], tmp_path, logger=logger,
+                          model=model, log_every_n_steps=1)
+    assert [r["error"] for r in reports] == [None, None]
+    # FSDP: half of net.0.weight on each rank, all of net.2.weight on rank 0; HSDP: whole copies on both ranks.
+    assert reports[1]["steps"][3]["shards"]["net.0.weight"].shape == shards[0]
+    assert reports[1]["steps"][3]["shards"]["net.2.weight"].shape == shards[1]
+    for step in range(6):
+        steps = [r["steps"][step] for r in reports]
+        reference = reference_norms(steps[0], [s["batch"] for s in steps])
+        for seen in steps:
+            assert seen["status"] == "finite" and not seen["skipped"]
+            assert seen["total"] == pytest.approx(reference["total"], rel=2e-6, abs=0)  # FP32 gradients
+            assert list(seen["per_parameter"]) == NAMES  # named as in the unsharded model
+            for name in NAMES:
+                assert seen["per_parameter"][name] == pytest.approx(reference[name], rel=2e-6, abs=0), name
+        assert steps[0]["total"] == steps[1]["total"]  # identical, not just close
+        assert steps[0]["per_parameter"] == steps[1]["per_parameter"]
+    for report in reports:  # the logged keys: the full parameters' norms, under their own names
+        metrics = report["metrics"]
+        assert [v for _, v in metrics["grad_norm/total"]] == [report["steps"][s]["total"] for s in range(6)]
+        assert [v for _, v in metrics["grad_norm/net.2.bias"]] == [
+            report["steps"][s]["per_parameter"]["net.2.bias"] for s in range(6)
+        ]
+    assert reports[0]["metrics"] == reports[1]["metrics"]
+
+
+def test_a_shard_whose_fp32_norm_overflows_gets_its_exact_norm_and_is_clipped_not_zeroed(tmp_path: Path) -> None:
+    # 1e20 in rank 1's shard: finite, but its square overflows FP32, so that shard's fast norm is inf (the rare
+    # path: a float64 recomputation of the shards and one more all-reduce).
+    clip = AutoClip(mode="fixed", max_norm=1.0)
+    reports = fit_sharded([NonFiniteDetector(), clip, PoisonShard(2, 1, "grad", value=1e20)], tmp_path)
+    assert [r["error"] for r in reports] == [None, None]
+    poison = float(torch.tensor(1e20))  # as FP32 holds it
+    steps = [r["steps"][2] for r in reports]
+    reference = reference_norms(steps[0], [s["batch"] for s in steps])
+    for seen in steps:
+        assert seen["status"] == "overflow" and not seen["skipped"]
+        assert seen["total"] == pytest.approx(poison, rel=1e-12, abs=0)
+        assert seen["per_parameter"]["net.0.weight"] == pytest.approx(poison, rel=1e-12, abs=0)
+        for name in NAMES[1:]:  # the other parameters keep their own norms
+            assert seen["per_parameter"][name] == pytest.approx(reference[name], rel=2e-6, abs=0), name
+        after = math.sqrt(sum(torch.linalg.vector_norm(g.double()).item() ** 2 for g in seen["grads"].values()))
+        assert after == pytest.approx(1.0, rel=1e-6)  # scaled to max_norm, not zeroed
+        assert not torch.equal(seen["shards"]["net.0.weight"], seen["shards_after"]["net.0.weight"])
+    assert steps[0]["per_parameter"] == steps[1]["per_parameter"]
+    assert [r["states"][0]["skipped_steps"] for r in reports] == [0, 0]
+
+
+# ---- the skip and the state check ------------------------------------------------------------------------------
+def test_a_nan_in_one_shards_gradient_skips_the_step_on_both_ranks(tmp_path: Path) -> None:
+    detector = NonFiniteDetector()
+    reports = fit_sharded([detector, AutoClip(mode="zscore", warmup_steps=2), PoisonShard(3, 1, "grad")], tmp_path)
+    assert [r["error"] for r in reports] == [None, None]
+    for report in reports:
+        step = report["steps"][3]
+        assert step["skipped"] and step["status"] == "nonfinite" and math.isnan(step["total"])
+        assert step["grads"] == {}  # dropped: the optimizer steps nothing
+        for name, shard in step["shards"].items():  # every shard of every parameter unchanged, bit for bit
+            assert torch.equal(shard, step["shards_after"][name]), name
+        for key, moment in step["moments"].items():  # Adam's moments and step counts too
+            assert torch.equal(moment, step["moments_after"][key]), key
+        assert not torch.equal(report["steps"][2]["shards"]["net.0.weight"], report["steps"][2]["shards_after"]["net.0.weight"])
+        assert report["states"][0]["skipped_steps"] == 1 and report["states"][0]["nonfinite_events"] == 1
+        assert report["states"][1]["steps"] == 5  # AutoClip learned nothing from the skipped step
+    assert reports[0]["states"] == reports[1]["states"]
+    events = (tmp_path / "overflow_events.jsonl").read_text().splitlines()
+    assert len(events) == 2  # one detection, one skip: journaled once, by rank 0
+    assert "the gradients contained inf/NaN in net.0.weight (gradient norm nan) at step 3 (epoch 0)" in events[0]
+
+
+def test_a_nan_weight_in_one_ranks_shard_is_found_by_every_rank(tmp_path: Path) -> None:
+    detector = NonFiniteDetector(check_weights_every_n_steps=1, diagnose=False)
+    reports = fit_sharded([detector, PoisonShard(4, 1, "weight", parameter="net.0.bias")], tmp_path)
+    for report in reports:
+        error = report["error"]
+        assert error["type"] == "NonFiniteError" and error["kind"] == "weight" and error["ranks"] == [1]
+        assert "the weights contained inf/NaN" in error["message"] and "at step 4" in error["message"]
+        assert report["global_step"] == 4
+    assert reports[1]["error"]["parameters"] == ["net.0.bias"]  # the rank that holds it names it
+    assert reports[0]["error"]["parameters"] == []
+
+
+# ---- AutoClip -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["fixed", "percentile", "zscore"])
+def test_autoclip_clips_by_the_global_norm_with_thresholds_identical_on_both_ranks(tmp_path: Path, mode: str) -> None:
+    logger = MemoryLogger(str(tmp_path))
+    options = {"fixed": {"max_norm": 1.0}, "percentile": {"percentile": 50.0}, "zscore": {"warmup_steps": 2}}[mode]
+    spike = FaultInjector(Fault(4, "loss_spike", factor=10.0))  # on both ranks: a gradient ten times the usual
+    reports = fit_sharded([AutoClip(mode=mode, **options), spike], tmp_path, logger=logger, log_every_n_steps=1,
+                          max_steps=8)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["metrics"]["clip/threshold"] == reports[1]["metrics"]["clip/threshold"]
+    assert reports[0]["metrics"]["clip/coef"] == reports[1]["metrics"]["clip/coef"]
+    assert reports[0]["states"] == reports[1]["states"]
+    thresholds = dict(reports[0]["metrics"]["clip/threshold"])  # logged at the global step (none in the warm-up)
+    coefs = dict(reports[0]["metrics"]["clip/coef"])
+    assert sorted(coefs) == list(range(8)) and coefs[4] < 0.5  # the spike was clipped
+    for report in reports:
+        for step, seen in report["steps"].items():
+            threshold, coef = thresholds.get(step, math.inf), coefs[step]
+            assert coef == pytest.approx(min(1.0, threshold / seen["total"]), rel=1e-12, abs=0)
+            # The full gradients after the clip, gathered from the shards: scaled by that coefficient.
+            after = math.sqrt(sum(torch.linalg.vector_norm(g.double()).item() ** 2 for g in seen["grads"].values()))
+            assert after == pytest.approx(seen["total"] * coef, rel=1e-6, abs=0)
+
+
+def test_agc_is_refused_under_sharding_with_what_to_use_instead() -> None:
+    trainer = SimpleNamespace(strategy=ModelParallelStrategy(), gradient_clip_val=None)
+    with pytest.raises(NotImplementedError) as caught:
+        AutoClip(mode="agc").setup(trainer, TinyRegressor(), "fit")  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "AutoClip(mode='agc') does not support ModelParallelStrategy: a unit of a sharded parameter (a bias, a row "
+        "split by tensor parallelism) can span the ranks, and its norm would be that of one rank's part. Use "
+        "AutoClip(mode='zscore'), 'percentile' or 'fixed' (they clip by the global norm), or AGC under "
+        "strategy='ddp'."
+    )
+
+
+# ---- strategies the suite refuses ----------------------------------------------------------------------------------
+class DeepSpeedStrategy:
+    """Named as Lightning's: deepspeed is not installed here, and Lightning runs it on CUDA only."""
+
+
+@pytest.mark.parametrize("strategy", [FSDPStrategy(), DeepSpeedStrategy()], ids=["fsdp1", "deepspeed"])
+def test_unsupported_sharded_strategies_are_refused_at_setup(strategy: Any) -> None:
+    name = type(strategy).__name__
+    for callback in (NonFiniteDetector(), GradNormMonitor(), AutoClip(), LossSpikeDetector()):
+        with pytest.raises(NotImplementedError, match=f"^{type(callback).__name__} does not support {name}: ") as caught:
+            callback.setup(SimpleNamespace(strategy=strategy, gradient_clip_val=None), TinyRegressor(), "fit")  # type: ignore[arg-type]
+        assert "Supported: a single device, DDPStrategy" in str(caught.value)
+        assert "ModelParallelStrategy (FSDP2: fully_shard in configure_model" in str(caught.value)
