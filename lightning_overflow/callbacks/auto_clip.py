@@ -115,7 +115,8 @@ class AutoClip(SuiteCallback):
             paper's at batch size 4096; larger batches want smaller values).
         eps: ``"agc"`` mode: floor on the unit weight norm (default 1e-3, the paper's).
         exclude: ``"agc"`` mode: parameter names, or module names as prefixes, left out of unit-wise clipping (the
-            paper leaves out the final classifier; default: none).
+            paper leaves out the final classifier; default: none). Sparse gradients (``nn.Embedding(sparse=True)``)
+            are always left out of the unit-wise step; ``max_norm`` still caps them.
         event_below: a clip whose coefficient is below this (default 0.1: the gradients shrunk tenfold) is written
             to the journal, at most once every :attr:`EVENT_GAP` optimizer steps per optimizer; the event counts
             those in between.
@@ -337,7 +338,12 @@ class AutoClip(SuiteCallback):
         return _Clip(record.step, record.total_norm, self.clipping, coef, None, ClipPlan(scales, coef, self.clipping))
 
     def _plan_agc(self, record: StepHealth, exact: bool) -> _AgcPlan:
-        included = [i for i, name in enumerate(record.names) if not self._excluded(name)]
+        # Sparse gradients (nn.Embedding(sparse=True)) have no unit-wise form here: AGC leaves them to max_norm.
+        included = [
+            i
+            for i, name in enumerate(record.names)
+            if not self._excluded(name) and record.params[i].grad.layout == torch.strided  # type: ignore[union-attr]
+        ]
         params = [record.params[i] for i in included]
         coefs, norms = agc_coefficients_and_norms(params, self.clipping, self.eps, exact=exact)
         return _AgcPlan(record, included, params, coefs, norms)

@@ -85,6 +85,15 @@ def local_shard(t: Tensor) -> Tensor:
     return t.to_local()  # type: ignore[attr-defined]
 
 
+def _dense_values(t: Tensor) -> Tensor:
+    """The values whose norm is ``t``'s: a sparse COO tensor's coalesced values (duplicates summed), else ``t``."""
+    if t.layout == torch.sparse_coo:
+        return t.coalesce().values()
+    if t.layout != torch.strided:
+        return t.to_dense()
+    return t
+
+
 def _copies(t: Tensor, world_size: int) -> int:
     """How many of the ``world_size`` ranks hold the same local part of ``t``.
 
@@ -155,7 +164,8 @@ def tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     each rank's part of the full tensors' squared norms.
 
     Args:
-        tensors: the tensors (gradients, weights, optimizer moments). Dense only.
+        tensors: the tensors (gradients, weights, optimizer moments); sparse gradients (``nn.Embedding(sparse=True)``)
+            are measured by their coalesced values.
         norm_type: ``2`` (L2) or ``inf`` (largest magnitude).
 
     Example:
@@ -165,7 +175,7 @@ def tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     norm_type = check_norm_type(norm_type)
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    tensors = [local_shard(t) for t in tensors]
+    tensors = [_dense_values(local_shard(t)) for t in tensors]
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
@@ -213,7 +223,7 @@ def refine_norms(tensors: Sequence[Tensor], norms: Tensor, indices: Iterable[int
     norm_type = check_norm_type(norm_type)
     exact = norms.to(torch.float64, copy=True)
     for i in indices:
-        t = local_shard(tensors[i].detach())
+        t = _dense_values(local_shard(tensors[i].detach()))
         if math.isinf(norm_type):
             value = _max_abs(t.double()).double() if t.numel() else exact.new_zeros(())
         else:
