@@ -75,8 +75,15 @@ TENSORBOARD_LAYOUT: dict[str, dict[str, list[Any]]] = {
 
 
 def kind_of(logger: Any) -> str | None:
-    """``"CSVLogger"``, ``"TensorBoardLogger"``, ``"MLFlowLogger"``, ``"WandbLogger"`` (or a subclass of one), else
-    ``None``."""
+    """The logger type the suite knows ``logger`` as: ``"CSVLogger"``, ``"TensorBoardLogger"``, ``"MLFlowLogger"`` or
+    ``"WandbLogger"`` (a subclass counts as its base), else ``None``.
+
+    Example:
+        >>> from pytorch_lightning.loggers import CSVLogger
+        >>> class MyLogger(CSVLogger): ...
+        >>> kind_of(MyLogger("/tmp/logs")), kind_of(object())
+        ('CSVLogger', None)
+    """
     names = {cls.__name__ for cls in type(logger).__mro__}
     return next((kind for kind in _KINDS if kind in names), None)
 
@@ -132,8 +139,13 @@ def prepare_dashboards(trainer: pl.Trainer) -> None:
 
 
 def publish_events(trainer: pl.Trainer, events: Sequence[Event]) -> None:
-    """Show ``events`` as text summaries (:data:`EVENTS_TAG`) in every ``TensorBoardLogger``, one entry per step;
-    rank 0. Nothing happens, and nothing is asked of the loggers, when ``events`` is empty."""
+    """Show ``events`` as text summaries (:data:`EVENTS_TAG`) in every ``TensorBoardLogger``; rank 0.
+
+    Args:
+        trainer: the fit's trainer.
+        events: the events recorded since the last call; those of one step become one entry (a Markdown list) at
+            that step. Empty on most steps: then nothing is asked of the loggers.
+    """
     if not events or trainer.global_rank != 0:
         return
     writers = [logger.experiment for logger in trainer.loggers if kind_of(logger) == "TensorBoardLogger"]
@@ -150,9 +162,14 @@ def publish_events(trainer: pl.Trainer, events: Sequence[Event]) -> None:
 def upload_journal(trainer: pl.Trainer, journal: Journal) -> None:
     """Upload the journal file as an artifact of every logger that keeps them (MLflow, W&B); rank 0.
 
-    Called at the end of a fit and on a fatal error, by every suite callback: it uploads again only when events were
-    recorded since the last upload, and not at all when the file does not exist (nothing happened). A tracker that
-    refuses it gives an :class:`~lightning_overflow.OverflowWarning`: the fit's outcome stands.
+    Args:
+        trainer: the fit's trainer (its loggers receive the file).
+        journal: the fit's journal. Every suite callback calls this at the end of a fit and on a fatal error: the
+            file is uploaded again only when events were recorded since the last upload (a callback that records
+            one on its way out), and not at all when it does not exist (nothing happened).
+
+    A tracker that refuses the file gives an :class:`~lightning_overflow.OverflowWarning` naming it and the error;
+    the fit's own outcome stands.
     """
     path = journal.path
     if trainer.global_rank != 0 or path is None or not journal.write or journal.uploaded == len(journal.events):

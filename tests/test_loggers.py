@@ -198,6 +198,12 @@ def test_mlflow_file_store_keeps_each_journal_in_its_run_and_uploads_it(
         _assert_mlflow_run(uri, logger, journal, tmp_path / logger.run_id)
     assert loggers[0].run_id != loggers[1].run_id
     assert not (store / JOURNAL_NAME).exists()
+    from mlflow.tracking import MlflowClient
+
+    # The journal beside meta.yaml leaves the store readable: both runs are listed, finished.
+    runs = MlflowClient(uri).search_runs([loggers[0].experiment_id])
+    assert sorted(r.info.run_id for r in runs) == sorted(logger.run_id for logger in loggers)
+    assert {r.info.status for r in runs} == {"FINISHED"}
 
 
 @pytest.mark.slow  # the first of these pays for the sqlite schema (about 10 s)
