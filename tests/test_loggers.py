@@ -95,6 +95,17 @@ def test_csv_and_tensorboard_keep_each_journal_in_its_version_folder(tmp_path: P
     assert not (tmp_path / JOURNAL_NAME).exists() and not (tmp_path / "lightning_logs" / JOURNAL_NAME).exists()
 
 
+def test_a_logger_of_the_unified_namespace_is_recognised_alike(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger as UnifiedTensorBoardLogger
+
+    logger = UnifiedTensorBoardLogger(tmp_path)
+    trainer = _fit(tmp_path, logger)
+    journal = tmp_path / "lightning_logs" / "version_0" / JOURNAL_NAME
+    assert _journal(trainer) == journal
+    assert [(e["step"], e["kind"]) for e in _events(journal)] == EXPECTED
+    assert _accumulator(logger.log_dir).Tags()["tensors"] == ["custom_scalars__config__", f"{EVENTS_TAG}/text_summary"]
+
+
 def _accumulator(log_dir: str) -> Any:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
