@@ -1,8 +1,9 @@
 """Event records and the journal: every skip, detection and remedy as one JSON line.
 
-The journal lives at ``<trainer.log_dir>/overflow_events.jsonl`` (the Trainer's ``default_root_dir`` when it has no
-logger). Decisions are identical on every rank, so rank 0 alone writes them; the ranks that observed a per-rank fault
-are listed in the event itself.
+Each fit has its own journal, next to its logger's metrics (:mod:`lightning_overflow.loggers` says where for each
+logger); every line carries the fit's ``run`` id, so fits that append to one file (no logger) are told apart.
+Decisions are identical on every rank, so rank 0 alone writes them; the ranks that observed a per-rank fault are
+listed in the event itself.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,9 @@ class Event:
         source: the callback that recorded it.
         message: a sentence for a person.
         details: the facts behind the message (JSON-serialisable).
+        epoch: ``trainer.current_epoch``.
+        time: when it was recorded (seconds since the epoch).
+        run: the fit it belongs to (its :class:`Journal` stamps it; empty until recorded).
     """
 
     step: int
@@ -51,6 +55,7 @@ class Event:
     details: dict[str, Any] = field(default_factory=dict)
     epoch: int = 0
     time: float = field(default_factory=time.time)
+    run: str = ""
 
     def to_json(self) -> str:
         return json.dumps(_jsonable(asdict(self)), sort_keys=False, allow_nan=False)
@@ -73,15 +78,24 @@ class Journal:
     Args:
         path: the file to append to, or ``None`` to keep events in memory only.
         write: whether this process writes (rank 0 does; the others only count).
+        run: the id of the fit, stamped on every event it records (default: none).
+
+    Attributes:
+        uploaded: how many events the last upload of the file held (``None``: never uploaded).
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None, write: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None, write: bool = True, run: str = "") -> None:
         self.path = Path(path) if path is not None else None
         self.write = write
+        self.run = run
         self.events: list[Event] = []
         self.counts: Counter[str] = Counter()
+        self.uploaded: int | None = None
+        self._published = 0
 
     def record(self, event: Event) -> None:
+        if self.run and not event.run:
+            event = replace(event, run=self.run)
         self.events.append(event)
         self.counts[event.kind] += 1
         if self.path is None or not self.write:
@@ -90,6 +104,12 @@ class Journal:
         # One write() per line: O_APPEND keeps concurrent writers from interleaving lines.
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(event.to_json() + "\n")
+
+    def unpublished(self) -> list[Event]:
+        """The events recorded since the last call (for dashboards that show them as they happen)."""
+        new = self.events[self._published :]
+        self._published = len(self.events)
+        return new
 
     def summary(self) -> str:
         """``"3 skip, 1 nonfinite"`` style, most frequent first; empty when nothing happened."""

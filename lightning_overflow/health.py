@@ -29,7 +29,8 @@ from torch import Tensor
 
 from lightning_overflow import _compat
 from lightning_overflow.distributed import reduce_and_read, sum_and_read
-from lightning_overflow.events import JOURNAL_NAME, Event, Journal, MetricBuffer
+from lightning_overflow.events import Event, Journal, MetricBuffer
+from lightning_overflow.loggers import journal_location, prepare_dashboards, publish_events, upload_journal
 from lightning_overflow.numerics import (
     FP32_MAX,
     norm_status,
@@ -321,6 +322,7 @@ class HealthBoard:
         self._summarised = False
         self._published: dict[str, float] = {}
         self._constants: NonFiniteConstants | None = None
+        self._journal_open = False
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def join(self, participant: StepParticipant, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -336,10 +338,11 @@ class HealthBoard:
         self._started_batch = self._ended_batch = None
         self._published = {}
         self._constants = None
-        log_dir = trainer.log_dir  # a broadcast under DDP: every rank gets here in setup
-        path = None if log_dir is None else f"{log_dir}/{JOURNAL_NAME}"
-        if self.journal.path is None or str(self.journal.path) != str(path):
-            self.journal = Journal(path, write=trainer.global_rank == 0)
+        if not self._journal_open:  # the fit's first participant opens its journal; a broadcast: every rank, in setup
+            path, run = journal_location(trainer)
+            self.journal = Journal(path, write=trainer.global_rank == 0, run=run)
+            self._journal_open = True
+            prepare_dashboards(trainer)
         self._summarised = False
 
     @property
@@ -363,6 +366,7 @@ class HealthBoard:
         self._seen_optimizer = None
         self.signals.clear()
         self.metrics.clear()
+        self._journal_open = False  # the next fit opens its own journal
 
     def record(self, event: Event) -> None:
         self.journal.record(event)
@@ -477,6 +481,11 @@ class HealthBoard:
         for step, metrics in self.metrics.drain():
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+        publish_events(trainer, self.journal.unpublished())  # TensorBoard text; nothing to do on most steps
+
+    def upload_journal(self, trainer: pl.Trainer) -> None:
+        """Upload the journal to the loggers that keep artifacts (MLflow, W&B), from rank 0, if it grew since."""
+        upload_journal(trainer, self.journal)
 
     # ---- the step pipeline (on_before_optimizer_step) ---------------------------------------------------------
     def before_optimizer_step(

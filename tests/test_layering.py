@@ -29,6 +29,8 @@ WIRING = (
     f"{P}.policy",
     f"{P}.training_state",
     f"{P}.snapshot_store",
+    f"{P}.loggers",
+    f"{P}.replicas",
     *LEAVES,
 )
 ABOVE_WIRING = tuple(f"{P}.{m}" for m in ("callbacks", "diagnosis", "cli", "report", "demo", "composition"))

@@ -73,11 +73,13 @@ class SuiteCallback(Callback):
         board = self.board(trainer)
         board.flush(trainer)
         board.summarise(trainer)
+        board.upload_journal(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         board = self.board(trainer)
         board.flush(trainer)
+        board.upload_journal(trainer)
         board.release()
 
     @override
