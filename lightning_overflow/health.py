@@ -328,6 +328,7 @@ class HealthBoard:
     def join(self, participant: StepParticipant, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register ``participant`` for this fit and set up for it. Every rank calls it, in ``setup``."""
         if not any(p is participant for p in self.participants):
+            _refuse_a_second(participant, self.participants)
             # Weakly: Lightning gives callbacks the module's bound log methods, and the module holds the trainer,
             # which keys this board.
             self._participants.append(weakref.ref(participant))
@@ -665,6 +666,21 @@ def state_flags(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> tuple[
     board = board_for(trainer)
     model_state = board.state_before_step(trainer.lightning_module)
     return nonfinite_flags(model_state, [optimizer.state_dict()], board.constants(trainer))
+
+
+def _refuse_a_second(participant: StepParticipant, joined: Sequence[StepParticipant]) -> None:
+    """Some callbacks act on the whole run (every optimizer's gradients, every LR, the whole state): two of one
+    class would clip twice, back off twice or restore twice, and log into each other's keys."""
+    if not getattr(participant, "one_per_trainer", False):
+        return
+    name = type(participant).__name__
+    for other in joined:
+        if type(other).__name__ == name:
+            raise ValueError(
+                f"Trainer(callbacks=...) has two {name} callbacks ({other.state_key} and {participant.state_key}): "
+                f"{name} acts on the whole run, so two of them would act twice on every step and log into the same "
+                f"keys. Keep one {name}."
+            )
 
 
 def _index_of(items: Sequence[Any], item: Any) -> int:

@@ -229,8 +229,6 @@ def test_state_round_trips_after_a_fault(cls: type) -> None:
 SECOND_CONFIG: dict[type, tuple[dict[str, Any], dict[str, Any]]] = {
     NonFiniteDetector: ({"action": "skip"}, {"action": "warn"}),
     LossSpikeDetector: ({"sigmas": 6.0}, {"sigmas": 8.0}),
-    AutoClip: ({"mode": "zscore"}, {"mode": "fixed", "max_norm": 1e30}),
-    LRBackoff: ({"factor": 0.5}, {"factor": 0.25}),
 }
 
 
@@ -290,3 +288,23 @@ def test_the_whole_suite_with_real_loggers_writes_every_counter(tmp_path: Any) -
     assert max(float(r["overflow/skipped_steps"] or 0) for r in rows) == 1.0
     steps = [r["step"] for r in rows if r["grad_norm/total"]]
     assert len(steps) == len(set(steps)), "one row per logging step: the suite logs once per step"
+
+
+@pytest.mark.parametrize("cls", [AutoClip, LRBackoff], ids=lambda c: c.__name__)
+def test_a_second_instance_of_a_whole_run_intervention_is_refused_at_setup(cls: type) -> None:
+    first, second = (cls(**kwargs) for kwargs in {
+        AutoClip: ({"mode": "zscore"}, {"mode": "fixed", "max_norm": 1.0}),
+        LRBackoff: ({"factor": 0.5}, {"factor": 0.25}),
+    }[cls])
+    with pytest.raises(ValueError) as info:
+        fit(TinyRegressor(), [first, second], max_steps=2)
+    name = cls.__name__
+    assert str(info.value) == (
+        f"Trainer(callbacks=...) has two {name} callbacks ({first.state_key} and {second.state_key}): {name} acts on "
+        f"the whole run, so two of them would act twice on every step and log into the same keys. Keep one {name}."
+    )
+
+
+def test_a_second_rollback_is_refused_by_lightning_at_trainer_construction() -> None:
+    with pytest.raises(RuntimeError, match="Found more than one stateful callback of type `Rollback`"):
+        make_trainer([Rollback(every_n_steps=2), Rollback(every_n_steps=3)])

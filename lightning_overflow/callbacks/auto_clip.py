@@ -152,6 +152,7 @@ class AutoClip(SuiteCallback):
     """Fewest optimizer steps between two journal events of one optimizer."""
 
     stage = CLIPPER
+    one_per_trainer = True  # acts on the whole run: a second one would act twice (refused at setup)
 
     def __init__(
         self,

@@ -104,6 +104,7 @@ class LRBackoff(SuiteCallback):
     """
 
     stage = BACKOFF
+    one_per_trainer = True  # acts on the whole run: a second one would act twice (refused at setup)
 
     def __init__(
         self,

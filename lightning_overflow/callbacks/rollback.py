@@ -134,6 +134,7 @@ class Rollback(SuiteCallback):
     """
 
     stage = ROLLBACK
+    one_per_trainer = True  # acts on the whole run: a second one would act twice (refused at setup)
 
     restores_state = True
 
