@@ -19,9 +19,17 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_overflow.callbacks.auto_clip import AutoClip
+from lightning_overflow.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.health import board_for
 from lightning_overflow.numerics.agc import agc_coefficients
+from lightning_overflow.numerics.clipping import (
+    PercentileState,
+    ZScoreState,
+    clip_coefficient,
+    percentile_threshold,
+    zscore_threshold,
+)
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 
 
@@ -174,6 +182,43 @@ def test_gradients_are_clipped_to_the_logged_threshold(autoclip: AutoClip) -> No
     coefs = logger.values("clip/coef")
     assert len(coefs) == 16 and coefs[9] < 0.2  # the spike was cut down
     assert autoclip.clipped_steps == sum(c < 1 for c in coefs) and autoclip.steps == 16
+
+
+@pytest.mark.parametrize(
+    "autoclip",
+    [
+        AutoClip(mode="fixed", max_norm=0.8),
+        AutoClip(mode="percentile", percentile=25.0, window=5),
+        AutoClip(mode="zscore", warmup_steps=3),
+        AutoClip(mode="zscore", warmup_steps=3, max_norm=1.5),
+    ],
+    ids=["fixed", "percentile", "zscore", "zscore-capped"],
+)
+def test_thresholds_and_coefficients_are_bit_identical_to_the_tensor_forms(autoclip: AutoClip) -> None:
+    """The callback's host statistics against the documented tensor functions, fed the norms the suite read."""
+    faults = FaultInjector(Fault(step=6, kind="loss_spike", factor=30.0), Fault(step=9, kind="nan_grad"),
+                           Fault(step=12, kind="loss_spike", factor=1e25))  # a spike, NaN, a norm beyond FP32
+    _, logger, _, _ = clipped_run(autoclip, extra=[faults, GradNormMonitor(), NonFiniteDetector()], max_steps=20)
+    z_state, p_state = ZScoreState.empty(), PercentileState.empty(autoclip.window)
+    expected_thresholds, expected_coefs = [], []
+    for step, norm in logger.series("grad_norm/total"):
+        total = torch.tensor(norm, dtype=torch.float64)
+        if not math.isfinite(norm):
+            continue  # the detector skips a non-finite step: it changes nothing and logs nothing
+        if autoclip.mode == "zscore":
+            threshold, z_state = zscore_threshold(z_state, total, warmup_steps=autoclip.warmup_steps)
+        elif autoclip.mode == "percentile":
+            threshold, p_state = percentile_threshold(p_state, total, autoclip.percentile)
+        else:
+            threshold = torch.tensor(math.inf, dtype=torch.float64)
+        if autoclip.max_norm is not None:
+            threshold = threshold.clamp(max=autoclip.max_norm)
+        expected_coefs.append((step, clip_coefficient(total, threshold).item()))
+        if math.isfinite(threshold.item()):
+            expected_thresholds.append((step, threshold.item()))
+    assert len(expected_coefs) == 19 and min(c for _, c in expected_coefs) < 0.2
+    assert logger.series("clip/coef") == expected_coefs
+    assert logger.series("clip/threshold") == expected_thresholds
 
 
 def test_finite_gradients_beyond_the_fp32_norm_are_clipped_not_zeroed() -> None:

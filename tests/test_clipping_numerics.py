@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 import math
-from typing import ClassVar
+from fractions import Fraction
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_overflow.numerics import grad_norm_report
+from lightning_overflow.numerics import _float64, grad_norm_report
 from lightning_overflow.numerics.agc import (
     agc_,
     agc_coefficients,
@@ -22,10 +23,13 @@ from lightning_overflow.numerics.agc import (
 )
 from lightning_overflow.numerics.clipping import (
     FP32_TINY,
+    HostPercentile,
+    HostZScore,
     PercentileState,
     ZScoreState,
     clip_coefficient,
     clip_grad_norm_,
+    host_clip_coefficient,
     percentile_threshold,
     scale_grads_,
     zscore_threshold,
@@ -529,3 +533,197 @@ def test_percentile_window_and_max_norm_types_are_checked() -> None:
         PercentileState.empty(2.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^'max_norm' must be a number \(got '1'\)$"):
         clip_grad_norm_([torch.ones(2)], "1")  # type: ignore[arg-type]
+
+
+# ---- host forms: the same values from Python floats ------------------------------------------------------------------
+def same(a: float, b: float) -> bool:
+    """Bit for bit, NaN included."""
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+norm_series = st.lists(
+    st.one_of(
+        st.floats(min_value=0.5, max_value=2.0),  # the healthy level
+        st.floats(min_value=0.0, max_value=1e6),  # spikes
+        st.floats(min_value=-10.0, max_value=10.0),  # not norms, but numbers the functions accept
+        st.sampled_from([NAN, INF, -INF, 1e39, 0.0, FP32_MAX]),
+    ),
+    min_size=1,
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    norms=norm_series,
+    alpha=st.floats(min_value=0.01, max_value=0.99),
+    z_threshold=st.floats(min_value=0.1, max_value=10.0),
+    warmup_steps=st.integers(min_value=2, max_value=30),
+    eps=st.sampled_from([0.0, 1e-6, 1e-3]),
+)
+def test_host_zscore_is_bit_identical_to_the_tensor_form(
+    norms: list[float], alpha: float, z_threshold: float, warmup_steps: int, eps: float
+) -> None:
+    kwargs = {"alpha": alpha, "z_threshold": z_threshold, "warmup_steps": warmup_steps, "eps": eps}
+    state, host = ZScoreState.empty(), HostZScore(**kwargs)  # type: ignore[arg-type]
+    for norm in norms:
+        total = torch.tensor(norm, dtype=torch.float64)
+        threshold, state = zscore_threshold(state, total, **kwargs)  # type: ignore[arg-type]
+        assert same(host.threshold(norm), threshold.item())  # a query changes nothing ...
+        host_threshold = host.observe(norm)  # ... and the update sees the same threshold
+        assert same(host_threshold, threshold.item())
+        assert (host.mean, host.var, host.count) == (state.mean.item(), state.var.item(), int(state.count))
+        assert same(host_clip_coefficient(norm, host_threshold), clip_coefficient(total, threshold).item())
+    assert host.to_dict() == state.to_dict()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    norms=norm_series,
+    window=st.integers(min_value=1, max_value=40),
+    percentile=st.one_of(st.floats(min_value=0.0, max_value=100.0), st.sampled_from([0.0, 10.0, 50.0, 100.0])),
+)
+def test_host_percentile_is_bit_identical_to_the_tensor_form(norms: list[float], window: int, percentile: float) -> None:
+    state, host = PercentileState.empty(window), HostPercentile(window, percentile)
+    for norm in norms:
+        total = torch.tensor(norm, dtype=torch.float64)
+        threshold, state = percentile_threshold(state, total, percentile)
+        assert host.threshold(norm) == threshold.item()
+        assert host.observe(norm) == threshold.item()
+        assert host.to_dict() == state.to_dict()
+        assert host_clip_coefficient(norm, threshold.item()) == clip_coefficient(total, threshold).item()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    values=st.lists(st.floats(min_value=-1e30, max_value=1e30).filter(lambda v: abs(v) > 1e-300 or v == 0),
+                    min_size=1, max_size=60),
+    percentile=st.floats(min_value=0.0, max_value=100.0),
+)
+def test_host_percentile_equals_torch_nanquantile_on_its_window(values: list[float], percentile: float) -> None:
+    host = HostPercentile(window=len(values), percentile=percentile)
+    for v in values:
+        host.update(v)
+    expected = torch.nanquantile(torch.tensor(values, dtype=torch.float64), percentile / 100.0).item()
+    assert host.threshold(NAN) == expected  # a rejected norm: the window alone
+    assert sorted(host.history) == sorted(values)
+
+
+def test_host_percentile_by_hand_and_over_a_full_window() -> None:
+    host = HostPercentile(window=3, percentile=50.0)
+    assert host.threshold(NAN) == INF  # nothing seen yet
+    assert [host.observe(n) for n in (1.0, 2.0, 3.0, 4.0)] == [1.0, 1.5, 2.0, 3.0]  # the window holds 2, 3, 4
+    assert host.history == [2.0, 3.0, 4.0] and host.count == 4
+    assert host.threshold(0.5) == 3.0 and host.history == [2.0, 3.0, 4.0]  # 0.5 would replace 2: median of 0.5, 3, 4
+    for bad in (NAN, INF, -INF, 1e39):
+        assert host.observe(bad) == 3.0 and host.count == 4  # the window alone, nothing taken in
+
+
+@pytest.mark.parametrize(("saved_window", "window"), [(3, 3), (3, 2), (3, 5), (8, 3)])
+def test_host_and_tensor_percentile_states_load_each_other(saved_window: int, window: int) -> None:
+    _, state = run_percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50.0, window=saved_window)
+    host = HostPercentile(window, 50.0)
+    host.load_state_dict(state.to_dict())
+    reference = PercentileState.from_dict(state.to_dict(), window=window)
+    assert host.to_dict() == reference.to_dict()
+    for norm in (0.5, 7.0, 2.5, 9.0, 1.0, 4.0):  # and the same thresholds from there on
+        threshold, reference = percentile_threshold(reference, norm, 50.0)
+        assert host.observe(norm) == threshold.item()
+    assert PercentileState.from_dict(host.to_dict()).to_dict() == host.to_dict()
+
+
+def test_host_percentile_refuses_a_state_it_could_not_have_written() -> None:
+    host = HostPercentile(window=4)
+    with pytest.raises(ValueError, match=r"^'count' must be >= 3, the length of 'history' \(got 2\)$"):
+        host.load_state_dict({"window": 4, "history": [1.0, 2.0, 3.0], "count": 2})
+    with pytest.raises(ValueError, match=r"^'history' must hold finite norms within the FP32 range \(got nan\)$"):
+        host.load_state_dict({"window": 4, "history": [1.0, NAN], "count": 2})
+
+
+def test_host_zscore_state_round_trips_through_torch_load_and_the_tensor_form() -> None:
+    host = HostZScore(warmup_steps=5)
+    for norm in spiky_norms()[:40]:
+        host.update(norm)
+    buffer = io.BytesIO()
+    torch.save(host.to_dict(), buffer)
+    buffer.seek(0)
+    loaded = HostZScore(warmup_steps=5)
+    loaded.load_state_dict(torch.load(buffer, weights_only=True))
+    state = ZScoreState.from_dict(host.to_dict())
+    for norm in (1.0, 30.0, 0.9):
+        threshold, state = zscore_threshold(state, norm, warmup_steps=5)
+        assert loaded.observe(norm) == host.observe(norm) == threshold.item()
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: HostZScore(alpha=1.0), ValueError, "'alpha' must be in (0, 1) (got 1)"),
+        (lambda: HostZScore(warmup_steps=1), ValueError, "'warmup_steps' must be >= 2 (got 1)"),
+        (lambda: HostZScore(eps=-1.0), ValueError, "'eps' must be in [0, inf) (got -1)"),
+        (lambda: HostPercentile(window=0), ValueError, "'window' must be >= 1 (got 0)"),
+        (lambda: HostPercentile(percentile=101), ValueError, "'percentile' must be in [0, 100] (got 101)"),
+        (lambda: HostPercentile(percentile="10"), TypeError, "'percentile' must be a number (got '10')"),
+    ],
+)
+def test_host_forms_check_their_arguments(call: Any, error: type, message: str) -> None:
+    with pytest.raises(error) as info:
+        call()
+    assert str(info.value) == message
+
+
+def test_host_clip_coefficient_edge_cases_match_the_tensor_form() -> None:
+    cases = [(0.0, 0.0), (10.0, INF), (INF, 1.0), (NAN, 1.0), (1e39, 1.0), (25.0, 5.0), (0.0, -1.0), (-0.0, -1.0),
+             (2.0, -1.0), (5.0, NAN), (3.0, -INF)]
+    for total, threshold in cases:
+        assert same(host_clip_coefficient(total, threshold), clip_coefficient(total, threshold).item()), (total, threshold)
+
+
+# ---- the float64 arithmetic behind the host forms ---------------------------------------------------------------------
+def nearest(exact: Fraction) -> float:
+    """The float64 nearest to ``exact``: beyond the largest float by half a unit or more, infinity."""
+    if abs(exact) >= 2**1024 - 2**970:
+        return INF if exact > 0 else -INF
+    return float(exact)
+
+
+doubles = st.floats(allow_nan=False, allow_infinity=False, min_value=-1e300, max_value=1e300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=doubles, b=doubles, c=doubles)
+def test_fma_rounds_once(a: float, b: float, c: float) -> None:
+    assert _float64.fma(a, b, c) == nearest(Fraction(a) * Fraction(b) + Fraction(c))
+
+
+def test_fma_of_tiny_and_huge_factors_is_exact() -> None:
+    for a, b, c in [(1e-200, 1e-150, 1e-310), (3e-160, 7e-160, -2e-319), (1e300, 1e-300, 0.1), (2.0**1000, 3.0, -1.0),
+                    (1.3407807830046643e154, 1.3407807830046643e154, 0.0)]:  # a * b rounds to inf, a * b + 0 not
+        assert _float64.fma(a, b, c) == nearest(Fraction(a) * Fraction(b) + Fraction(c))
+    assert _float64.fma(1e300, 1e300, -INF) == -INF and math.isnan(_float64.fma(INF, 0.0, 1.0))
+    assert _float64.fma(1e300, 1e300, 0.0) == INF
+
+
+@settings(max_examples=200, deadline=None)
+@given(start=doubles, end=doubles, weight=st.floats(min_value=0.0, max_value=1.0))
+def test_lerp_rounds_as_torch_does(start: float, end: float, weight: float) -> None:
+    t = [torch.tensor(v, dtype=torch.float64) for v in (start, end, weight)]
+    assert same(_float64.lerp(start, end, weight), torch.lerp(*t).item())
+
+
+@settings(max_examples=200, deadline=None)
+@given(x=st.one_of(st.floats(min_value=0.0, max_value=1e300), st.sampled_from([-1.0, -0.0, NAN, INF])))
+def test_sqrt_rounds_as_torch_does(x: float) -> None:
+    expected = torch.tensor(x, dtype=torch.float64).sqrt().item()
+    assert same(_float64.sqrt(x), expected)
+    assert all(same(root, expected) for root in _float64.sqrt_each([x, x]))
+
+
+def test_division_and_maximum_follow_ieee_as_torch_does() -> None:
+    t = lambda v: torch.tensor(v, dtype=torch.float64)
+    for a, b in [(1.0, 0.0), (-1.0, 0.0), (1.0, -0.0), (0.0, 0.0), (NAN, 0.0), (INF, 0.0), (3.0, 2.0), (1e308, 1e-10)]:
+        assert same(_float64.div(a, b), (t(a) / t(b)).item()), (a, b)
+    for a, b in [(1.0, NAN), (NAN, 1.0), (2.0, 1.0), (1.0, 2.0), (-INF, 0.0)]:
+        assert same(_float64.maximum(a, b), torch.maximum(t(a), t(b)).item()), (a, b)

@@ -17,21 +17,15 @@ from lightning_overflow._validation import check_choice, check_float, check_int,
 from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
 from lightning_overflow.health import StepHealth, metric_key
 from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
+from lightning_overflow.numerics.clipping import HostPercentile, HostZScore, host_clip_coefficient
 from lightning_overflow.policy import ClipPlan, StepAction, Verdict
-from lightning_overflow.numerics.clipping import (
-    PercentileState,
-    ZScoreState,
-    clip_coefficient,
-    percentile_threshold,
-    zscore_threshold,
-)
 
 __all__ = ["AutoClip"]
 
 Mode = Literal["fixed", "percentile", "zscore", "agc"]
 MODES = ("fixed", "percentile", "zscore", "agc")
 
-Stats = PercentileState | ZScoreState
+Stats = HostPercentile | HostZScore
 
 
 @dataclass
@@ -42,7 +36,7 @@ class _Clip:
     total: float
     threshold: float
     coef: float
-    stats: Stats | None
+    stats: Stats | None  # the statistics that take ``total`` in once the step went ahead
     plan: ClipPlan
 
 
@@ -249,6 +243,7 @@ class AutoClip(SuiteCallback):
             return  # skipped: the step never happened, so nothing is learned or counted
         index = record.optimizer_index
         if clip.stats is not None:
+            clip.stats.update(clip.total)
             self._stats[index] = clip.stats
         clipped = clip.coef < 1.0
         epoch = self._epoch.setdefault(index, [0, 0])
@@ -284,26 +279,27 @@ class AutoClip(SuiteCallback):
 
     # ---- the clip ---------------------------------------------------------------------------------------------
     def _propose_total(self, record: StepHealth) -> _Clip:
-        """Fixed, percentile and z-score modes: one coefficient for all gradients, from the shared total norm."""
-        total = torch.tensor(record.total_norm, dtype=torch.float64)
-        previous = self._stats.get(record.optimizer_index)
+        """Fixed, percentile and z-score modes: one coefficient for all gradients, from the shared total norm (a host
+        float, so the statistics are host floats too: no tensor op)."""
+        total = record.total_norm
         stats: Stats | None = None
-        if self.mode == "fixed":
-            threshold = torch.tensor(self.max_norm, dtype=torch.float64)
-        elif self.mode == "percentile":
-            history = previous if isinstance(previous, PercentileState) else PercentileState.empty(self.window)
-            threshold, stats = percentile_threshold(history, total, self.percentile)
-        else:
-            moments = previous if isinstance(previous, ZScoreState) else ZScoreState.empty()
-            threshold, stats = zscore_threshold(
-                moments, total, alpha=self.alpha, z_threshold=self.z_threshold, warmup_steps=self.warmup_steps
-            )
+        threshold = math.inf  # "fixed": no statistics, only the cap below
+        if self.mode != "fixed":
+            stats = self._stats.get(record.optimizer_index)
+            if stats is None:
+                stats = self._new_stats()
+            threshold = stats.threshold(total)
         if self.max_norm is not None:
-            threshold = threshold.clamp(max=self.max_norm)
-        coef = clip_coefficient(total, threshold).item()  # host tensors: no device read
+            threshold = min(threshold, self.max_norm)
+        coef = host_clip_coefficient(total, threshold)
         grads = [p.grad for p in record.params]
-        plan = ClipPlan([(grads, coef)] if coef < 1.0 else [], coef, threshold.item())  # type: ignore[list-item]
-        return _Clip(record.step, record.total_norm, threshold.item(), coef, stats, plan)
+        plan = ClipPlan([(grads, coef)] if coef < 1.0 else [], coef, threshold)  # type: ignore[list-item]
+        return _Clip(record.step, total, threshold, coef, stats, plan)
+
+    def _new_stats(self) -> Stats:
+        if self.mode == "percentile":
+            return HostPercentile(self.window, self.percentile)
+        return HostZScore(alpha=self.alpha, z_threshold=self.z_threshold, warmup_steps=self.warmup_steps)
 
     @override
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
@@ -332,7 +328,7 @@ class AutoClip(SuiteCallback):
         scales: list[tuple[list[Tensor], float | list[Tensor]]] = []
         if smallest < 1.0:
             scales.append(([p.grad for p in plan.params], plan.coefs))  # type: ignore[misc]
-        cap = 1.0 if self.max_norm is None else clip_coefficient(clipped_total, self.max_norm).item()
+        cap = 1.0 if self.max_norm is None else host_clip_coefficient(clipped_total, self.max_norm)
         if cap < 1.0:
             scales.append(([p.grad for p in record.params], cap))  # type: ignore[misc]
         coef = smallest * cap
@@ -400,11 +396,11 @@ class AutoClip(SuiteCallback):
         self._stats = {}
         if state_dict.get("mode") != self.mode:
             return
-        for index, stats in state_dict.get("stats", {}).items():
-            if self.mode == "percentile":
-                self._stats[int(index)] = PercentileState.from_dict(stats, window=self.window)
-            elif self.mode == "zscore":
-                self._stats[int(index)] = ZScoreState.from_dict(stats)
+        if self.mode not in ("percentile", "zscore"):
+            return
+        for index, saved in state_dict.get("stats", {}).items():
+            stats = self._stats[int(index)] = self._new_stats()
+            stats.load_state_dict(saved)
 
     @override
     def _snapshot_extra(self) -> dict[str, Any]:

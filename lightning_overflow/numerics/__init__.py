@@ -8,10 +8,13 @@ from lightning_overflow.numerics.agc import (
     unitwise_norms,
 )
 from lightning_overflow.numerics.clipping import (
+    HostPercentile,
+    HostZScore,
     PercentileState,
     ZScoreState,
     clip_coefficient,
     clip_grad_norm_,
+    host_clip_coefficient,
     percentile_threshold,
     scale_grads_,
     zscore_threshold,
@@ -60,6 +63,8 @@ from lightning_overflow.numerics.state import (
 __all__ = [
     "FP32_MAX",
     "GROUP_LR_KEYS",
+    "HostPercentile",
+    "HostZScore",
     "SCHEDULER_LR_LISTS",
     "NormReport",
     "PercentileState",
@@ -74,6 +79,7 @@ __all__ = [
     "clone_state",
     "ema_alpha",
     "grad_norm_report",
+    "host_clip_coefficient",
     "nonfinite_flag",
     "nonfinite_indices",
     "nonfinite_paths",

@@ -1,6 +1,6 @@
 """Gradient clipping of the total norm that survives overflow and NaN: fixed, percentile (AutoClip), z-score (ZClip).
 
-Pure torch, no Lightning. Every function here is sync-free: thresholds and coefficients stay on the device, the
+Pure torch, no Lightning. Every tensor function here is sync-free: thresholds and coefficients stay on the device, the
 coefficient is clamped and always multiplied (never ``if coef < 1:``), so nothing is read back to the host. The
 adaptive statistics are small frozen dataclasses of tensors; each update returns a new state, which makes it easy
 to drop an update (a step that was skipped after all) and to checkpoint the state. Unit-wise clipping (AGC) lives
@@ -17,6 +17,12 @@ Three rules hold throughout:
 - **Finite gradients whose FP32 norm overflows are scaled down, not zeroed**, given their exact norm (from
   :func:`~lightning_overflow.numerics.grad_norm_report` or the suite's step record). A coefficient below the
   smallest normal FP32 number (a norm above about ``8.5e37 * threshold``) would flush to zero; it is clamped there.
+
+Where the total norm is already a host float (read back once per step, as the suite's callbacks have it), the
+host forms :class:`HostZScore`, :class:`HostPercentile` and :func:`host_clip_coefficient` compute the same
+thresholds and coefficients in plain Python: the same float64 values, bit for bit, in a few microseconds a step
+where the tensor forms dispatch dozens of ops on 0-d tensors (the one op left is ZClip's square root, taken by
+torch once per update, since torch's CPU root is not always correctly rounded).
 
 A plain PyTorch loop::
 
@@ -38,6 +44,8 @@ Papers:
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,13 +54,17 @@ import torch
 from torch import Tensor
 
 from lightning_overflow._validation import check_float, check_int, check_type
+from lightning_overflow.numerics import _float64
 from lightning_overflow.numerics.norms import FP32_MAX, tensor_norms, total_norm
 
 __all__ = [
+    "HostPercentile",
+    "HostZScore",
     "PercentileState",
     "ZScoreState",
     "clip_coefficient",
     "clip_grad_norm_",
+    "host_clip_coefficient",
     "percentile_threshold",
     "scale_grads_",
     "zscore_threshold",
@@ -94,6 +106,24 @@ def clip_coefficient(total: Tensor | float, threshold: Tensor | float) -> Tensor
     clip = torch.isfinite(total) & (total > threshold)
     coef = torch.where(clip, threshold / total, torch.ones_like(total))
     return coef.clamp(min=FP32_TINY, max=1.0)
+
+
+def host_clip_coefficient(total: float, threshold: float) -> float:
+    """:func:`clip_coefficient` of host floats, in plain Python: the same float64 value, no tensor op.
+
+    Args:
+        total: the exact total norm (may exceed the FP32 range).
+        threshold: the norm to clip to (``inf`` disables clipping).
+
+    Example:
+        >>> host_clip_coefficient(25.0, 5.0)
+        0.2
+        >>> host_clip_coefficient(float("nan"), 5.0)
+        1.0
+    """
+    if not (math.isfinite(total) and total > threshold):
+        return 1.0
+    return min(max(_float64.div(threshold, total), FP32_TINY), 1.0)
 
 
 def scale_grads_(grads: Sequence[Tensor], coef: Tensor | float) -> None:
@@ -243,6 +273,132 @@ def percentile_threshold(
     return threshold, PercentileState(updated, state.count + ok.to(torch.int64))
 
 
+def _accepted_host(total: float) -> bool:
+    """:func:`_accepted` of a host float."""
+    return math.isfinite(total) and total <= FP32_MAX
+
+
+class HostPercentile:
+    """AutoClip's bounded history and threshold on host floats: :func:`percentile_threshold` in plain Python.
+
+    The same thresholds as :func:`percentile_threshold` on a float64 :class:`PercentileState`, bit for bit (also
+    the linear interpolation, which rounds as ``torch.nanquantile``'s CPU kernel does), from a ring buffer of the
+    last ``window`` norms and a sorted copy kept with :mod:`bisect`: a threshold costs two binary searches, an
+    update one removal and one insertion, where the tensor form sorts the whole window every step.
+
+    Args:
+        window: the number of recent norms kept (default 1000).
+        percentile: the percentile of the norms to clip to, in ``[0, 100]`` (default 10).
+
+    Attributes:
+        count: the number of norms accepted so far.
+
+    Raises:
+        TypeError, ValueError: ``window`` is not an int >= 1, or ``percentile`` not a number in ``[0, 100]``.
+
+    Example:
+        >>> history = HostPercentile(window=4, percentile=50.0)
+        >>> [history.observe(norm) for norm in [1.0, 2.0, 3.0, 4.0, 10.0]]
+        [1.0, 1.5, 2.0, 2.5, 3.5]
+    """
+
+    def __init__(self, window: int = 1000, percentile: float = 10.0) -> None:
+        self.window = check_int("window", window, minimum=1)
+        self.percentile = check_float("percentile", percentile, low=0.0, high=100.0)
+        self._q = self.percentile / 100.0
+        self._ring: list[float] = []  # the accepted norms; the next one goes to slot count % window
+        self._sorted: list[float] = []  # the same norms, sorted
+        self.count = 0
+
+    @property
+    def history(self) -> list[float]:
+        """The norms in the window, oldest first."""
+        if len(self._ring) < self.window:
+            return list(self._ring)
+        slot = self.count % self.window
+        return self._ring[slot:] + self._ring[:slot]
+
+    def threshold(self, total: float) -> float:
+        """The percentile of the window with ``total`` taken in (where accepted), without taking it in."""
+        ordered = self._sorted
+        if not _accepted_host(total):
+            n = len(ordered)
+            return self._interpolate(ordered.__getitem__, n) if n else math.inf
+        # The window as it would be: the oldest norm out (once the window is full), ``total`` in at ``pos``.
+        out = bisect.bisect_left(ordered, self._ring[self.count % self.window]) if self._full else len(ordered)
+        pos = bisect.bisect_right(ordered, total)
+        if out < pos:
+            pos -= 1
+
+        def at(k: int) -> float:
+            if k == pos:
+                return total
+            j = k if k < pos else k - 1
+            return ordered[j if j < out else j + 1]
+
+        return self._interpolate(at, len(ordered) + (0 if self._full else 1))
+
+    def update(self, total: float) -> None:
+        """Take ``total`` into the window, where accepted (finite and within the FP32 range)."""
+        if not _accepted_host(total):
+            return
+        if self._full:
+            slot = self.count % self.window
+            del self._sorted[bisect.bisect_left(self._sorted, self._ring[slot])]
+            self._ring[slot] = total
+        else:
+            self._ring.append(total)
+        bisect.insort(self._sorted, total)
+        self.count += 1
+
+    def observe(self, total: float) -> float:
+        """:meth:`threshold`, then :meth:`update`."""
+        threshold = self.threshold(total)
+        self.update(total)
+        return threshold
+
+    def to_dict(self) -> dict[str, Any]:
+        """The state in :meth:`PercentileState.to_dict`'s format (either class loads the other's)."""
+        return {"window": self.window, "history": self.history, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`to_dict`'s (or :meth:`PercentileState.to_dict`'s) state into this window; with another
+        window size, the most recent norms that fit are kept, as :meth:`PercentileState.from_dict` does.
+
+        Raises:
+            ValueError: the history holds a norm that could never have been accepted, or more norms than counted.
+        """
+        history = [float(v) for v in state["history"]]
+        count = int(state["count"])
+        if count < len(history):
+            raise ValueError(f"'count' must be >= {len(history)}, the length of 'history' (got {count})")
+        bad = [v for v in history if not _accepted_host(v)]
+        if bad:
+            raise ValueError(f"'history' must hold finite norms within the FP32 range (got {bad[0]})")
+        history = history[-self.window :]
+        if len(history) < min(count, self.window):  # the window grew: fewer norms are known than would fit
+            count = len(history)
+        ring = list(history)
+        if len(history) == self.window:
+            for i, value in enumerate(history):
+                ring[(count - self.window + i) % self.window] = value
+        self._ring, self._sorted, self.count = ring, sorted(history), count
+
+    @property
+    def _full(self) -> bool:
+        return len(self._ring) == self.window
+
+    def _interpolate(self, at: Any, n: int) -> float:
+        """The ``percentile`` of the ``n`` sorted values ``at(0) ... at(n - 1)``, as ``torch.nanquantile``."""
+        rank = self._q * (n - 1)
+        below = int(rank)
+        above = below + 1 if rank > below else below
+        return _float64.lerp(at(below), at(above), rank - below)
+
+    def __repr__(self) -> str:
+        return f"HostPercentile(window={self.window}, percentile={self.percentile}, count={self.count})"
+
+
 # ---- z-score (ZClip) ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ZScoreState:
@@ -352,3 +508,94 @@ def zscore_threshold(
     new_mean = torch.where(ok, torch.where(warming, warm_mean, ema_mean), mean)
     new_var = torch.where(ok, torch.where(warming, warm_var, ema_var), var)
     return threshold, ZScoreState(new_mean, new_var, count + ok.to(count.dtype))
+
+
+class HostZScore:
+    """ZClip's statistics and threshold on host floats: :func:`zscore_threshold` in plain Python.
+
+    The same thresholds and statistics as :func:`zscore_threshold` on a float64 :class:`ZScoreState` on the CPU,
+    bit for bit, with Python floats instead of 0-d tensors: for a norm that is already on the host, one tensor op
+    per update (the standard deviation's root, rounded as torch rounds it) where the tensor form dispatches a few
+    dozen.
+
+    Args:
+        alpha, z_threshold, warmup_steps, eps: as for :func:`zscore_threshold`, checked once here.
+
+    Attributes:
+        mean, var, count: the statistics, as in :class:`ZScoreState`.
+
+    Raises:
+        TypeError, ValueError: an argument is not a number (an int for ``warmup_steps``) in its range.
+
+    Example:
+        >>> stats = HostZScore(warmup_steps=3)
+        >>> for norm in [1.0, 2.0, 3.0]:
+        ...     stats.update(norm)
+        >>> stats.mean, round(stats.var, 6)
+        (2.0, 0.666667)
+        >>> round(stats.threshold(10.0), 4)
+        2.5208
+    """
+
+    def __init__(self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25, eps: float = 1e-6) -> None:
+        self.alpha = check_float("alpha", alpha, low=0.0, high=1.0, low_open=True, high_open=True)
+        self.z_threshold = check_float("z_threshold", z_threshold, low=0.0, low_open=True)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=2)
+        self.eps = check_float("eps", eps, low=0.0)
+        self.mean = 0.0
+        self.var = 0.0
+        self.count = 0
+        self._rooted = (0.0, 0.0)  # (var, sqrt(var)): one root per new variance, not per query
+
+    def threshold(self, total: float) -> float:
+        """This step's threshold (``inf`` during the warm-up), without taking ``total`` in."""
+        return self._step(total)[0]
+
+    def update(self, total: float) -> None:
+        """Take ``total`` into the statistics (clipped, as the paper does), where accepted."""
+        self.observe(total)
+
+    def observe(self, total: float) -> float:
+        """:meth:`threshold`, then :meth:`update`, in one pass."""
+        threshold, mean, var, accepted = self._step(total)
+        if accepted:
+            self.mean, self.var, self.count = mean, var, self.count + 1
+        return threshold
+
+    def to_dict(self) -> dict[str, Any]:
+        """The state in :meth:`ZScoreState.to_dict`'s format (either class loads the other's)."""
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`to_dict`'s (or :meth:`ZScoreState.to_dict`'s) state."""
+        self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), int(state["count"])
+
+    def _step(self, total: float) -> tuple[float, float, float, bool]:
+        """``(threshold, new mean, new var, accepted)``: :func:`zscore_threshold`'s arithmetic, operation for
+        operation, taking only the branch that its ``torch.where`` selects."""
+        mean, var, count = self.mean, self.var, self.count
+        accepted = _accepted_host(total)
+        g = total if accepted else mean
+        if count < self.warmup_steps:
+            if not accepted:
+                return math.inf, mean, var, False
+            n1 = count + 1
+            warm_mean = mean + (g - mean) / n1
+            return math.inf, warm_mean, (var * count + (g - mean) * (g - warm_mean)) / n1, True
+        if self._rooted[0] != var:
+            self._rooted = (var, _float64.sqrt(var))
+        std = self._rooted[1]
+        z = _float64.div(total - mean, std + self.eps)
+        if math.isfinite(total) and z > self.z_threshold:  # an outlier: clipped to the reciprocal target
+            threshold = clipped = mean + self.z_threshold**2 * std / z
+        else:
+            threshold = _float64.maximum(mean + self.z_threshold * (std + self.eps), g)
+            clipped = g
+        if not accepted:
+            return threshold, mean, var, False
+        ema_mean = self.alpha * mean + (1.0 - self.alpha) * clipped
+        deviation = clipped - ema_mean
+        return threshold, ema_mean, self.alpha * var + (1.0 - self.alpha) * (deviation * deviation), True
+
+    def __repr__(self) -> str:
+        return f"HostZScore(mean={self.mean!r}, var={self.var!r}, count={self.count})"

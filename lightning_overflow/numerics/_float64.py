@@ -1,0 +1,101 @@
+"""Float64 arithmetic on Python floats that rounds, and treats edge cases, exactly as torch's CPU kernels do.
+
+Python floats are IEEE binary64, so ``+ - * /`` round as a float64 tensor op does. Python differs from torch where
+an operation has no finite answer (``x / 0`` raises, ``max`` may drop a NaN), in ``torch.lerp``, which torch's
+vectorised CPU kernels compute with one fused multiply-add (a single rounding), and in ``torch.sqrt``, whose CPU
+kernel (MKL's where torch is built with it) is not correctly rounded: about one float64 root in a hundred is one
+unit in the last place away from ``math.sqrt``'s. The functions below close those gaps, so that a statistic computed
+here on host floats equals, bit for bit, the same statistic computed with float64 tensors on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from fractions import Fraction
+
+import torch
+
+_SPLIT = 134217729.0  # 2**27 + 1: Dekker's constant, splits a float64 into two halves of 26 bits
+_TINY_PRODUCT = 2.0**-960  # below this, the rounding error of a product may be subnormal, hence inexact
+_HUGE_FACTOR = 2.0**995  # above this, the split of a factor overflows
+_HUGE = 2.0**1000  # above this, the partial products of the split may overflow
+
+
+def div(a: float, b: float) -> float:
+    """``a / b`` with IEEE results for ``b == 0``: ``+-inf``, or NaN for ``0 / 0`` and ``NaN / 0``."""
+    if b == 0.0:
+        if a == 0.0 or math.isnan(a):
+            return math.nan
+        return math.copysign(math.inf, a) * math.copysign(1.0, b)
+    return a / b
+
+
+def sqrt(x: float) -> float:
+    """The float64 square root as ``torch.sqrt`` computes it on the CPU (NaN for a negative argument). One tensor
+    op, since that kernel's rounding is its own: callers take a root once per update, not once per query."""
+    return torch.tensor(x, dtype=torch.float64).sqrt_().item()
+
+
+def sqrt_each(xs: list[float]) -> list[float]:
+    """:func:`sqrt` of several floats in one tensor op (the kernel rounds each element as it rounds one alone)."""
+    return torch.tensor(xs, dtype=torch.float64).sqrt_().tolist()
+
+
+def maximum(a: float, b: float) -> float:
+    """The larger of ``a`` and ``b``, NaN if either is NaN (``torch.maximum``; Python's ``max`` may drop a NaN)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return max(a, b)
+
+
+def fma(a: float, b: float, c: float) -> float:
+    """``a * b + c`` rounded once: the product is split exactly into two floats (Dekker) and the three terms are
+    summed with one rounding by ``math.fsum``; where a split would underflow or overflow, exact rationals.
+    """
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return a * b + c  # an infinite or NaN product is exact: one rounding or two agree
+    if not math.isfinite(c):
+        return c  # a finite product plus inf is inf, plus NaN is NaN
+    p = a * b
+    if not (p == 0.0 or _TINY_PRODUCT <= abs(p) <= _HUGE) or abs(a) > _HUGE_FACTOR or abs(b) > _HUGE_FACTOR:
+        return _exact(a, b, c)
+    t = _SPLIT * a
+    a_hi = t - (t - a)
+    a_lo = a - a_hi
+    t = _SPLIT * b
+    b_hi = t - (t - b)
+    b_lo = b - b_hi
+    error = ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo  # exactly a * b - p
+    try:
+        return math.fsum((p, error, c))
+    except OverflowError:  # the sum lies beyond the float64 range
+        return _exact(a, b, c)
+
+
+def _exact(a: float, b: float, c: float) -> float:
+    """``a * b + c`` in exact rationals, rounded to the nearest float (ties to even; ``+-inf`` beyond the range)."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    try:
+        return float(exact)
+    except OverflowError:
+        return math.inf if exact > 0 else -math.inf
+
+
+def lerp(start: float, end: float, weight: float) -> float:
+    """``torch.lerp(start, end, weight)`` as torch's float64 CPU kernel rounds it: with one fused multiply-add where
+    that kernel fuses (its AVX2 and AVX-512 builds), otherwise as its portable formula."""
+    if _lerp_is_fused():
+        if abs(weight) < 0.5:
+            return fma(weight, end - start, start)
+        return fma(weight - 1.0, end - start, end)
+    if abs(weight) < 0.5:
+        return start + weight * (end - start)
+    return end - (end - start) * (1.0 - weight)
+
+
+@functools.cache
+def _lerp_is_fused() -> bool:
+    """Whether this torch's CPU lerp rounds once: asked once, on an input where one and two roundings differ."""
+    start, end, weight = (torch.tensor(v, dtype=torch.float64) for v in (0.1, 0.7, 0.3))
+    return torch.lerp(start, end, weight).item() == fma(0.3, 0.7 - 0.1, 0.1)
