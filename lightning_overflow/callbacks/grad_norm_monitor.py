@@ -75,7 +75,11 @@ class GradNormMonitor(SuiteCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(norm_type=self.norm_type, per_parameter=self.per_parameter)
+        try:
+            return self._state_key  # built once: Lightning reads it often, its arguments never change
+        except AttributeError:
+            self._state_key: str = self._generate_state_key(norm_type=self.norm_type, per_parameter=self.per_parameter)
+            return self._state_key
 
     # ---- wiring -----------------------------------------------------------------------------------------------
     @override

@@ -157,7 +157,11 @@ class LossSpikeDetector(SuiteCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(window=self.window, sigmas=self.sigmas)
+        try:
+            return self._state_key  # built once: Lightning reads it often, its arguments never change
+        except AttributeError:
+            self._state_key: str = self._generate_state_key(window=self.window, sigmas=self.sigmas)
+            return self._state_key
 
     @property
     def spikes(self) -> int:
