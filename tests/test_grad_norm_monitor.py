@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from conftest import MemoryLogger, fit
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchmetrics.aggregation import MaxMetric, MeanMetric
 
 from lightning_overflow import GradNormMonitor
+from lightning_overflow.callbacks.grad_norm_monitor import _epoch_aggregates, _EpochTotals
 from lightning_overflow.testing import TinyGAN, TinyRegressor
 
 
@@ -40,7 +48,7 @@ def test_total_and_per_parameter_norms_match_float64(norm_type: float) -> None:
     model = TinyRegressor()
     fit(model, [reference, GradNormMonitor(norm_type=norm_type, per_parameter=True)], max_steps=5, logger=logger,
         log_every_n_steps=1)
-    prefix = "grad_norm_inf" if math.isinf(norm_type) else "grad_norm"
+    prefix = "grad_norm_inf" if math.isinf(norm_type) else "grad_norm"  # each norm type keeps its own keys
     totals = [v for _, v in logger.metrics[f"{prefix}/total"]]
     assert [s for s, _ in logger.metrics[f"{prefix}/total"]] == [0, 1, 2, 3, 4]
     assert totals == pytest.approx(reference.totals, rel=1e-5)
@@ -108,3 +116,54 @@ def test_works_without_any_logger() -> None:
     monitor = GradNormMonitor(per_parameter=True)
     trainer = fit(TinyRegressor(n_samples=16), [monitor], max_epochs=1, max_steps=-1)
     assert trainer.callback_metrics["grad_norm/total_epoch_max"] > 0
+
+
+# ---- the epoch aggregates: host floats, rounded and synced as torchmetrics' metrics were ----------------------------
+def torchmetrics_reference(norms: list[float]) -> tuple[float, float]:
+    mean, maximum = MeanMetric(nan_strategy="disable"), MaxMetric(nan_strategy="disable")
+    for norm in norms:
+        mean.update(norm)
+        maximum.update(norm)
+    return mean.compute().item(), maximum.compute().item()
+
+
+def aggregates(norms: list[float]) -> tuple[float, float]:
+    totals = _EpochTotals()
+    for norm in norms:
+        totals.add(norm)
+    mean, maximum = _epoch_aggregates({0: totals}, torch.device("cpu"))[0]
+    assert mean.dtype == maximum.dtype == torch.float32
+    return mean.item(), maximum.item()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.floats(min_value=0.0, max_value=1e3), st.floats(min_value=0.0, max_value=1e39)),
+                min_size=1, max_size=200))
+def test_epoch_mean_and_max_are_bit_identical_to_torchmetrics(norms: list[float]) -> None:
+    assert aggregates(norms) == torchmetrics_reference(norms)  # float32 rounding, inf past the float32 range
+
+
+def test_epoch_aggregates_round_as_float32_by_hand() -> None:
+    assert aggregates([1.0, 2.0, 4.0]) == (torch.tensor(7 / 3, dtype=torch.float32).item(), 4.0)
+    # 2**24 + 1 is not a float32: each addition rounds, so the ones are lost one by one
+    assert aggregates([2.0**24, 1.0, 1.0])[0] == torch.tensor(2.0**24 / 3, dtype=torch.float32).item()
+
+
+def _aggregate_on_rank(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        norms = [[1.5, 2.25, 7.0], [3.0, 0.125]][rank]  # different on each rank: the sync must combine them
+        result = {"ours": aggregates(norms), "torchmetrics": torchmetrics_reference(norms)}  # both synced
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(120)
+def test_epoch_aggregates_combine_the_ranks_as_torchmetrics_sync_does(tmp_path: Path) -> None:
+    mp.start_processes(_aggregate_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                       start_method="fork")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    expected = [torch.tensor(13.875 / 5, dtype=torch.float32).item(), 7.0]
+    assert [r["ours"] for r in results] == [r["torchmetrics"] for r in results] == [expected, expected]

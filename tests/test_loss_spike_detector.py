@@ -12,6 +12,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from conftest import assert_bit_identical, make_trainer, weights
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -19,6 +20,7 @@ from lightning_overflow import NonFiniteDetector
 from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
 from lightning_overflow.events import read_journal
 from lightning_overflow.health import Signal, board_for
+from lightning_overflow.numerics.running_stats import RunningStats
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 
 
@@ -56,8 +58,8 @@ def test_500_healthy_noisy_steps_give_no_spike_at_the_default_thresholds(tmp_pat
     model = TinyRegressor(dropout=0.3, batch_size=4, n_samples=256)
     trainer = _fit(tmp_path, [detector, signals], model, max_steps=500)
     stats = detector._stats[0]
-    assert stats.count.tolist() == [500.0, 500.0]  # every step tested and taken in: nothing skipped or excluded
-    spread = (stats.std / stats.mean).tolist()
+    assert stats.count == [500.0, 500.0]  # every step tested and taken in: nothing skipped or excluded
+    spread = [s / m for s, m in zip(stats.std, stats.mean)]
     assert min(spread) > 0.3, "the run must be noisy for this test to mean anything"
     assert detector.spikes == 0 and signals.signals == [] and _journal(trainer, "spike") == []
 
@@ -80,7 +82,7 @@ def test_a_loss_spike_is_found_at_its_exact_step_and_journaled(tmp_path: Path) -
     assert details["value"] > 100 * details["reference"] and details["threshold"] < details["value"]
     assert "the training loss was" in event["message"] and "at step 30 (epoch 3), a spike" in event["message"]
     # the spike did not enter the statistics: 40 steps, 39 taken in
-    assert detector._stats[0].count.tolist()[0] == 39.0
+    assert detector._stats[0].count[0] == 39.0
 
 
 def test_a_gradient_norm_spike_is_its_own_signal(tmp_path: Path) -> None:
@@ -96,7 +98,7 @@ def test_check_grad_norm_false_tests_only_the_loss(tmp_path: Path) -> None:
     signals = SignalLog()
     _fit(tmp_path, [detector, FaultInjector(Fault(step=30, kind="loss_spike")), signals], max_steps=32)
     assert [s.kind for s in signals.signals] == ["loss_spike"]
-    assert detector._stats[0].count.tolist()[1] == 0.0
+    assert detector._stats[0].count[1] == 0.0
 
 
 def test_no_spike_during_warmup(tmp_path: Path) -> None:
@@ -112,8 +114,8 @@ def test_a_nonfinite_loss_never_enters_the_statistics(tmp_path: Path) -> None:
     faults = FaultInjector(Fault(step=12, kind="nan_loss"), Fault(step=13, kind="inf_loss"))
     _fit(tmp_path, [NonFiniteDetector(), detector, faults, signals], max_steps=20)
     assert math.isnan(signals.loss_means[12]) and math.isnan(signals.loss_means[13])  # not 0: no finite loss
-    assert detector._stats[0].count.tolist() == [18.0, 18.0]
-    assert all(math.isfinite(v) for v in detector._stats[0].mean.tolist() + detector._stats[0].var.tolist())
+    assert detector._stats[0].count == [18.0, 18.0]
+    assert all(math.isfinite(v) for v in detector._stats[0].mean + detector._stats[0].var)
     assert detector.spikes == 0 and {s.kind for s in signals.signals} == {"nonfinite"}
 
 
@@ -145,8 +147,8 @@ def test_a_gradient_norm_beyond_fp32_never_enters_the_statistics(
     overflow = FaultInjector(Fault(step=spike_at, kind="loss_spike", factor=1e38))
     _fit(tmp_path, [detector, overflow, signals], OnesModel(), max_steps=16)
     stats = detector._stats[0]
-    assert stats.count.tolist() == [16.0, 15.0]  # the loss (0 * 1e38 = 0) is taken in; the norm is not
-    assert stats.mean.tolist()[1] == 10.0 and stats.var.tolist()[1] == 0.0
+    assert stats.count == [16.0, 15.0]  # the loss (0 * 1e38 = 0) is taken in; the norm is not
+    assert stats.mean[1] == 10.0 and stats.var[1] == 0.0
     assert [(s.kind, s.step) for s in signals.signals] == [("grad_spike", spike_at)] * spikes
 
 
@@ -175,7 +177,7 @@ def test_a_lasting_level_shift_rebaselines_the_statistics(tmp_path: Path) -> Non
     (event,) = _journal(trainer, "rebaseline")
     assert event["step"] == 33 and event["details"]["what"] == "loss"
     assert "stayed above its threshold for 4 consecutive steps" in event["message"]
-    assert detector._stats[0].count.tolist()[0] == 16.0  # steps 34..49, at the new level
+    assert detector._stats[0].count[0] == 16.0  # steps 34..49, at the new level
 
 
 def test_each_optimizer_has_its_own_statistics(tmp_path: Path) -> None:
@@ -219,7 +221,7 @@ def test_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> No
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     assert restored.state_dict() == detector.state_dict()
     assert restored.spikes == detector.spikes >= 1
-    assert torch.equal(restored._stats[0].mean, detector._stats[0].mean)
+    assert restored._stats[0].mean == detector._stats[0].mean
 
 
 def test_a_new_fit_starts_from_fresh_statistics(tmp_path: Path) -> None:
@@ -227,7 +229,56 @@ def test_a_new_fit_starts_from_fresh_statistics(tmp_path: Path) -> None:
     _fit(tmp_path, [detector, FaultInjector(Fault(step=12, kind="loss_spike"))], max_steps=16)
     assert detector.spikes >= 1
     _fit(tmp_path, [detector], max_steps=8)
-    assert detector.spikes == 0 and detector._stats[0].count.tolist() == [8.0, 8.0]
+    assert detector.spikes == 0 and detector._stats[0].count == [8.0, 8.0]
+
+
+class RecordSpy(pl.Callback):
+    """``(loss mean, total norm, grads finite, beyond FP32)`` of every optimizer step's record, as the suite read it."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float, bool, bool]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        r = board_for(trainer).current
+        assert r is not None
+        self.steps.append((r.loss_mean, r.total_norm, r.grads_finite, r.grads_beyond_fp32))
+
+
+def test_the_statistics_are_bit_identical_to_the_tensor_running_stats(tmp_path: Path) -> None:
+    """The detector's host statistics against the documented tensor class, fed the values the suite read."""
+    detector, spy = LossSpikeDetector(warmup=8, min_rise=0.0), RecordSpy()  # min_rise 0: no floor above the threshold
+    faults = FaultInjector(Fault(step=14, kind="loss_spike", factor=50.0), Fault(step=18, kind="nan_loss"),
+                           Fault(step=22, kind="loss_spike", factor=1e25))  # a spike, NaN, gradients beyond FP32 norms
+    _fit(tmp_path, [NonFiniteDetector(), detector, spy, faults], max_steps=30)
+    reference = RunningStats(2, detector.window, detector.warmup)
+    ratios = torch.tensor([detector.loss_ratio, detector.grad_ratio], dtype=torch.float64)
+    spikes = 0
+    for loss, norm, finite, beyond in spy.steps:
+        values = torch.tensor([loss, norm if finite else math.nan], dtype=torch.float64)
+        flags = reference.spikes(values, detector.sigmas, ratios)
+        reference.update(values, include=~flags & torch.tensor([True, not beyond]))
+        spikes += int(flags.sum())
+    assert len(spy.steps) == 30 and spikes == detector.spikes >= 2
+    assert detector.state_dict()["stats"]["0"] == reference.state_dict()
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    def run(max_steps: int, ckpt_path: Path | None = None, **kwargs: Any) -> LossSpikeDetector:
+        pl.seed_everything(0, verbose=False)
+        detector = LossSpikeDetector(warmup=4)
+        faults = FaultInjector(Fault(step=5, kind="loss_spike", factor=30.0), Fault(step=13, kind="loss_spike"))
+        make_trainer([detector, faults, *kwargs.pop("extra", [])], default_root_dir=str(tmp_path),
+                     max_steps=max_steps, **kwargs).fit(TinyRegressor(), ckpt_path=ckpt_path)
+        return detector
+
+    straight = run(20)  # the checkpoint at the end of the first epoch (8 batches): the data resume where they were
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="half", every_n_train_steps=8, save_top_k=-1)
+    run(8, extra=[saver], enable_checkpointing=True)
+    saved = torch.load(tmp_path / "half.ckpt", weights_only=True)["callbacks"][straight.state_key]
+    assert saved["stats"]["0"]["count"] == [7.0, 7.0]  # the spike at step 5 stayed out of both statistics
+    resumed = run(20, ckpt_path=tmp_path / "half.ckpt")
+    assert resumed.state_dict() == straight.state_dict() and straight.loss_spikes == 2
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_overflow.numerics.running_stats import (
+    HostRunningStats,
     RunningStats,
     ema_alpha,
     spike_flags,
@@ -240,4 +241,99 @@ def test_update_running_stats_checks_alpha(alpha: object, error: type[Exception]
     zero = torch.zeros(1, dtype=torch.float64)
     with pytest.raises(error) as info:
         update_running_stats(zero, zero, zero, torch.ones(1), alpha)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+# ---- the host form: the same statistics from Python floats -----------------------------------------------------------
+def same(a: list[float], b: list[float]) -> bool:
+    """Bit for bit, NaN included."""
+    return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b, strict=True))
+
+
+series_value = st.one_of(
+    st.floats(min_value=-5.0, max_value=5.0),
+    st.floats(min_value=-1e12, max_value=1e12),
+    st.sampled_from([0.0, math.nan, math.inf, -math.inf, 1e300]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(series_value, series_value, st.booleans(), st.sampled_from([None, 0, 1])), min_size=1, max_size=80
+    ),
+    window=st.integers(min_value=1, max_value=64),
+    warmup=st.integers(min_value=1, max_value=20),
+    sigmas=st.floats(min_value=0.1, max_value=10.0),
+    ratios=st.tuples(st.floats(min_value=1.0, max_value=3.0), st.floats(min_value=1.0, max_value=3.0)),
+)
+def test_host_running_stats_are_bit_identical_to_the_tensor_form(
+    steps: list[tuple[float, float, bool, int | None]], window: int, warmup: int, sigmas: float,
+    ratios: tuple[float, float],
+) -> None:
+    """The sequence LossSpikeDetector runs: test, take in what is no spike (and learnable), now and then reset."""
+    tensor, host = RunningStats(2, window, warmup), HostRunningStats(2, window, warmup)
+    ratio_t = torch.tensor(ratios, dtype=torch.float64)
+    for a, b, learnable, reset in steps:
+        values = torch.tensor([a, b], dtype=torch.float64)
+        flags = tensor.spikes(values, sigmas, ratio_t)
+        assert host.spikes([a, b], sigmas, list(ratios)) == flags.tolist()
+        assert same(host.threshold(sigmas, list(ratios)), tensor.threshold(sigmas, ratio_t).tolist())
+        assert same(host.std, tensor.std.tolist())
+        tensor.update(values, include=~flags & torch.tensor([True, learnable]))
+        host.update([a, b], include=[not flags[0].item(), not flags[1].item() and learnable])
+        if reset is not None:
+            tensor.reset(torch.tensor([reset == 0, reset == 1]))
+            host.reset([reset == 0, reset == 1])
+        assert_same_state(host.state_dict(), tensor.state_dict())
+    assert host.observe([1.0, 1.0], sigmas, ratios[0]) == tensor.observe(torch.ones(2), sigmas, ratios[0]).tolist()
+    assert_same_state(host.state_dict(), tensor.state_dict())
+
+
+def assert_same_state(host: dict[str, list[float]], tensor: dict[str, list[float]]) -> None:
+    # NaN included: a value of 1e300 squares past the float64 range, in both forms alike
+    assert host.keys() == tensor.keys() and all(same(host[k], tensor[k]) for k in host)
+
+
+def test_host_running_stats_by_hand() -> None:
+    stats = HostRunningStats(channels=2, window=7, warmup=1)
+    for x in (1.0, 2.0, 3.0, 4.0):
+        stats.update([x, math.nan])
+    assert stats.mean == [2.5, 0.0] and stats.var == [1.25, 0.0] and stats.count == [4.0, 0.0]
+    stats.update([10.0, 5.0], include=[True, False])
+    assert stats.mean == [2.5 + 0.25 * 7.5, 0.0]  # past half the window: the EMA weight 1/4, not 1/5
+    assert stats.threshold(6.0, 1.5)[1] == 0.0 and stats.spikes([100.0, 1.0], 6.0, 1.5) == [True, False]
+    stats.reset([True, False])
+    assert stats.count == [0.0, 0.0] and stats.spikes([100.0, 1.0], 6.0, 1.5) == [False, False]
+
+
+def test_host_and_tensor_running_stats_load_each_other_through_torch_load() -> None:
+    tensor = RunningStats(channels=2, window=16, warmup=2)
+    for x in (1.0, 2.5, 4.0):
+        tensor.update(torch.tensor([x, -x]))
+    buffer = io.BytesIO()
+    torch.save(tensor.state_dict(), buffer)
+    buffer.seek(0)
+    host = HostRunningStats(channels=2, window=16, warmup=2)
+    host.load_state_dict(torch.load(buffer, weights_only=True))
+    assert host.state_dict() == tensor.state_dict()
+    back = RunningStats(channels=2, window=16, warmup=2)
+    back.load_state_dict(host.state_dict())
+    assert torch.equal(back.mean, tensor.mean) and torch.equal(back.var, tensor.var)
+    assert torch.equal(back.count, tensor.count)
+    with pytest.raises(ValueError, match=r"^'mean' must have 3 channels \(got 2\)$"):
+        HostRunningStats(channels=3).load_state_dict(host.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"channels": 0}, ValueError, "'channels' must be >= 1 (got 0)"),
+        ({"window": 0}, ValueError, "'window' must be >= 1 (got 0)"),
+        ({"warmup": True}, TypeError, "'warmup' must be an int (got True)"),
+    ],
+)
+def test_host_running_stats_check_their_arguments(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as info:
+        HostRunningStats(**kwargs)  # type: ignore[arg-type]
     assert str(info.value) == message

@@ -192,7 +192,11 @@ class AutoClip(SuiteCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(mode=self.mode)
+        try:
+            return self._state_key  # built once: Lightning reads it often, its arguments never change
+        except AttributeError:
+            self._state_key: str = self._generate_state_key(mode=self.mode)
+            return self._state_key
 
     # ---- wiring -----------------------------------------------------------------------------------------------
     @override

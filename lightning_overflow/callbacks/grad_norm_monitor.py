@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+import struct
 
 import pytorch_lightning as pl
 import torch
-from torchmetrics.aggregation import MaxMetric, MeanMetric
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_overflow import _compat
-from lightning_overflow.callbacks._base import SuiteCallback
 from lightning_overflow._validation import check_bool, check_int, check_norm_type
+from lightning_overflow.callbacks._base import SuiteCallback
+from lightning_overflow.distributed import reduce_and_read, world
 from lightning_overflow.health import StepHealth, metric_key
-from lightning_overflow.policy import StepAction
 from lightning_overflow.numerics import refine_norms, tensor_norms
+from lightning_overflow.policy import StepAction
 
 __all__ = ["GradNormMonitor"]
 
@@ -70,11 +71,15 @@ class GradNormMonitor(SuiteCallback):
         self.per_parameter_every_n_steps = check_int(
             "per_parameter_every_n_steps", per_parameter_every_n_steps, minimum=1, optional=True
         )
-        self._epoch: dict[int, tuple[MeanMetric, MaxMetric]] = {}
+        self._epoch: dict[int, _EpochTotals] = {}
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(norm_type=self.norm_type, per_parameter=self.per_parameter)
+        try:
+            return self._state_key  # built once: Lightning reads it often, its arguments never change
+        except AttributeError:
+            self._state_key: str = self._generate_state_key(norm_type=self.norm_type, per_parameter=self.per_parameter)
+            return self._state_key
 
     # ---- wiring -----------------------------------------------------------------------------------------------
     @override
@@ -86,15 +91,12 @@ class GradNormMonitor(SuiteCallback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Every rank took in the same steps (the norms are all-reduced), so all of them enter the collective.
         n_optimizers = len(trainer.optimizers)
-        for index, (mean, maximum) in sorted(self._epoch.items()):
-            if not mean.update_called:
-                continue
-            # compute() syncs across ranks; every rank has updated the same metrics, so all of them get here.
-            pl_module.log(metric_key(f"{self.prefix}/total_epoch_mean", index, n_optimizers), mean.compute(), on_epoch=True)
-            pl_module.log(metric_key(f"{self.prefix}/total_epoch_max", index, n_optimizers), maximum.compute(), on_epoch=True)
-            mean.reset()
-            maximum.reset()
+        for index, (mean, maximum) in _epoch_aggregates(self._epoch, pl_module.device).items():
+            pl_module.log(metric_key(f"{self.prefix}/total_epoch_mean", index, n_optimizers), mean, on_epoch=True)
+            pl_module.log(metric_key(f"{self.prefix}/total_epoch_max", index, n_optimizers), maximum, on_epoch=True)
+        self._epoch.clear()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -141,13 +143,10 @@ class GradNormMonitor(SuiteCallback):
         norms = self._norms(record) if math.isinf(self.norm_type) else (record.total_norm, [])
         if norms is None or not math.isfinite(norms[0]):
             return  # non-finite steps are the detector's business and never enter the statistics
-        metrics = self._epoch.get(record.optimizer_index)
-        if metrics is None:
-            metrics = (MeanMetric(nan_strategy="disable"), MaxMetric(nan_strategy="disable"))
-            metrics = (metrics[0].to(pl_module.device), metrics[1].to(pl_module.device))
-            self._epoch[record.optimizer_index] = metrics
-        metrics[0].update(norms[0])
-        metrics[1].update(norms[0])
+        totals = self._epoch.get(record.optimizer_index)
+        if totals is None:
+            totals = self._epoch[record.optimizer_index] = _EpochTotals()
+        totals.add(norms[0])
 
     def _log_step(self, trainer: pl.Trainer, record: StepHealth, total_due: bool, per_parameter_due: bool) -> None:
         norms = self._norms(record)
@@ -159,7 +158,56 @@ class GradNormMonitor(SuiteCallback):
             metrics.update({record.metric_key(f"{self.prefix}/{name}"): v for name, v in zip(record.names, per_tensor)})
         self._log(trainer, metrics, record.log_step)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_epoch"] = {}  # metrics hold device tensors and process groups; they are rebuilt per fit
-        return state
+
+class _EpochTotals:
+    """Sum, count and maximum of one optimizer's finite totals over an epoch, in host floats.
+
+    Rounded as ``torchmetrics``' ``MeanMetric`` and ``MaxMetric`` (in the default float32) would keep them: each
+    norm rounded to float32, the sum rounded to float32 after each addition.
+    """
+
+    __slots__ = ("count", "maximum", "total")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+        self.maximum = -math.inf
+
+    def add(self, value: float) -> None:
+        value = _to_float32(value)
+        self.total = _to_float32(self.total + value)  # a float64 sum of two float32 values, rounded: float32's sum
+        self.count += 1
+        self.maximum = max(self.maximum, value)
+
+
+def _to_float32(value: float) -> float:
+    """The float32 nearest to ``value`` (``+-inf`` beyond the float32 range), as a Python float."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # the rounded value is infinite
+        return math.copysign(math.inf, value)
+
+
+def _epoch_aggregates(epoch: dict[int, _EpochTotals], device: torch.device) -> dict[int, tuple[Tensor, Tensor]]:
+    """``{optimizer index: (mean, max)}`` over every rank's steps, as float32 tensors on ``device``: one
+    all-reduce for all optimizers (each rank's totals in its own slot), then the ranks' totals combined as
+    ``torchmetrics`` combines its synced states (the float32 sums stacked and summed, the maxima maximised).
+
+    Entered on every rank together.
+    """
+    rank, world_size = world()
+    indices = sorted(epoch)
+    local = [v for i in indices for v in (epoch[i].total, float(epoch[i].count), epoch[i].maximum)]
+    per_rank = [[v] for v in local]
+    if world_size > 1 and local:
+        packed = torch.zeros(len(local) * world_size, dtype=torch.float64, device=device)
+        packed[rank::world_size] = torch.tensor(local, dtype=torch.float64)
+        summed, _ = reduce_and_read(packed, packed.new_zeros(0))  # zeros elsewhere: each rank's value exact
+        per_rank = [summed[k * world_size : (k + 1) * world_size] for k in range(len(local))]
+    aggregates = {}
+    for n, index in enumerate(indices):
+        totals, counts, maxima = per_rank[3 * n : 3 * n + 3]
+        total = torch.tensor(totals, dtype=torch.float32, device=device).sum(dim=0)
+        count = torch.tensor(sum(counts), dtype=torch.float32, device=device)
+        aggregates[index] = (total / count, torch.tensor(max(maxima), dtype=torch.float32, device=device))
+    return aggregates

@@ -6,15 +6,14 @@ import math
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 from typing_extensions import override
 
 from lightning_overflow._validation import check_bool, check_float, check_int
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
-from lightning_overflow.policy import StepAction
-from lightning_overflow.numerics.running_stats import RunningStats
+from lightning_overflow.numerics.running_stats import HostRunningStats
 from lightning_overflow.numerics.trend import slope_probability
+from lightning_overflow.policy import StepAction
 
 __all__ = ["LossSpikeDetector"]
 
@@ -149,8 +148,8 @@ class LossSpikeDetector(SuiteCallback):
         )
         self.trend_margin = check_float("trend_margin", trend_margin, low=0.0)
         self._evidence: dict[int, DivergenceEvidence] = {}
-        self._ratios = torch.tensor([self.loss_ratio, self.grad_ratio], dtype=torch.float64)
-        self._stats: dict[int, RunningStats] = {}
+        self._ratios = [self.loss_ratio, self.grad_ratio]
+        self._stats: dict[int, HostRunningStats] = {}
         self._streaks: dict[int, list[int]] = {}
         self._peaks: dict[int, list[float]] = {}
         self.loss_spikes = 0
@@ -158,7 +157,11 @@ class LossSpikeDetector(SuiteCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(window=self.window, sigmas=self.sigmas)
+        try:
+            return self._state_key  # built once: Lightning reads it often, its arguments never change
+        except AttributeError:
+            self._state_key: str = self._generate_state_key(window=self.window, sigmas=self.sigmas)
+            return self._state_key
 
     @property
     def spikes(self) -> int:
@@ -180,21 +183,18 @@ class LossSpikeDetector(SuiteCallback):
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
         """Test this step's loss and gradient norm (host values identical on every rank), then learn from them."""
         grad = record.total_norm if self.check_grad_norm and record.grads_finite else math.nan
-        values = torch.tensor([record.loss_mean, grad], dtype=torch.float64)
+        values = [record.loss_mean, grad]
         stats = self._stats_for(record.optimizer_index)
         evidence = self._evidence.setdefault(record.optimizer_index, DivergenceEvidence())
-        flags = stats.spikes(values, self.sigmas, self._ratios)
+        found = stats.spikes(values, self.sigmas, self._ratios)
         # A reference of zero mean and zero spread gives no threshold of its own: the anchor sets the least rise.
-        floor = stats.mean[0] + self.min_rise * evidence.anchor
-        flags[0] = flags[0] & (values[0] > floor)
-        found = flags.tolist()
+        found[0] = found[0] and values[0] > stats.mean[0] + self.min_rise * evidence.anchor
         if any(found):
-            self._report(trainer, record, stats, values.tolist(), found)
+            self._report(trainer, record, stats, values, found)
         # A gradient norm beyond FP32 is an overflow (NonFiniteDetector's fault): tested above, never learned from.
-        learnable = torch.tensor([True, not record.grads_beyond_fp32])
-        stats.update(values, include=~flags & learnable)
-        self._track_streaks(trainer, record, stats, found, values.tolist())
-        self._weigh_evidence(trainer, record, evidence, bool(found[0]))
+        stats.update(values, include=[not found[0], not found[1] and not record.grads_beyond_fp32])
+        self._track_streaks(trainer, record, stats, found, values)
+        self._weigh_evidence(trainer, record, evidence, found[0])
 
     def _weigh_evidence(
         self, trainer: pl.Trainer, record: StepHealth, evidence: DivergenceEvidence, spike: bool
@@ -219,19 +219,19 @@ class LossSpikeDetector(SuiteCallback):
                     optimizer=record.optimizer_index)  # fmt: skip
         self._signal(trainer, kind, message, record.optimizer_index)
 
-    def _stats_for(self, index: int) -> RunningStats:
+    def _stats_for(self, index: int) -> HostRunningStats:
         stats = self._stats.get(index)
         if stats is None:
-            stats = self._stats[index] = RunningStats(len(_CHANNELS), self.window, self.warmup)
+            stats = self._stats[index] = HostRunningStats(len(_CHANNELS), self.window, self.warmup)
             self._streaks[index] = [0] * len(_CHANNELS)
             self._peaks[index] = [-math.inf] * len(_CHANNELS)
         return stats
 
     def _report(
-        self, trainer: pl.Trainer, record: StepHealth, stats: RunningStats, values: list[float], found: list[bool]
+        self, trainer: pl.Trainer, record: StepHealth, stats: HostRunningStats, values: list[float], found: list[bool]
     ) -> None:
-        means, stds = stats.mean.tolist(), stats.std.tolist()
-        thresholds = stats.threshold(self.sigmas, self._ratios).tolist()
+        means, stds = list(stats.mean), stats.std
+        thresholds = stats.threshold(self.sigmas, self._ratios)
         peaks = self._peaks[record.optimizer_index]
         for channel, name in enumerate(_CHANNELS):
             if not found[channel]:
@@ -264,7 +264,7 @@ class LossSpikeDetector(SuiteCallback):
                 self._signal(trainer, _SIGNALS[name], message, record.optimizer_index)
 
     def _track_streaks(
-        self, trainer: pl.Trainer, record: StepHealth, stats: RunningStats, found: list[bool], values: list[float]
+        self, trainer: pl.Trainer, record: StepHealth, stats: HostRunningStats, found: list[bool], values: list[float]
     ) -> None:
         streaks = self._streaks[record.optimizer_index]
         peaks = self._peaks[record.optimizer_index]
@@ -276,9 +276,7 @@ class LossSpikeDetector(SuiteCallback):
                 continue
             streaks[channel] = 0
             peaks[channel] = -math.inf
-            mask = torch.zeros(len(_CHANNELS), dtype=torch.bool)
-            mask[channel] = True
-            stats.reset(mask)
+            stats.reset([c == channel for c in range(len(_CHANNELS))])
             self._event(
                 trainer,
                 "rebaseline",

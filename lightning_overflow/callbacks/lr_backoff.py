@@ -137,7 +137,11 @@ class LRBackoff(SuiteCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(factor=self.factor, per_optimizer=self.per_optimizer)
+        try:
+            return self._state_key  # built once: Lightning reads it often, its arguments never change
+        except AttributeError:
+            self._state_key: str = self._generate_state_key(factor=self.factor, per_optimizer=self.per_optimizer)
+            return self._state_key
 
     # ---- wiring -----------------------------------------------------------------------------------------------
     @override

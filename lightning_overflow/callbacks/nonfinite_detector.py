@@ -199,7 +199,11 @@ class NonFiniteDetector(SuiteCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(action=self.action)
+        try:
+            return self._state_key  # built once: Lightning reads it often, its arguments never change
+        except AttributeError:
+            self._state_key: str = self._generate_state_key(action=self.action)
+            return self._state_key
 
     # ---- wiring -----------------------------------------------------------------------------------------------
     @override

@@ -35,6 +35,7 @@ from lightning_overflow.numerics.norms import (
     total_norm,
 )
 from lightning_overflow.numerics.running_stats import (
+    HostRunningStats,
     RunningStats,
     ema_alpha,
     spike_flags,
@@ -64,6 +65,7 @@ __all__ = [
     "FP32_MAX",
     "GROUP_LR_KEYS",
     "HostPercentile",
+    "HostRunningStats",
     "HostZScore",
     "SCHEDULER_LR_LISTS",
     "NormReport",

@@ -23,6 +23,11 @@ OLMo-core) and the relative rise (``r`` times the mean, as llm-foundry's ``2x`` 
 exceeded. The z-score adapts to the noise of the series; the ratio keeps a near-constant series, whose standard
 deviation is almost zero, from calling every tiny wobble a spike.
 
+Two forms compute the same statistics: :class:`RunningStats` and the functions below on tensors (sync-free, any
+device), and :class:`HostRunningStats` on Python floats, for values that are already on the host (the suite reads
+its loss and gradient norm back once per step): the same float64 values, bit for bit, without a tensor op per
+arithmetic step.
+
 Example (a plain PyTorch loop)::
 
     stats = RunningStats(channels=1, window=128, warmup=50, device=device)
@@ -34,14 +39,17 @@ Example (a plain PyTorch loop)::
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_overflow._validation import check_float, check_int, check_type
+from lightning_overflow.numerics import _float64
 
-__all__ = ["RunningStats", "ema_alpha", "spike_flags", "spike_threshold", "update_running_stats"]
+__all__ = ["HostRunningStats", "RunningStats", "ema_alpha", "spike_flags", "spike_threshold", "update_running_stats"]
 
 
 def ema_alpha(window: int) -> float:
@@ -226,3 +234,104 @@ class RunningStats:
             if loaded.shape != current.shape:
                 raise ValueError(f"'{name}' must have {current.numel()} channels (got {loaded.numel()})")
             setattr(self, name, loaded)
+
+
+class HostRunningStats:
+    """:class:`RunningStats` (float64) on host floats: the same statistics and spike flags, bit for bit, in plain
+    Python lists, for values that are already on the host.
+
+    Args:
+        channels, window, warmup: as for :class:`RunningStats`.
+
+    Attributes:
+        mean, var, count: the statistics (lists of ``channels`` floats; ``count`` holds whole numbers as floats,
+            as :class:`RunningStats` does, so that either class loads the other's :meth:`state_dict`).
+
+    Raises:
+        TypeError: ``channels``, ``window`` or ``warmup`` is not an int.
+        ValueError: one of them is below 1.
+
+    Example:
+        >>> stats = HostRunningStats(channels=1, window=128, warmup=3)
+        >>> for loss in (1.0, 1.1, 0.9, float("nan"), 50.0, 1.0):
+        ...     spike = stats.observe([loss], sigmas=6.0, ratio=1.5)
+        >>> spike, stats.count  # 50.0 was a spike and NaN was ignored: neither entered the statistics
+        ([False], [4.0])
+    """
+
+    def __init__(self, channels: int = 1, window: int = 128, warmup: int = 50) -> None:
+        self.channels = check_int("channels", channels, minimum=1)
+        self.alpha = ema_alpha(window)
+        self.window = window
+        self.warmup = check_int("warmup", warmup, minimum=1)
+        self.mean = [0.0] * channels
+        self.var = [0.0] * channels
+        self.count = [0.0] * channels
+        self._rooted: tuple[list[float], list[float]] = (list(self.var), list(self.var))  # (var, std) of the last root
+
+    @property
+    def std(self) -> list[float]:
+        """``sqrt(max(var, 0))`` per channel, rounded as ``torch.sqrt`` rounds it (taken once per new variance)."""
+        if self._rooted[0] != self.var:
+            clamped = [v if v > 0.0 or math.isnan(v) else 0.0 for v in self.var]
+            self._rooted = (list(self.var), _float64.sqrt_each(clamped))
+        return list(self._rooted[1])
+
+    def threshold(self, sigmas: float, ratio: float | Sequence[float]) -> list[float]:
+        """The current spike threshold of each channel (see :func:`spike_threshold`; ``ratio`` may be per channel)."""
+        ratios = [ratio] * self.channels if isinstance(ratio, (int, float)) else list(ratio)
+        return [
+            m + _float64.maximum(sigmas * s, (r - 1.0) * abs(m)) for m, s, r in zip(self.mean, self.std, ratios)
+        ]
+
+    def spikes(self, values: Sequence[float], sigmas: float, ratio: float | Sequence[float]) -> list[bool]:
+        """Which channels of ``values`` are spikes against the current statistics (no update)."""
+        thresholds = self.threshold(sigmas, ratio)
+        return [
+            math.isfinite(v) and n >= self.warmup and v > t for v, n, t in zip(values, self.count, thresholds)
+        ]
+
+    def update(self, values: Sequence[float], include: Sequence[bool] | None = None) -> None:
+        """Take ``values`` in where they are finite (and ``include`` allows); as :func:`update_running_stats`."""
+        for c, value in enumerate(values):
+            if not math.isfinite(value) or (include is not None and not include[c]):
+                continue  # as the masked update leaves a rejected channel: exactly as it was
+            count = self.count[c] + 1.0
+            weight = max(1.0 / max(count, 1.0), self.alpha)
+            mean = self.mean[c]
+            delta = value - mean
+            step = weight * delta
+            self.mean[c] = mean + step
+            self.var[c] = (1.0 - weight) * (self.var[c] + delta * step)
+            self.count[c] = count
+
+    def observe(self, values: Sequence[float], sigmas: float, ratio: float | Sequence[float]) -> list[bool]:
+        """Test ``values`` for spikes, then take in the channels that are finite and not spikes. Returns the flags."""
+        flags = self.spikes(values, sigmas, ratio)
+        self.update(values, include=[not f for f in flags])
+        return flags
+
+    def reset(self, channels: Sequence[bool] | None = None) -> None:
+        """Forget the statistics (of the channels where ``channels`` is set; all by default): the warm-up starts
+        again from the next value."""
+        for c in range(self.channels):
+            if channels is None or channels[c]:
+                self.mean[c] = self.var[c] = self.count[c] = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python lists (loadable with ``torch.load(weights_only=True)``), in :class:`RunningStats`' format."""
+        return {"mean": list(self.mean), "var": list(self.var), "count": list(self.count)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s (or :meth:`RunningStats.state_dict`'s) statistics.
+
+        Raises:
+            ValueError: a list does not have ``channels`` entries.
+        """
+        loaded = {}
+        for name in ("mean", "var", "count"):
+            values = [float(v) for v in state[name]]
+            if len(values) != self.channels:
+                raise ValueError(f"'{name}' must have {self.channels} channels (got {len(values)})")
+            loaded[name] = values
+        self.mean, self.var, self.count = loaded["mean"], loaded["var"], loaded["count"]
