@@ -53,7 +53,7 @@ class ForkedModelParallel(ModelParallelStrategy):
     """``ModelParallelStrategy`` whose processes are forked from the test's."""
 
     def __init__(self) -> None:
-        # A collective that one rank never enters fails within a minute instead of hanging the session.
+        # A collective that one rank never enters fails within a minute instead of hanging the test run.
         super().__init__(data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=60))
 
     def _configure_launcher(self) -> None:
