@@ -473,8 +473,13 @@ class HealthBoard:
         self._published.update(changed)
         values = {k: torch.tensor(v) for k, v in changed.items()}
         _compat.callback_metrics(trainer).update(values)
-        shown = {short: values[key] for key, short in _PROGRESS_BAR.items() if key in values}
         if any(self._published.get(key, default) != default for key, default in _PROGRESS_BAR_DEFAULTS.items()):
+            # Plain numbers: the progress bar prints a tensor as "tensor(8.)"; counts as ints ("skips=8").
+            shown = {
+                short: (self._published[key] if key == "overflow/lr_scale" else int(self._published[key]))
+                for key, short in _PROGRESS_BAR.items()
+                if key in self._published
+            }
             _compat.progress_bar_metrics(trainer).update(shown)
 
     def flush(self, trainer: pl.Trainer) -> None:

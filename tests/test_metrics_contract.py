@@ -52,3 +52,14 @@ def test_the_readme_documents_every_key() -> None:
     text = README.read_text()
     for key in CONTRACT:
         assert f"`{key}`" in text, key
+
+
+def test_counters_are_monitorable_and_shown_in_the_progress_bar_once_something_happened() -> None:
+    from lightning_overflow import NonFiniteDetector
+
+    healthy = fit(TinyRegressor(), [NonFiniteDetector()], max_steps=4)
+    assert float(healthy.callback_metrics["overflow/skipped_steps"]) == 0.0
+    assert "skips" not in healthy.progress_bar_metrics
+    faulty = fit(TinyRegressor(), [NonFiniteDetector(), FaultInjector(Fault(2, "nan_loss"))], max_steps=4)
+    assert float(faulty.callback_metrics["overflow/skipped_steps"]) == 1.0
+    assert faulty.progress_bar_metrics["skips"] == 1 and isinstance(faulty.progress_bar_metrics["skips"], int)
