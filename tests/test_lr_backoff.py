@@ -392,7 +392,7 @@ def test_a_constant_loss_run_never_backs_off(tmp_path: Path) -> None:
     make_trainer([NonFiniteDetector(), detector, backoff], max_steps=80, default_root_dir=str(tmp_path)).fit(
         ConstantLossRegressor()
     )
-    assert detector._stats[0].count.tolist() == [80.0, 80.0]  # tested from step 50 on, after the warm-up
+    assert detector._stats[0].count == [80.0, 80.0]  # tested from step 50 on, after the warm-up
     assert detector.spikes == 0 and backoff.history == [] and backoff.scales == [1.0]
 
 
