@@ -373,7 +373,7 @@ def snapshot_memory(spec: ModelSpec, accelerator: str, tmp: Path) -> tuple[int, 
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp, callbacks=[rollback],
     )  # fmt: skip
     trainer.fit(model)
-    memory = rollback._memory
+    memory = rollback._memory.snapshots
     held = sum(state_nbytes(snapshot.state) for snapshot in memory if snapshot.state is not None)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return held, params, len(memory), 1000 * statistics.median(taken[1:] or taken)

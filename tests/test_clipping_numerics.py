@@ -535,7 +535,7 @@ def test_percentile_window_and_max_norm_types_are_checked() -> None:
         clip_grad_norm_([torch.ones(2)], "1")  # type: ignore[arg-type]
 
 
-# ---- host forms: the same values from Python floats ------------------------------------------------------------------
+# ---- host forms: the same values from Python floats -----------------------------------------------------------------
 def same(a: float, b: float) -> bool:
     """Bit for bit, NaN included."""
     return a == b or (math.isnan(a) and math.isnan(b))
@@ -585,7 +585,9 @@ def test_host_zscore_is_bit_identical_to_the_tensor_form(
     window=st.integers(min_value=1, max_value=40),
     percentile=st.one_of(st.floats(min_value=0.0, max_value=100.0), st.sampled_from([0.0, 10.0, 50.0, 100.0])),
 )
-def test_host_percentile_is_bit_identical_to_the_tensor_form(norms: list[float], window: int, percentile: float) -> None:
+def test_host_percentile_is_bit_identical_to_the_tensor_form(
+    norms: list[float], window: int, percentile: float
+) -> None:
     state, host = PercentileState.empty(window), HostPercentile(window, percentile)
     for norm in norms:
         total = torch.tensor(norm, dtype=torch.float64)
@@ -678,10 +680,11 @@ def test_host_clip_coefficient_edge_cases_match_the_tensor_form() -> None:
     cases = [(0.0, 0.0), (10.0, INF), (INF, 1.0), (NAN, 1.0), (1e39, 1.0), (25.0, 5.0), (0.0, -1.0), (-0.0, -1.0),
              (2.0, -1.0), (5.0, NAN), (3.0, -INF)]
     for total, threshold in cases:
-        assert same(host_clip_coefficient(total, threshold), clip_coefficient(total, threshold).item()), (total, threshold)
+        expected = clip_coefficient(total, threshold).item()
+        assert same(host_clip_coefficient(total, threshold), expected), (total, threshold)
 
 
-# ---- the float64 arithmetic behind the host forms ---------------------------------------------------------------------
+# ---- the float64 arithmetic behind the host forms -------------------------------------------------------------------
 def nearest(exact: Fraction) -> float:
     """The float64 nearest to ``exact``: beyond the largest float by half a unit or more, infinity."""
     if abs(exact) >= 2**1024 - 2**970:

@@ -244,7 +244,7 @@ def test_update_running_stats_checks_alpha(alpha: object, error: type[Exception]
     assert str(info.value) == message
 
 
-# ---- the host form: the same statistics from Python floats -----------------------------------------------------------
+# ---- the host form: the same statistics from Python floats ----------------------------------------------------------
 def same(a: list[float], b: list[float]) -> bool:
     """Bit for bit, NaN included."""
     return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b, strict=True))
@@ -333,7 +333,9 @@ def test_host_and_tensor_running_stats_load_each_other_through_torch_load() -> N
         ({"warmup": True}, TypeError, "'warmup' must be an int (got True)"),
     ],
 )
-def test_host_running_stats_check_their_arguments(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+def test_host_running_stats_check_their_arguments(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
     with pytest.raises(error) as info:
         HostRunningStats(**kwargs)  # type: ignore[arg-type]
     assert str(info.value) == message

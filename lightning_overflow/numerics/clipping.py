@@ -537,7 +537,9 @@ class HostZScore:
         2.5208
     """
 
-    def __init__(self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25, eps: float = 1e-6) -> None:
+    def __init__(
+        self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25, eps: float = 1e-6
+    ) -> None:
         self.alpha = check_float("alpha", alpha, low=0.0, high=1.0, low_open=True, high_open=True)
         self.z_threshold = check_float("z_threshold", z_threshold, low=0.0, low_open=True)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=2)
