@@ -12,7 +12,7 @@ import pytest
 from lightning_overflow.cli import main
 from lightning_overflow.demo.run import run_demo
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two real training runs: slow on a shared machine
 
 
 def test_demo_prints_the_comparison_and_writes_the_dashboard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
