@@ -151,6 +151,16 @@ def test_the_plain_pytorch_function_finds_the_same_origin() -> None:
     assert all(p.grad is None for p in model.parameters())  # gradients were returned, not accumulated
 
 
+
+def test_the_plain_pytorch_function_refuses_bad_arguments() -> None:
+    model = nn.Linear(2, 1)
+    with pytest.raises(TypeError, match=r"^'model' must be a torch.nn.Module \(got 3\)$"):
+        trace_nonfinite(3, lambda: torch.zeros(()))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^'loss_fn' must be a callable returning the loss \(got Tensor\)$"):
+        trace_nonfinite(model, torch.zeros(()))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^'module_backward_hooks' must be a bool \(got 1\)$"):
+        trace_nonfinite(model, lambda: model(torch.ones(2)).sum(), module_backward_hooks=1)  # type: ignore[arg-type]
+
 # ---- magnitudes beyond FP32 and growth ----------------------------------------------------------------------------
 def test_finite_gradients_beyond_fp32_are_an_overflow_of_the_squared_norm_not_nan() -> None:
     error = raised(Stack(4, 2, HugeGradient))

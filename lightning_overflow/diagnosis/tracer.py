@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_overflow._validation import check_bool, check_type
 from lightning_overflow.diagnosis.hints import find_growth
 from lightning_overflow.diagnosis.preserve import preserved_state
 from lightning_overflow.diagnosis.records import Origin, Trace
@@ -87,8 +88,8 @@ class NonFiniteTracer:
     """
 
     def __init__(self, model: nn.Module, module_backward_hooks: bool = True) -> None:
-        self.model = model
-        self.module_backward_hooks = module_backward_hooks
+        self.model = check_type("model", model, nn.Module, "a torch.nn.Module")
+        self.module_backward_hooks = check_bool("module_backward_hooks", module_backward_hooks)
         self._modules = [(name, m) for name, m in model.named_modules(remove_duplicate=True)]
         self._layers = {id(m) for _, m in self._modules if next(m.parameters(recurse=False), None) is not None}
         self._owners: dict[int, tuple[str, str, str]] = {}  # id(param) -> (module, module type, parameter name)
@@ -372,6 +373,9 @@ def trace_nonfinite(
         >>> trace.forward_origin.op, trace.forward_origin.kind, trace.loss_finite
         ('exp', 'inf', False)
     """
+    check_type("model", model, nn.Module, "a torch.nn.Module")
+    if not callable(loss_fn):
+        raise TypeError(f"'loss_fn' must be a callable returning the loss (got {type(loss_fn).__name__})")
     with preserved_state(model), NonFiniteTracer(model, module_backward_hooks) as tracer:
         loss = loss_fn()
         tracer.backward(loss)
