@@ -756,3 +756,31 @@ def test_ddp_each_rank_writes_its_part_and_a_write_failing_on_rank_0_keeps_the_l
         held = {path for path, t in named_state_tensors(payload["state"]) if t.device.type != "meta"}
         assert {path for path, owner in owners.items() if owner == rank} <= held
         assert not {path for path, owner in owners.items() if owner != rank} & held
+
+
+class BytesReport(Callback):
+    """Each rank writes the host bytes its Rollback's snapshots hold at the end of the fit to ``<out>/bytes<r>``."""
+
+    def __init__(self, out: Path, rollback: Rollback) -> None:
+        self.out, self.rollback = out, rollback
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (self.out / f"bytes{trainer.global_rank}").write_text(str(self.rollback.snapshot_nbytes))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_snapshot_bytes_per_rank_halve_from_one_rank_to_two(tmp_path: Path) -> None:
+    alone = Rollback(every_n_steps=2, keep=2)
+    fit(TinyRegressor(), [alone], max_steps=6)
+    rollback = Rollback(every_n_steps=2, keep=2)
+    fit(TinyRegressor(), [rollback, BytesReport(tmp_path, rollback)], max_steps=6, strategy="ddp_fork", devices=2)
+    per_rank = [int((tmp_path / f"bytes{r}").read_text()) for r in (0, 1)]
+    # One snapshot: 193 FP32 parameters and their 2 Adam moments (2316 bytes) and 4 step counters (16 bytes). Split
+    # by bytes over 2 ranks, largest first to the least loaded (512, 512, 512, then six of 128, then three of 4):
+    # rank 0 keeps 512 + 512 + 128 + 4 + 4 = 1160 bytes, rank 1 512 + 5 x 128 + 4 = 1156; the step counters stay on
+    # both ranks.
+    assert alone.snapshot_nbytes == 2 * (2316 + 16)
+    assert per_rank == [2 * (1160 + 16), 2 * (1156 + 16)]
+    assert max(per_rank) / alone.snapshot_nbytes == pytest.approx(0.5, abs=0.01)
