@@ -784,3 +784,31 @@ def test_ddp_snapshot_bytes_per_rank_halve_from_one_rank_to_two(tmp_path: Path) 
     assert alone.snapshot_nbytes == 2 * (2316 + 16)
     assert per_rank == [2 * (1160 + 16), 2 * (1156 + 16)]
     assert max(per_rank) / alone.snapshot_nbytes == pytest.approx(0.5, abs=0.01)
+
+
+@RESUME
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_resume_rolls_back_to_the_parts_each_rank_wrote_before_the_restart(tmp_path: Path) -> None:
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    first = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
+    fit(TinyRegressor(), [NonFiniteDetector(), first, checkpoints], max_steps=4, enable_checkpointing=True,
+        strategy="ddp_fork", devices=2)
+    ckpt = next(p for p in checkpoint_files(tmp_path / "ckpt") if "step=4" in p.name)
+    # The full state of step 2, assembled from the two ranks' parts.
+    parts = [load_snapshot(tmp_path / "snaps" / f"rank={r}" / SNAP.format(2))[1]["state"] for r in (0, 1)]
+    held = [dict(named_state_tensors(part["model"])) for part in parts]
+    expected = {name: next(p[name] for p in held if p[name].device.type != "meta") for name in held[0]}
+
+    rollback, probe = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps"), Probe()
+    report = RankReport(tmp_path, probe, rollback)
+    trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(4, 5, rank=1), report], max_steps=6,
+                           strategy="ddp_fork", devices=2)
+    trainer.fit(TinyRegressor(), ckpt_path=ckpt)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for seen in reports:  # back to step 4 (memory), then one further back: the parts written at step 2 (disk)
+        assert [(h["step"], h["snapshot_step"], h["source"]) for h in seen["history"]] == [
+            (5, 4, "memory"), (6, 2, "disk")
+        ]
+        assert seen["digests"]["6"] == _digest(expected)
+    assert reports[0]["digests"] == reports[1]["digests"]
