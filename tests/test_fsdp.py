@@ -38,6 +38,7 @@ from lightning_overflow import (
     default_callbacks,
 )
 from lightning_overflow.health import board_for
+from lightning_overflow.snapshot_store import load_snapshot
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
@@ -181,7 +182,8 @@ def _moments(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
 
 
 def fit_sharded(callbacks: list[Any], directory: Path, *, logger: MemoryLogger | None = None,
-                model: type[TinyRegressor] = ShardedRegressor, **kwargs: Any) -> list[dict[str, Any]]:
+                model: type[TinyRegressor] = ShardedRegressor, ckpt_path: str | None = None,
+                **kwargs: Any) -> list[dict[str, Any]]:
     """Fit ``model`` (ShardedRegressor) on 2 forked processes; each rank's report, rank 0 first."""
     watch = [cb for cb in callbacks if hasattr(cb, "state_dict")]
     directory.mkdir(parents=True, exist_ok=True)
@@ -196,7 +198,7 @@ def fit_sharded(callbacks: list[Any], directory: Path, *, logger: MemoryLogger |
     trainer = pl.Trainer(callbacks=[*callbacks, Recorder(directory, watch, logger)], **options)
     error: BaseException | None = None
     try:
-        trainer.fit(model())
+        trainer.fit(model(), ckpt_path=ckpt_path)
     except Exception as caught:  # a worker's exception, re-raised by the launcher
         error = caught
     files = [directory / f"rank{r}.pt" for r in range(2)]
@@ -475,3 +477,29 @@ def test_unsupported_sharded_strategies_are_refused_at_setup(strategy: Any) -> N
             callback.setup(SimpleNamespace(strategy=strategy, gradient_clip_val=None), TinyRegressor(), "fit")  # type: ignore[arg-type]
         assert "Supported: a single device, DDPStrategy" in str(caught.value)
         assert "ModelParallelStrategy (FSDP2: fully_shard in configure_model" in str(caught.value)
+
+
+def test_sharded_disk_snapshots_are_each_ranks_shards_and_a_resumed_fit_rolls_back_to_them(tmp_path: Path) -> None:
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    first = fit_sharded([NonFiniteDetector(), Rollback(every_n_steps=2, dirpath=tmp_path / "snaps"), checkpoints],
+                        tmp_path / "first", max_steps=4, enable_checkpointing=True)
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == ["rank=0", "rank=1"]
+    for rank, report in enumerate(first):
+        _, payload = load_snapshot(tmp_path / "snaps" / f"rank={rank}" / "rollback-step=2.pt")
+        assert (payload["rank"], payload["world_size"], payload["owners"]) == (rank, 2, {})
+        assert_same_tensors(dict(payload["state"]["model"]), report["steps"][1]["shards_after"])
+    ckpt = next((tmp_path / "ckpt").iterdir())
+    detector = NonFiniteDetector(check_weights_every_n_steps=1, diagnose=False)
+    rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
+    resumed = fit_sharded([detector, rollback, PoisonShard(4, 1, "weight"), PoisonShard(5, 0, "weight")],
+                          tmp_path / "resumed", max_steps=6, ckpt_path=str(ckpt))
+    for rank, report in enumerate(resumed):
+        history = report["states"][1]["history"]
+        assert [(h["step"], h["snapshot_step"], h["source"]) for h in history] == [(5, 4, "memory"), (6, 2, "disk")]
+    # The full parameters, identical on both ranks: the shards each rank wrote at step 2, before the restart.
+    parts = [load_snapshot(tmp_path / "snaps" / f"rank={r}" / "rollback-step=2.pt")[1]["state"]["model"] for r in (0, 1)]
+    expected = {name: torch.cat([parts[0][name], parts[1][name]]) for name in NAMES}  # Shard(0): rows in rank order
+    assert_same_tensors(resumed[0]["final"], expected)
+    assert_same_tensors(resumed[1]["final"], expected)
