@@ -94,6 +94,7 @@ __all__ = [
     "restorable",
     "restore_",
     "restore_module_",
+    "snapshot_owners",
     "split_snapshot",
 ]
 
@@ -126,10 +127,8 @@ def live_state(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 def split_snapshot(trainer: pl.Trainer, state: Mapping[str, Any]) -> tuple[list[bool] | None, dict[str, int]]:
-    """How the replicas of a DDP fit share a snapshot of ``state`` (a :func:`live_state`): each tensor of the model
-    and of the optimizers' ``state`` that lives on the collective device and is not 0-d gets one owner rank,
-    balanced by bytes (:func:`~lightning_overflow.numerics.snapshots.partition_by_size`); the small rest (step
-    counters, extra state, schedulers, the scaler) is kept on every rank.
+    """How the replicas of a DDP fit share a snapshot of ``state`` (a :func:`live_state`): the owners of
+    :func:`snapshot_owners`, and which tensors this rank keeps.
 
     Returns:
         ``(held, owners)``: for each tensor of ``state`` in ``state_tensors`` order, whether this rank keeps it (for
@@ -140,7 +139,23 @@ def split_snapshot(trainer: pl.Trainer, state: Mapping[str, Any]) -> tuple[list[
     world = int(trainer.world_size)
     if world < 2 or not _compat.replicated_strategy(strategy) or not torch.distributed.is_initialized():
         return None, {}
-    device = torch.device(strategy.root_device)
+    owners = snapshot_owners(state, world, torch.device(strategy.root_device))
+    rank = int(trainer.global_rank)
+    held = [owners.get(path, rank) == rank for path, _ in named_state_tensors(state)]
+    return held, owners
+
+
+def snapshot_owners(state: Mapping[str, Any], world_size: int, device: torch.device) -> dict[str, int]:
+    """The owner rank of each tensor of a training state that replicas split, by its path: the tensors of the model
+    and of the optimizers' ``state`` that live on ``device`` (where the broadcast of a restore runs) and are not
+    0-d, balanced by bytes (:func:`~lightning_overflow.numerics.snapshots.partition_by_size`). The small rest (step
+    counters, extra state, schedulers, the scaler) is kept on every rank.
+
+    Example:
+        >>> state = {"model": {"w": torch.ones(4), "b": torch.ones(1)}, "optimizers": [{"state": {}}]}
+        >>> snapshot_owners(state, 2, torch.device("cpu"))
+        {'model.w': 0, 'model.b': 1}
+    """
     parts = [named_state_tensors(_tensor_entries(state["model"]), "model")]
     parts += [named_state_tensors(saved["state"], f"optimizers.{i}.state") for i, saved in enumerate(state["optimizers"])]
     split = [
@@ -148,10 +163,7 @@ def split_snapshot(trainer: pl.Trainer, state: Mapping[str, Any]) -> tuple[list[
         if t.dim() > 0 and t.layout == torch.strided and t.device == device
     ]
     sizes = [t.numel() * t.element_size() for _, t in split]
-    owners = {path: owner for (path, _), owner in zip(split, partition_by_size(sizes, world))}
-    rank = int(trainer.global_rank)
-    held = [owners.get(path, rank) == rank for path, _ in named_state_tensors(state)]
-    return held, owners
+    return {path: owner for (path, _), owner in zip(split, partition_by_size(sizes, world_size))}
 
 
 def restorable(trainer: pl.Trainer, state: Any) -> str:
