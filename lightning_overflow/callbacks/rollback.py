@@ -88,17 +88,25 @@ class Rollback(SuiteCallback):
     is checked first and rolled back before it is written when it is not finite (see the module docstring).
     Not rewound: ``global_step``, the data position, RNG states, loggers. Details: ``docs/rollback.md``.
 
+    Host memory per rank, for ``P`` parameters trained with AdamW in FP32 (12 bytes per parameter: the weights and
+    two moments): ``keep x 12P`` on one device; ``keep x 12P / world`` under DDP, where each rank keeps only its
+    share of the tensors (balanced by bytes, at most one tensor more than ``1/world``; rebuilt on a rollback by a
+    broadcast from each owner), so a node of 8 ranks holds one copy per snapshot whatever the world size; and
+    ``keep x 12P / world`` under FSDP2, where each rank keeps its own shards and restores them in place. Step
+    counters, schedulers and the scaler (a few bytes) are kept on every rank. :attr:`snapshot_nbytes` reports it.
+
     Triggers (signal kinds that make it roll back; the default, :data:`DEFAULT_TRIGGERS`, is the evidence that the
-    training state degrades): ``"nonfinite_persistent"``, ``"nonfinite_state"``, ``"scaler_collapse"``,
-    ``"loss_divergence"``, ``"loss_trend"``. A skipped non-finite step, a burst of them on bad data, and a single
-    spike are not (a skip or a clip absorbs them at no cost; see :mod:`lightning_overflow.policy`).
+    training state degrades, and DDP replicas that disagree): ``"nonfinite_persistent"``, ``"nonfinite_state"``,
+    ``"scaler_collapse"``, ``"loss_divergence"``, ``"loss_trend"``, ``"replica_mismatch"``. A skipped non-finite
+    step, a burst of them on bad data, and a single spike are not (a skip or a clip absorbs them at no cost; see
+    :mod:`lightning_overflow.policy`).
 
     Args:
         every_n_steps: healthy optimizer steps between snapshots (default 100).
         keep: snapshots kept in memory, and on disk with ``dirpath`` (default 2).
         dirpath: also write each verified snapshot to this directory, a local path or an fsspec URL
             (``s3://...``, ``memory://...``), as ``rollback-step=<step>.pt`` (checksummed, written atomically,
-            pruned to ``keep``; rank 0 writes). A fit resumed with ``ckpt_path`` can roll back to the files listed
+            pruned to ``keep``; on several ranks each rank writes the part it holds into ``<dirpath>/rank=<r>``). A fit resumed with ``ckpt_path`` can roll back to the files listed
             in its checkpoint. Checked in ``setup`` (``None``, the default: memory only).
         max_rollbacks: rollbacks allowed within ``window`` steps (default 3); the next need raises
             :class:`DivergenceError`.
@@ -112,6 +120,7 @@ class Rollback(SuiteCallback):
             ``source`` (``"memory"``/``"disk"``).
         skipped_steps: optimizer steps skipped after rollbacks.
         snapshot_steps: the steps of the snapshots kept in memory, oldest first.
+        snapshot_nbytes: host bytes this rank's snapshots in memory hold.
         restores_state: ``False`` when ``"nonfinite_state"`` is not among the triggers (``NonFiniteDetector`` then
             raises on non-finite weights itself).
 
@@ -121,7 +130,8 @@ class Rollback(SuiteCallback):
         RollbackError: a rollback was needed but no snapshot verified finite exists.
         NonFiniteError: a checkpoint about to be written holds inf/NaN and cannot be rolled back (not written).
         ValueError: in ``setup``, when ``dirpath`` is a file, lies under a file, or cannot be written.
-        NotImplementedError: under a sharded strategy or with a ``ZeroRedundancyOptimizer``.
+        NotImplementedError: in ``setup``, under a strategy the suite refuses (``FSDPStrategy``,
+            ``XLAFSDPStrategy``, ``DeepSpeedStrategy``) or ``XLAStrategy``; with a ``ZeroRedundancyOptimizer``.
 
     Logged keys: ``overflow/rollbacks`` (cumulative rollbacks), ``overflow/skipped_steps`` (cumulative skipped
     optimizer steps, with other callbacks'). Journal events: ``rollback``, ``skip``, ``snapshot_refused``,
