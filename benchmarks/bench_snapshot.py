@@ -156,7 +156,8 @@ def print_bytes_per_rank(state: dict[str, object], keep: int, ranks_per_node: in
     measured = held_nbytes(take_snapshot(state, held=held))
     assert measured == bytes_per_rank(state, 2)[0], "the split's bytes differ from a real partial snapshot"
     print(f"\nhost memory of keep={keep} snapshots under DDP (one full copy: {full / 2**20:.1f} MiB)")
-    print(f"{'ranks':>6}{'MiB per rank (max)':>20}{'x one copy':>12}{f'MiB per node ({ranks_per_node} ranks a node)':>28}")
+    node_label = f"MiB per node ({ranks_per_node} ranks a node)"
+    print(f"{'ranks':>6}{'MiB per rank (max)':>20}{'x one copy':>12}{node_label:>28}")
     for world in (1, 2, 4, 8, 16, 64):
         per_rank = [keep * b for b in bytes_per_rank(state, world)]
         node = sum(sorted(per_rank, reverse=True)[:ranks_per_node])  # the node holding the largest parts

@@ -157,7 +157,8 @@ def snapshot_owners(state: Mapping[str, Any], world_size: int, device: torch.dev
         {'model.w': 0, 'model.b': 1}
     """
     parts = [named_state_tensors(_tensor_entries(state["model"]), "model")]
-    parts += [named_state_tensors(saved["state"], f"optimizers.{i}.state") for i, saved in enumerate(state["optimizers"])]
+    for i, saved in enumerate(state["optimizers"]):
+        parts.append(named_state_tensors(saved["state"], f"optimizers.{i}.state"))
     split = [
         (path, t) for part in parts for path, t in part
         if t.dim() > 0 and t.layout == torch.strided and t.device == device
@@ -233,8 +234,9 @@ def restore_module_(module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
     """
     live = local_state(module.state_dict())
     if _module_difference(live, saved):
-        if any(is_sharded(t) for t in state_tensors(module.state_dict())):
-            raise SnapshotError(f"a sharded module cannot load a snapshot of another layout ({_module_difference(live, saved)})")
+        if any(is_sharded(t) for t in state_tensors(module.state_dict())):  # load_state_dict would want full tensors
+            difference = _module_difference(live, saved)
+            raise SnapshotError(f"a sharded module cannot load a snapshot of another layout ({difference})")
         module.load_state_dict(clone_state(saved))
         return
     restore_state_(_tensor_entries(live), _tensor_entries(saved))

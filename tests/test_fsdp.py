@@ -385,9 +385,9 @@ def fit_ddp(callbacks: list[Any], directory: Path, **kwargs: Any) -> list[dict[s
 def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     """Bit for bit, NaN where NaN."""
     assert list(a) == list(b)
-    for name in a:
-        same_nan = torch.equal(torch.isnan(a[name]), torch.isnan(b[name]))
-        assert same_nan and torch.equal(a[name].nan_to_num(0.0), b[name].nan_to_num(0.0)), name
+    for name, x in a.items():
+        y = b[name]
+        assert torch.equal(torch.isnan(x), torch.isnan(y)) and torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0)), name
 
 
 def test_a_nan_weight_in_one_ranks_shard_rolls_back_to_identical_full_parameters(tmp_path: Path) -> None:
@@ -499,7 +499,8 @@ def test_sharded_disk_snapshots_are_each_ranks_shards_and_a_resumed_fit_rolls_ba
         history = report["states"][1]["history"]
         assert [(h["step"], h["snapshot_step"], h["source"]) for h in history] == [(5, 4, "memory"), (6, 2, "disk")]
     # The full parameters, identical on both ranks: the shards each rank wrote at step 2, before the restart.
-    parts = [load_snapshot(tmp_path / "snaps" / f"rank={r}" / "rollback-step=2.pt")[1]["state"]["model"] for r in (0, 1)]
+    files = [tmp_path / "snaps" / f"rank={r}" / "rollback-step=2.pt" for r in (0, 1)]
+    parts = [load_snapshot(f)[1]["state"]["model"] for f in files]
     expected = {name: torch.cat([parts[0][name], parts[1][name]]) for name in NAMES}  # Shard(0): rows in rank order
     assert_same_tensors(resumed[0]["final"], expected)
     assert_same_tensors(resumed[1]["final"], expected)

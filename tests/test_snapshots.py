@@ -519,7 +519,9 @@ def one_rank_group() -> Any:
         dist.destroy_process_group()
 
 
-def test_a_sharded_optimizer_restored_from_a_snapshot_of_another_shape_keeps_dtensor_moments(one_rank_group: Any) -> None:
+def test_a_sharded_optimizer_restored_from_a_snapshot_of_another_shape_keeps_dtensor_moments(
+    one_rank_group: Any,
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor

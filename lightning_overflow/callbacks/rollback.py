@@ -43,8 +43,8 @@ from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
 from lightning_overflow.health import MAX_NAMES, Signal, StepHealth
-from lightning_overflow.policy import DEFAULT_ROLLBACK_TRIGGERS, SIGNAL_KINDS, StepAction, Verdict
 from lightning_overflow.numerics.snapshots import without_placeholders
+from lightning_overflow.policy import DEFAULT_ROLLBACK_TRIGGERS, SIGNAL_KINDS, StepAction, Verdict
 from lightning_overflow.snapshot_store import Snapshot, SnapshotFiles, SnapshotRing, snapshot_name
 from lightning_overflow.training_state import (
     CheckpointGuard,
@@ -106,8 +106,9 @@ class Rollback(SuiteCallback):
         keep: snapshots kept in memory, and on disk with ``dirpath`` (default 2).
         dirpath: also write each verified snapshot to this directory, a local path or an fsspec URL
             (``s3://...``, ``memory://...``), as ``rollback-step=<step>.pt`` (checksummed, written atomically,
-            pruned to ``keep``; on several ranks each rank writes the part it holds into ``<dirpath>/rank=<r>``). A fit resumed with ``ckpt_path`` can roll back to the files listed
-            in its checkpoint. Checked in ``setup`` (``None``, the default: memory only).
+            pruned to ``keep``; on several ranks each rank writes the part it holds into ``<dirpath>/rank=<r>``).
+            A fit resumed with ``ckpt_path`` can roll back to the files listed in its checkpoint. Checked in
+            ``setup`` (``None``, the default: memory only).
         max_rollbacks: rollbacks allowed within ``window`` steps (default 3); the next need raises
             :class:`DivergenceError`.
         window: the window in optimizer steps for ``max_rollbacks`` (default 1000).
@@ -546,7 +547,8 @@ class Rollback(SuiteCallback):
         another layout, or inf/NaN in the tensors it holds."""
         written = (int(payload.get("rank", 0)), int(payload.get("world_size", 1)))
         if written != (trainer.global_rank, trainer.world_size):
-            return f"it was written by rank {written[0]} of {written[1]}, not rank {trainer.global_rank} of {trainer.world_size}"
+            here = (trainer.global_rank, trainer.world_size)
+            return f"it was written by rank {written[0]} of {written[1]}, not rank {here[0]} of {here[1]}"
         state = payload["state"]
         problem = restorable(trainer, state)
         if problem:
