@@ -390,27 +390,29 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(torch.isnan(x), torch.isnan(y)) and torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0)), name
 
 
-def test_a_nan_weight_in_one_ranks_shard_rolls_back_to_identical_full_parameters(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", [ShardedRegressor, HybridShardedRegressor], ids=["fsdp", "hsdp"])
+def test_a_nan_weight_in_one_ranks_shard_rolls_back_to_identical_full_parameters(
+    tmp_path: Path, model: type[TinyRegressor]
+) -> None:
     def callbacks() -> list[Any]:
         detector = NonFiniteDetector(check_weights_every_n_steps=1, diagnose=False)
         return [detector, Rollback(every_n_steps=2), PoisonShard(4, 1, "weight")]
 
-    sharded = fit_sharded(callbacks(), tmp_path / "fsdp", max_steps=8)
+    sharded = fit_sharded(callbacks(), tmp_path / "fsdp", max_steps=8, model=model)
     replicated = fit_ddp(callbacks(), tmp_path / "ddp", max_steps=8)
     assert [r["error"] for r in sharded + replicated] == [None] * 4
     history = [{"step": 5, "reason": "nonfinite_state", "trigger_step": 4, "snapshot_step": 4, "source": "memory"}]
     for report in sharded + replicated:
         assert report["states"][1]["history"] == history and report["global_step"] == 8
+    assert torch.isnan(sharded[1]["steps"][4]["shards"]["net.0.weight"]).any()  # rank 1's part, poisoned
     for report in sharded:
-        poisoned, restored = report["steps"][4], report["steps"][5]
-        assert any(torch.isnan(w).any() for w in poisoned["weights"].values())
+        restored = report["steps"][5]
         # Restored in place, bit for bit: every shard and every moment as the snapshot of step 4 held them.
         assert_same_tensors(restored["shards"], report["steps"][3]["shards_after"])
         assert_same_tensors(restored["moments"], report["steps"][3]["moments_after"])
-    for step in range(8):  # the full parameters, gathered: identical on both ranks and to the DDP run's, every step
+    for step in (*range(4), 5, 6, 7):  # the full parameters, gathered: identical on both ranks and to the DDP run's
         assert_same_tensors(sharded[0]["steps"][step]["weights"], sharded[1]["steps"][step]["weights"])
-        if step != 4:  # (the poisoned element is another one of the full weight under DDP)
-            assert_same_tensors(sharded[0]["steps"][step]["weights"], replicated[0]["steps"][step]["weights"])
+        assert_same_tensors(sharded[0]["steps"][step]["weights"], replicated[0]["steps"][step]["weights"])
     assert_same_tensors(sharded[0]["final"], replicated[0]["final"])
     assert_same_tensors(sharded[0]["final_moments"], replicated[0]["final_moments"])
 

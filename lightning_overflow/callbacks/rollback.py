@@ -91,7 +91,7 @@ class Rollback(SuiteCallback):
     Host memory per rank, for ``P`` parameters trained with AdamW in FP32 (12 bytes per parameter: the weights and
     two moments): ``keep x 12P`` on one device; ``keep x 12P / world`` under DDP, where each rank keeps only its
     share of the tensors (balanced by bytes, at most one tensor more than ``1/world``; rebuilt on a rollback by a
-    broadcast from each owner), so a node of 8 ranks holds one copy per snapshot whatever the world size; and
+    broadcast from each owner), so a node of 8 ranks holds at most one copy per snapshot, whatever the world size; and
     ``keep x 12P / world`` under FSDP2, where each rank keeps its own shards and restores them in place. Step
     counters, schedulers and the scaler (a few bytes) are kept on every rank. :attr:`snapshot_nbytes` reports it.
 
