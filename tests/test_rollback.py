@@ -681,6 +681,17 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _moment_tensors(record: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor of a Probe record (moments and step counts), by ``<opt>.<param>.<key>``."""
+    return {
+        f"{i}.{index}.{key}": value
+        for i, optimizer in enumerate(record["optimizers"])
+        for index, values in optimizer["state"].items()
+        for key, value in values.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
 class RankReport(Callback):
     """Each rank writes what it saw to ``<out>/rank<r>.json`` (worker state does not come back to the parent)."""
 
@@ -692,6 +703,7 @@ class RankReport(Callback):
         report = {
             "history": self.rollback.history,
             "digests": {str(step): _digest(rec["weights"]) for step, rec in self.probe.at.items()},
+            "moments": {str(step): _digest(_moment_tensors(rec)) for step, rec in self.probe.at.items()},
             "final": _digest(weights(pl_module)),
             "finite": all_finite(weights(pl_module)),
             "global_step": trainer.global_step,
@@ -712,8 +724,10 @@ def test_ddp_nan_on_one_rank_rolls_back_every_rank_to_the_same_snapshot(tmp_path
     for report in reports:
         assert [(h["step"], h["trigger_step"], h["snapshot_step"]) for h in report["history"]] == expected
         assert report["digests"]["6"] == report["digests"]["4"]  # restored to the snapshot, bit for bit
+        assert report["moments"]["6"] == report["moments"]["4"]  # the Adam moments too (split across the ranks)
         assert report["global_step"] == 10 and report["finite"]
     assert reports[0]["digests"] == reports[1]["digests"]  # both ranks identical at every step
+    assert reports[0]["moments"] == reports[1]["moments"]
     assert reports[0]["final"] == reports[1]["final"]
 
 
@@ -814,3 +828,45 @@ def test_ddp_resume_rolls_back_to_the_parts_each_rank_wrote_before_the_restart(t
         ]
         assert seen["digests"]["6"] == _digest(expected)
     assert reports[0]["digests"] == reports[1]["digests"]
+
+
+class TwoGroups(TinyRegressor):
+    """Adam over the first layer only; :class:`AddGroup` adds the last layer's group later."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.net[0].parameters(), lr=self.lr)
+
+
+class AddGroup(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.net[2].parameters()), "lr": 0.01})
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["to_the_start", "group_added_since"])
+def test_ddp_a_split_snapshot_of_another_optimizer_shape_is_rebuilt_on_every_rank(tmp_path: Path, case: str) -> None:
+    """The restore loads the optimizer from a clone (the live state has another shape); the tensors another rank
+    holds are filled in by its broadcast."""
+    if case == "to_the_start":  # the snapshot of step 0 has no Adam state yet
+        model, extra, rollback, fault, expected = TinyRegressor(), [], Rollback(every_n_steps=100), 2, (3, 0)
+    else:  # the snapshot of step 2 holds one param group and its moments, split; a second group came at step 3
+        model, extra, rollback, fault, expected = TwoGroups(), [AddGroup(3)], Rollback(every_n_steps=2), 3, (4, 2)
+    probe = Probe()
+    report = RankReport(tmp_path, probe, rollback)
+    callbacks = [NonFiniteDetector(), rollback, probe, *extra, nan_at(fault, rank=1), report]
+    fit(model, callbacks, max_steps=8, strategy="ddp_fork", devices=2)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    step, target = expected
+    for report in reports:
+        assert [(h["step"], h["snapshot_step"]) for h in report["history"]] == [expected]
+        assert report["digests"][str(step)] == report["digests"][str(target)]
+        assert report["moments"][str(step)] == report["moments"][str(target)]
+        assert report["global_step"] == 8 and report["finite"]
+    assert reports[0]["digests"] == reports[1]["digests"]
+    assert reports[0]["moments"] == reports[1]["moments"]
