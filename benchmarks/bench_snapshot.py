@@ -157,11 +157,11 @@ def print_bytes_per_rank(state: dict[str, object], keep: int, ranks_per_node: in
     assert measured == bytes_per_rank(state, 2)[0], "the split's bytes differ from a real partial snapshot"
     print(f"\nhost memory of keep={keep} snapshots under DDP (one full copy: {full / 2**20:.1f} MiB)")
     node_label = f"MiB per node ({ranks_per_node} ranks a node)"
-    print(f"{'ranks':>6}{'MiB per rank (max)':>20}{'x one copy':>12}{node_label:>28}")
+    print(f"{'ranks':>6}{'MiB per rank (max)':>20}{'x one copy':>12}{node_label:>32}")
     for world in (1, 2, 4, 8, 16, 64):
         per_rank = [keep * b for b in bytes_per_rank(state, world)]
         node = sum(sorted(per_rank, reverse=True)[:ranks_per_node])  # the node holding the largest parts
-        print(f"{world:6d}{max(per_rank) / 2**20:20.2f}{max(per_rank) / (keep * full):12.3f}{node / 2**20:28.1f}")
+        print(f"{world:6d}{max(per_rank) / 2**20:20.2f}{max(per_rank) / (keep * full):12.3f}{node / 2**20:32.1f}")
 
 
 if __name__ == "__main__":
