@@ -6,6 +6,11 @@ restore copies them back in place. Both are compared with one full training step
 of the same model; medians over repeated runs, one process. A disk snapshot (temporary file, fsync, rename) is timed
 once.
 
+Then the host memory of ``keep`` snapshots per rank under DDP, by world size: each rank keeps the tensors it owns
+(Rollback's split, balanced by bytes; step counters kept on every rank), so the bytes per rank fall as ``1/world``
+and a node of 8 ranks holds about one copy per snapshot whatever the world size. The split is computed by the
+function Rollback uses, and checked against a real partial snapshot for 2 ranks.
+
     python benchmarks/bench_snapshot.py            # a 6-layer transformer, about 20M parameters
     python benchmarks/bench_snapshot.py --quick    # about 1M parameters, fewer repeats (seconds)
 """
@@ -23,6 +28,8 @@ import torch
 from torch import nn
 
 from lightning_overflow.numerics.snapshots import (
+    held_nbytes,
+    named_state_tensors,
     nonfinite_flag,
     restore_optimizer_,
     restore_state_,
@@ -31,6 +38,7 @@ from lightning_overflow.numerics.snapshots import (
     take_snapshot,
 )
 from lightning_overflow.snapshot_store import save_snapshot
+from lightning_overflow.training_state import snapshot_owners
 
 
 def build(quick: bool) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
@@ -129,6 +137,31 @@ def main() -> None:
     ]
     for name, seconds in rows:
         print(f"{name:30}{seconds * 1e3:10.2f}{seconds / t_step:10.3f}")
+    print_bytes_per_rank(live(), keep=2)
+
+
+def bytes_per_rank(state: dict[str, object], world_size: int) -> list[int]:
+    """Host bytes of one snapshot on each rank of a DDP fit of ``world_size`` ranks (Rollback's split)."""
+    owners = snapshot_owners(state, world_size, torch.device("cpu"))
+    named = named_state_tensors(state)
+    kept_everywhere = sum(t.numel() * t.element_size() for path, t in named if path not in owners)
+    sizes = {path: t.numel() * t.element_size() for path, t in named}
+    return [kept_everywhere + sum(sizes[p] for p, o in owners.items() if o == r) for r in range(world_size)]
+
+
+def print_bytes_per_rank(state: dict[str, object], keep: int, ranks_per_node: int = 8) -> None:
+    full = state_nbytes(state)
+    owners = snapshot_owners(state, 2, torch.device("cpu"))
+    held = [owners.get(path, 0) == 0 for path, _ in named_state_tensors(state)]
+    measured = held_nbytes(take_snapshot(state, held=held))
+    assert measured == bytes_per_rank(state, 2)[0], "the split's bytes differ from a real partial snapshot"
+    print(f"\nhost memory of keep={keep} snapshots under DDP (one full copy: {full / 2**20:.1f} MiB)")
+    node_label = f"MiB per node ({ranks_per_node} ranks a node)"
+    print(f"{'ranks':>6}{'MiB per rank (max)':>20}{'x one copy':>12}{node_label:>32}")
+    for world in (1, 2, 4, 8, 16, 64):
+        per_rank = [keep * b for b in bytes_per_rank(state, world)]
+        node = sum(sorted(per_rank, reverse=True)[:ranks_per_node])  # the node holding the largest parts
+        print(f"{world:6d}{max(per_rank) / 2**20:20.2f}{max(per_rank) / (keep * full):12.3f}{node / 2**20:32.1f}")
 
 
 if __name__ == "__main__":

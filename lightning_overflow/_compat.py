@@ -78,8 +78,8 @@ SHARDED_STRATEGIES = ("FSDPStrategy", "XLAFSDPStrategy", "DeepSpeedStrategy", "M
 """Strategies under which a rank holds only part of the model or of the optimizer state (class names, 2.6.6)."""
 
 SUPPORTED_SHARDED_STRATEGIES = ("ModelParallelStrategy",)
-"""Sharded strategies the suite's monitors, detectors and clippers support: FSDP2's ``DTensor`` shards, whose norms
-and finiteness are combined across ranks (checked on CPU with 2 gloo processes, torch 2.13.0)."""
+"""Sharded strategies the suite supports: FSDP2's ``DTensor`` shards, whose norms and finiteness are combined across
+ranks, and which Rollback snapshots and restores rank by rank (checked on CPU with 2 gloo processes, torch 2.13.0)."""
 
 UNSUPPORTED_STRATEGIES = {
     "FSDPStrategy": (
@@ -102,7 +102,7 @@ UNSUPPORTED_STRATEGIES = {
 
 _SUPPORTED = (
     "Supported: a single device, DDPStrategy (strategy='ddp', 'ddp_spawn', 'ddp_fork') and ModelParallelStrategy "
-    "(FSDP2: fully_shard in configure_model; there Rollback and AutoClip(mode='agc') are not supported yet)."
+    "(FSDP2: fully_shard in configure_model; there AutoClip(mode='agc') is not supported)."
 )
 
 REPLICATED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")

@@ -19,6 +19,12 @@ name in the same directory (flushed to disk on a local filesystem) and then move
 leaves either no file or a complete previous one; a temporary file left by a killed process never looks like a
 snapshot (:func:`temporary_target` recognises it for cleaning).
 
+Several ranks. A snapshot on one rank may hold only that rank's part of the state (FSDP2's shards, or the DDP
+rank's share of a split snapshot, its other tensors ``meta`` placeholders): each rank then writes its own file into
+its own folder, ``<dirpath>/rank=<r>/`` (:meth:`SnapshotFiles.for_rank`), under the same name, so the list of files a
+checkpoint keeps is the same on every rank. A placeholder is stored as what it is (a ``meta`` tensor: dtype and
+shape, no bytes), and its digest covers exactly that.
+
 Example:
     >>> ring = SnapshotRing(keep=2)
     >>> for step in (2, 4, 6):
@@ -43,7 +49,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning_fabric.utilities.cloud_io import get_filesystem
 from torch import Tensor
 
-from lightning_overflow.numerics.snapshots import SnapshotError, synchronize, take_snapshot
+from lightning_overflow.numerics.snapshots import SnapshotError, held_nbytes, synchronize, take_snapshot
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -78,12 +84,15 @@ class Snapshot:
             written before a restart).
         extras: what the suite's callbacks keep beside it (primitives).
         file: its file name in the snapshot directory, once written (or listed).
+        owners: for a snapshot split across DDP ranks, the rank that holds each split tensor, by its path (see
+            :func:`~lightning_overflow.training_state.split_snapshot`); empty when this rank holds every tensor.
     """
 
     step: int
     state: dict[str, Any] | None
     extras: dict[str, Any] = field(default_factory=dict)
     file: str | None = None
+    owners: dict[str, int] = field(default_factory=dict)
 
 
 class SnapshotRing:
@@ -101,11 +110,28 @@ class SnapshotRing:
     def steps(self) -> list[int]:
         return [snapshot.step for snapshot in self.snapshots]
 
-    def take(self, step: int, state: Any, extras: dict[str, Any]) -> Snapshot:
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held by the snapshots in the ring (placeholders cost none)."""
+        return sum(held_nbytes(s.state) for s in self.snapshots if s.state is not None)
+
+    def take(
+        self,
+        step: int,
+        state: Any,
+        extras: dict[str, Any],
+        held: list[bool] | None = None,
+        owners: dict[str, int] | None = None,
+    ) -> Snapshot:
         """Copy ``state`` (live tensors) into the ring as the newest snapshot; a snapshot of the same step is
-        replaced. Asynchronous on a GPU (see :func:`~lightning_overflow.numerics.snapshots.take_snapshot`)."""
+        replaced. Asynchronous on a GPU (see :func:`~lightning_overflow.numerics.snapshots.take_snapshot`).
+
+        Args:
+            held: which tensors this rank keeps (the others become placeholders); default all.
+            owners: who keeps each split tensor (stored on the snapshot for the restore).
+        """
         reuse = self.snapshots.pop(0).state if len(self.snapshots) >= self.keep else None
-        snapshot = Snapshot(step, take_snapshot(state, reuse), extras)
+        snapshot = Snapshot(step, take_snapshot(state, reuse, held), extras, owners=dict(owners or {}))
         self.snapshots = [s for s in self.snapshots if s.step != step] + [snapshot]
         return snapshot
 
@@ -152,6 +178,15 @@ class SnapshotFiles:
     def path(self, name: str) -> str:
         return _join(self.fs, self.dirpath, name)
 
+    def for_rank(self, rank: int) -> SnapshotFiles:
+        """The folder of one rank's files, ``<dirpath>/rank=<rank>``, for snapshots each rank holds a part of.
+
+        Example:
+            >>> SnapshotFiles("memory://runs").for_rank(1).dirpath
+            'memory://runs/rank=1'
+        """
+        return SnapshotFiles(_join(self.fs, self.dirpath, f"rank={int(rank)}"))
+
     def problem(self) -> str:
         """Why snapshots cannot be written to this directory, or ``""``: it is a file, lies under a file, or a probe
         file cannot be written and removed there. Creates the directory."""
@@ -180,21 +215,22 @@ class SnapshotFiles:
         return load_snapshot(self.path(name))
 
     def read_checked(self, name: str, step: int, check: Callable[[Any], str]) -> tuple[Any, dict[str, Any], str]:
-        """Read a snapshot file and verify it: readable, its digest, its step, then ``check(state)`` (``""`` when
-        the state is usable, else why not). Never raises: the file is untrusted, and whatever it holds, the caller
-        must go on (every rank reaches the same collective after this).
+        """Read a snapshot file and verify it: readable, its digest, its step, then ``check(payload)`` (``""`` when
+        the payload's state is usable, else why not). Never raises: the file is untrusted, and whatever it holds, the
+        caller must go on (every rank reaches the same collective after this).
 
         Returns:
-            ``(state, extras, "")``, or ``(None, extras, why it cannot be used)``.
+            ``(state, rest, "")``, or ``(None, rest, why it cannot be used)``; ``rest`` is the payload without its
+            state (``extras`` and whatever else was written beside it), ``{}`` when it cannot be read.
         """
-        extras: dict[str, Any] = {}
+        rest: dict[str, Any] = {}
         try:
             found, payload = self.read(name)
-            state, extras = payload["state"], dict(payload.get("extras", {}))
-            problem = f"it holds the snapshot of step {found}, not {step}" if found != step else check(state)
+            state, rest = payload["state"], {k: v for k, v in payload.items() if k != "state"}
+            problem = f"it holds the snapshot of step {found}, not {step}" if found != step else check(payload)
         except Exception as err:  # a bad pickle, a missing key, a tensor where a dict belongs: all mean "unusable"
-            return None, extras, str(err) if isinstance(err, SnapshotError) else f"{type(err).__name__}: {err}"
-        return (None if problem else state), extras, problem
+            return None, rest, str(err) if isinstance(err, SnapshotError) else f"{type(err).__name__}: {err}"
+        return (None if problem else state), rest, problem
 
     def remove(self, name: str) -> None:
         """Remove a file if it is there (a missing file, or one that cannot be removed, is no error)."""
@@ -337,7 +373,9 @@ def content_digest(step: int, payload: Any) -> str:
 
 # ---- internals --------------------------------------------------------------------------------------------------
 def _feed(digest: Any, node: Any) -> None:
-    if isinstance(node, Tensor):
+    if isinstance(node, Tensor) and node.device.type == "meta":  # a placeholder: its layout is all there is
+        digest.update(f"placeholder {node.dtype} {tuple(node.shape)};".encode())
+    elif isinstance(node, Tensor):
         tensor = node.detach()
         if tensor.layout != torch.strided:
             tensor = tensor.to_dense()

@@ -27,6 +27,14 @@ before the checkpoint is assembled, on every rank together, it calls a function 
 back when it is not finite), then delegates to the trainer's own method. It is installed in ``setup`` and removed in
 ``teardown``; nothing else on the trainer changes.
 
+Sharded and split states. Under FSDP2 (``ModelParallelStrategy``) parameters and optimizer moments are ``DTensor``
+shards: the training state here is each rank's local shards (views, see
+:func:`~lightning_overflow.numerics.snapshots.local_state`), read, checked and restored in place without a
+collective (the strategy's own ``lightning_module_state_dict`` and ``optimizer_state`` gather full copies to the CPU,
+and its load methods do nothing). Under DDP every rank holds the same state, so a snapshot need not be kept on every
+rank: :func:`split_snapshot` gives each tensor one owner (balanced by bytes), each rank keeps only its own, and
+:func:`restore_` has every owner broadcast its tensors into the other ranks' live tensors.
+
 Example:
     >>> module = torch.nn.Linear(2, 2)
     >>> module.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
@@ -51,13 +59,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_overflow import _compat
 from lightning_overflow.distributed import flags_by_rank
+from lightning_overflow.numerics.norms import is_sharded
 from lightning_overflow.numerics.snapshots import (
+    SnapshotError,
     clone_state,
     group_sizes,
+    local_state,
     named_state_tensors,
     nonfinite_flag,
     nonfinite_indices,
+    partition_by_size,
     restore_optimizer_,
     restore_state_,
     state_difference,
@@ -81,6 +94,8 @@ __all__ = [
     "restorable",
     "restore_",
     "restore_module_",
+    "snapshot_owners",
+    "split_snapshot",
 ]
 
 STATE_PARTS = ("model", "optimizers", "schedulers", "precision")
@@ -97,12 +112,59 @@ def live_state(trainer: pl.Trainer) -> dict[str, Any]:
         ``{"model": ..., "optimizers": [...], "schedulers": [...], "precision": ...}`` (see :data:`STATE_PARTS`).
     """
     strategy = trainer.strategy
+    if _compat.sharded_strategy(strategy) is None:
+        model = strategy.lightning_module_state_dict()
+        optimizers = [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers]
+    else:  # this rank's shards, as views: the strategy's methods would gather full copies (collectives)
+        model = local_state(trainer.lightning_module.state_dict())
+        optimizers = [local_state(optimizer.state_dict()) for optimizer in trainer.optimizers]
     return {
-        "model": strategy.lightning_module_state_dict(),
-        "optimizers": [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers],
+        "model": model,
+        "optimizers": optimizers,
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),
     }
+
+
+def split_snapshot(trainer: pl.Trainer, state: Mapping[str, Any]) -> tuple[list[bool] | None, dict[str, int]]:
+    """How the replicas of a DDP fit share a snapshot of ``state`` (a :func:`live_state`): the owners of
+    :func:`snapshot_owners`, and which tensors this rank keeps.
+
+    Returns:
+        ``(held, owners)``: for each tensor of ``state`` in ``state_tensors`` order, whether this rank keeps it (for
+        ``take_snapshot(held=...)``), and the owner of each split tensor by its path; ``(None, {})`` when nothing is
+        split (one process, or a sharded strategy, whose ranks hold different shards anyway).
+    """
+    strategy = trainer.strategy
+    world = int(trainer.world_size)
+    if world < 2 or not _compat.replicated_strategy(strategy) or not torch.distributed.is_initialized():
+        return None, {}
+    owners = snapshot_owners(state, world, torch.device(strategy.root_device))
+    rank = int(trainer.global_rank)
+    held = [owners.get(path, rank) == rank for path, _ in named_state_tensors(state)]
+    return held, owners
+
+
+def snapshot_owners(state: Mapping[str, Any], world_size: int, device: torch.device) -> dict[str, int]:
+    """The owner rank of each tensor of a training state that replicas split, by its path: the tensors of the model
+    and of the optimizers' ``state`` that live on ``device`` (where the broadcast of a restore runs) and are not
+    0-d, balanced by bytes (:func:`~lightning_overflow.numerics.snapshots.partition_by_size`). The small rest (step
+    counters, extra state, schedulers, the scaler) is kept on every rank.
+
+    Example:
+        >>> state = {"model": {"w": torch.ones(4), "b": torch.ones(1)}, "optimizers": [{"state": {}}]}
+        >>> snapshot_owners(state, 2, torch.device("cpu"))
+        {'model.w': 0, 'model.b': 1}
+    """
+    parts = [named_state_tensors(_tensor_entries(state["model"]), "model")]
+    for i, saved in enumerate(state["optimizers"]):
+        parts.append(named_state_tensors(saved["state"], f"optimizers.{i}.state"))
+    split = [
+        (path, t) for part in parts for path, t in part
+        if t.dim() > 0 and t.layout == torch.strided and t.device == device
+    ]
+    sizes = [t.numel() * t.element_size() for _, t in split]
+    return {path: owner for (path, _), owner in zip(split, partition_by_size(sizes, world_size))}
 
 
 def restorable(trainer: pl.Trainer, state: Any) -> str:
@@ -126,14 +188,19 @@ def restorable(trainer: pl.Trainer, state: Any) -> str:
                 f"optimizer {index} has param groups of {live_sizes} parameters, the snapshot {saved_sizes}: "
                 f"it belongs to another model or optimizer"
             )
-    difference = _module_difference(trainer.lightning_module.state_dict(), state["model"])
+    difference = _module_difference(local_state(trainer.lightning_module.state_dict()), state["model"])
     return f"the model state differs ({difference})" if difference else ""
 
 
-def restore_(trainer: pl.Trainer, state: Mapping[str, Any]) -> None:
+def restore_(trainer: pl.Trainer, state: Mapping[str, Any], owners: Mapping[str, int] | None = None) -> None:
     """Put a training state back into ``trainer``, copying into the live tensors (never aliasing ``state``).
 
     Check it first with :func:`restorable`. The gradients are cleared afterwards (``set_to_none``).
+
+    Args:
+        owners: for a snapshot split across the ranks (:func:`split_snapshot`), the owner of each split tensor:
+            every rank restores what it holds, then each owner broadcasts its tensors into the live tensors of the
+            others (a collective: every rank calls this at the same point).
     """
     synchronize()  # the host deep-copies parts of the snapshot: its device-to-host copies must have landed
     restore_module_(trainer.lightning_module, state["model"])
@@ -143,6 +210,8 @@ def restore_(trainer: pl.Trainer, state: Mapping[str, Any]) -> None:
         config.scheduler.load_state_dict(copy.deepcopy(saved))  # schedulers keep what they load: copy first
     if state["precision"]:
         trainer.precision_plugin.load_state_dict(copy.deepcopy(state["precision"]))
+    if owners:
+        _broadcast_from_owners(live_state(trainer), owners)
     for optimizer in trainer.optimizers:
         optimizer.zero_grad(set_to_none=True)
 
@@ -163,8 +232,11 @@ def restore_module_(module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
         >>> bool(torch.equal(layer.weight, saved["weight"]))
         True
     """
-    live = module.state_dict()
+    live = local_state(module.state_dict())
     if _module_difference(live, saved):
+        if any(is_sharded(t) for t in state_tensors(module.state_dict())):  # load_state_dict would want full tensors
+            difference = _module_difference(live, saved)
+            raise SnapshotError(f"a sharded module cannot load a snapshot of another layout ({difference})")
         module.load_state_dict(clone_state(saved))
         return
     restore_state_(_tensor_entries(live), _tensor_entries(saved))
@@ -401,6 +473,45 @@ class CheckpointGuard:
 
 
 # ---- internals --------------------------------------------------------------------------------------------------
+_BUCKET_BYTES = 64 << 20  # one broadcast per owner and dtype moves at most this much (plus one tensor)
+
+
+def _broadcast_from_owners(live: Mapping[str, Any], owners: Mapping[str, int]) -> None:
+    """Each owner broadcasts its tensors of ``live`` to the other ranks, flattened into buckets by dtype; the
+    others copy them into their live tensors. Every rank walks ``owners`` in the same order."""
+    tensors = dict(named_state_tensors(live))
+    missing = [path for path in owners if path not in tensors]
+    if missing:  # every rank has the same layout, so every rank raises here together
+        raise SnapshotError(f"the live state has no tensor at {missing[:5]}, which the split snapshot holds")
+    rank = torch.distributed.get_rank()
+    groups: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+    for path, owner in owners.items():
+        t = tensors[path].detach()
+        groups.setdefault((owner, t.dtype), []).append(t)
+    for (owner, _), group in groups.items():
+        for bucket in _buckets(group):
+            if rank == owner:
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+            else:
+                flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            torch.distributed.broadcast(flat, src=owner)
+            if rank != owner:
+                views = [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in bucket]), bucket)]
+                torch._foreach_copy_(bucket, views)
+
+
+def _buckets(tensors: list[Tensor]) -> list[list[Tensor]]:
+    out: list[list[Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if out[-1] and size + t.numel() * t.element_size() > _BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += t.numel() * t.element_size()
+    return out
+
+
 def _is_extra_state(key: str) -> bool:
     return key == _EXTRA_STATE or key.endswith("." + _EXTRA_STATE)
 

@@ -29,8 +29,16 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_overflow import AutoClip, GradNormMonitor, LossSpikeDetector, NonFiniteDetector
+from lightning_overflow import (
+    AutoClip,
+    GradNormMonitor,
+    LossSpikeDetector,
+    NonFiniteDetector,
+    Rollback,
+    default_callbacks,
+)
 from lightning_overflow.health import board_for
+from lightning_overflow.snapshot_store import load_snapshot
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
@@ -113,7 +121,11 @@ class Recorder(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         record = board_for(trainer).current
-        assert record is not None and record.step == trainer.global_step
+        if record is None:  # a fit without the suite: only what the optimizer is about to apply
+            grads = {n: full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
+            self.steps[int(trainer.global_step)].update(grads=grads)
+            return
+        assert record.step == trainer.global_step
         self.steps[record.step].update(
             total=record.total_norm,
             per_parameter=dict(zip(record.names, record.exact_grad_norms or [])),
@@ -129,6 +141,8 @@ class Recorder(pl.Callback):
         step["moments_after"] = {k: local(v) for k, v in _moments(trainer.optimizers[0]).items()}
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.final = {n: full(p) for n, p in pl_module.named_parameters()}
+        self.final_moments = {k: full(v) for k, v in _moments(trainer.optimizers[0]).items()}
         self._write(trainer, None)
 
     def _write(self, trainer: pl.Trainer, error: BaseException | None) -> None:
@@ -138,6 +152,9 @@ class Recorder(pl.Callback):
             "steps": self.steps,
             "states": [cb.state_dict() for cb in self.watch],
             "metrics": {} if self.logger is None else self.logger.metrics,
+            "final": getattr(self, "final", None),
+            "final_moments": getattr(self, "final_moments", None),
+            "snapshot_nbytes": [cb.snapshot_nbytes for cb in self.watch if hasattr(cb, "snapshot_nbytes")],
             "error": None if error is None else {"type": type(error).__name__, "message": str(error),
                                                  "kind": getattr(error, "kind", None),
                                                  "ranks": list(getattr(error, "ranks", ())),
@@ -165,9 +182,11 @@ def _moments(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
 
 
 def fit_sharded(callbacks: list[Any], directory: Path, *, logger: MemoryLogger | None = None,
-                model: type[TinyRegressor] = ShardedRegressor, **kwargs: Any) -> list[dict[str, Any]]:
+                model: type[TinyRegressor] = ShardedRegressor, ckpt_path: str | None = None,
+                **kwargs: Any) -> list[dict[str, Any]]:
     """Fit ``model`` (ShardedRegressor) on 2 forked processes; each rank's report, rank 0 first."""
     watch = [cb for cb in callbacks if hasattr(cb, "state_dict")]
+    directory.mkdir(parents=True, exist_ok=True)
     options: dict[str, Any] = {
         "max_steps": 6, "accelerator": "cpu", "devices": 2, "strategy": ForkedModelParallel(),
         "logger": logger if logger is not None else False, "enable_checkpointing": False,
@@ -179,7 +198,7 @@ def fit_sharded(callbacks: list[Any], directory: Path, *, logger: MemoryLogger |
     trainer = pl.Trainer(callbacks=[*callbacks, Recorder(directory, watch, logger)], **options)
     error: BaseException | None = None
     try:
-        trainer.fit(model())
+        trainer.fit(model(), ckpt_path=ckpt_path)
     except Exception as caught:  # a worker's exception, re-raised by the launcher
         error = caught
     files = [directory / f"rank{r}.pt" for r in range(2)]
@@ -205,12 +224,17 @@ class PoisonShard(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         if self.target == "weight" and self._due(trainer):
             with torch.no_grad():
-                dict(pl_module.named_parameters())[self.parameter].to_local().view(-1)[0] = self.value
+                _held(dict(pl_module.named_parameters())[self.parameter]).view(-1)[0] = self.value
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.target == "grad" and self._due(trainer):
             grad = dict(pl_module.named_parameters())[self.parameter].grad
-            grad.to_local().view(-1)[0] = self.value
+            _held(grad).view(-1)[0] = self.value
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard (a view), a DDP replica itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 # ---- reference ----------------------------------------------------------------------------------------------------
@@ -352,6 +376,108 @@ def test_agc_is_refused_under_sharding_with_what_to_use_instead() -> None:
     )
 
 
+# ---- Rollback -------------------------------------------------------------------------------------------------------
+def fit_ddp(callbacks: list[Any], directory: Path, **kwargs: Any) -> list[dict[str, Any]]:
+    """The same fit under DDP (``ddp_fork``, the unsharded model): the reference for the sharded one."""
+    return fit_sharded(callbacks, directory, model=TinyRegressor, strategy="ddp_fork", **kwargs)
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Bit for bit, NaN where NaN."""
+    assert list(a) == list(b)
+    for name, x in a.items():
+        y = b[name]
+        assert torch.equal(torch.isnan(x), torch.isnan(y)) and torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0)), name
+
+
+@pytest.mark.parametrize("model", [ShardedRegressor, HybridShardedRegressor], ids=["fsdp", "hsdp"])
+def test_a_nan_weight_in_one_ranks_shard_rolls_back_to_identical_full_parameters(
+    tmp_path: Path, model: type[TinyRegressor]
+) -> None:
+    def callbacks() -> list[Any]:
+        detector = NonFiniteDetector(check_weights_every_n_steps=1, diagnose=False)
+        return [detector, Rollback(every_n_steps=2), PoisonShard(4, 1, "weight")]
+
+    sharded = fit_sharded(callbacks(), tmp_path / "fsdp", max_steps=8, model=model)
+    replicated = fit_ddp(callbacks(), tmp_path / "ddp", max_steps=8)
+    assert [r["error"] for r in sharded + replicated] == [None] * 4
+    history = [{"step": 5, "reason": "nonfinite_state", "trigger_step": 4, "snapshot_step": 4, "source": "memory"}]
+    for report in sharded + replicated:
+        assert report["states"][1]["history"] == history and report["global_step"] == 8
+    assert torch.isnan(sharded[1]["steps"][4]["shards"]["net.0.weight"]).any()  # rank 1's part, poisoned
+    for report in sharded:
+        restored = report["steps"][5]
+        # Restored in place, bit for bit: every shard and every moment as the snapshot of step 4 held them.
+        assert_same_tensors(restored["shards"], report["steps"][3]["shards_after"])
+        assert_same_tensors(restored["moments"], report["steps"][3]["moments_after"])
+    for step in (*range(4), 5, 6, 7):  # the full parameters, gathered: identical on both ranks and to the DDP run's
+        assert_same_tensors(sharded[0]["steps"][step]["weights"], sharded[1]["steps"][step]["weights"])
+        assert_same_tensors(sharded[0]["steps"][step]["weights"], replicated[0]["steps"][step]["weights"])
+    assert_same_tensors(sharded[0]["final"], replicated[0]["final"])
+    assert_same_tensors(sharded[0]["final_moments"], replicated[0]["final_moments"])
+
+
+def test_a_sharded_rollback_to_the_start_clears_the_moments_and_training_goes_on(tmp_path: Path) -> None:
+    # The snapshot of step 0 has no Adam state yet: the optimizer loads it (another shape than the live state).
+    detector = NonFiniteDetector(check_weights_every_n_steps=1, diagnose=False)
+    reports = fit_sharded([detector, Rollback(every_n_steps=100), PoisonShard(2, 1, "weight")], tmp_path)
+    for report in reports:
+        assert [(h["step"], h["snapshot_step"]) for h in report["states"][1]["history"]] == [(3, 0)]
+        assert_same_tensors(report["steps"][3]["shards"], report["steps"][0]["shards"])
+        assert report["steps"][3]["moments"] == {} and report["global_step"] == 6
+        assert sorted(report["final_moments"]) == sorted(report["steps"][1]["moments"])  # state made anew
+    assert_same_tensors(reports[0]["final"], reports[1]["final"])
+
+
+def test_default_callbacks_leave_a_healthy_sharded_fit_bit_identical(tmp_path: Path) -> None:
+    suite = fit_sharded(default_callbacks(clip=None, snapshot_every_n_steps=2), tmp_path / "suite")
+    bare = fit_sharded([], tmp_path / "bare")
+    assert [r["error"] for r in suite] == [None, None]
+    for with_suite, without in zip(suite, bare):
+        assert_same_tensors(with_suite["final"], without["final"])
+        assert_same_tensors(with_suite["final_moments"], without["final_moments"])
+        for step in range(6):
+            assert_same_tensors(with_suite["steps"][step]["grads"], without["steps"][step]["grads"])
+    # Each rank keeps its own shards only: 2 snapshots of (weights + 2 Adam moments) in FP32, and 4 step counters.
+    for report in suite:
+        local_numel = sum(t.numel() for t in report["steps"][5]["shards_after"].values())
+        assert report["snapshot_nbytes"] == [2 * (3 * 4 * local_numel + 4 * 4)]
+    assert suite[0]["snapshot_nbytes"] == [2 * (3 * 4 * 113 + 16)]  # 64 + 16 + 32 + 1 elements on rank 0
+    assert suite[1]["snapshot_nbytes"] == [2 * (3 * 4 * 80 + 16)]  # 64 + 16 (rank 1's shards of net.2 are empty)
+
+
+def test_default_callbacks_under_fsdp2_skip_and_roll_back_as_under_ddp(tmp_path: Path) -> None:
+    def run(fit: Any, directory: Path) -> list[dict[str, Any]]:
+        suite = default_callbacks(snapshot_every_n_steps=2)
+        return fit([*suite, PoisonShard(6, 1, "weight")], directory, max_steps=12, log_every_n_steps=1,
+                   logger=MemoryLogger(str(directory)))
+
+    sharded, replicated = run(fit_sharded, tmp_path / "fsdp"), run(fit_ddp, tmp_path / "ddp")
+    assert [r["error"] for r in sharded + replicated] == [None] * 4
+    # The same rollback at the same step to the same snapshot. Under DDP the replica-parity check (rank 1's weights
+    # differ from rank 0's) names it first; under FSDP2 each shard exists once, and the state check finds the NaN.
+    reasons = {"fsdp": "nonfinite_state", "ddp": "replica_mismatch"}
+    for run_name, reports in (("fsdp", sharded), ("ddp", replicated)):
+        for report in reports:
+            history = report["states"][5]["history"]  # GradNormMonitor, NonFiniteDetector, ..., LRBackoff, Rollback
+            assert [(h["step"], h["reason"], h["trigger_step"], h["snapshot_step"]) for h in history] == [
+                (7, reasons[run_name], 6, 6)
+            ]
+    for fsdp, ddp in zip(sharded, replicated):
+        # NonFiniteDetector's and LRBackoff's states, the spike counts (the running statistics of the norms differ
+        # in the last bits: the global norm is summed in another order from the shards).
+        assert (fsdp["states"][1], fsdp["states"][4]) == (ddp["states"][1], ddp["states"][4])
+        spikes = [{k: r["states"][2][k] for k in ("loss_spikes", "grad_spikes")} for r in (fsdp, ddp)]
+        assert spikes[0] == spikes[1] == {"loss_spikes": 0, "grad_spikes": 0}
+        assert [fsdp["steps"][s]["skipped"] for s in range(12)] == [ddp["steps"][s]["skipped"] for s in range(12)]
+        assert [fsdp["steps"][s]["total"] for s in range(12)] == pytest.approx(
+            [ddp["steps"][s]["total"] for s in range(12)], rel=2e-6, abs=0, nan_ok=True
+        )
+        for step in (7, 11):  # after the rollback, the full parameters are the DDP run's, bit for bit
+            assert_same_tensors(fsdp["steps"][step]["weights"], ddp["steps"][step]["weights"])
+    assert_same_tensors(sharded[0]["final"], replicated[0]["final"])
+
+
 # ---- strategies the suite refuses ----------------------------------------------------------------------------------
 class DeepSpeedStrategy:
     """Named as Lightning's: deepspeed is not installed here, and Lightning runs it on CUDA only."""
@@ -365,3 +491,30 @@ def test_unsupported_sharded_strategies_are_refused_at_setup(strategy: Any) -> N
             callback.setup(SimpleNamespace(strategy=strategy, gradient_clip_val=None), TinyRegressor(), "fit")  # type: ignore[arg-type]
         assert "Supported: a single device, DDPStrategy" in str(caught.value)
         assert "ModelParallelStrategy (FSDP2: fully_shard in configure_model" in str(caught.value)
+
+
+def test_sharded_disk_snapshots_are_each_ranks_shards_and_a_resumed_fit_rolls_back_to_them(tmp_path: Path) -> None:
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    first = fit_sharded([NonFiniteDetector(), Rollback(every_n_steps=2, dirpath=tmp_path / "snaps"), checkpoints],
+                        tmp_path / "first", max_steps=4, enable_checkpointing=True)
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == ["rank=0", "rank=1"]
+    for rank, report in enumerate(first):
+        _, payload = load_snapshot(tmp_path / "snaps" / f"rank={rank}" / "rollback-step=2.pt")
+        assert (payload["rank"], payload["world_size"], payload["owners"]) == (rank, 2, {})
+        assert_same_tensors(dict(payload["state"]["model"]), report["steps"][1]["shards_after"])
+    ckpt = next((tmp_path / "ckpt").iterdir())
+    detector = NonFiniteDetector(check_weights_every_n_steps=1, diagnose=False)
+    rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
+    resumed = fit_sharded([detector, rollback, PoisonShard(4, 1, "weight"), PoisonShard(5, 0, "weight")],
+                          tmp_path / "resumed", max_steps=6, ckpt_path=str(ckpt))
+    for rank, report in enumerate(resumed):
+        history = report["states"][1]["history"]
+        assert [(h["step"], h["snapshot_step"], h["source"]) for h in history] == [(5, 4, "memory"), (6, 2, "disk")]
+    # The full parameters, identical on both ranks: the shards each rank wrote at step 2, before the restart.
+    files = [tmp_path / "snaps" / f"rank={r}" / "rollback-step=2.pt" for r in (0, 1)]
+    parts = [load_snapshot(f)[1]["state"]["model"] for f in files]
+    expected = {name: torch.cat([parts[0][name], parts[1][name]]) for name in NAMES}  # Shard(0): rows in rank order
+    assert_same_tensors(resumed[0]["final"], expected)
+    assert_same_tensors(resumed[1]["final"], expected)

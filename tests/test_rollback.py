@@ -25,6 +25,7 @@ from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
 from lightning_overflow.exceptions import DivergenceError, OverflowWarning, RollbackError
 from lightning_overflow import snapshot_store
+from lightning_overflow.numerics.snapshots import named_state_tensors
 from lightning_overflow.snapshot_store import load_snapshot, save_snapshot
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 
@@ -169,13 +170,29 @@ def test_restores_state_follows_the_triggers() -> None:
 
 
 @pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
-def test_sharded_strategies_are_refused_in_setup(strategy: str) -> None:
+def test_strategies_the_suite_refuses_are_refused_by_rollback_in_setup(strategy: str) -> None:
     from pytorch_lightning import strategies
 
     cls = getattr(strategies, strategy)
     instance = cls() if strategy == "FSDPStrategy" else cls.__new__(cls)  # DeepSpeed's __init__ needs deepspeed
-    with pytest.raises(NotImplementedError, match=f"Rollback does not support {strategy} yet: each rank holds"):
+    with pytest.raises(NotImplementedError, match=f"^Rollback does not support {strategy}: ") as caught:
         Rollback().setup(SimpleNamespace(strategy=instance), TinyRegressor(), "fit")  # type: ignore[arg-type]
+    supported = "ModelParallelStrategy (FSDP2: fully_shard in configure_model; there AutoClip(mode='agc') is not "
+    supported += "supported)"
+    assert supported in str(caught.value)
+
+
+def test_a_sharded_strategy_rollback_has_not_run_under_is_refused_in_setup() -> None:
+    class XLAStrategy:  # named as Lightning's (torch_xla is not installed here)
+        pass
+
+    with pytest.raises(NotImplementedError) as caught:
+        Rollback().setup(SimpleNamespace(strategy=XLAStrategy()), TinyRegressor(), "fit")  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "Rollback does not support XLAStrategy: Rollback has not been run under it, and its ranks may hold parts of "
+        "the state. Use strategy='ddp', or ModelParallelStrategy with fully_shard in configure_model (FSDP2), with a "
+        "plain torch optimizer, or remove Rollback from the callbacks."
+    )
 
 
 # ---- rolling back -----------------------------------------------------------------------------------------------
@@ -664,6 +681,17 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _moment_tensors(record: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor of a Probe record (moments and step counts), by ``<opt>.<param>.<key>``."""
+    return {
+        f"{i}.{index}.{key}": value
+        for i, optimizer in enumerate(record["optimizers"])
+        for index, values in optimizer["state"].items()
+        for key, value in values.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
 class RankReport(Callback):
     """Each rank writes what it saw to ``<out>/rank<r>.json`` (worker state does not come back to the parent)."""
 
@@ -675,6 +703,7 @@ class RankReport(Callback):
         report = {
             "history": self.rollback.history,
             "digests": {str(step): _digest(rec["weights"]) for step, rec in self.probe.at.items()},
+            "moments": {str(step): _digest(_moment_tensors(rec)) for step, rec in self.probe.at.items()},
             "final": _digest(weights(pl_module)),
             "finite": all_finite(weights(pl_module)),
             "global_step": trainer.global_step,
@@ -695,8 +724,10 @@ def test_ddp_nan_on_one_rank_rolls_back_every_rank_to_the_same_snapshot(tmp_path
     for report in reports:
         assert [(h["step"], h["trigger_step"], h["snapshot_step"]) for h in report["history"]] == expected
         assert report["digests"]["6"] == report["digests"]["4"]  # restored to the snapshot, bit for bit
+        assert report["moments"]["6"] == report["moments"]["4"]  # the Adam moments too (split across the ranks)
         assert report["global_step"] == 10 and report["finite"]
     assert reports[0]["digests"] == reports[1]["digests"]  # both ranks identical at every step
+    assert reports[0]["moments"] == reports[1]["moments"]
     assert reports[0]["final"] == reports[1]["final"]
 
 
@@ -714,12 +745,128 @@ class DiskReport(Callback):
 
 @pytest.mark.ddp
 @pytest.mark.timeout(180)
-def test_ddp_a_write_failing_on_rank_0_keeps_every_rank_listing_the_same_files(
+def test_ddp_each_rank_writes_its_part_and_a_write_failing_on_rank_0_keeps_the_lists_equal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(snapshot_store, "save_snapshot", _failing_write(4))  # forked workers inherit it
+    real = snapshot_store.save_snapshot
+
+    def save(payload: Any, path: Any, *, step: int) -> str:  # rank 0's write of step 4 fails
+        if step == 4 and "rank=0" in str(path):
+            raise OSError(28, "No space left on device")
+        return real(payload, path, step=step)
+
+    monkeypatch.setattr(snapshot_store, "save_snapshot", save)  # forked workers inherit it
     rollback = Rollback(every_n_steps=2, keep=2, dirpath=tmp_path / "snaps")
     fit(TinyRegressor(), [rollback, DiskReport(tmp_path, rollback)], max_steps=6, strategy="ddp_fork", devices=2)
     listed = [json.loads((tmp_path / f"disk{r}.json").read_text()) for r in (0, 1)]
     assert listed[0] == listed[1] == [{"step": 4, "file": SNAP.format(4)}, {"step": 6, "file": SNAP.format(6)}]
-    assert sorted(os.listdir(tmp_path / "snaps")) == [SNAP.format(6)]
+    assert sorted(os.listdir(tmp_path / "snaps")) == ["rank=0", "rank=1"]
+    assert sorted(os.listdir(tmp_path / "snaps" / "rank=0")) == [SNAP.format(6)]
+    assert sorted(os.listdir(tmp_path / "snaps" / "rank=1")) == [SNAP.format(4), SNAP.format(6)]
+    # Each file holds its rank's part (the other tensors are meta placeholders), and the parts add up to the state.
+    payloads = [load_snapshot(tmp_path / "snaps" / f"rank={r}" / SNAP.format(6))[1] for r in (0, 1)]
+    assert [(p["rank"], p["world_size"]) for p in payloads] == [(0, 2), (1, 2)]
+    owners = payloads[0]["owners"]
+    assert owners == payloads[1]["owners"] and sorted(set(owners.values())) == [0, 1]
+    for rank, payload in enumerate(payloads):
+        held = {path for path, t in named_state_tensors(payload["state"]) if t.device.type != "meta"}
+        assert {path for path, owner in owners.items() if owner == rank} <= held
+        assert not {path for path, owner in owners.items() if owner != rank} & held
+
+
+class BytesReport(Callback):
+    """Each rank writes the host bytes its Rollback's snapshots hold at the end of the fit to ``<out>/bytes<r>``."""
+
+    def __init__(self, out: Path, rollback: Rollback) -> None:
+        self.out, self.rollback = out, rollback
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (self.out / f"bytes{trainer.global_rank}").write_text(str(self.rollback.snapshot_nbytes))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_snapshot_bytes_per_rank_halve_from_one_rank_to_two(tmp_path: Path) -> None:
+    alone = Rollback(every_n_steps=2, keep=2)
+    fit(TinyRegressor(), [alone], max_steps=6)
+    rollback = Rollback(every_n_steps=2, keep=2)
+    fit(TinyRegressor(), [rollback, BytesReport(tmp_path, rollback)], max_steps=6, strategy="ddp_fork", devices=2)
+    per_rank = [int((tmp_path / f"bytes{r}").read_text()) for r in (0, 1)]
+    # One snapshot: 193 FP32 parameters and their 2 Adam moments (2316 bytes) and 4 step counters (16 bytes). Split
+    # by bytes over 2 ranks, largest first to the least loaded (512, 512, 512, then six of 128, then three of 4):
+    # rank 0 keeps 512 + 512 + 128 + 4 + 4 = 1160 bytes, rank 1 512 + 5 x 128 + 4 = 1156; the step counters stay on
+    # both ranks.
+    assert alone.snapshot_nbytes == 2 * (2316 + 16)
+    assert per_rank == [2 * (1160 + 16), 2 * (1156 + 16)]
+    assert max(per_rank) / alone.snapshot_nbytes == pytest.approx(0.5, abs=0.01)
+
+
+@RESUME
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_resume_rolls_back_to_the_parts_each_rank_wrote_before_the_restart(tmp_path: Path) -> None:
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    first = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
+    fit(TinyRegressor(), [NonFiniteDetector(), first, checkpoints], max_steps=4, enable_checkpointing=True,
+        strategy="ddp_fork", devices=2)
+    ckpt = next(p for p in checkpoint_files(tmp_path / "ckpt") if "step=4" in p.name)
+    # The full state of step 2, assembled from the two ranks' parts.
+    parts = [load_snapshot(tmp_path / "snaps" / f"rank={r}" / SNAP.format(2))[1]["state"] for r in (0, 1)]
+    held = [dict(named_state_tensors(part["model"])) for part in parts]
+    expected = {name: next(p[name] for p in held if p[name].device.type != "meta") for name in held[0]}
+
+    rollback, probe = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps"), Probe()
+    report = RankReport(tmp_path, probe, rollback)
+    trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(4, 5, rank=1), report], max_steps=6,
+                           strategy="ddp_fork", devices=2)
+    trainer.fit(TinyRegressor(), ckpt_path=ckpt)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for seen in reports:  # back to step 4 (memory), then one further back: the parts written at step 2 (disk)
+        assert [(h["step"], h["snapshot_step"], h["source"]) for h in seen["history"]] == [
+            (5, 4, "memory"), (6, 2, "disk")
+        ]
+        assert seen["digests"]["6"] == _digest(expected)
+    assert reports[0]["digests"] == reports[1]["digests"]
+
+
+class TwoGroups(TinyRegressor):
+    """Adam over the first layer only; :class:`AddGroup` adds the last layer's group later."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.net[0].parameters(), lr=self.lr)
+
+
+class AddGroup(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.net[2].parameters()), "lr": 0.01})
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["to_the_start", "group_added_since"])
+def test_ddp_a_split_snapshot_of_another_optimizer_shape_is_rebuilt_on_every_rank(tmp_path: Path, case: str) -> None:
+    """The restore loads the optimizer from a clone (the live state has another shape); the tensors another rank
+    holds are filled in by its broadcast."""
+    if case == "to_the_start":  # the snapshot of step 0 has no Adam state yet
+        model, extra, rollback, fault, expected = TinyRegressor(), [], Rollback(every_n_steps=100), 2, (3, 0)
+    else:  # the snapshot of step 2 holds one param group and its moments, split; a second group came at step 3
+        model, extra, rollback, fault, expected = TwoGroups(), [AddGroup(3)], Rollback(every_n_steps=2), 3, (4, 2)
+    probe = Probe()
+    report = RankReport(tmp_path, probe, rollback)
+    callbacks = [NonFiniteDetector(), rollback, probe, *extra, nan_at(fault, rank=1), report]
+    fit(model, callbacks, max_steps=8, strategy="ddp_fork", devices=2)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    step, target = expected
+    for report in reports:
+        assert [(h["step"], h["snapshot_step"]) for h in report["history"]] == [expected]
+        assert report["digests"][str(step)] == report["digests"][str(target)]
+        assert report["moments"][str(step)] == report["moments"][str(target)]
+        assert report["global_step"] == 8 and report["finite"]
+    assert reports[0]["digests"] == reports[1]["digests"]
+    assert reports[0]["moments"] == reports[1]["moments"]

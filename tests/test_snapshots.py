@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,10 +18,14 @@ from lightning_overflow.numerics.snapshots import (
     SnapshotError,
     clone_state,
     group_sizes,
+    held_nbytes,
+    is_placeholder,
+    local_state,
     named_state_tensors,
     nonfinite_flag,
     nonfinite_indices,
     nonfinite_paths,
+    partition_by_size,
     restore_optimizer_,
     restore_state_,
     state_difference,
@@ -28,6 +33,7 @@ from lightning_overflow.numerics.snapshots import (
     state_nbytes,
     state_tensors,
     take_snapshot,
+    without_placeholders,
 )
 
 
@@ -459,3 +465,87 @@ def test_numerics_snapshots_do_no_file_io() -> None:
     assert not imported & {"os", "pathlib", "io", "shutil", "tempfile"}
     calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
     assert not calls & {"torch.save", "torch.load", "open"}
+
+
+# ---- split snapshots (DDP) and shards (FSDP2) -------------------------------------------------------------------
+def test_partition_by_size_is_balanced_and_deterministic() -> None:
+    assert partition_by_size([10, 3, 7, 2], 2) == [0, 1, 1, 0]  # 10 | 7, then 3 to the lighter (7), 2 to 10's
+    assert partition_by_size([5, 5, 5, 5], 2) == [0, 1, 0, 1]  # ties: the lowest rank first
+    assert partition_by_size([4, 1], 3) == [0, 1]  # more ranks than tensors: some own nothing
+    assert partition_by_size([], 4) == []
+    with pytest.raises(ValueError, match=r"^'parts' must be at least 1 \(got 0\)$"):
+        partition_by_size([1], 0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=40), st.integers(1, 9))
+def test_partition_by_size_bounds_the_largest_share(sizes: list[int], parts: int) -> None:
+    owners = partition_by_size(sizes, parts)
+    loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(parts)]
+    assert all(0 <= o < parts for o in owners) and sum(loads) == sum(sizes)
+    assert max(loads) <= sum(sizes) / parts + max(sizes, default=0)
+
+
+def test_a_partial_snapshot_holds_placeholders_and_restores_only_what_it_holds() -> None:
+    model, optimizer = _adam_after_steps(steps=2)
+    state = {"model": model.state_dict(), "optimizers": [optimizer.state_dict()]}
+    tensors = state_tensors(state)
+    held = [i % 2 == 0 for i in range(len(tensors))]
+    snapshot = take_snapshot(state, held=held)
+    kept = state_tensors(snapshot)
+    assert [not is_placeholder(t) for t in kept] == held
+    assert all(t.shape == u.shape and t.dtype == u.dtype for t, u in zip(kept, tensors))
+    assert held_nbytes(snapshot) == sum(t.numel() * t.element_size() for t, h in zip(tensors, held) if h)
+    assert len(state_tensors(without_placeholders(snapshot))) == sum(held)
+    before = [t.clone() for t in tensors]
+    with torch.no_grad():
+        for t in tensors:
+            t.add_(1)
+    restore_state_(state, snapshot)  # the held tensors come back; the placeholders' tensors are left alone
+    for t, old, h in zip(state_tensors(state), before, held):
+        assert torch.equal(t, old if h else old + 1)
+
+
+@pytest.fixture
+def one_rank_group() -> Any:
+    """A gloo process group of one rank in this process, for DTensors; destroyed afterwards."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_optimizer_restored_from_a_snapshot_of_another_shape_keeps_dtensor_moments(
+    one_rank_group: Any,
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    first = model[0].weight
+    assert isinstance(first, DTensor)
+    first.grad = torch.ones_like(first)  # only the first parameter steps: the others get no state
+    optimizer.step()
+    snapshot = take_snapshot(local_state(optimizer.state_dict()))
+    assert type(snapshot["state"][0]["exp_avg"]) is torch.Tensor  # the local shard, a plain host tensor
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # now every parameter has state: the snapshot has another shape
+    restore_optimizer_(optimizer, snapshot)
+    assert list(optimizer.state) == [first]
+    moment = optimizer.state[first]["exp_avg"]
+    assert isinstance(moment, DTensor) and moment.placements == first.placements
+    assert torch.equal(moment.to_local(), snapshot["state"][0]["exp_avg"])
+    assert moment.to_local().data_ptr() != snapshot["state"][0]["exp_avg"].data_ptr()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # DTensor parameters with DTensor moments: the optimizer runs on
+    assert optimizer.state[first]["step"].item() == 2.0

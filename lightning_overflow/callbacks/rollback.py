@@ -43,6 +43,7 @@ from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
 from lightning_overflow.health import MAX_NAMES, Signal, StepHealth
+from lightning_overflow.numerics.snapshots import without_placeholders
 from lightning_overflow.policy import DEFAULT_ROLLBACK_TRIGGERS, SIGNAL_KINDS, StepAction, Verdict
 from lightning_overflow.snapshot_store import Snapshot, SnapshotFiles, SnapshotRing, snapshot_name
 from lightning_overflow.training_state import (
@@ -55,6 +56,7 @@ from lightning_overflow.training_state import (
     optimizer_labels,
     restorable,
     restore_,
+    split_snapshot,
 )
 
 __all__ = ["DEFAULT_TRIGGERS", "Rollback"]
@@ -86,18 +88,27 @@ class Rollback(SuiteCallback):
     is checked first and rolled back before it is written when it is not finite (see the module docstring).
     Not rewound: ``global_step``, the data position, RNG states, loggers. Details: ``docs/rollback.md``.
 
+    Host memory per rank, for ``P`` parameters trained with AdamW in FP32 (12 bytes per parameter: the weights and
+    two moments): ``keep x 12P`` on one device; ``keep x 12P / world`` under DDP, where each rank keeps only its
+    share of the tensors (balanced by bytes, at most one tensor more than ``1/world``; rebuilt on a rollback by a
+    broadcast from each owner), so a node of 8 ranks holds at most one copy per snapshot, whatever the world size; and
+    ``keep x 12P / world`` under FSDP2, where each rank keeps its own shards and restores them in place. Step
+    counters, schedulers and the scaler (a few bytes) are kept on every rank. :attr:`snapshot_nbytes` reports it.
+
     Triggers (signal kinds that make it roll back; the default, :data:`DEFAULT_TRIGGERS`, is the evidence that the
-    training state degrades): ``"nonfinite_persistent"``, ``"nonfinite_state"``, ``"scaler_collapse"``,
-    ``"loss_divergence"``, ``"loss_trend"``. A skipped non-finite step, a burst of them on bad data, and a single
-    spike are not (a skip or a clip absorbs them at no cost; see :mod:`lightning_overflow.policy`).
+    training state degrades, and DDP replicas that disagree): ``"nonfinite_persistent"``, ``"nonfinite_state"``,
+    ``"scaler_collapse"``, ``"loss_divergence"``, ``"loss_trend"``, ``"replica_mismatch"``. A skipped non-finite
+    step, a burst of them on bad data, and a single spike are not (a skip or a clip absorbs them at no cost; see
+    :mod:`lightning_overflow.policy`).
 
     Args:
         every_n_steps: healthy optimizer steps between snapshots (default 100).
         keep: snapshots kept in memory, and on disk with ``dirpath`` (default 2).
         dirpath: also write each verified snapshot to this directory, a local path or an fsspec URL
             (``s3://...``, ``memory://...``), as ``rollback-step=<step>.pt`` (checksummed, written atomically,
-            pruned to ``keep``; rank 0 writes). A fit resumed with ``ckpt_path`` can roll back to the files listed
-            in its checkpoint. Checked in ``setup`` (``None``, the default: memory only).
+            pruned to ``keep``; on several ranks each rank writes the part it holds into ``<dirpath>/rank=<r>``).
+            A fit resumed with ``ckpt_path`` can roll back to the files listed in its checkpoint. Checked in
+            ``setup`` (``None``, the default: memory only).
         max_rollbacks: rollbacks allowed within ``window`` steps (default 3); the next need raises
             :class:`DivergenceError`.
         window: the window in optimizer steps for ``max_rollbacks`` (default 1000).
@@ -110,6 +121,7 @@ class Rollback(SuiteCallback):
             ``source`` (``"memory"``/``"disk"``).
         skipped_steps: optimizer steps skipped after rollbacks.
         snapshot_steps: the steps of the snapshots kept in memory, oldest first.
+        snapshot_nbytes: host bytes this rank's snapshots in memory hold.
         restores_state: ``False`` when ``"nonfinite_state"`` is not among the triggers (``NonFiniteDetector`` then
             raises on non-finite weights itself).
 
@@ -119,7 +131,8 @@ class Rollback(SuiteCallback):
         RollbackError: a rollback was needed but no snapshot verified finite exists.
         NonFiniteError: a checkpoint about to be written holds inf/NaN and cannot be rolled back (not written).
         ValueError: in ``setup``, when ``dirpath`` is a file, lies under a file, or cannot be written.
-        NotImplementedError: under a sharded strategy or with a ``ZeroRedundancyOptimizer``.
+        NotImplementedError: in ``setup``, under a strategy the suite refuses (``FSDPStrategy``,
+            ``XLAFSDPStrategy``, ``DeepSpeedStrategy``) or ``XLAStrategy``; with a ``ZeroRedundancyOptimizer``.
 
     Logged keys: ``overflow/rollbacks`` (cumulative rollbacks), ``overflow/skipped_steps`` (cumulative skipped
     optimizer steps, with other callbacks'). Journal events: ``rollback``, ``skip``, ``snapshot_refused``,
@@ -171,6 +184,7 @@ class Rollback(SuiteCallback):
         self.history: list[dict[str, Any]] = []
         self.skipped_steps = 0
         self._memory = SnapshotRing(self.keep)
+        self._writer: SnapshotFiles | None = None  # this rank's folder of dirpath (dirpath itself on one process)
         self._disk: list[dict[str, Any]] = []  # files written, oldest first: {"step", "file"}
         self._before_restart: list[Snapshot] = []  # files from the checkpoint's list, not read yet
         self._constants = NonFiniteConstants()
@@ -187,6 +201,11 @@ class Rollback(SuiteCallback):
     def snapshot_steps(self) -> list[int]:
         return self._memory.steps
 
+    @property
+    def snapshot_nbytes(self) -> int:
+        """Host bytes this rank's snapshots in memory hold now (at most ``keep`` of them; see the class docstring)."""
+        return self._memory.nbytes
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_guard"] = None  # tied to one trainer (a weak reference): a copy guards none
@@ -197,6 +216,7 @@ class Rollback(SuiteCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        _compat.check_strategy(trainer.strategy, type(self).__name__)
         _refuse_sharded(trainer.strategy)
         super().setup(trainer, pl_module, stage)
         self._begin_fit(trainer)
@@ -384,7 +404,8 @@ class Rollback(SuiteCallback):
             self._event(trainer, "snapshot_refused", message, rank=min(check.ranks), tensors=check.names[:MAX_NAMES])
             return message
         extras = copy.deepcopy(self.board(trainer).snapshot_extras(trainer))
-        snapshot = self._memory.take(step, state, extras)
+        held, owners = split_snapshot(trainer, state)
+        snapshot = self._memory.take(step, state, extras, held, owners)
         self._last_target = None
         self._last_settings = ()
         if self._files is not None:
@@ -392,39 +413,43 @@ class Rollback(SuiteCallback):
         return None
 
     def _prepare_files(self, trainer: pl.Trainer) -> None:
-        """Check ``dirpath`` on rank 0 (the writer) and raise on every rank alike; remove killed writes' leftovers."""
+        """Check this rank's folder of ``dirpath`` on every rank and raise on every rank alike; remove killed writes'
+        leftovers. On several ranks each writes the part of the state it holds, into ``<dirpath>/rank=<r>``."""
         if self._files is None:
             return
-        problem = self._files.problem() if trainer.is_global_zero else ""
-        problem = trainer.strategy.broadcast(problem)  # every rank raises, or none
-        if problem:
-            raise ValueError(f"'dirpath' must be a directory Rollback can write to (got {self.dirpath!r}: {problem})")
-        if trainer.is_global_zero:
-            self._files.remove_temporaries()
+        writer = self._files.for_rank(trainer.global_rank) if trainer.world_size > 1 else self._files
+        problem = writer.problem()
+        (ranks,) = flags_by_rank([torch.tensor(float(bool(problem)))], trainer.strategy.root_device)
+        if ranks:  # every rank raises, or none
+            where = problem if problem else f"rank(s) {list(ranks)} cannot write to their folder there"
+            raise ValueError(f"'dirpath' must be a directory Rollback can write to (got {self.dirpath!r}: {where})")
+        writer.remove_temporaries()
+        self._writer = writer
 
     def _write(self, trainer: pl.Trainer, snapshot: Snapshot) -> None:
-        assert self._files is not None
+        assert self._writer is not None
         name = snapshot_name(snapshot.step)
-        if trainer.is_global_zero:
-            try:
-                self._files.write(name, {"state": snapshot.state, "extras": snapshot.extras}, step=snapshot.step)
-            except Exception as err:  # a full disk must not stop training: the memory snapshot is intact
-                self._files.remove(name)  # an older file under this name holds another state
-                message = (
-                    f"Rollback: could not write the snapshot of step {snapshot.step} to {self._files.dirpath}: {err}; "
-                    f"the snapshot in memory is intact, and a resumed run will find no file for this step"
-                )
-                self._event(trainer, "snapshot_write_failed", message, file=name)
-                self._warnings.warn("write", message + " (shown once)")
-        # The bookkeeping goes on as on the other ranks, which cannot know that rank 0 failed: every rank must list
-        # the same rollback targets, or some would enter the collective of _load without the others.
+        payload = {"state": snapshot.state, "extras": snapshot.extras}
+        if trainer.world_size > 1:  # a part of the state: whose, and how the parts fit together
+            payload.update(rank=int(trainer.global_rank), world_size=int(trainer.world_size), owners=snapshot.owners)
+        try:
+            self._writer.write(name, payload, step=snapshot.step)
+        except Exception as err:  # a full disk must not stop training: the memory snapshot is intact
+            self._writer.remove(name)  # an older file under this name holds another state
+            message = (
+                f"Rollback: could not write the snapshot of step {snapshot.step} to {self._writer.dirpath}: {err}; "
+                f"the snapshot in memory is intact, and a resumed run will find no file for this step"
+            )
+            self._event(trainer, "snapshot_write_failed", message, file=name)
+            self._warnings.warn("write", message + " (shown once)")
+        # The bookkeeping goes on as on the other ranks, which cannot know that this one failed: every rank must
+        # list the same rollback targets, or some would enter the collective of _load without the others.
         snapshot.file = name
         self._disk = [e for e in self._disk if e["step"] != snapshot.step] + [{"step": snapshot.step, "file": name}]
         while len(self._disk) > self.keep:
             old = self._disk.pop(0)
             self._before_restart = [s for s in self._before_restart if s.file != old["file"]]
-            if trainer.is_global_zero:
-                self._files.remove(old["file"])
+            self._writer.remove(old["file"])
 
     def _candidates(self) -> list[Snapshot]:
         """Rollback targets, newest first; a memory snapshot wins over a file of the same step."""
@@ -497,30 +522,39 @@ class Rollback(SuiteCallback):
             if state is None:
                 self._forget(candidate)
                 continue
-            restore_(trainer, state)
+            restore_(trainer, state, candidate.owners)
             self.board(trainer).after_restore(trainer, candidate.extras)
             return candidate, source
         return None
 
     def _load(self, trainer: pl.Trainer, candidate: Snapshot) -> dict[str, Any] | None:
-        """Read and verify a file from before the restart on every rank; ``None`` unless every rank could use it."""
-        assert self._files is not None and candidate.file is not None
-        state, candidate.extras, problem = self._files.read_checked(
-            candidate.file, candidate.step, lambda state: self._unfit(trainer, state)
+        """Read and verify a file from before the restart on every rank (each its own part on several ranks);
+        ``None`` unless every rank could use its file."""
+        assert self._writer is not None and candidate.file is not None
+        state, rest, problem = self._writer.read_checked(
+            candidate.file, candidate.step, lambda payload: self._unfit(trainer, payload)
         )
+        candidate.extras, candidate.owners = dict(rest.get("extras", {})), dict(rest.get("owners", {}))
         (unusable,) = flags_by_rank([torch.tensor(float(bool(problem)))], trainer.strategy.root_device)
         if not unusable:
             return state
-        where = f"the snapshot file {self._files.path(candidate.file)}"
+        where = f"the snapshot file {self._writer.path(candidate.file)}"
         self._unusable(trainer, candidate, where, problem, ranks=unusable)
         return None
 
-    def _unfit(self, trainer: pl.Trainer, state: Any) -> str:
-        """Why a state read from a file cannot become the live state here: another layout, or inf/NaN."""
+    def _unfit(self, trainer: pl.Trainer, payload: Any) -> str:
+        """Why a snapshot file's payload cannot become the live state here: written by another rank or world size,
+        another layout, or inf/NaN in the tensors it holds."""
+        written = (int(payload.get("rank", 0)), int(payload.get("world_size", 1)))
+        if written != (trainer.global_rank, trainer.world_size):
+            here = (trainer.global_rank, trainer.world_size)
+            return f"it was written by rank {written[0]} of {written[1]}, not rank {here[0]} of {here[1]}"
+        state = payload["state"]
         problem = restorable(trainer, state)
         if problem:
             return problem
-        weights, states = nonfinite_parts(state["model"], state["optimizers"], self._constants)
+        held = without_placeholders(state)
+        weights, states = nonfinite_parts(held["model"], held["optimizers"], self._constants)
         return f"it holds inf/NaN{_quote(weights + states)}" if weights or states else ""
 
     def _unusable(
@@ -635,8 +669,9 @@ def _quote(names: list[str]) -> str:
 
 
 def _refuse_sharded(strategy: Any) -> None:
+    """Refuse a sharded strategy other than FSDP2's (the suite refuses FSDP1, XLA's FSDP and DeepSpeed itself)."""
     name = _compat.sharded_strategy(strategy)
-    if name is not None:
+    if name is not None and name not in _compat.SUPPORTED_SHARDED_STRATEGIES:
         raise NotImplementedError(_sharded_message(name))
 
 
@@ -646,9 +681,15 @@ def _refuse_sharded_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
             raise NotImplementedError(_sharded_message("ZeroRedundancyOptimizer"))
 
 
+_REFUSED = {
+    "ZeroRedundancyOptimizer": "it keeps each rank's part of the optimizer state in a layout of its own, which "
+    "Rollback cannot snapshot and restore in place",
+}
+
+
 def _sharded_message(name: str) -> str:
+    reason = _REFUSED.get(name, "Rollback has not been run under it, and its ranks may hold parts of the state")
     return (
-        f"Rollback does not support {name} yet: each rank holds only a shard of the weights and optimizer state, "
-        f"and snapshots of shards are not implemented. Use strategy='ddp' (or a single device) with Rollback, or "
-        f"remove Rollback from the callbacks."
+        f"Rollback does not support {name}: {reason}. Use strategy='ddp', or ModelParallelStrategy with fully_shard "
+        f"in configure_model (FSDP2), with a plain torch optimizer, or remove Rollback from the callbacks."
     )

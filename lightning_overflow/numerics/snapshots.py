@@ -22,6 +22,12 @@ Facts that shape it (torch 2.13):
   read (:func:`nonfinite_flag`). NaN propagates through it and, unlike the L2 norm, it cannot overflow while the
   values are finite: Adam's ``exp_avg_sq`` under gradients of 1e11 holds values near 1e19, whose squares overflow
   FP32 although nothing is wrong with them. A tensor is non-finite exactly when it holds inf or NaN.
+- Sharded tensors (FSDP2's ``DTensor`` parameters and moments): a snapshot holds this rank's local shard, and is
+  restored into it in place (:func:`local_state` gives the live state as local views, no copy, no collective).
+- A snapshot may hold only part of the tensors (each DDP rank keeps about ``1/world`` of them, see
+  :func:`partition_by_size`): every tensor it does not hold is a *placeholder*, a ``meta`` tensor of the same shape
+  and dtype, which costs no memory, keeps the layout checks working, and which :func:`restore_state_` leaves for the
+  rank that holds the tensor to broadcast.
 - An optimizer state's 0-d entries are step counters (Adam's ``step``, kept on the CPU even when the moments live on
   a GPU); checks of optimizer states pass ``scalars=False`` to leave them out, as
   :func:`~lightning_overflow.numerics.state.optimizer_state_tensors` does.
@@ -41,6 +47,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -49,17 +56,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_overflow.numerics.norms import local_shard, tensor_norms
+from lightning_overflow.numerics.norms import is_sharded, local_shard, tensor_norms
 from lightning_overflow.numerics.state import parameters_of
 
 __all__ = [
     "SnapshotError",
     "clone_state",
     "group_sizes",
+    "held_nbytes",
+    "is_placeholder",
+    "local_state",
     "named_state_tensors",
     "nonfinite_flag",
     "nonfinite_indices",
     "nonfinite_paths",
+    "partition_by_size",
     "restore_optimizer_",
     "restore_state_",
     "state_difference",
@@ -68,6 +79,7 @@ __all__ = [
     "state_tensors",
     "synchronize",
     "take_snapshot",
+    "without_placeholders",
 ]
 
 
@@ -77,26 +89,32 @@ class SnapshotError(ValueError):
 
 
 # ---- taking and restoring ---------------------------------------------------------------------------------------
-def take_snapshot(state: Any, reuse: Any = None) -> Any:
+def take_snapshot(state: Any, reuse: Any = None, held: Sequence[bool] | None = None) -> Any:
     """Copy ``state`` into host buffers, without reading anything back to the host.
 
     Plain values (numbers, strings, ``None``) are deep-copied; every tensor is copied into a host buffer (pinned for
-    CUDA tensors; a ``meta`` tensor gets a ``meta`` buffer) with one batched, non-blocking copy.
+    CUDA tensors; a ``meta`` tensor gets a ``meta`` buffer) with one batched, non-blocking copy. A ``DTensor`` is
+    copied as its local shard.
 
     Args:
         state: the live state (a ``state_dict()`` or any nesting of dicts, lists and tuples of them).
         reuse: a snapshot that is no longer needed: its buffers are reused wherever a tensor has the same position,
             shape and dtype. Its contents are overwritten.
+        held: for each tensor of ``state`` (in :func:`state_tensors` order), whether this snapshot holds it; a tensor
+            not held becomes a placeholder (a ``meta`` tensor: no copy, no memory). Default: every tensor is held.
 
     Returns:
         The snapshot: the nesting of ``state`` with host tensors (an ``OrderedDict`` keeps its ``_metadata``).
     """
     dst: list[Tensor] = []
     src: list[Tensor] = []
+    position = itertools.count()
 
     def walk(node: Any, old: Any) -> Any:
         if isinstance(node, Tensor):
-            node = node.detach()
+            node = local_shard(node.detach())
+            if held is not None and not held[next(position)]:
+                return torch.empty(node.shape, dtype=node.dtype, device="meta")
             if node.layout != torch.strided:  # sparse and other layouts: a plain copy, outside the batched one
                 return node.to("cpu", copy=True)
             buffer = old if _fits(old, node) else _host_buffer(node)
@@ -113,7 +131,9 @@ def take_snapshot(state: Any, reuse: Any = None) -> Any:
 def restore_state_(live: Any, snapshot: Any) -> None:
     """Copy the tensors of ``snapshot`` into the tensors of ``live``, in place, in one batched non-blocking copy.
 
-    Plain values in ``live`` are left alone (they cannot be changed in place); the caller restores those.
+    Plain values in ``live`` are left alone (they cannot be changed in place); the caller restores those. A
+    ``DTensor`` of ``live`` gets its local shard restored; a placeholder of ``snapshot`` (see :func:`is_placeholder`)
+    leaves its live tensor as it is, for the rank that holds it to broadcast.
 
     Raises:
         SnapshotError: the two nestings differ (keys, lengths, tensor shapes or dtypes), naming the first place.
@@ -171,7 +191,7 @@ def restore_optimizer_(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, 
         >>> [group["lr"] for group in optimizer.param_groups]
         [0.1, 0.01]
     """
-    live = optimizer.state_dict()
+    live = local_state(optimizer.state_dict())
     groups, saved_groups = live["param_groups"], snapshot["param_groups"]
     live_sizes, saved_sizes = group_sizes(groups), group_sizes(saved_groups)
     if live_sizes != saved_sizes:
@@ -181,12 +201,12 @@ def restore_optimizer_(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, 
             )
         synchronize()  # the host clones the buffers: pending device-to-host copies into them must be done
         kept = [{**clone_state(saved), "params": list(group["params"])} for saved, group in zip(saved_groups, groups)]
-        state = clone_state(dict(snapshot["state"]))
+        state = _loadable(optimizer, dict(snapshot["state"]))
         optimizer.load_state_dict({"state": state, "param_groups": kept + list(groups[len(saved_groups) :])})
         return
     if not state_matches(live["state"], snapshot["state"]):
         synchronize()
-        optimizer.load_state_dict(clone_state(snapshot))
+        optimizer.load_state_dict({**clone_state(snapshot), "state": _loadable(optimizer, snapshot["state"])})
         return
     restore_state_(live["state"], snapshot["state"])
     params = parameters_of(optimizer)
@@ -196,6 +216,83 @@ def restore_optimizer_(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, 
                 optimizer.state[params[index]][key] = copy.deepcopy(value)
     for group, saved in zip(optimizer.param_groups, saved_groups):
         group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
+
+
+def local_state(state: Any) -> Any:
+    """``state`` with every ``DTensor`` replaced by this rank's local shard: a view (writing into it writes the
+    ``DTensor``), no copy and no collective. Plain values are kept as they are, not copied; a state without
+    ``DTensor`` s comes back as an equal nesting of the same tensors.
+
+    Example:
+        >>> state = {"w": torch.ones(2), "step": 3}
+        >>> local_state(state)["w"] is state["w"]
+        True
+    """
+    if isinstance(state, Tensor):
+        return local_shard(state) if is_sharded(state) else state
+    if isinstance(state, Mapping):
+        items = [(k, local_state(v)) for k, v in state.items()]
+        out: Any = OrderedDict(items) if isinstance(state, OrderedDict) else dict(items)
+        metadata = getattr(state, "_metadata", None)
+        if metadata is not None:
+            out._metadata = metadata
+        return out
+    if isinstance(state, (list, tuple)):
+        items = [local_state(v) for v in state]
+        return tuple(items) if isinstance(state, tuple) else items
+    return state
+
+
+def partition_by_size(sizes: Sequence[int], parts: int) -> list[int]:
+    """Give each of ``len(sizes)`` items an owner in ``range(parts)`` so that the owners' total sizes are balanced:
+    the largest item first, each to the least loaded owner (the lowest index on a tie). Deterministic: every rank
+    computes the same owners from the same sizes.
+
+    The largest owner's total is at most ``sum(sizes) / parts + max(sizes)`` (and within 4/3 of the best possible).
+
+    Raises:
+        ValueError: ``parts`` below 1, or a negative size.
+
+    Example:
+        >>> partition_by_size([10, 3, 7, 2], 2)
+        [0, 1, 1, 0]
+    """
+    if parts < 1:
+        raise ValueError(f"'parts' must be at least 1 (got {parts})")
+    if any(size < 0 for size in sizes):
+        raise ValueError(f"'sizes' must be non-negative (got {list(sizes)})")
+    owners = [0] * len(sizes)
+    loads = [0] * parts
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner = min(range(parts), key=lambda r: (loads[r], r))
+        owners[index] = owner
+        loads[owner] += sizes[index]
+    return owners
+
+
+def is_placeholder(snapshot_tensor: Tensor, live_tensor: Tensor | None = None) -> bool:
+    """Whether a snapshot's tensor is a placeholder for one that another rank holds: a ``meta`` tensor (for a live
+    tensor that is not ``meta`` itself, when it is given)."""
+    if snapshot_tensor.device.type != "meta":
+        return False
+    return live_tensor is None or local_shard(live_tensor).device.type != "meta"
+
+
+def without_placeholders(snapshot: Any) -> Any:
+    """``snapshot`` without its placeholders (dict entries and tuple/list items that are placeholders become
+    ``None``), for checks of the tensors a snapshot holds: paths of the others stay the same."""
+    if isinstance(snapshot, Tensor):
+        return None if is_placeholder(snapshot) else snapshot
+    if isinstance(snapshot, Mapping):
+        return {k: v for k, v in ((k, without_placeholders(v)) for k, v in snapshot.items()) if v is not None}
+    if isinstance(snapshot, (list, tuple)):
+        return [without_placeholders(v) for v in snapshot]
+    return snapshot
+
+
+def held_nbytes(snapshot: Any) -> int:
+    """Bytes of host memory the tensors of ``snapshot`` occupy (placeholders cost none)."""
+    return sum(t.numel() * t.element_size() for t in state_tensors(snapshot) if t.device.type != "meta")
 
 
 def group_sizes(param_groups: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -303,6 +400,39 @@ def nonfinite_paths(state: Any, prefix: str = "", *, scalars: bool = True) -> li
 
 
 # ---- internals --------------------------------------------------------------------------------------------------
+def _loadable(optimizer: torch.optim.Optimizer, saved_state: Mapping[Any, Any]) -> dict[Any, Any]:
+    """A clone of a snapshot's optimizer ``state`` that ``optimizer.load_state_dict`` can keep: the moments of a
+    ``DTensor`` parameter wrapped back into a ``DTensor`` of its layout (the snapshot holds the local shard), and
+    placeholders made empty tensors (the rank that holds them broadcasts their values afterwards)."""
+    params = parameters_of(optimizer)
+    out: dict[Any, Any] = {}
+    for index, values in clone_state(dict(saved_state)).items():
+        param = params[index] if isinstance(index, int) and index < len(params) else None
+        entry = {}
+        for key, value in values.items():
+            if isinstance(value, Tensor) and value.device.type == "meta":
+                value = torch.empty(value.shape, dtype=value.dtype)
+            if isinstance(value, Tensor) and param is not None and is_sharded(param) and value.dim() > 0:
+                value = _like_parameter(value, param)
+            entry[key] = value
+        out[index] = entry
+    return out
+
+
+def _like_parameter(shard: Tensor, param: Tensor) -> Tensor:
+    """A ``DTensor`` with ``param``'s mesh, placements and global shape whose local shard is ``shard``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        shard.to(local_shard(param).device),
+        param.device_mesh,  # type: ignore[attr-defined]
+        param.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
 def _fits(old: Any, new: Tensor) -> bool:
     if not isinstance(old, Tensor) or old.shape != new.shape or old.dtype != new.dtype:
         return False
@@ -372,13 +502,16 @@ def _rebuild(node: Any, old: Any, leaf: Any) -> Any:
 def _pair(live: Any, snap: Any, dst: list[Tensor], src: list[Tensor], path: str) -> None:
     where = path or "<root>"
     if isinstance(live, Tensor):
+        live = local_shard(live)
         if not isinstance(snap, Tensor):
             raise SnapshotError(f"{where}: the live state holds a tensor, the snapshot {type(snap).__name__}")
         if live.shape != snap.shape or live.dtype != snap.dtype:
             raise SnapshotError(
                 f"{where}: live {tuple(live.shape)} {live.dtype} vs snapshot {tuple(snap.shape)} {snap.dtype}"
             )
-        dst.append(live.detach())
+        if is_placeholder(snap, live):
+            return  # another rank holds it and broadcasts it
+        dst.append(local_shard(live.detach()))
         src.append(snap)
     elif isinstance(live, Mapping):
         if not isinstance(snap, Mapping) or set(live) != set(snap):
