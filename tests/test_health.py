@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import struct
 import sys
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import MemoryLogger, fit
 
 import lightning_overflow.health as health
@@ -126,3 +129,47 @@ def test_the_place_of_a_callback_in_the_list_changes_nothing(tmp_path: Any) -> N
         events, final = run(order, name)
         assert events == reference_events
         assert all(torch.equal(final[k], reference_weights[k]) for k in final)
+
+
+def device_loss_facts(losses: list[float], scale: float | None, factor: int) -> tuple[int, float, int]:
+    """The same facts from float32 tensor ops, as the board accumulates them across ranks."""
+    flags = total = None
+    for loss in losses:
+        value = torch.tensor(loss, dtype=torch.float64).float()
+        if scale is not None:
+            value = value / torch.tensor(scale, dtype=torch.float32)
+        value = value * factor
+        bad = ~torch.isfinite(value)
+        finite = torch.where(bad, torch.zeros_like(value), value)
+        flags, total = (bad.float(), finite) if flags is None else (flags + bad.float(), total + finite)
+    if flags is None or total is None:
+        return 0, 0.0, 0
+    return int(flags.item()), total.item(), len(losses)
+
+
+def test_loss_facts_by_hand() -> None:
+    assert health.loss_facts([1.5, float("nan"), 2.25], None, 1) == (1, 3.75, 3)
+    assert health.loss_facts([0.25, 0.5], 0.5, 2) == (0, 3.0, 2)
+    assert health.loss_facts([], None, 1) == (0, 0.0, 0)
+    assert health.loss_facts([1e39], None, 1) == (1, 0.0, 1)  # beyond float32: inf, as Tensor.float() makes it
+
+
+loss_values = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(min_value=-1e6, max_value=1e6, allow_subnormal=False),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    losses=st.lists(loss_values, max_size=6),
+    scale=st.one_of(st.none(), st.sampled_from([65536.0, 0.5, 3.0, 1e-4, 2.0**-14])),
+    factor=st.integers(min_value=1, max_value=16),
+)
+def test_host_loss_facts_equal_float32_tensor_ops_bit_for_bit(
+    losses: list[float], scale: float | None, factor: int
+) -> None:
+    host = health.loss_facts(losses, None if scale is None else float(torch.tensor(scale).float()), factor)
+    device = device_loss_facts(losses, scale, factor)
+    assert host[0] == device[0] and host[2] == device[2]
+    assert struct.pack("d", host[1]) == struct.pack("d", device[1])  # bit for bit, the sign of a zero included

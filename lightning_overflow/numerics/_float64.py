@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from fractions import Fraction
 
 import torch
@@ -29,6 +30,15 @@ def div(a: float, b: float) -> float:
             return math.nan
         return math.copysign(math.inf, a) * math.copysign(1.0, b)
     return a / b
+
+
+def to_float32(value: float) -> float:
+    """The float32 nearest to ``value`` (ties to even; ``+-inf`` beyond the float32 range), as ``Tensor.float()``
+    rounds it, as a Python float."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # the rounded value is infinite
+        return math.copysign(math.inf, value)
 
 
 def sqrt(x: float) -> float:

@@ -120,12 +120,15 @@ def _norms_on_one_device(tensors: list[Tensor], norm_type: float) -> Tensor:
         # One fused kernel per dtype on accelerators; half inputs are accumulated in fp32 (float64 stays float64).
         return _foreach_norms(tensors)
     # On CPU a dot per tensor is faster than _foreach_norm (whose fp32 kernel runs on one thread) and more accurate.
-    squares = [
-        torch.linalg.vector_norm(t, dtype=torch.float32).square()
-        if t.dtype in _HALF
-        else torch.dot(t.reshape(-1), t.reshape(-1)).float()
-        for t in tensors
-    ]
+    # The loop is the suite's hot path: one flat view per tensor (none for vectors), no conversion of fp32 squares.
+    squares = []
+    for t in tensors:
+        if t.dtype in _HALF:
+            squares.append(torch.linalg.vector_norm(t, dtype=torch.float32).square())
+            continue
+        flat = t if t.dim() == 1 else t.reshape(-1)
+        square = torch.dot(flat, flat)
+        squares.append(square if t.dtype == torch.float32 else square.float())
     return torch.stack(squares).sqrt()
 
 
@@ -175,12 +178,15 @@ def tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     norm_type = check_norm_type(norm_type)
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    tensors = [_dense_values(local_shard(t)) for t in tensors]
+    if _dtensor_type() is not None:  # no DTensor can exist before its module is loaded
+        tensors = [local_shard(t) for t in tensors]
+    tensors = [t if t.layout == torch.strided else _dense_values(t) for t in tensors]
+    device = tensors[0].device
+    if all(t.device == device for t in tensors):
+        return _norms_on_one_device(tensors, norm_type)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
-    if len(by_device) == 1:
-        return _norms_on_one_device(list(tensors), norm_type)
     out_device = next((d for d in by_device if d.type != "cpu"), tensors[0].device)
     norms: list[Tensor] = [torch.empty(0)] * len(tensors)
     for indices in by_device.values():
