@@ -41,7 +41,7 @@ from lightning_overflow.numerics import (
     total_norm,
 )
 from lightning_overflow.numerics._float64 import div, to_float32
-from lightning_overflow.numerics.norms import is_sharded, shard_squares
+from lightning_overflow.numerics.norms import any_sharded, shard_squares
 from lightning_overflow.policy import SIGNAL_KINDS, StepAction, Verdict, decide_step
 from lightning_overflow.skip import BufferCopy, HeldSchedules, skip_step
 from lightning_overflow.training_state import (
@@ -205,7 +205,7 @@ class StepHealth:
         self.log_step = log_step
         self.log_due = log_due
         grads = [p.grad for p in params]
-        self.sharded = any(is_sharded(g) for g in grads)  # type: ignore[arg-type]
+        self.sharded = any_sharded(grads)  # type: ignore[arg-type]
         self.grad_norms = tensor_norms(grads)  # type: ignore[arg-type]
         self._parts: list[tuple[str, Tensor, int]] = []  # (name, device values, _LOCAL / _SUMMED / _PER_RANK)
         self._values: dict[str, list[float]] = {}
@@ -348,6 +348,7 @@ class HealthBoard:
 
     def __init__(self) -> None:
         self.names: dict[int, str] = {}
+        self._step_names: tuple[list[int], list[str]] | None = None  # the last step's parameter ids and names
         self.journal = Journal(None)
         self._participants: list[weakref.ref[StepParticipant]] = []
         self._ordered: list[StepParticipant] | None = None
@@ -383,6 +384,7 @@ class HealthBoard:
             self._participants.sort(key=lambda ref: getattr(ref(), "stage", 0))
             self._ordered = None
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
+        self._step_names = None
         self._started_batch = self._ended_batch = None
         self._published = {}
         self._constants = None
@@ -404,6 +406,7 @@ class HealthBoard:
         """Drop everything tied to the last fit's tensors (records, held schedules, buffers, loss flags)."""
         self.current = None
         self._ordered = None  # strong references to the callbacks end with the fit
+        self._step_names = None
         self._loss_flags = self._loss_sum = None
         self._loss_count = 0
         self._losses = []
@@ -590,8 +593,11 @@ class HealthBoard:
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> StepHealth:
         params = [p for p in parameters_of(optimizer) if p.grad is not None]
-        if any(id(p) not in self.names for p in params):
-            self.names = {id(p): n for n, p in pl_module.named_parameters()}
+        ids = [id(p) for p in params]
+        if self._step_names is None or self._step_names[0] != ids:  # the same parameters step after step
+            if any(i not in self.names for i in ids):
+                self.names = {id(p): n for n, p in pl_module.named_parameters()}
+            self._step_names = ids, [self.names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params]
         record = StepHealth(
             step=int(trainer.global_step),
             optimizer=optimizer,
@@ -600,7 +606,7 @@ class HealthBoard:
             rank=int(trainer.global_rank),
             world_size=int(trainer.world_size),
             params=params,
-            names=[self.names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params],
+            names=list(self._step_names[1]),
             all_names=self.names,
             log_step=_compat.batches_that_stepped(trainer),
             log_due=bool(trainer.loggers) and _compat.should_update_logs(trainer),

@@ -31,6 +31,7 @@ from lightning_overflow._validation import check_norm_type
 __all__ = [
     "FP32_MAX",
     "NormReport",
+    "any_sharded",
     "grad_norm_report",
     "is_sharded",
     "local_shard",
@@ -61,6 +62,12 @@ def is_sharded(t: Tensor) -> bool:
     """Whether ``t`` is a ``DTensor`` (each rank holds a shard or a replica of it)."""
     dtensor = _dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)
+
+
+def any_sharded(tensors: Iterable[Tensor]) -> bool:
+    """Whether some tensor of ``tensors`` is a ``DTensor`` (answered without a look at them before one can exist)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
 
 
 def local_shard(t: Tensor) -> Tensor:
