@@ -41,7 +41,7 @@ from lightning_overflow.numerics import (
     total_norm,
 )
 from lightning_overflow.numerics._float64 import div, to_float32
-from lightning_overflow.numerics.norms import any_sharded, shard_squares
+from lightning_overflow.numerics.norms import any_sharded, host_total_norm, shard_squares
 from lightning_overflow.policy import SIGNAL_KINDS, StepAction, Verdict, decide_step
 from lightning_overflow.skip import BufferCopy, HeldSchedules, skip_step
 from lightning_overflow.training_state import (
@@ -631,8 +631,9 @@ class HealthBoard:
             grads = [p.grad for p in record.params]
             record.add("grad_squares", shard_squares(record.grad_norms, grads, record.world_size), summed=True)  # type: ignore[arg-type]
         else:
-            # Replicated gradients (all-reduced by DDP, or one device): identical on every rank, so not reduced.
-            record.add("grad_total", total_norm(record.grad_norms))
+            # Replicated gradients (all-reduced by DDP, or one device): identical on every rank, so not reduced; their
+            # total is taken on the host from the read norms (no kernel for it).
+            record.add("grad_norms", record.grad_norms)
         scaler = _compat.scaler_of(trainer)
         scale = _compat.scaler_scale(scaler) if scaler is not None else None
         if scale is not None:
@@ -658,7 +659,7 @@ class HealthBoard:
         if record.sharded:
             HealthBoard._interpret_shards(record)
             return
-        total = record.value("grad_total")[0]
+        total = host_total_norm(record.value("grad_norms"))
         if math.isfinite(total):
             record.total_norm = total
             return

@@ -33,6 +33,7 @@ __all__ = [
     "NormReport",
     "any_sharded",
     "grad_norm_report",
+    "host_total_norm",
     "is_sharded",
     "local_shard",
     "norm_status",
@@ -218,6 +219,21 @@ def total_norm(norms: Tensor, norm_type: float = 2.0) -> Tensor:
     if math.isinf(norm_type):
         return norms.amax()
     return norms.square().sum().sqrt()
+
+
+def host_total_norm(norms: Sequence[float]) -> float:
+    """The total L2 norm of per-tensor norms already read to the host, correctly rounded: each square is exact in
+    float64 (the norms are FP32 values), their sum is exact before its one rounding (``math.fsum``), and so is the
+    root. ``inf`` / ``nan`` where some norm is.
+
+    Example:
+        >>> host_total_norm([3.0, 4.0])
+        5.0
+    """
+    squares = [v * v for v in norms]
+    if all(math.isfinite(v) for v in squares):
+        return math.sqrt(math.fsum(squares))
+    return math.sqrt(sum(squares))
 
 
 def refine_norms(tensors: Sequence[Tensor], norms: Tensor, indices: Iterable[int], norm_type: float = 2.0) -> Tensor:
