@@ -81,10 +81,18 @@ _PROGRESS_BAR_DEFAULTS = {"overflow/skipped_steps": 0.0, "overflow/rollbacks": 0
 
 def board_for(trainer: pl.Trainer) -> HealthBoard:
     """The board of ``trainer``, created on first use."""
+    global _LAST_BOARD
+    last = _LAST_BOARD
+    if last is not None and last[0]() is trainer:  # every hook of every suite callback asks, a few dozen times a step
+        return last[1]
     board = _BOARDS.get(trainer)
     if board is None:
         board = _BOARDS[trainer] = HealthBoard()
+    _LAST_BOARD = weakref.ref(trainer), board
     return board
+
+
+_LAST_BOARD: tuple[weakref.ref[Any], HealthBoard] | None = None
 
 
 
