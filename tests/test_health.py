@@ -23,8 +23,9 @@ STEPS = 6
 
 @pytest.fixture
 def count_norms(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Counts the norm kernels the package runs (``torch.dot`` per tensor on CPU, ``_foreach_norm`` and
-    ``vector_norm`` elsewhere), at the kernel: whichever name the package calls them through."""
+    """Counts the norm kernels the package runs (on CPU ``torch.dot`` per tensor, or one ``_foreach_norm`` on one
+    thread; ``_foreach_norm`` and ``vector_norm`` elsewhere), at the kernel: whichever name the package calls them
+    through."""
     calls: Counter[str] = Counter()
     for owner, name in ((torch, "dot"), (torch, "_foreach_norm"), (torch.linalg, "vector_norm")):
         original = getattr(owner, name)
@@ -54,7 +55,21 @@ def test_one_norm_computation_per_optimizer_step(callbacks: list[Any], count_nor
     for order in itertools.permutations(callbacks):
         count_norms.clear()
         fit(TinyRegressor(), list(order), max_steps=STEPS, logger=MemoryLogger(), log_every_n_steps=1)
-        assert count_norms == Counter({"dot": STEPS * tensors})
+        # One CPU thread: one _foreach_norm for all tensors; several: a dot per tensor.
+        one_thread = torch.get_num_threads() == 1
+        assert count_norms == (Counter({"_foreach_norm": STEPS}) if one_thread else Counter({"dot": STEPS * tensors}))
+
+
+@pytest.mark.parametrize(("threads", "expected"), [(1, Counter({"_foreach_norm": STEPS})), (2, None)])
+def test_one_norm_kernel_per_step_on_one_cpu_thread(threads: int, expected: Any, count_norms: Counter[str]) -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fit(TinyRegressor(), [GradNormMonitor(), NonFiniteDetector()], max_steps=STEPS, logger=MemoryLogger())
+    finally:
+        torch.set_num_threads(previous)
+    tensors = len(list(TinyRegressor().parameters()))
+    assert count_norms == (expected or Counter({"dot": STEPS * tensors}))
 
 
 @pytest.mark.parametrize("callbacks", suites(), ids=["monitor", "detector", "three"])
