@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["flags_by_rank", "pack_per_rank", "ranks_where", "reduce_and_read", "sum_and_read", "world"]
+__all__ = ["flags_by_rank", "pack_per_rank", "ranks_where", "read_packed", "reduce_and_read", "sum_and_read", "world"]
 
 
 def world() -> tuple[int, int]:
@@ -40,6 +40,22 @@ def reduce_and_read(summed: Tensor, local: Tensor) -> tuple[list[float], list[fl
         dist.all_reduce(head, op=dist.ReduceOp.SUM)
     values = packed.tolist()
     return values[:n], values[n:]
+
+
+def read_packed(packed: Tensor, n_summed: int, world_size: int) -> list[float]:
+    """Sum the first ``n_summed`` values of 1-D ``packed`` across ranks (in place), then read all of it to the host.
+
+    The step record's one read: it packs its values itself, in one concatenation. Entered on every rank together.
+
+    Args:
+        packed: the values to sum over ranks (float64 where ``world_size > 1``), then values already identical on
+            every rank.
+        n_summed: how many values at the front are summed.
+        world_size: the number of ranks (1: nothing is reduced).
+    """
+    if n_summed and world_size > 1:
+        dist.all_reduce(packed[:n_summed], op=dist.ReduceOp.SUM)  # a contiguous view: reduced inside ``packed``
+    return packed.tolist()
 
 
 def sum_and_read(values: Tensor) -> list[float]:

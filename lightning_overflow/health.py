@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_overflow import _compat
-from lightning_overflow.distributed import reduce_and_read, sum_and_read
+from lightning_overflow.distributed import read_packed, sum_and_read
 from lightning_overflow.events import Event, Journal, MetricBuffer
 from lightning_overflow.loggers import journal_location, prepare_dashboards, publish_events, upload_journal
 from lightning_overflow.numerics import (
@@ -40,7 +40,8 @@ from lightning_overflow.numerics import (
     tensor_norms,
     total_norm,
 )
-from lightning_overflow.numerics.norms import is_sharded, shard_squares
+from lightning_overflow.numerics._float64 import div, to_float32
+from lightning_overflow.numerics.norms import any_sharded, host_total_norm, shard_squares
 from lightning_overflow.policy import SIGNAL_KINDS, StepAction, Verdict, decide_step
 from lightning_overflow.skip import BufferCopy, HeldSchedules, skip_step
 from lightning_overflow.training_state import (
@@ -72,16 +73,26 @@ _BOARDS: weakref.WeakKeyDictionary[Any, HealthBoard] = weakref.WeakKeyDictionary
 
 MAX_NAMES = 5  # offending parameter names quoted in a message
 
+_LOCAL, _SUMMED, _PER_RANK = 0, 1, 2  # how a contribution to the step's read travels across ranks
+
 _PROGRESS_BAR = {"overflow/skipped_steps": "skips", "overflow/rollbacks": "rollbacks", "overflow/lr_scale": "lr_scale"}
 _PROGRESS_BAR_DEFAULTS = {"overflow/skipped_steps": 0.0, "overflow/rollbacks": 0.0, "overflow/lr_scale": 1.0}
 
 
 def board_for(trainer: pl.Trainer) -> HealthBoard:
     """The board of ``trainer``, created on first use."""
+    global _LAST_BOARD
+    last = _LAST_BOARD
+    if last is not None and last[0]() is trainer:  # every hook of every suite callback asks, a few dozen times a step
+        return last[1]
     board = _BOARDS.get(trainer)
     if board is None:
         board = _BOARDS[trainer] = HealthBoard()
+    _LAST_BOARD = weakref.ref(trainer), board
     return board
+
+
+_LAST_BOARD: tuple[weakref.ref[Any], HealthBoard] | None = None
 
 
 
@@ -202,10 +213,9 @@ class StepHealth:
         self.log_step = log_step
         self.log_due = log_due
         grads = [p.grad for p in params]
-        self.sharded = any(is_sharded(g) for g in grads)  # type: ignore[arg-type]
+        self.sharded = any_sharded(grads)  # type: ignore[arg-type]
         self.grad_norms = tensor_norms(grads)  # type: ignore[arg-type]
-        self._summed: dict[str, Tensor] = {}
-        self._local: dict[str, Tensor] = {}
+        self._parts: list[tuple[str, Tensor, int]] = []  # (name, device values, _LOCAL / _SUMMED / _PER_RANK)
         self._values: dict[str, list[float]] = {}
         self.total_norm = math.nan
         self.grad_status = "finite"
@@ -213,41 +223,58 @@ class StepHealth:
         self.loss_nonfinite_ranks: tuple[int, ...] = ()
         self.loss_mean = math.nan
         self.loss_scale: float | None = None
+        self.loss_factor = 1  # what the losses are multiplied by (Lightning divided them by the accumulation)
         self.skipped = False
         self.skip_reason = ""
         self.state_check: StateCheck | None = None
 
     # ---- filled before the read -------------------------------------------------------------------------------
     def add(self, name: str, value: Tensor, *, per_rank: bool = False, summed: bool = False) -> None:
-        """Contribute device values to the one read of this step.
+        """Contribute device values to the one read of this step (kept as they are until the read packs them).
 
         Args:
             name: the key under which :meth:`value` returns them.
-            value: a device tensor (any shape; flattened).
+            value: a device tensor (any shape; flattened), not written to before the read.
             per_rank: each rank's values land in its own slot, so every rank learns every rank's values
                 (``value`` must be a scalar).
             summed: the values are summed across ranks (for counts and sums); otherwise they must already be
                 identical on every rank (derived from all-reduced gradients).
         """
-        flat = value.detach().reshape(-1).to(torch.float64)
-        if per_rank:
-            slots = flat.new_zeros(self.world_size)
-            slots[self.rank] = flat.sum()
-            self._summed[name] = slots
-        elif summed:
-            self._summed[name] = flat
-        else:
-            self._local[name] = flat
+        self._parts.append((name, value, _PER_RANK if per_rank else _SUMMED if summed else _LOCAL))
 
     def _read(self) -> None:
-        """The one host read (and the one all-reduce) of this step."""
+        """The one host read (and the one all-reduce) of this step: every contribution in one concatenation."""
         device = self.grad_norms.device
-        summed_values, local_values = reduce_and_read(_cat(self._summed, device), _cat(self._local, device))
-        for parts, values in ((self._summed, summed_values), (self._local, local_values)):
-            offset = 0
-            for name, tensor in parts.items():
-                self._values[name] = values[offset : offset + tensor.numel()]
-                offset += tensor.numel()
+        world_size = self.world_size
+        front: list[tuple[str, Tensor]] = []  # summed across ranks
+        back: list[tuple[str, Tensor]] = []  # identical on every rank
+        for name, value, kind in self._parts:
+            flat = value.detach() if value.requires_grad else value
+            if flat.dim() != 1:
+                flat = flat.reshape(-1)
+            if flat.device != device:
+                flat = flat.to(device)
+            if kind == _LOCAL:
+                back.append((name, flat if flat.is_floating_point() else flat.double()))
+            elif world_size == 1:
+                # One process: nothing to reduce, and a rank's slot is the value itself. The concatenation
+                # promotes to float64 where any part is (the gradients' total always is), exactly.
+                front.append((name, flat if flat.is_floating_point() else flat.double()))
+            else:
+                flat = flat.to(torch.float64)
+                if kind == _PER_RANK:
+                    slots = flat.new_zeros(world_size)
+                    slots[self.rank] = flat.sum()
+                    flat = slots
+                front.append((name, flat))
+        parts = front + back
+        packed = torch.cat([t for _, t in parts]) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+        values = read_packed(packed, sum(t.numel() for _, t in front), world_size)
+        offset = 0
+        for name, tensor in parts:
+            size = tensor.numel()
+            self._values[name] = values[offset : offset + size]
+            offset += size
 
     def value(self, name: str) -> list[float]:
         """The host values contributed under ``name`` (summed over ranks where asked)."""
@@ -291,6 +318,33 @@ class StepHealth:
         return metric_key(key, self.optimizer_index, self.n_optimizers)
 
 
+def loss_facts(losses: Sequence[float], scale: float | None, factor: int) -> tuple[int, float, int]:
+    """``(non-finite, sum of the finite, count)`` of one process's backward-pass losses, computed on host floats
+    exactly as float32 tensor ops compute them (each loss in float32, divided by the GradScaler's ``scale``,
+    multiplied by ``factor``, then summed in order, a non-finite loss adding 0).
+
+    Each step is one float32 rounding of a float64 result that is exact (a product of two float32 values) or
+    correctly rounded (a quotient or a sum), which rounds as float32 arithmetic does.
+
+    Example:
+        >>> loss_facts([1.5, float("nan"), 2.25], scale=None, factor=1)
+        (1, 3.75, 3)
+    """
+    nonfinite = 0
+    total = 0.0
+    for i, loss in enumerate(losses):
+        value = to_float32(loss)
+        if scale is not None:
+            value = to_float32(div(value, scale))
+        if factor != 1:
+            value = to_float32(value * factor)
+        if not math.isfinite(value):
+            nonfinite += 1
+            value = 0.0
+        total = value if i == 0 else to_float32(total + value)
+    return nonfinite, total, len(losses)
+
+
 def metric_key(key: str, optimizer_index: int, n_optimizers: int) -> str:
     """The suite's one rule for per-optimizer metric names, the way ``LearningRateMonitor`` names them."""
     return f"{key}_opt{optimizer_index}" if n_optimizers > 1 else key
@@ -302,6 +356,7 @@ class HealthBoard:
 
     def __init__(self) -> None:
         self.names: dict[int, str] = {}
+        self._step_names: tuple[list[int], list[str]] | None = None  # the last step's parameter ids and names
         self.journal = Journal(None)
         self._participants: list[weakref.ref[StepParticipant]] = []
         self._ordered: list[StepParticipant] | None = None
@@ -311,6 +366,7 @@ class HealthBoard:
         self._loss_flags: Tensor | None = None
         self._loss_sum: Tensor | None = None
         self._loss_count = 0
+        self._losses: list[Tensor] = []  # one process: this step's losses as they came
         self._last_loss: weakref.ref[Tensor] | None = None
         self._held = HeldSchedules()
         self._buffers = BufferCopy()
@@ -336,6 +392,7 @@ class HealthBoard:
             self._participants.sort(key=lambda ref: getattr(ref(), "stage", 0))
             self._ordered = None
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
+        self._step_names = None
         self._started_batch = self._ended_batch = None
         self._published = {}
         self._constants = None
@@ -357,8 +414,10 @@ class HealthBoard:
         """Drop everything tied to the last fit's tensors (records, held schedules, buffers, loss flags)."""
         self.current = None
         self._ordered = None  # strong references to the callbacks end with the fit
+        self._step_names = None
         self._loss_flags = self._loss_sum = None
         self._loss_count = 0
+        self._losses = []
         self._last_loss = None
         self._held = HeldSchedules()
         self._buffers.release()
@@ -423,10 +482,19 @@ class HealthBoard:
             self._window_open = True
 
     def observe_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
-        """Accumulate this backward pass's loss flags on the device (no host read). Idempotent per loss tensor."""
+        """Note this backward pass's loss (no host read). Idempotent per loss tensor.
+
+        On one process the loss is kept as it is: it rides on the step's read and is judged on the host, with no
+        tensor op per backward pass. Across ranks its flags and sums are accumulated on the device, since the
+        ranks' numbers of backward passes need not match and the read's layout must.
+        """
         if self._last_loss is not None and self._last_loss() is loss:
             return
         self._last_loss = weakref.ref(loss)
+        if trainer.world_size == 1:
+            value = loss.detach()
+            self._losses.append(value if value.numel() == 1 else value.float().sum())
+            return
         value = loss.detach().float()
         if value.numel() != 1:
             value = value.sum()
@@ -533,8 +601,11 @@ class HealthBoard:
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> StepHealth:
         params = [p for p in parameters_of(optimizer) if p.grad is not None]
-        if any(id(p) not in self.names for p in params):
-            self.names = {id(p): n for n, p in pl_module.named_parameters()}
+        ids = [id(p) for p in params]
+        if self._step_names is None or self._step_names[0] != ids:  # the same parameters step after step
+            if any(i not in self.names for i in ids):
+                self.names = {id(p): n for n, p in pl_module.named_parameters()}
+            self._step_names = ids, [self.names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params]
         record = StepHealth(
             step=int(trainer.global_step),
             optimizer=optimizer,
@@ -543,25 +614,34 @@ class HealthBoard:
             rank=int(trainer.global_rank),
             world_size=int(trainer.world_size),
             params=params,
-            names=[self.names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params],
+            names=list(self._step_names[1]),
             all_names=self.names,
             log_step=_compat.batches_that_stepped(trainer),
             log_due=bool(trainer.loggers) and _compat.should_update_logs(trainer),
         )
         device = record.grad_norms.device
-        zero = torch.zeros((), device=device)
-        record.add("loss_nonfinite", zero if self._loss_flags is None else self._loss_flags.to(device), per_rank=True)
-        record.add("loss_sum", zero if self._loss_sum is None else self._loss_sum.to(device), summed=True)
-        record.add("loss_count", torch.full((), float(self._loss_count), device=device), summed=True)
-        self._loss_flags = self._loss_sum = None
-        self._loss_count = 0
+        if record.world_size == 1:
+            losses, self._losses = self._losses, []
+            if losses:
+                record.add("losses", losses[0] if len(losses) == 1 else torch.cat([v.reshape(-1) for v in losses]))
+            # Lightning divided the loss by the accumulation under automatic optimization: multiplied back.
+            record.loss_factor = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        else:
+            zero = torch.zeros((), device=device)
+            flags, sums = self._loss_flags, self._loss_sum
+            record.add("loss_nonfinite", zero if flags is None else flags.to(device), per_rank=True)
+            record.add("loss_sum", zero if sums is None else sums.to(device), summed=True)
+            record.add("loss_count", torch.full((), float(self._loss_count), device=device), summed=True)
+            self._loss_flags = self._loss_sum = None
+            self._loss_count = 0
         if record.sharded:
             # Each rank's part of the full gradients' squared norms: summed in the read, not yet a norm of anything.
             grads = [p.grad for p in record.params]
             record.add("grad_squares", shard_squares(record.grad_norms, grads, record.world_size), summed=True)  # type: ignore[arg-type]
         else:
-            # Replicated gradients (all-reduced by DDP, or one device): identical on every rank, so not reduced.
-            record.add("grad_total", total_norm(record.grad_norms))
+            # Replicated gradients (all-reduced by DDP, or one device): identical on every rank, so not reduced; their
+            # total is taken on the host from the read norms (no kernel for it).
+            record.add("grad_norms", record.grad_norms)
         scaler = _compat.scaler_of(trainer)
         scale = _compat.scaler_scale(scaler) if scaler is not None else None
         if scale is not None:
@@ -570,16 +650,24 @@ class HealthBoard:
 
     @staticmethod
     def _interpret(record: StepHealth) -> None:
-        record.loss_nonfinite_ranks = tuple(r for r, v in enumerate(record.value("loss_nonfinite")) if v != 0)
-        # Non-finite losses add 0 to the sum: leave them out of the count too, or a NaN step reads as a loss of 0.
-        count = record.value("loss_count")[0] - sum(record.value("loss_nonfinite"))
-        record.loss_mean = record.value("loss_sum")[0] / count if count > 0 else math.nan
         if record.has("loss_scale"):
             record.loss_scale = record.value("loss_scale")[0]
+        if record.world_size == 1:
+            nonfinite, loss_sum, count = loss_facts(
+                record.value("losses") if record.has("losses") else [], record.loss_scale, record.loss_factor
+            )
+            record.loss_nonfinite_ranks = (record.rank,) if nonfinite else ()
+        else:
+            nonfinite_by_rank = record.value("loss_nonfinite")
+            record.loss_nonfinite_ranks = tuple(r for r, v in enumerate(nonfinite_by_rank) if v != 0)
+            nonfinite, loss_sum, count = sum(nonfinite_by_rank), record.value("loss_sum")[0], record.value("loss_count")[0]
+        # Non-finite losses add 0 to the sum: leave them out of the count too, or a NaN step reads as a loss of 0.
+        count -= nonfinite
+        record.loss_mean = loss_sum / count if count > 0 else math.nan
         if record.sharded:
             HealthBoard._interpret_shards(record)
             return
-        total = record.value("grad_total")[0]
+        total = host_total_norm(record.value("grad_norms"))
         if math.isfinite(total):
             record.total_norm = total
             return
@@ -693,9 +781,3 @@ def _index_of(items: Sequence[Any], item: Any) -> int:
         if candidate is item:
             return i
     return 0
-
-
-def _cat(parts: dict[str, Tensor], device: torch.device) -> Tensor:
-    if not parts:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.cat([t.to(device) for t in parts.values()])

@@ -730,3 +730,27 @@ def test_division_and_maximum_follow_ieee_as_torch_does() -> None:
         assert same(_float64.div(a, b), (t(a) / t(b)).item()), (a, b)
     for a, b in [(1.0, NAN), (NAN, 1.0), (2.0, 1.0), (1.0, 2.0), (-INF, 0.0)]:
         assert same(_float64.maximum(a, b), torch.maximum(t(a), t(b)).item()), (a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_agc_on_all_units_at_once_equals_parameter_by_parameter_bit_for_bit(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_overflow.numerics import agc
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (64,), (8, 4, 3, 3), (1,), (5, 7), ()]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * 0.5).to(dtype)
+    params[0].grad[3] = float("nan")  # type: ignore[index]
+    params[2].grad[1, 0, 0, 0] = float("inf")  # type: ignore[index]
+    params[4].grad.mul_(1e3)  # type: ignore[union-attr]  # clipped
+    assert agc._batchable(params, exact=False)
+    together = agc_coefficients_and_norms(params, clipping=0.01)
+    monkeypatch.setattr(agc, "_batchable", lambda *_: False)
+    one_by_one = agc_coefficients_and_norms(params, clipping=0.01)
+    for batched, single in zip((*together[0], *together[1]), (*one_by_one[0], *one_by_one[1])):
+        assert batched.shape == single.shape and batched.dtype == single.dtype
+        torch.testing.assert_close(batched, single, rtol=0, atol=0, equal_nan=True)
+    assert smallest_coefficient(together[0]).item() < 1.0

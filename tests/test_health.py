@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import struct
 import sys
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import MemoryLogger, fit
 
 import lightning_overflow.health as health
@@ -20,8 +23,9 @@ STEPS = 6
 
 @pytest.fixture
 def count_norms(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Counts the norm kernels the package runs (``torch.dot`` per tensor on CPU, ``_foreach_norm`` and
-    ``vector_norm`` elsewhere), at the kernel: whichever name the package calls them through."""
+    """Counts the norm kernels the package runs (on CPU ``torch.dot`` per tensor, or one ``_foreach_norm`` on one
+    thread; ``_foreach_norm`` and ``vector_norm`` elsewhere), at the kernel: whichever name the package calls them
+    through."""
     calls: Counter[str] = Counter()
     for owner, name in ((torch, "dot"), (torch, "_foreach_norm"), (torch.linalg, "vector_norm")):
         original = getattr(owner, name)
@@ -51,7 +55,21 @@ def test_one_norm_computation_per_optimizer_step(callbacks: list[Any], count_nor
     for order in itertools.permutations(callbacks):
         count_norms.clear()
         fit(TinyRegressor(), list(order), max_steps=STEPS, logger=MemoryLogger(), log_every_n_steps=1)
-        assert count_norms == Counter({"dot": STEPS * tensors})
+        # One CPU thread: one _foreach_norm for all tensors; several: a dot per tensor.
+        one_thread = torch.get_num_threads() == 1
+        assert count_norms == (Counter({"_foreach_norm": STEPS}) if one_thread else Counter({"dot": STEPS * tensors}))
+
+
+@pytest.mark.parametrize(("threads", "expected"), [(1, Counter({"_foreach_norm": STEPS})), (2, None)])
+def test_one_norm_kernel_per_step_on_one_cpu_thread(threads: int, expected: Any, count_norms: Counter[str]) -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fit(TinyRegressor(), [GradNormMonitor(), NonFiniteDetector()], max_steps=STEPS, logger=MemoryLogger())
+    finally:
+        torch.set_num_threads(previous)
+    tensors = len(list(TinyRegressor().parameters()))
+    assert count_norms == (expected or Counter({"dot": STEPS * tensors}))
 
 
 @pytest.mark.parametrize("callbacks", suites(), ids=["monitor", "detector", "three"])
@@ -126,3 +144,47 @@ def test_the_place_of_a_callback_in_the_list_changes_nothing(tmp_path: Any) -> N
         events, final = run(order, name)
         assert events == reference_events
         assert all(torch.equal(final[k], reference_weights[k]) for k in final)
+
+
+def device_loss_facts(losses: list[float], scale: float | None, factor: int) -> tuple[int, float, int]:
+    """The same facts from float32 tensor ops, as the board accumulates them across ranks."""
+    flags = total = None
+    for loss in losses:
+        value = torch.tensor(loss, dtype=torch.float64).float()
+        if scale is not None:
+            value = value / torch.tensor(scale, dtype=torch.float32)
+        value = value * factor
+        bad = ~torch.isfinite(value)
+        finite = torch.where(bad, torch.zeros_like(value), value)
+        flags, total = (bad.float(), finite) if flags is None else (flags + bad.float(), total + finite)
+    if flags is None or total is None:
+        return 0, 0.0, 0
+    return int(flags.item()), total.item(), len(losses)
+
+
+def test_loss_facts_by_hand() -> None:
+    assert health.loss_facts([1.5, float("nan"), 2.25], None, 1) == (1, 3.75, 3)
+    assert health.loss_facts([0.25, 0.5], 0.5, 2) == (0, 3.0, 2)
+    assert health.loss_facts([], None, 1) == (0, 0.0, 0)
+    assert health.loss_facts([1e39], None, 1) == (1, 0.0, 1)  # beyond float32: inf, as Tensor.float() makes it
+
+
+loss_values = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(min_value=-1e6, max_value=1e6, allow_subnormal=False),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    losses=st.lists(loss_values, max_size=6),
+    scale=st.one_of(st.none(), st.sampled_from([65536.0, 0.5, 3.0, 1e-4, 2.0**-14])),
+    factor=st.integers(min_value=1, max_value=16),
+)
+def test_host_loss_facts_equal_float32_tensor_ops_bit_for_bit(
+    losses: list[float], scale: float | None, factor: int
+) -> None:
+    host = health.loss_facts(losses, None if scale is None else float(torch.tensor(scale).float()), factor)
+    device = device_loss_facts(losses, scale, factor)
+    assert host[0] == device[0] and host[2] == device[2]
+    assert struct.pack("d", host[1]) == struct.pack("d", device[1])  # bit for bit, the sign of a zero included

@@ -158,3 +158,19 @@ def test_a_single_nonfinite_value_anywhere_makes_the_norm_nonfinite(size: int, d
     for norm_type in (2.0, INF):
         assert not math.isfinite(tensor_norms([t], norm_type).item())
     assert grad_norm_report([t]).status == ("nonfinite",)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_cpu_thread_and_several_give_the_same_norms_to_fp32_accuracy(threads: int) -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        tensors = [torch.randn(n, generator=gen) * s for n, s in [(7, 1.0), (4096, 1e-3), (300, 50.0)]]
+        norms = tensor_norms(tensors)
+        bad = tensor_norms([torch.ones(3), torch.tensor([1.0, math.nan]), torch.tensor([math.inf])])
+    finally:
+        torch.set_num_threads(previous)
+    assert norms.dtype == torch.float32
+    assert norms.tolist() == pytest.approx([reference([t]) for t in tensors], rel=1e-6)
+    assert bad[0].item() == pytest.approx(math.sqrt(3)) and math.isnan(bad[1].item()) and math.isinf(bad[2].item())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import struct
 
 import pytorch_lightning as pl
 import torch
@@ -16,6 +15,7 @@ from lightning_overflow.callbacks._base import SuiteCallback
 from lightning_overflow.distributed import reduce_and_read, world
 from lightning_overflow.health import StepHealth, metric_key
 from lightning_overflow.numerics import refine_norms, tensor_norms
+from lightning_overflow.numerics._float64 import to_float32
 from lightning_overflow.policy import StepAction
 
 __all__ = ["GradNormMonitor"]
@@ -174,18 +174,10 @@ class _EpochTotals:
         self.maximum = -math.inf
 
     def add(self, value: float) -> None:
-        value = _to_float32(value)
-        self.total = _to_float32(self.total + value)  # a float64 sum of two float32 values, rounded: float32's sum
+        value = to_float32(value)
+        self.total = to_float32(self.total + value)  # a float64 sum of two float32 values, rounded: float32's sum
         self.count += 1
         self.maximum = max(self.maximum, value)
-
-
-def _to_float32(value: float) -> float:
-    """The float32 nearest to ``value`` (``+-inf`` beyond the float32 range), as a Python float."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:  # the rounded value is infinite
-        return math.copysign(math.inf, value)
 
 
 def _epoch_aggregates(epoch: dict[int, _EpochTotals], device: torch.device) -> dict[int, tuple[Tensor, Tensor]]:

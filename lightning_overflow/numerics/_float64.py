@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
+import threading
 from fractions import Fraction
+from typing import Any
 
 import torch
 
@@ -31,15 +34,44 @@ def div(a: float, b: float) -> float:
     return a / b
 
 
+def to_float32(value: float) -> float:
+    """The float32 nearest to ``value`` (ties to even; ``+-inf`` beyond the float32 range), as ``Tensor.float()``
+    rounds it, as a Python float."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # the rounded value is infinite
+        return math.copysign(math.inf, value)
+
+
 def sqrt(x: float) -> float:
     """The float64 square root as ``torch.sqrt`` computes it on the CPU (NaN for a negative argument). One tensor
     op, since that kernel's rounding is its own: callers take a root once per update, not once per query."""
-    return torch.tensor(x, dtype=torch.float64).sqrt_().item()
+    return sqrt_each([x])[0]
 
 
 def sqrt_each(xs: list[float]) -> list[float]:
-    """:func:`sqrt` of several floats in one tensor op (the kernel rounds each element as it rounds one alone)."""
-    return torch.tensor(xs, dtype=torch.float64).sqrt_().tolist()
+    """:func:`sqrt` of several floats in one tensor op (the kernel rounds each element as it rounds one alone).
+
+    The op runs in place on a float64 tensor kept for each length (one per thread) and written through its NumPy
+    view: a fifth of the cost of building a tensor per call, and the same kernel on the same values."""
+    buffers: dict[int, tuple[torch.Tensor, Any]] | None = getattr(_SQRT_BUFFERS, "by_length", None)
+    if buffers is None:
+        buffers = _SQRT_BUFFERS.by_length = {}
+    pair = buffers.get(len(xs))
+    if pair is None:
+        tensor = torch.zeros(len(xs), dtype=torch.float64)
+        try:
+            view = tensor.numpy()
+        except (ImportError, RuntimeError):  # torch without NumPy: a tensor per call
+            return torch.tensor(xs, dtype=torch.float64).sqrt_().tolist()
+        pair = buffers[len(xs)] = tensor, view
+    tensor, view = pair
+    view[:] = xs
+    tensor.sqrt_()
+    return view.tolist()
+
+
+_SQRT_BUFFERS = threading.local()
 
 
 def maximum(a: float, b: float) -> float:

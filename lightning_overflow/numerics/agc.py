@@ -102,6 +102,8 @@ def agc_coefficients_and_norms(
         [tensor(1.0050)]
     """
     clipping, eps = _check_agc(clipping, eps, exact)
+    if _batchable(params, exact):
+        return _batched_coefficients_and_norms(params, clipping, eps)
     weights = unitwise_norms([p.detach() for p in params], exact)
     grads = unitwise_norms([p.grad for p in params], exact)  # type: ignore[misc]
     coefs: list[Tensor] = []
@@ -113,6 +115,51 @@ def agc_coefficients_and_norms(
         coef = coef.clamp(min=FP32_TINY)
         norms.append(torch.linalg.vector_norm(g * coef))
         coefs.append(coef.to(p.grad.dtype))  # type: ignore[union-attr]
+    return coefs, norms
+
+
+def _batchable(params: Sequence[Tensor], exact: bool) -> bool:
+    """Whether every unit of every parameter can be treated in one flat tensor: FP32 norms, one gradient dtype (the
+    coefficients' dtype), one device."""
+    if exact or not params:
+        return False
+    grad = params[0].grad
+    if grad is None:
+        return False
+    dtype, device = grad.dtype, grad.device
+    return dtype != torch.float64 and all(
+        p.grad is not None and p.grad.dtype == dtype and p.grad.device == device and p.dtype != torch.float64
+        for p in params
+    )
+
+
+def _flat_unit_norms(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int]]:
+    """Every unit's FP32 norm (as :func:`unitwise_norms` computes it, unit by unit the same values) in one flat
+    tensor, and the number of units of each tensor."""
+    norms = []
+    for t in tensors:
+        if t.dim() <= 1:
+            norms.append(torch.linalg.vector_norm(t, dtype=torch.float32).reshape(1))
+        else:
+            norms.append(torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())), dtype=torch.float32))
+    return torch.cat(norms), [n.numel() for n in norms]
+
+
+def _batched_coefficients_and_norms(
+    params: Sequence[Tensor], clipping: float, eps: float
+) -> tuple[list[Tensor], list[Tensor]]:
+    """:func:`agc_coefficients_and_norms` with the arithmetic on all units at once: a handful of kernels for the
+    whole model instead of a dozen per parameter. Element by element the same operations, so the same values."""
+    with torch.no_grad():
+        weights, sizes = _flat_unit_norms(params)
+        grads, _ = _flat_unit_norms([p.grad for p in params])  # type: ignore[misc]
+        limit = clipping * weights.clamp(min=eps)
+        clip = torch.isfinite(grads) & (grads > limit)
+        coef = torch.where(clip, limit / torch.where(clip, grads, 1.0), 1.0).clamp(min=FP32_TINY)
+        clipped = (grads * coef).split(sizes)
+        norms = [torch.linalg.vector_norm(unit_norms) for unit_norms in clipped]
+        flat = coef.to(params[0].grad.dtype).split(sizes)  # type: ignore[union-attr]
+    coefs = [c.reshape(()) if p.dim() <= 1 else c.reshape(-1, *([1] * (p.dim() - 1))) for p, c in zip(params, flat)]
     return coefs, norms
 
 
@@ -158,6 +205,8 @@ def smallest_coefficient(coefs: Sequence[Tensor]) -> Tensor:
     if not coefs:
         return torch.ones(())
     device = next((c.device for c in coefs if c.device.type != "cpu"), coefs[0].device)
+    if all(c.device == device for c in coefs):  # one kernel for all (the minimum is exact in any dtype)
+        return torch.cat([c.reshape(-1) for c in coefs]).amin().to(torch.float32)
     into_accelerator = device.type != "cpu"
     return torch.stack(
         [c.amin().to(device=device, dtype=torch.float32, non_blocking=into_accelerator) for c in coefs]
