@@ -709,6 +709,14 @@ def test_fma_of_tiny_and_huge_factors_is_exact() -> None:
     assert _float64.fma(1e300, 1e300, 0.0) == INF
 
 
+def test_fma_of_a_product_that_underflows_to_zero_is_exact() -> None:
+    tiny = 5e-324  # the smallest subnormal: half of it rounds to 0, so the product alone says nothing
+    for a, b, c in [(-0.5, tiny, tiny), (0.5, tiny, tiny), (0.25, -tiny, 2 * tiny), (1e-300, 1e-300, tiny)]:
+        assert _float64.fma(a, b, c) == nearest(Fraction(a) * Fraction(b) + Fraction(c))
+    start, end, weight = (torch.tensor(v, dtype=torch.float64) for v in (0.0, tiny, 0.5))
+    assert _float64.lerp(0.0, tiny, 0.5) == torch.lerp(start, end, weight).item() == 0.0  # the tie rounds to even
+
+
 @settings(max_examples=200, deadline=None)
 @given(start=doubles, end=doubles, weight=st.floats(min_value=0.0, max_value=1.0))
 def test_lerp_rounds_as_torch_does(start: float, end: float, weight: float) -> None:

@@ -90,7 +90,8 @@ def fma(a: float, b: float, c: float) -> float:
     if not math.isfinite(c):
         return c  # a finite product plus inf is inf, plus NaN is NaN
     p = a * b
-    if not (p == 0.0 or _TINY_PRODUCT <= abs(p) <= _HUGE) or abs(a) > _HUGE_FACTOR or abs(b) > _HUGE_FACTOR:
+    exact_zero = a == 0.0 or b == 0.0  # a product that rounded to 0 from non-zero factors underflowed: not exact
+    if not (exact_zero or _TINY_PRODUCT <= abs(p) <= _HUGE) or abs(a) > _HUGE_FACTOR or abs(b) > _HUGE_FACTOR:
         return _exact(a, b, c)
     t = _SPLIT * a
     a_hi = t - (t - a)
