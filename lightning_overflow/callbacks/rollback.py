@@ -446,10 +446,13 @@ class Rollback(SuiteCallback):
     # ---- rolling back -----------------------------------------------------------------------------------------
     def _roll_back(self, trainer: pl.Trainer, signal: Signal) -> None:
         step = int(trainer.global_step)
-        recent = [h for h in self.history if step - h["step"] < self.window]
-        if len(recent) >= self.max_rollbacks:
-            self._stop(trainer, signal, recent)
         settings = self.board(trainer).settings()
+        # A retry with new settings (the LR backed off since the last rollback) is progress, bounded by the backoff's
+        # floor: only the retries that changed nothing spend the budget.
+        progress = bool(self.history) and self.history[-1].get("settings", list(settings)) != list(settings)
+        recent = [h for h in self.history if step - h["step"] < self.window and h.get("counted", True)]
+        if len(recent) >= self.max_rollbacks and not progress:
+            self._stop(trainer, signal, recent)
         candidates, avoided = self._targets(settings)
         restored = self._restore_first(trainer, candidates)
         if restored is None:
@@ -463,6 +466,8 @@ class Rollback(SuiteCallback):
             "trigger_step": signal.step,
             "snapshot_step": target.step,
             "source": source,
+            "settings": list(settings),
+            "counted": not progress,
         }
         self.history.append(entry)
         self.rollbacks += 1
@@ -470,7 +475,7 @@ class Rollback(SuiteCallback):
         self._last_settings = settings
         self._healthy = 0
         self._skip_left = self.skip_batches
-        left = self.max_rollbacks - len(recent) - 1
+        left = self.max_rollbacks - len(recent) - (not progress)
         skip = f"; the next {self.skip_batches} batch(es) will be skipped" if self.skip_batches else ""
         message = (
             f"Rollback: restored the snapshot of step {target.step} ({source}) at step {step} after "
