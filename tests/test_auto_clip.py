@@ -133,6 +133,7 @@ def assert_clipped_to(before: list[float], after: list[float], thresholds: list[
         ({"anchor_factor": 0.5}, ValueError, "'anchor_factor' must be in [1, inf) (got 0.5)"),
         ({"anchor_factor": "10"}, TypeError, "'anchor_factor' must be a number or None (got '10')"),
         ({"anchor_steps": 0}, ValueError, "'anchor_steps' must be >= 1 (got 0)"),
+        ({"min_ratio": 0.9}, ValueError, "'min_ratio' must be in [1, inf) (got 0.9)"),
     ],
 )
 def test_rejects_bad_arguments(kwargs: dict[str, Any], error: type, message: str) -> None:
@@ -172,7 +173,7 @@ def test_fixed_clip_by_hand() -> None:
     [
         AutoClip(mode="fixed", max_norm=1.0),
         AutoClip(mode="percentile", percentile=25.0),
-        AutoClip(mode="zscore", warmup_steps=3),
+        AutoClip(mode="zscore", warmup_steps=3, min_ratio=1.0),
         AutoClip(mode="zscore", warmup_steps=3, max_norm=1.5),
     ],
     ids=["fixed", "percentile", "zscore", "zscore-capped"],
@@ -193,9 +194,10 @@ def test_gradients_are_clipped_to_the_logged_threshold(autoclip: AutoClip) -> No
         AutoClip(mode="fixed", max_norm=0.8),
         AutoClip(mode="percentile", percentile=25.0, window=5),
         AutoClip(mode="zscore", warmup_steps=3),
+        AutoClip(mode="zscore", warmup_steps=3, min_ratio=1.0),
         AutoClip(mode="zscore", warmup_steps=3, max_norm=1.5),
     ],
-    ids=["fixed", "percentile", "zscore", "zscore-capped"],
+    ids=["fixed", "percentile", "zscore", "zscore-paper", "zscore-capped"],
 )
 def test_thresholds_and_coefficients_are_bit_identical_to_the_tensor_forms(autoclip: AutoClip) -> None:
     """The callback's host statistics against the documented tensor functions, fed the norms the suite read."""
@@ -209,7 +211,10 @@ def test_thresholds_and_coefficients_are_bit_identical_to_the_tensor_forms(autoc
         if not math.isfinite(norm):
             continue  # the detector skips a non-finite step: it changes nothing and logs nothing
         if autoclip.mode == "zscore":
+            warmed, mean = int(z_state.count) >= autoclip.warmup_steps, z_state.mean
             threshold, z_state = zscore_threshold(z_state, total, warmup_steps=autoclip.warmup_steps)
+            if warmed:  # never below min_ratio times the running mean (1: the paper's rule, which it never is)
+                threshold = torch.maximum(threshold, autoclip.min_ratio * mean)
         elif autoclip.mode == "percentile":
             threshold, p_state = percentile_threshold(p_state, total, autoclip.percentile)
         else:
@@ -375,7 +380,7 @@ def test_without_a_detector_a_nan_step_is_left_as_it_is_not_made_finite() -> Non
 @pytest.mark.parametrize("mode", ["percentile", "zscore"])
 def test_resume_clips_exactly_as_the_uninterrupted_run(mode: str, tmp_path: Path) -> None:
     def autoclip() -> AutoClip:
-        return AutoClip(mode=mode, warmup_steps=4, percentile=30.0, window=6)  # type: ignore[arg-type]
+        return AutoClip(mode=mode, warmup_steps=4, percentile=30.0, window=6, min_ratio=1.0)  # type: ignore[arg-type]
 
     def spike() -> FaultInjector:
         return FaultInjector(Fault(step=12, kind="loss_spike", factor=30.0))

@@ -116,6 +116,10 @@ class AutoClip(SuiteCallback):
             the paper).
         anchor_steps: ``"zscore"`` mode: the first norms whose median is the anchor (default 3); the warm-up's
             cap applies from the next step on.
+        min_ratio: ``"zscore"`` mode: after the warm-up, the threshold is at least ``min_ratio`` times the running
+            mean (default 3; 1 is the paper's rule). Small noisy batches put about one healthy step in a hundred
+            beyond 2.5 standard deviations, and up to 3x the mean; clipping those changes a healthy run's
+            trajectory and protects nothing.
         clipping: ``"agc"`` mode: the largest ratio of unit gradient norm to unit weight norm (default 0.01, the
             paper's at batch size 4096; larger batches want smaller values).
         eps: ``"agc"`` mode: floor on the unit weight norm (default 1e-3, the paper's).
@@ -170,6 +174,7 @@ class AutoClip(SuiteCallback):
         warmup_steps: int = 25,
         anchor_factor: float | None = 10.0,
         anchor_steps: int = 3,
+        min_ratio: float = 3.0,
         clipping: float = 0.01,
         eps: float = 1e-3,
         exclude: Sequence[str] = (),
@@ -186,6 +191,7 @@ class AutoClip(SuiteCallback):
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=2)
         self.anchor_factor = check_float("anchor_factor", anchor_factor, low=1.0, optional=True)
         self.anchor_steps = check_int("anchor_steps", anchor_steps, minimum=1)
+        self.min_ratio = check_float("min_ratio", min_ratio, low=1.0)
         self.clipping = check_float("clipping", clipping, low=0.0, low_open=True)
         self.eps = check_float("eps", eps, low=0.0, low_open=True)
         exclude = check_names("exclude", exclude, what="parameter names")
@@ -313,6 +319,8 @@ class AutoClip(SuiteCallback):
                 stats = self._new_stats()
             threshold = stats.threshold(total)
         learned = total
+        if isinstance(stats, HostZScore) and stats.count >= self.warmup_steps:
+            threshold = max(threshold, self.min_ratio * stats.mean)
         cap = self._warmup_cap(record.optimizer_index, stats)
         if cap is not None:
             threshold = cap
