@@ -99,7 +99,8 @@ class Rollback(SuiteCallback):
             pruned to ``keep``; rank 0 writes). A fit resumed with ``ckpt_path`` can roll back to the files listed
             in its checkpoint. Checked in ``setup`` (``None``, the default: memory only).
         max_rollbacks: rollbacks allowed within ``window`` steps (default 3); the next need raises
-            :class:`DivergenceError`.
+            :class:`DivergenceError`. A rollback whose settings differ from the previous rollback's (the LR backed
+            off since) is progress and is not counted: the backoff's floor bounds those.
         window: the window in optimizer steps for ``max_rollbacks`` (default 1000).
         skip_batches: after a rollback, consume this many training batches without an optimizer step (default 0).
         triggers: the signal kinds that cause a rollback, at least one (default :data:`DEFAULT_TRIGGERS`).
@@ -107,15 +108,16 @@ class Rollback(SuiteCallback):
     Attributes:
         rollbacks: rollbacks made so far (kept across a resume).
         history: one dict per rollback: ``step``, ``reason`` (signal kind), ``trigger_step``, ``snapshot_step``,
-            ``source`` (``"memory"``/``"disk"``).
+            ``source`` (``"memory"``/``"disk"``), ``settings`` (the participants' settings, e.g. the LR scale),
+            ``counted`` (whether it spent the budget).
         skipped_steps: optimizer steps skipped after rollbacks.
         snapshot_steps: the steps of the snapshots kept in memory, oldest first.
         restores_state: ``False`` when ``"nonfinite_state"`` is not among the triggers (``NonFiniteDetector`` then
             raises on non-finite weights itself).
 
     Raises:
-        DivergenceError: ``max_rollbacks`` within ``window`` steps and another one needed (the last verified
-            snapshot is restored first).
+        DivergenceError: ``max_rollbacks`` counted rollbacks within ``window`` steps and another one needed with
+            nothing changed (the last verified snapshot is restored first).
         RollbackError: a rollback was needed but no snapshot verified finite exists.
         NonFiniteError: a checkpoint about to be written holds inf/NaN and cannot be rolled back (not written).
         ValueError: in ``setup``, when ``dirpath`` is a file, lies under a file, or cannot be written.
