@@ -308,7 +308,7 @@ def test_state_key_names_the_identifying_arguments() -> None:
     assert LossSpikeDetector(sigmas=4.0).state_key != LossSpikeDetector().state_key
 
 
-# ---- the level test ---------------------------------------------------------------------------------------------------
+# ---- the level test --------------------------------------------------------------------------------------------
 LEVEL = {"anchor_steps": 8, "runaway_factor": 100.0, "confirm_steps": 3, "trend_window": None,
          "trend_probability": 0.999, "trend_margin": 0.5, "level_window": 4, "level_factor": 2.0,
          "level_fraction": 0.5}  # fmt: skip

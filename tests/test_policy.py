@@ -149,4 +149,6 @@ def test_retries_with_nothing_changed_spend_the_budget_and_stop(tmp_path: Path) 
         assert error.step == 9  # the fourth divergence, at step 8, seen at the end of its batch
     else:
         raise AssertionError("the fourth retry with nothing changed must stop the run")
-    assert [h["counted"] for h in rollback.history] == [True, True, True]
+    rollbacks = [e for e in _journal(tmp_path) if e["kind"] == "rollback"]
+    assert [(e["step"], e["details"]["counted"]) for e in rollbacks] == [(6, True), (7, True), (8, True)]
+    assert [e["details"]["budget_left"] for e in rollbacks] == [2, 1, 0]

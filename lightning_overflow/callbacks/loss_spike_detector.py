@@ -73,8 +73,9 @@ class LossSpikeDetector(SuiteCallback):
             runaway bound) before the loss counts as diverging (default 3). A single spike is one bad batch, or one
             that a clip already neutralised: it is journaled, and signals ``loss_spike`` only.
         runaway_factor: a loss above this many times the run's anchor (the median magnitude of its first
-            ``anchor_steps`` finite losses, and at most the first one) is above its reference whatever the statistics say (default 100): the
-            absolute anchor that catches a run diverging inside the warm-up, or one whose statistics drifted along.
+            ``anchor_steps`` finite losses, and at most the first one) is above its reference whatever the
+            statistics say (default 100): the absolute anchor that catches a run diverging inside the warm-up, or one
+            whose statistics drifted along.
         anchor_steps: finite losses that make the anchor (default 8).
         min_rise: a loss spike must also exceed the mean by ``min_rise`` times the anchor (default 0.1), so that a
             loss that sat at exactly 0 (zero mean, zero spread) and rises a little is no spike.

@@ -108,8 +108,8 @@ class Rollback(SuiteCallback):
     Attributes:
         rollbacks: rollbacks made so far (kept across a resume).
         history: one dict per rollback: ``step``, ``reason`` (signal kind), ``trigger_step``, ``snapshot_step``,
-            ``source`` (``"memory"``/``"disk"``), ``settings`` (the participants' settings, e.g. the LR scale),
-            ``counted`` (whether it spent the budget).
+            ``source`` (``"memory"``/``"disk"``). The journal's ``rollback`` event also says whether it was
+            ``counted`` in the budget.
         skipped_steps: optimizer steps skipped after rollbacks.
         snapshot_steps: the steps of the snapshots kept in memory, oldest first.
         restores_state: ``False`` when ``"nonfinite_state"`` is not among the triggers (``NonFiniteDetector`` then
@@ -182,6 +182,8 @@ class Rollback(SuiteCallback):
         self._skipping = False
         self._last_target: int | None = None
         self._last_settings: tuple[float, ...] = ()
+        self._rollback_settings: tuple[float, ...] | None = None  # at the last rollback (not reset by a snapshot)
+        self._free: set[int] = set()  # indices into history of the rollbacks that were progress (not counted)
         self._resumed = False
         self._warnings = WarningCache()
 
@@ -451,8 +453,8 @@ class Rollback(SuiteCallback):
         settings = self.board(trainer).settings()
         # A retry with new settings (the LR backed off since the last rollback) is progress, bounded by the backoff's
         # floor: only the retries that changed nothing spend the budget.
-        progress = bool(self.history) and self.history[-1].get("settings", list(settings)) != list(settings)
-        recent = [h for h in self.history if step - h["step"] < self.window and h.get("counted", True)]
+        progress = bool(self.history) and self._rollback_settings is not None and settings != self._rollback_settings
+        recent = [h for i, h in enumerate(self.history) if step - h["step"] < self.window and i not in self._free]
         if len(recent) >= self.max_rollbacks and not progress:
             self._stop(trainer, signal, recent)
         candidates, avoided = self._targets(settings)
@@ -468,10 +470,11 @@ class Rollback(SuiteCallback):
             "trigger_step": signal.step,
             "snapshot_step": target.step,
             "source": source,
-            "settings": list(settings),
-            "counted": not progress,
         }
+        if progress:
+            self._free.add(len(self.history))
         self.history.append(entry)
+        self._rollback_settings = settings
         self.rollbacks += 1
         self._last_target = target.step
         self._last_settings = settings
@@ -485,7 +488,8 @@ class Rollback(SuiteCallback):
             f"{self.window} steps."
         )
         details = {key: value for key, value in entry.items() if key != "step"}  # the event's own step
-        self._event(trainer, "rollback", message, **details, rollbacks=self.rollbacks, budget_left=left)
+        self._event(trainer, "rollback", message, **details, rollbacks=self.rollbacks, budget_left=left,
+                    counted=not progress)  # fmt: skip
 
     def _forget(self, snapshot: Snapshot) -> None:
         self._memory.discard(snapshot)
