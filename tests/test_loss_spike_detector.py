@@ -330,7 +330,7 @@ def test_a_loss_that_went_down_and_settles_back_up_is_divergence() -> None:
     losses = [4.0] * 8 + [1.0] * 40 + [3.0] * 10
     index, (kind, reason) = _first_finding(losses)
     assert (index, kind) == (48 + 4, "loss_divergence")
-    assert reason.startswith("settled far above its best level: its level over about 4 healthy steps is 2.9")
+    assert reason.startswith("settled far above its best level: its level over about 4 healthy steps is 2.844, above 2.5 ")
     assert "the best level 1 times 2, and 0.5 of the way back up to its anchor 4" in reason
 
 
