@@ -370,6 +370,11 @@ def test_the_anchor_never_sits_above_the_first_loss() -> None:
     assert evidence.anchor == 4.0  # the median, 25, would anchor the climb
 
 
+def test_a_loss_without_a_scale_or_below_zero_has_no_level_test() -> None:
+    assert _first_finding([0.0] * 8 + [1e-6] * 100) is None  # anchor 0: a threshold of 0 would call any rise one
+    assert _first_finding([1.0] * 8 + [-3.0] * 40 + [0.5] * 100) is None  # a loss that went negative
+
+
 def test_without_a_level_window_there_is_no_level_test() -> None:
     assert _first_finding([4.0] * 8 + [1.0] * 40 + [3.0] * 50, level_window=None) is None
 

@@ -98,7 +98,8 @@ class LossSpikeDetector(SuiteCallback):
             data, a harder task) is no divergence. The level starts again after the signal and after a rollback, so
             a run that diverges again at the backed-off rate is caught again; the best level stays. With several
             optimizers (manual optimization) the test is off: each loss is one player's in a game (a GAN's
-            generator loss rises as its discriminator improves).
+            generator loss rises as its discriminator improves). It is off as well while the anchor is 0 (no scale
+            to measure a rise by) and once the level went negative (a log-likelihood: no ratio means anything).
         level_fraction: see ``level_factor``, in (0, 1].
 
     Signals (read by interventions): ``loss_divergence`` when the loss stays above its reference for
@@ -426,6 +427,8 @@ class DivergenceEvidence:
         if self.level_count < window:
             return None
         best = self.best_level = min(self.best_level, self.level)
+        if self.anchor <= 0.0 or best < 0.0:
+            return None  # no scale to measure by (a first loss of 0), or a loss that goes negative: ratios mean nothing
         # A run that never went below its anchor is measured against the anchor: settled at twice its first losses.
         bound = max(factor * min(best, self.anchor), best + fraction * (self.anchor - best))
         self.level_streak = self.level_streak + 1 if self.level > bound else 0
