@@ -128,7 +128,8 @@ def test_retries_that_back_off_further_spend_no_rollback_budget(tmp_path: Path) 
     events = _journal(tmp_path)
     assert [step for step, _ in _kinds(events, "backoff")] == [5, 6, 7, 8, 9]  # the restore ends each cooldown
     rollbacks = [e for e in events if e["kind"] == "rollback"]
-    assert [(e["step"], e["details"]["snapshot_step"]) for e in rollbacks] == [(6, 4), (7, 4), (8, 4), (9, 4), (10, 4)]
+    # The newest snapshot, then once more at the lower LR; diverging from it again, it holds the fault: further back.
+    assert [(e["step"], e["details"]["snapshot_step"]) for e in rollbacks] == [(6, 4), (7, 4), (8, 2), (9, 2), (10, 2)]
     # Only the first spends the budget: each later one retries at a lower LR, which is progress.
     assert [e["details"]["counted"] for e in rollbacks] == [True, False, False, False, False]
     assert [e["details"]["budget_left"] for e in rollbacks] == [2, 2, 2, 2, 2]

@@ -182,6 +182,7 @@ class Rollback(SuiteCallback):
         self._skipping = False
         self._last_target: int | None = None
         self._last_settings: tuple[float, ...] = ()
+        self._retries = 0  # rollbacks in a row to the last target after the first
         self._rollback_settings: tuple[float, ...] | None = None  # at the last rollback (not reset by a snapshot)
         self._free: set[int] = set()  # indices into history of the rollbacks that were progress (not counted)
         self._resumed = False
@@ -281,6 +282,7 @@ class Rollback(SuiteCallback):
         self._last_step = int(trainer.global_step)
         self._last_target = None
         self._last_settings = ()
+        self._retries = 0
         self._disk = [entry for entry in self._disk if entry["step"] <= trainer.global_step]
         listed = [Snapshot(entry["step"], None, file=entry["file"]) for entry in self._disk]
         self._before_restart = listed if self._files is not None and self._resumed else []
@@ -391,6 +393,7 @@ class Rollback(SuiteCallback):
         snapshot = self._memory.take(step, state, extras)
         self._last_target = None
         self._last_settings = ()
+        self._retries = 0
         if self._files is not None:
             self._write(trainer, snapshot)
         return None
@@ -440,9 +443,12 @@ class Rollback(SuiteCallback):
         """The candidates in the order to try, and the one avoided. Never the same snapshot twice with the same
         settings: having diverged again from the last target (no newer snapshot since) with nothing changed (no
         backoff since), go one snapshot further back and keep that one only as a last resort. With a new LR scale,
-        the newest snapshot is the best place to try again."""
+        the newest snapshot is the best place to try again, once: diverging from it again after that, go further
+        back too."""
         candidates = self._candidates()
-        repeat = candidates and candidates[0].step == self._last_target and settings == self._last_settings
+        # A snapshot that diverged again after a retry at a new LR scale holds the fault itself: go further back.
+        again = settings == self._last_settings or self._retries >= 1
+        repeat = candidates and candidates[0].step == self._last_target and again
         if len(candidates) > 1 and repeat:
             return candidates[1:] + candidates[:1], candidates[0]
         return candidates, None
@@ -476,6 +482,7 @@ class Rollback(SuiteCallback):
         self.history.append(entry)
         self._rollback_settings = settings
         self.rollbacks += 1
+        self._retries = self._retries + 1 if target.step == self._last_target else 0
         self._last_target = target.step
         self._last_settings = settings
         self._healthy = 0
