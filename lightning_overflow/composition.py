@@ -34,11 +34,15 @@ def default_callbacks(
        (``AutoClip``, ZClip z-score by default);
     2. a non-finite step is skipped: nothing changes, not the weights, the moments or the schedule
        (``NonFiniteDetector``); an isolated one (one corrupt sample) stops there;
-    3. divergence (a burst of non-finite steps, a loss or gradient-norm spike, non-finite weights or moments,
-       a collapsing GradScaler) multiplies the LR by ``lr_factor`` (``LRBackoff``) and, for the kinds that
-       damage the state, restores the last snapshot verified finite (``Rollback``);
-    4. after ``max_rollbacks`` rollbacks within Rollback's window, or the LR backed off to its floor, the run
-       stops with :class:`~lightning_overflow.DivergenceError`, which lists what was tried.
+    3. evidence that the training state degrades (non-finite steps on clean batches, non-finite weights or
+       moments, a collapsing GradScaler, a loss that stays above its reference, settles far above its best level
+       or trends up) multiplies the LR by ``lr_factor`` (``LRBackoff``) and restores the last snapshot verified
+       finite (``Rollback``); a divergence again at the lower LR backs off further;
+    4. after ``max_rollbacks`` retries with nothing changed within Rollback's window (a retry at a backed-off LR
+       is progress and spends none), or the LR backed off to its floor, the run stops with
+       :class:`~lightning_overflow.DivergenceError`, which lists what was tried.
+
+    See the ladder in :mod:`lightning_overflow.policy` for every rule and the reason behind it.
 
     Args:
         clip: the ``AutoClip`` mode (``"zscore"``, ``"percentile"``, ``"agc"``; ``"fixed"`` needs a threshold, so
@@ -48,7 +52,8 @@ def default_callbacks(
         snapshot_every_n_steps: Rollback's snapshot interval, and the interval of the DDP replica-parity check
             (default 100). Each snapshot holds the model and
             optimizer state in host memory, ``keep=2`` of them.
-        max_rollbacks: rollbacks allowed within Rollback's window before ``DivergenceError`` (default 3).
+        max_rollbacks: rollbacks with nothing changed since the previous one allowed within Rollback's window
+            before ``DivergenceError`` (default 3).
         dirpath: also write snapshots there (atomically), so a restarted run can roll back past the restart.
         per_parameter_norms: log ``grad_norm/<parameter>`` too.
         rollback: include ``Rollback`` (default ``True``). With ``False``, ``snapshot_every_n_steps``,

@@ -18,13 +18,21 @@ signal (who raises it)     rung of the default interventions           why
 ``loss_divergence``        back off and roll back                      the loss stays above its reference (its
 (LossSpikeDetector)                                                    statistics, or an absolute anchor) for
                                                                        several steps: the state degrades
+``loss_divergence``        back off and roll back                      the level of the healthy losses settled far
+(level test)                                                           above the best level the run reached (2x it
+                                                                       and half the progress given back), or at 2x
+                                                                       the first losses: a collapsed state does
+                                                                       not come back at this LR
 ``loss_trend``             back off and roll back                      a slow rise with no spike and no NaN
 ``replica_mismatch``       roll back (every rank to the same           DDP replicas whose weights differ: silent
 (NonFiniteDetector)        snapshot)                                   data corruption, no fault of the LR
 =========================  ==========================================  ============================================
 
-After ``max_rollbacks`` within Rollback's window, or the LR at LRBackoff's floor, the run stops with
-:class:`~lightning_overflow.DivergenceError`.
+A divergence after a rollback is new evidence about the restored state: the rollback ends LRBackoff's cooldown,
+so it backs off again at once. A rollback whose settings differ from the previous rollback's (the LR backed off
+since) is progress and spends none of Rollback's budget; only retries with nothing changed do. After
+``max_rollbacks`` such retries within Rollback's window, or the LR at LRBackoff's floor (``min_scale``, about ten
+halvings), the run stops with :class:`~lightning_overflow.DivergenceError`.
 
 For one optimizer step, each participant judges the same final record and may return a :class:`Verdict`:
 

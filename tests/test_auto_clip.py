@@ -130,6 +130,10 @@ def assert_clipped_to(before: list[float], after: list[float], thresholds: list[
         ({"exclude": "head"}, TypeError, "'exclude' must be a sequence of parameter names (got 'head')"),
         ({"exclude": ["head"]}, ValueError, "'exclude' applies to mode='agc' only (got mode='zscore')"),
         ({"event_below": 2}, ValueError, "'event_below' must be in [0, 1] (got 2)"),
+        ({"anchor_factor": 0.5}, ValueError, "'anchor_factor' must be in [1, inf) (got 0.5)"),
+        ({"anchor_factor": "10"}, TypeError, "'anchor_factor' must be a number or None (got '10')"),
+        ({"anchor_steps": 0}, ValueError, "'anchor_steps' must be >= 1 (got 0)"),
+        ({"min_ratio": 0.9}, ValueError, "'min_ratio' must be in [1, inf) (got 0.9)"),
     ],
 )
 def test_rejects_bad_arguments(kwargs: dict[str, Any], error: type, message: str) -> None:
@@ -169,7 +173,7 @@ def test_fixed_clip_by_hand() -> None:
     [
         AutoClip(mode="fixed", max_norm=1.0),
         AutoClip(mode="percentile", percentile=25.0),
-        AutoClip(mode="zscore", warmup_steps=3),
+        AutoClip(mode="zscore", warmup_steps=3, min_ratio=1.0),
         AutoClip(mode="zscore", warmup_steps=3, max_norm=1.5),
     ],
     ids=["fixed", "percentile", "zscore", "zscore-capped"],
@@ -190,9 +194,10 @@ def test_gradients_are_clipped_to_the_logged_threshold(autoclip: AutoClip) -> No
         AutoClip(mode="fixed", max_norm=0.8),
         AutoClip(mode="percentile", percentile=25.0, window=5),
         AutoClip(mode="zscore", warmup_steps=3),
+        AutoClip(mode="zscore", warmup_steps=3, min_ratio=1.0),
         AutoClip(mode="zscore", warmup_steps=3, max_norm=1.5),
     ],
-    ids=["fixed", "percentile", "zscore", "zscore-capped"],
+    ids=["fixed", "percentile", "zscore", "zscore-paper", "zscore-capped"],
 )
 def test_thresholds_and_coefficients_are_bit_identical_to_the_tensor_forms(autoclip: AutoClip) -> None:
     """The callback's host statistics against the documented tensor functions, fed the norms the suite read."""
@@ -206,7 +211,10 @@ def test_thresholds_and_coefficients_are_bit_identical_to_the_tensor_forms(autoc
         if not math.isfinite(norm):
             continue  # the detector skips a non-finite step: it changes nothing and logs nothing
         if autoclip.mode == "zscore":
+            warmed, mean = int(z_state.count) >= autoclip.warmup_steps, z_state.mean
             threshold, z_state = zscore_threshold(z_state, total, warmup_steps=autoclip.warmup_steps)
+            if warmed:  # never below min_ratio times the running mean (1: the paper's rule, which it never is)
+                threshold = torch.maximum(threshold, autoclip.min_ratio * mean)
         elif autoclip.mode == "percentile":
             threshold, p_state = percentile_threshold(p_state, total, autoclip.percentile)
         else:
@@ -372,7 +380,7 @@ def test_without_a_detector_a_nan_step_is_left_as_it_is_not_made_finite() -> Non
 @pytest.mark.parametrize("mode", ["percentile", "zscore"])
 def test_resume_clips_exactly_as_the_uninterrupted_run(mode: str, tmp_path: Path) -> None:
     def autoclip() -> AutoClip:
-        return AutoClip(mode=mode, warmup_steps=4, percentile=30.0, window=6)  # type: ignore[arg-type]
+        return AutoClip(mode=mode, warmup_steps=4, percentile=30.0, window=6, min_ratio=1.0)  # type: ignore[arg-type]
 
     def spike() -> FaultInjector:
         return FaultInjector(Fault(step=12, kind="loss_spike", factor=30.0))
@@ -407,12 +415,37 @@ def test_resume_clips_exactly_as_the_uninterrupted_run(mode: str, tmp_path: Path
     assert_bit_identical(weights(resumed_model), weights(straight_model))
 
 
+def test_inside_the_warm_up_a_norm_far_beyond_the_first_ones_is_capped_at_the_anchor() -> None:
+    spike = FaultInjector(Fault(step=6, kind="loss_spike", factor=1e3))  # gradients x1000 at step 6
+    autoclip = AutoClip(mode="zscore")  # warm-up of 25 steps
+    _, logger, before, after = clipped_run(autoclip, extra=[spike], max_steps=8)
+    norms = before.of()
+    cap = 10.0 * sorted(norms[:3])[1]  # anchor_factor times the median of the first anchor_steps norms
+    assert [step for step, _ in logger.series("clip/threshold")] == [3, 4, 5, 6, 7]
+    assert logger.values("clip/threshold") == [pytest.approx(cap, rel=1e-6)] * 5
+    assert norms[6] > 10 * cap and after.of()[6] == pytest.approx(cap, rel=1e-5)
+    assert after.of()[:6] == pytest.approx(norms[:6], rel=1e-6) and after.of()[7] == pytest.approx(norms[7], rel=1e-6)
+    # The statistics took the capped norm in: the warm-up mean of the eight norms, the spike's counted as the cap.
+    learned = [*norms[:6], cap, norms[7]]
+    assert autoclip._stats[0].mean == pytest.approx(sum(learned) / 8, rel=1e-6)
+
+
+def test_without_an_anchor_factor_the_warm_up_lets_every_norm_through() -> None:
+    spike = FaultInjector(Fault(step=6, kind="loss_spike", factor=1e3))
+    autoclip = AutoClip(mode="zscore", anchor_factor=None)  # the paper's warm-up
+    _, logger, before, after = clipped_run(autoclip, extra=[spike], max_steps=8)
+    assert logger.series("clip/threshold") == [] and after.of() == pytest.approx(before.of(), rel=1e-6)
+    assert autoclip._stats[0].mean == pytest.approx(sum(before.of()) / 8, rel=1e-6)
+
+
 def test_a_reused_autoclip_starts_a_new_fit_with_a_new_warmup() -> None:
     autoclip = AutoClip(mode="zscore", warmup_steps=5)
     _, first, _, _ = clipped_run(autoclip, max_steps=8)
-    assert [step for step, _ in first.series("clip/threshold")] == [5, 6, 7]
-    _, second, _, _ = clipped_run(autoclip, TinyRegressor(seed=1), max_steps=8)
-    assert [step for step, _ in second.series("clip/threshold")] == [5, 6, 7]  # warm-up again: no threshold before
+    # Steps 3 and 4: the warm-up's cap, from the anchor of the first 3 norms; from step 5 on, the z-score.
+    assert [step for step, _ in first.series("clip/threshold")] == [3, 4, 5, 6, 7]
+    _, second, before, _ = clipped_run(autoclip, TinyRegressor(seed=1), max_steps=8)
+    assert [step for step, _ in second.series("clip/threshold")] == [3, 4, 5, 6, 7]  # a new anchor, a new warm-up
+    assert autoclip.state_dict()["first"] == {0: pytest.approx(before.of()[:3], rel=1e-6)}
     state = autoclip.state_dict()
     assert state["steps"] == 8 and state["stats"][0]["count"] == 8
     assert sum(f for _, f in second.series("clip/fraction_epoch")) * 8 == autoclip.clipped_steps

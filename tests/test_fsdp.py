@@ -344,7 +344,8 @@ def test_a_nan_weight_in_one_ranks_shard_is_found_by_every_rank(tmp_path: Path) 
 @pytest.mark.parametrize("mode", ["fixed", "percentile", "zscore"])
 def test_autoclip_clips_by_the_global_norm_with_thresholds_identical_on_both_ranks(tmp_path: Path, mode: str) -> None:
     logger = MemoryLogger(str(tmp_path))
-    options = {"fixed": {"max_norm": 1.0}, "percentile": {"percentile": 50.0}, "zscore": {"warmup_steps": 2}}[mode]
+    zscore = {"warmup_steps": 2, "min_ratio": 1.0}  # the paper's rule: clips as soon as the warm-up is over
+    options = {"fixed": {"max_norm": 1.0}, "percentile": {"percentile": 50.0}, "zscore": zscore}[mode]
     spike = FaultInjector(Fault(4, "loss_spike", factor=10.0))  # on both ranks: a gradient ten times the usual
     reports = fit_sharded([AutoClip(mode=mode, **options), spike], tmp_path, logger=logger, log_every_n_steps=1,
                           max_steps=8)

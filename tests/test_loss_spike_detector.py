@@ -17,7 +17,7 @@ from pytorch_lightning.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_overflow import NonFiniteDetector
-from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
+from lightning_overflow.callbacks.loss_spike_detector import DivergenceEvidence, LossSpikeDetector
 from lightning_overflow.events import read_journal
 from lightning_overflow.health import Signal, board_for
 from lightning_overflow.numerics.running_stats import RunningStats
@@ -291,6 +291,10 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path: Path) -> No
         ({"grad_ratio": "2"}, TypeError, "'grad_ratio' must be a number (got '2')"),
         ({"check_grad_norm": 1}, TypeError, "'check_grad_norm' must be a bool (got 1)"),
         ({"rebaseline_after": 0}, ValueError, "'rebaseline_after' must be >= 1 (got 0)"),
+        ({"level_window": 0}, ValueError, "'level_window' must be >= 1 (got 0)"),
+        ({"level_factor": 1.0}, ValueError, "'level_factor' must be in (1, inf) (got 1)"),
+        ({"level_fraction": 0}, ValueError, "'level_fraction' must be in (0, 1] (got 0)"),
+        ({"level_fraction": "half"}, TypeError, "'level_fraction' must be a number (got 'half')"),
     ],
 )
 def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
@@ -302,3 +306,81 @@ def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], m
 def test_state_key_names_the_identifying_arguments() -> None:
     assert LossSpikeDetector().state_key == "LossSpikeDetector{'window': 128, 'sigmas': 6.0}"
     assert LossSpikeDetector(sigmas=4.0).state_key != LossSpikeDetector().state_key
+
+
+# ---- the level test --------------------------------------------------------------------------------------------
+LEVEL = {"anchor_steps": 8, "runaway_factor": 100.0, "confirm_steps": 3, "trend_window": None,
+         "trend_probability": 0.999, "trend_margin": 0.5, "level_window": 4, "level_factor": 2.0,
+         "level_fraction": 0.5}  # fmt: skip
+
+
+def _first_finding(losses: list[float], **overrides: Any) -> tuple[int, tuple[str, str]] | None:
+    evidence = DivergenceEvidence()
+    for i, loss in enumerate(losses):
+        finding = evidence.observe(loss, spike=False, **{**LEVEL, **overrides})
+        if finding is not None:
+            return i, finding
+    return None
+
+
+def test_a_loss_that_went_down_and_settles_back_up_is_divergence() -> None:
+    # Anchor 4; the level falls to 1 (best); at 3.0 the bound is max(2 * 1, 1 + 0.5 * (4 - 1)) = 2.5. The level,
+    # an EMA of span 4 (alpha 0.4), is 3 - 2 * 0.6**k after k steps at 3.0: above 2.5 from k = 3, for the third
+    # consecutive step at k = 5.
+    losses = [4.0] * 8 + [1.0] * 40 + [3.0] * 10
+    index, (kind, reason) = _first_finding(losses)
+    assert (index, kind) == (48 + 4, "loss_divergence")
+    assert reason.startswith("settled far above its best level: its level over about 4 healthy steps is 2.844, above 2.5 ")
+    assert "the best level 1 times 2, and 0.5 of the way back up to its anchor 4" in reason
+
+
+def test_a_rise_of_less_than_half_the_progress_is_no_divergence() -> None:
+    assert _first_finding([4.0] * 8 + [1.0] * 40 + [2.4] * 200) is None  # below 2.5: a harder task, new data
+
+
+def test_a_run_that_never_went_below_its_anchor_diverges_at_twice_it() -> None:
+    assert _first_finding([4.0] * 8 + [7.9] * 200) is None
+    index, (kind, _) = _first_finding([4.0] * 8 + [8.5] * 20)
+    # Level and best 4 over the eight first losses, then 8.5 - 4.5 * 0.6**k: above 8 from k = 5, the third time
+    # at k = 7 (the loss of index 8 is k = 1).
+    assert (index, kind) == (8 + 6, "loss_divergence")
+
+
+def test_the_level_starts_again_after_a_signal_and_a_restore_and_keeps_its_best() -> None:
+    evidence = DivergenceEvidence()
+    losses = [4.0] * 8 + [1.0] * 40 + [3.0] * 5
+    findings = [evidence.observe(loss, spike=False, **LEVEL) for loss in losses]
+    assert [i for i, f in enumerate(findings) if f] == [52]
+    assert evidence.level_count == 0 and evidence.best_level == pytest.approx(1.0, abs=1e-6)
+    # Right after the signal the level is the mean of a new window (3.0 after 4 steps, above 2.5), and needs 3
+    # consecutive steps above the bound again: the 4th, 5th and 6th loss.
+    assert [evidence.observe(3.0, spike=False, **LEVEL) for _ in range(5)] == [None] * 5
+    assert evidence.observe(3.0, spike=False, **LEVEL) is not None
+    evidence.level_count, evidence.level_streak = 5, 2
+    evidence.after_restore()
+    assert (evidence.level_count, evidence.level_streak) == (0, 0)
+    assert evidence.best_level == pytest.approx(1.0, abs=1e-6)
+    assert DivergenceEvidence.from_state(evidence.state_dict()).state_dict() == evidence.state_dict()
+
+
+def test_the_anchor_never_sits_above_the_first_loss() -> None:
+    evidence = DivergenceEvidence()
+    for loss in [4.0, 25.0, 300.0, 26.0, 16.0, 39.0, 15.0, 3.7]:  # a loss that climbs from its first steps on
+        evidence.observe(loss, spike=False, **LEVEL)
+    assert evidence.anchor == 4.0  # the median, 25, would anchor the climb
+
+
+def test_a_loss_without_a_scale_or_below_zero_has_no_level_test() -> None:
+    assert _first_finding([0.0] * 8 + [1e-6] * 100) is None  # anchor 0: a threshold of 0 would call any rise one
+    assert _first_finding([1.0] * 8 + [-3.0] * 40 + [0.5] * 100) is None  # a loss that went negative
+
+
+def test_without_a_level_window_there_is_no_level_test() -> None:
+    assert _first_finding([4.0] * 8 + [1.0] * 40 + [3.0] * 50, level_window=None) is None
+
+
+def test_with_several_optimizers_the_level_test_is_off(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=5, level_window=2)
+    fit_gan = make_trainer([detector], default_root_dir=str(tmp_path), max_steps=40)
+    fit_gan.fit(TinyGAN())
+    assert all(e.level_count == 0 for e in detector._evidence.values())

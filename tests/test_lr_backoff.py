@@ -353,6 +353,19 @@ def test_a_rollback_never_undoes_a_backoff_in_either_order(tmp_path: Path, backo
         assert rolled_back[step][0] == pytest.approx(0.5 * reference[step - 10][0], rel=1e-6), f"step {step}"
 
 
+def test_a_restore_ends_the_cooldown_so_a_new_divergence_backs_off_further(tmp_path: Path) -> None:
+    backoff = backoff_on_spikes(cooldown=10, regrow_after=None)
+    faults = FaultInjector(Fault(SPIKE_AT, "loss_spike"), Fault(SPIKE_AT + 5, "loss_spike"))  # within the cooldown
+    make_trainer(
+        [LossSpikeDetector(warmup=10, check_grad_norm=False), backoff, FakeRollback(snapshot_at=10), faults],
+        max_steps=30,
+        default_root_dir=str(tmp_path),
+    ).fit(TinyRegressor(scheduler=SCHEDULERS["LambdaLR"]))
+    # Without the restore the second spike is part of the first one's burst (test_cooldown_counts_one_burst_once).
+    assert [(h["step"], h["scale"]) for h in backoff.history] == [(SPIKE_AT, 0.5), (SPIKE_AT + 5, 0.25)]
+    assert backoff.scales == [0.25]
+
+
 def test_after_restore_without_extras_assumes_the_configured_schedule(tmp_path: Path) -> None:
     backoff = backoff_on_spikes(regrow_after=None)
     trainer = make_trainer(

@@ -46,7 +46,8 @@ def test_periodic_input_spikes_are_journaled_and_cost_nothing_else(tmp_path: Pat
     trainer = fit(model, default_callbacks(snapshot_every_n_steps=4), max_steps=25 * BATCHES_PER_EPOCH,
                   default_root_dir=str(tmp_path))
     events = _journal(tmp_path)
-    assert _kinds(events, "spike"), "the input spikes are seen"
+    clipped = [step for step, _ in _kinds(events, "clip")]  # journaled at most once every AutoClip.EVENT_GAP steps
+    assert clipped and all(step % BATCHES_PER_EPOCH == 5 for step in clipped), "the clip cut the spikes, only them"
     assert _kinds(events, "backoff", "rollback", "abort", "loss_divergence") == []
     assert trainer.optimizers[0].param_groups[0]["lr"] == model.lr
 
@@ -118,3 +119,37 @@ def test_without_new_settings_a_second_divergence_goes_further_back() -> None:
     faults = FaultInjector(Fault(5, "nan_weight"), Fault(6, "nan_weight"))
     fit(TinyRegressor(), [NonFiniteDetector(), rollback, faults], max_steps=10)
     assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(6, 4), (7, 2)]
+
+
+def test_retries_that_back_off_further_spend_no_rollback_budget(tmp_path: Path) -> None:
+    suite = default_callbacks(snapshot_every_n_steps=2)  # max_rollbacks=3
+    faults = FaultInjector(*(Fault(step, "nan_weight") for step in range(5, 10)))  # five divergences in a row
+    trainer = fit(TinyRegressor(), [*suite, faults], max_steps=14, default_root_dir=str(tmp_path))
+    events = _journal(tmp_path)
+    assert [step for step, _ in _kinds(events, "backoff")] == [5, 6, 7, 8, 9]  # the restore ends each cooldown
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    # The newest snapshot, then once more at the lower LR; diverging from it again, it holds the fault: further back.
+    assert [(e["step"], e["details"]["snapshot_step"]) for e in rollbacks] == [(6, 4), (7, 4), (8, 2), (9, 2), (10, 2)]
+    # Only the first spends the budget: each later one retries at a lower LR, which is progress.
+    assert [e["details"]["counted"] for e in rollbacks] == [True, False, False, False, False]
+    assert [e["details"]["budget_left"] for e in rollbacks] == [2, 2, 2, 2, 2]
+    assert _kinds(events, "abort") == []
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.01 * 0.5**5
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+
+def test_retries_with_nothing_changed_spend_the_budget_and_stop(tmp_path: Path) -> None:
+    from lightning_overflow import NonFiniteDetector, Rollback
+    from lightning_overflow.exceptions import DivergenceError
+
+    rollback = Rollback(every_n_steps=2, max_rollbacks=3)
+    faults = FaultInjector(*(Fault(step, "nan_weight") for step in range(5, 10)))
+    try:
+        fit(TinyRegressor(), [NonFiniteDetector(), rollback, faults], max_steps=14, default_root_dir=str(tmp_path))
+    except DivergenceError as error:
+        assert error.step == 9  # the fourth divergence, at step 8, seen at the end of its batch
+    else:
+        raise AssertionError("the fourth retry with nothing changed must stop the run")
+    rollbacks = [e for e in _journal(tmp_path) if e["kind"] == "rollback"]
+    assert [(e["step"], e["details"]["counted"]) for e in rollbacks] == [(6, True), (7, True), (8, True)]
+    assert [e["details"]["budget_left"] for e in rollbacks] == [2, 1, 0]

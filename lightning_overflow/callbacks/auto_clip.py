@@ -18,6 +18,7 @@ from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
 from lightning_overflow.health import StepHealth, metric_key
 from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
 from lightning_overflow.numerics.clipping import HostPercentile, HostZScore, host_clip_coefficient
+from lightning_overflow.numerics.norms import FP32_MAX
 from lightning_overflow.policy import ClipPlan, StepAction, Verdict
 
 __all__ = ["AutoClip"]
@@ -36,8 +37,9 @@ class _Clip:
     total: float
     threshold: float
     coef: float
-    stats: Stats | None  # the statistics that take ``total`` in once the step went ahead
+    stats: Stats | None  # the statistics that take ``learned`` in once the step went ahead
     plan: ClipPlan
+    learned: float  # what the statistics take in: the norm, or the anchor's cap during the z-score warm-up
 
 
 @dataclass
@@ -81,7 +83,11 @@ class AutoClip(SuiteCallback):
       of the total norms seen so far, this step's included, over the last ``window`` steps.
     - ``"zscore"``: ZClip (Kumar et al., 2025): EMA mean and variance of the total norm (after ``warmup_steps`` norms
       that only build them); a norm more than ``z_threshold`` standard deviations above the mean is clipped to
-      ``mean + z_threshold**2 * std / z``, and the statistics are updated with the clipped value.
+      ``mean + z_threshold**2 * std / z``, and the statistics are updated with the clipped value. During the
+      warm-up the norm is capped at ``anchor_factor`` times the run's anchor (the median of its first
+      ``anchor_steps`` norms), and the statistics take the capped value in: a run whose norms explode inside the
+      warm-up (a learning rate far too high) is held to where it started instead of teaching the statistics the
+      diverged regime.
     - ``"agc"``: unit-wise adaptive gradient clipping (Brock et al., ICML 2021): each unit's gradient norm is kept
       within ``clipping`` times its weight norm, floored at ``eps`` so that zero-initialised weights still move.
 
@@ -105,6 +111,15 @@ class AutoClip(SuiteCallback):
         z_threshold: ``"zscore"`` mode: z-score above which a norm is clipped (default 2.5, the paper's).
         warmup_steps: ``"zscore"`` mode: norms that only build the statistics before clipping starts (default 25,
             the paper's; at least 2, since a variance needs two norms).
+        anchor_factor: ``"zscore"`` mode: during the warm-up, clip the norm to this many times the anchor (default
+            10; healthy runs stay within 6x of their first norms there; ``None``: no clip during the warm-up, as in
+            the paper).
+        anchor_steps: ``"zscore"`` mode: the first norms whose median is the anchor (default 3); the warm-up's
+            cap applies from the next step on.
+        min_ratio: ``"zscore"`` mode: after the warm-up, the threshold is at least ``min_ratio`` times the running
+            mean (default 3; 1 is the paper's rule). Small noisy batches put about one healthy step in a hundred
+            beyond 2.5 standard deviations, and up to 3x the mean; clipping those changes a healthy run's
+            trajectory and protects nothing.
         clipping: ``"agc"`` mode: the largest ratio of unit gradient norm to unit weight norm (default 0.01, the
             paper's at batch size 4096; larger batches want smaller values).
         eps: ``"agc"`` mode: floor on the unit weight norm (default 1e-3, the paper's).
@@ -157,6 +172,9 @@ class AutoClip(SuiteCallback):
         alpha: float = 0.97,
         z_threshold: float = 2.5,
         warmup_steps: int = 25,
+        anchor_factor: float | None = 10.0,
+        anchor_steps: int = 3,
+        min_ratio: float = 3.0,
         clipping: float = 0.01,
         eps: float = 1e-3,
         exclude: Sequence[str] = (),
@@ -171,6 +189,9 @@ class AutoClip(SuiteCallback):
         self.alpha = check_float("alpha", alpha, low=0.0, high=1.0, low_open=True, high_open=True)
         self.z_threshold = check_float("z_threshold", z_threshold, low=0.0, low_open=True)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=2)
+        self.anchor_factor = check_float("anchor_factor", anchor_factor, low=1.0, optional=True)
+        self.anchor_steps = check_int("anchor_steps", anchor_steps, minimum=1)
+        self.min_ratio = check_float("min_ratio", min_ratio, low=1.0)
         self.clipping = check_float("clipping", clipping, low=0.0, low_open=True)
         self.eps = check_float("eps", eps, low=0.0, low_open=True)
         exclude = check_names("exclude", exclude, what="parameter names")
@@ -184,6 +205,7 @@ class AutoClip(SuiteCallback):
         self.steps = 0
         self.clipped_steps = 0
         self._stats: dict[int, Stats] = {}
+        self._first: dict[int, list[float]] = {}  # optimizer index -> its first accepted norms (the anchor's)
         self._epoch: dict[int, list[int]] = {}  # optimizer index -> [steps, clipped] this epoch
         self._proposal: _Clip | None = None
         self._agc: _AgcPlan | None = None
@@ -247,8 +269,11 @@ class AutoClip(SuiteCallback):
             return  # skipped: the step never happened, so nothing is learned or counted
         index = record.optimizer_index
         if clip.stats is not None:
-            clip.stats.update(clip.total)
+            clip.stats.update(clip.learned)
             self._stats[index] = clip.stats
+        first = self._first.setdefault(index, [])
+        if len(first) < self.anchor_steps and math.isfinite(clip.total) and clip.total <= FP32_MAX:
+            first.append(clip.total)
         clipped = clip.coef < 1.0
         epoch = self._epoch.setdefault(index, [0, 0])
         self.steps += 1
@@ -293,12 +318,28 @@ class AutoClip(SuiteCallback):
             if stats is None:
                 stats = self._new_stats()
             threshold = stats.threshold(total)
+        learned = total
+        if isinstance(stats, HostZScore) and stats.count >= self.warmup_steps:
+            threshold = max(threshold, self.min_ratio * stats.mean)
+        cap = self._warmup_cap(record.optimizer_index, stats)
+        if cap is not None:
+            threshold = cap
+            learned = min(total, cap)
         if self.max_norm is not None:
             threshold = min(threshold, self.max_norm)
         coef = host_clip_coefficient(total, threshold)
         grads = [p.grad for p in record.params]
         plan = ClipPlan([(grads, coef)] if coef < 1.0 else [], coef, threshold)  # type: ignore[list-item]
-        return _Clip(record.step, total, threshold, coef, stats, plan)
+        return _Clip(record.step, total, threshold, coef, stats, plan, learned)
+
+    def _warmup_cap(self, index: int, stats: Stats | None) -> float | None:
+        """The z-score warm-up's cap, ``anchor_factor`` times the median of the first norms (``None``: none)."""
+        if self.anchor_factor is None or not isinstance(stats, HostZScore) or stats.count >= self.warmup_steps:
+            return None
+        first = self._first.get(index, [])
+        if len(first) < self.anchor_steps:
+            return None
+        return self.anchor_factor * sorted(first)[len(first) // 2]
 
     def _new_stats(self) -> Stats:
         if self.mode == "percentile":
@@ -336,7 +377,8 @@ class AutoClip(SuiteCallback):
         if cap < 1.0:
             scales.append(([p.grad for p in record.params], cap))  # type: ignore[misc]
         coef = smallest * cap
-        return _Clip(record.step, record.total_norm, self.clipping, coef, None, ClipPlan(scales, coef, self.clipping))
+        plan = ClipPlan(scales, coef, self.clipping)
+        return _Clip(record.step, record.total_norm, self.clipping, coef, None, plan, record.total_norm)
 
     def _plan_agc(self, record: StepHealth, exact: bool) -> _AgcPlan:
         # Sparse gradients (nn.Embedding(sparse=True)) have no unit-wise form here: AGC leaves them to max_norm.
@@ -387,6 +429,7 @@ class AutoClip(SuiteCallback):
             "steps": self.steps,
             "clipped_steps": self.clipped_steps,
             "epoch": {index: list(counts) for index, counts in self._epoch.items()},
+            "first": {index: list(norms) for index, norms in self._first.items()},
         }
 
     @override
@@ -394,6 +437,7 @@ class AutoClip(SuiteCallback):
         self.steps = int(state_dict.get("steps", 0))
         self.clipped_steps = int(state_dict.get("clipped_steps", 0))
         self._epoch = {int(i): [int(c) for c in counts] for i, counts in state_dict.get("epoch", {}).items()}
+        self._first = {int(i): [float(n) for n in norms] for i, norms in state_dict.get("first", {}).items()}
         self._load_stats(state_dict)
 
     def _load_stats(self, state_dict: dict[str, Any]) -> None:

@@ -73,8 +73,9 @@ class LossSpikeDetector(SuiteCallback):
             runaway bound) before the loss counts as diverging (default 3). A single spike is one bad batch, or one
             that a clip already neutralised: it is journaled, and signals ``loss_spike`` only.
         runaway_factor: a loss above this many times the run's anchor (the median magnitude of its first
-            ``anchor_steps`` finite losses) is above its reference whatever the statistics say (default 100): the
-            absolute anchor that catches a run diverging inside the warm-up, or one whose statistics drifted along.
+            ``anchor_steps`` finite losses, and at most the first one) is above its reference whatever the
+            statistics say (default 100): the absolute anchor that catches a run diverging inside the warm-up, or one
+            whose statistics drifted along.
         anchor_steps: finite losses that make the anchor (default 8).
         min_rise: a loss spike must also exceed the mean by ``min_rise`` times the anchor (default 0.1), so that a
             loss that sat at exactly 0 (zero mean, zero spread) and rises a little is no spike.
@@ -84,6 +85,22 @@ class LossSpikeDetector(SuiteCallback):
             (default 0.999, the test of dlib's trainer); the window's mean must also stand ``trend_margin`` times
             above the best window mean so far (default 0.5): a loss that plateaus higher after a change of data is
             no divergence.
+        level_window: span, in healthy steps, of the moving level of the loss behind the level test (default 20;
+            ``None`` disables the test). The level is the mean of the first ``level_window`` healthy losses, then
+            their exponential moving average; its lowest value so far is the run's best level.
+        level_factor: the level stands far above its best when it exceeds ``level_factor`` times the best level
+            (default 2) **and** has given back ``level_fraction`` of the progress from the anchor down to the best
+            level (default 0.5): ``level > max(level_factor * min(best, anchor), best + level_fraction * (anchor -
+            best))``; a run that never went below its anchor is thus measured against twice its first losses. Held
+            for ``confirm_steps`` consecutive healthy steps, that is divergence (``loss_divergence``): a run whose
+            loss went down and settles back up at a collapsed level (its predictor dead, its moments blown) is not
+            coming back at this learning rate, spike or no spike. A rise of less than half the progress made (new
+            data, a harder task) is no divergence. The level starts again after the signal and after a rollback, so
+            a run that diverges again at the backed-off rate is caught again; the best level stays. With several
+            optimizers (manual optimization) the test is off: each loss is one player's in a game (a GAN's
+            generator loss rises as its discriminator improves). It is off as well while the anchor is 0 (no scale
+            to measure a rise by) and once the level went negative (a log-likelihood: no ratio means anything).
+        level_fraction: see ``level_factor``, in (0, 1].
 
     Signals (read by interventions): ``loss_divergence`` when the loss stays above its reference for
     ``confirm_steps`` steps, ``loss_trend`` for a slow rise with no spike, ``loss_spike`` and ``grad_spike`` at the
@@ -130,6 +147,9 @@ class LossSpikeDetector(SuiteCallback):
         trend_window: int | None = 200,
         trend_probability: float = 0.999,
         trend_margin: float = 0.5,
+        level_window: int | None = 20,
+        level_factor: float = 2.0,
+        level_fraction: float = 0.5,
     ) -> None:
         self.window = check_int("window", window, minimum=2)
         self.warmup = check_int("warmup", warmup, minimum=1)
@@ -147,6 +167,9 @@ class LossSpikeDetector(SuiteCallback):
             "trend_probability", trend_probability, low=0.5, high=1.0, low_open=True, high_open=True
         )
         self.trend_margin = check_float("trend_margin", trend_margin, low=0.0)
+        self.level_window = check_int("level_window", level_window, minimum=1, optional=True)
+        self.level_factor = check_float("level_factor", level_factor, low=1.0, low_open=True)
+        self.level_fraction = check_float("level_fraction", level_fraction, low=0.0, high=1.0, low_open=True)
         self._evidence: dict[int, DivergenceEvidence] = {}
         self._ratios = [self.loss_ratio, self.grad_ratio]
         self._stats: dict[int, HostRunningStats] = {}
@@ -209,6 +232,10 @@ class LossSpikeDetector(SuiteCallback):
             trend_window=self.trend_window,
             trend_probability=self.trend_probability,
             trend_margin=self.trend_margin,
+            # With several optimizers each loss is one player's in a game (a GAN): its level rises as the game goes.
+            level_window=self.level_window if record.n_optimizers == 1 else None,
+            level_factor=self.level_factor,
+            level_fraction=self.level_fraction,
         )
         if finding is None:
             return
@@ -334,7 +361,8 @@ class LossSpikeDetector(SuiteCallback):
 
 class DivergenceEvidence:
     """What one loss series says about the training state: its anchor, the streak of steps above reference, the
-    recent healthy losses for the trend test. Host floats only."""
+    recent healthy losses for the trend test, the moving level of the healthy losses and its best. Host floats
+    only."""
 
     def __init__(self) -> None:
         self.first: list[float] = []
@@ -342,6 +370,10 @@ class DivergenceEvidence:
         self.streak = 0
         self.window: list[float] = []
         self.best_mean = math.inf
+        self.level = 0.0
+        self.level_count = 0
+        self.best_level = math.inf
+        self.level_streak = 0
 
     def observe(
         self,
@@ -354,6 +386,9 @@ class DivergenceEvidence:
         trend_window: int | None,
         trend_probability: float,
         trend_margin: float,
+        level_window: int | None = None,
+        level_factor: float = 2.0,
+        level_fraction: float = 0.5,
     ) -> tuple[str, str] | None:
         """Take one step's loss; return ``(signal kind, reason)`` when it is evidence of divergence."""
         if not math.isfinite(loss):
@@ -361,7 +396,9 @@ class DivergenceEvidence:
         runaway = self.anchor > 0 and loss > runaway_factor * self.anchor
         if len(self.first) < anchor_steps and not runaway:
             self.first.append(abs(loss))
-            self.anchor = sorted(self.first)[len(self.first) // 2]
+            # The median, but never above the very first loss: a run whose loss climbs from its first steps on
+            # would otherwise anchor itself in the climb.
+            self.anchor = min(self.first[0], sorted(self.first)[len(self.first) // 2])
         self.streak = self.streak + 1 if (spike or runaway) else 0
         if self.streak == confirm_steps:
             where = (
@@ -371,8 +408,44 @@ class DivergenceEvidence:
             )
             return "loss_divergence", f"{where}, for {confirm_steps} consecutive steps"
         if spike or runaway:
-            return None  # a spike's losses stay out of the trend window
-        return self._trend(loss, trend_window, trend_probability, trend_margin)
+            return None  # a spike's losses stay out of the trend window and the level
+        return self._level(loss, level_window, level_factor, level_fraction, confirm_steps) or self._trend(
+            loss, trend_window, trend_probability, trend_margin
+        )
+
+    def _level(
+        self, loss: float, window: int | None, factor: float, fraction: float, confirm_steps: int
+    ) -> tuple[str, str] | None:
+        """The level test: the moving level of the healthy losses far above the best level the run reached."""
+        if window is None:
+            return None
+        self.level_count += 1
+        if self.level_count <= window:  # the mean of the first ``window`` losses: no bias toward the first one
+            self.level += (loss - self.level) / self.level_count
+        else:
+            self.level += 2.0 / (window + 1) * (loss - self.level)
+        if self.level_count < window:
+            return None
+        best = self.best_level = min(self.best_level, self.level)
+        if self.anchor <= 0.0 or best < 0.0:
+            return None  # no scale to measure by (a first loss of 0), or a loss that goes negative: ratios mean nothing
+        # A run that never went below its anchor is measured against the anchor: settled at twice its first losses.
+        bound = max(factor * min(best, self.anchor), best + fraction * (self.anchor - best))
+        self.level_streak = self.level_streak + 1 if self.level > bound else 0
+        if self.level_streak < confirm_steps:
+            return None
+        level = self.level
+        self._restart_level()
+        return "loss_divergence", (
+            f"settled far above its best level: its level over about {window} healthy steps is {level:.4g}, "
+            f"above {bound:.4g} (the best level {best:.4g} times {factor:g}, and {fraction:g} of the way back up to "
+            f"its anchor {self.anchor:.4g}) for {confirm_steps} consecutive steps"
+        )
+
+    def _restart_level(self) -> None:
+        self.level = 0.0
+        self.level_count = 0
+        self.level_streak = 0
 
     def _trend(self, loss: float, window: int | None, probability: float, margin: float) -> tuple[str, str] | None:
         if window is None:
@@ -396,10 +469,12 @@ class DivergenceEvidence:
     def after_restore(self) -> None:
         self.streak = 0
         self.window = []
+        self._restart_level()  # the level of the state just undone; the best level stays
 
     def state_dict(self) -> dict[str, Any]:
         return {"first": list(self.first), "anchor": self.anchor, "streak": self.streak, "window": list(self.window),
-                "best_mean": self.best_mean}  # fmt: skip
+                "best_mean": self.best_mean, "level": self.level, "level_count": self.level_count,
+                "best_level": self.best_level, "level_streak": self.level_streak}  # fmt: skip
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> DivergenceEvidence:
@@ -409,4 +484,8 @@ class DivergenceEvidence:
         evidence.streak = int(state.get("streak", 0))
         evidence.window = [float(v) for v in state.get("window", [])]
         evidence.best_mean = float(state.get("best_mean", math.inf))
+        evidence.level = float(state.get("level", 0.0))
+        evidence.level_count = int(state.get("level_count", 0))
+        evidence.best_level = float(state.get("best_level", math.inf))
+        evidence.level_streak = int(state.get("level_streak", 0))
         return evidence

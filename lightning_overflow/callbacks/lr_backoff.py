@@ -307,11 +307,15 @@ class LRBackoff(SuiteCallback):
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         """The optimizer and scheduler state just restored carry the scale of their snapshot: bring them to the
         current scale, so that a rollback never undoes a backoff (whichever of the two callbacks runs first)."""
-        self._track(len(trainer.optimizers), int(trainer.global_step))
+        step = int(trainer.global_step)
+        self._track(len(trainer.optimizers), step)
         snapshot = [float(s) for s in extra.get("scales", [])]
         for index, scale in enumerate(self.scales):
             then = snapshot[index] if index < len(snapshot) else 1.0
             self._apply(trainer, index, scale / then)
+            # The state that diverged is undone: a divergence of the restored state at this scale is new evidence,
+            # and backs off further at once rather than waiting out the cooldown of the backoff just made.
+            self._cooldown_until[index] = min(self._cooldown_until[index], step)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -110,7 +110,8 @@ class Rollback(SuiteCallback):
             A fit resumed with ``ckpt_path`` can roll back to the files listed in its checkpoint. Checked in
             ``setup`` (``None``, the default: memory only).
         max_rollbacks: rollbacks allowed within ``window`` steps (default 3); the next need raises
-            :class:`DivergenceError`.
+            :class:`DivergenceError`. A rollback whose settings differ from the previous rollback's (the LR backed
+            off since) is progress and is not counted: the backoff's floor bounds those.
         window: the window in optimizer steps for ``max_rollbacks`` (default 1000).
         skip_batches: after a rollback, consume this many training batches without an optimizer step (default 0).
         triggers: the signal kinds that cause a rollback, at least one (default :data:`DEFAULT_TRIGGERS`).
@@ -118,7 +119,8 @@ class Rollback(SuiteCallback):
     Attributes:
         rollbacks: rollbacks made so far (kept across a resume).
         history: one dict per rollback: ``step``, ``reason`` (signal kind), ``trigger_step``, ``snapshot_step``,
-            ``source`` (``"memory"``/``"disk"``).
+            ``source`` (``"memory"``/``"disk"``). The journal's ``rollback`` event also says whether it was
+            ``counted`` in the budget.
         skipped_steps: optimizer steps skipped after rollbacks.
         snapshot_steps: the steps of the snapshots kept in memory, oldest first.
         snapshot_nbytes: host bytes this rank's snapshots in memory hold.
@@ -126,8 +128,8 @@ class Rollback(SuiteCallback):
             raises on non-finite weights itself).
 
     Raises:
-        DivergenceError: ``max_rollbacks`` within ``window`` steps and another one needed (the last verified
-            snapshot is restored first).
+        DivergenceError: ``max_rollbacks`` counted rollbacks within ``window`` steps and another one needed with
+            nothing changed (the last verified snapshot is restored first).
         RollbackError: a rollback was needed but no snapshot verified finite exists.
         NonFiniteError: a checkpoint about to be written holds inf/NaN and cannot be rolled back (not written).
         ValueError: in ``setup``, when ``dirpath`` is a file, lies under a file, or cannot be written.
@@ -194,6 +196,9 @@ class Rollback(SuiteCallback):
         self._skipping = False
         self._last_target: int | None = None
         self._last_settings: tuple[float, ...] = ()
+        self._retries = 0  # rollbacks in a row to the last target after the first
+        self._rollback_settings: tuple[float, ...] | None = None  # at the last rollback (not reset by a snapshot)
+        self._free: set[int] = set()  # indices into history of the rollbacks that were progress (not counted)
         self._resumed = False
         self._warnings = WarningCache()
 
@@ -297,6 +302,7 @@ class Rollback(SuiteCallback):
         self._last_step = int(trainer.global_step)
         self._last_target = None
         self._last_settings = ()
+        self._retries = 0
         self._disk = [entry for entry in self._disk if entry["step"] <= trainer.global_step]
         listed = [Snapshot(entry["step"], None, file=entry["file"]) for entry in self._disk]
         self._before_restart = listed if self._files is not None and self._resumed else []
@@ -408,6 +414,7 @@ class Rollback(SuiteCallback):
         snapshot = self._memory.take(step, state, extras, held, owners)
         self._last_target = None
         self._last_settings = ()
+        self._retries = 0
         if self._files is not None:
             self._write(trainer, snapshot)
         return None
@@ -461,9 +468,12 @@ class Rollback(SuiteCallback):
         """The candidates in the order to try, and the one avoided. Never the same snapshot twice with the same
         settings: having diverged again from the last target (no newer snapshot since) with nothing changed (no
         backoff since), go one snapshot further back and keep that one only as a last resort. With a new LR scale,
-        the newest snapshot is the best place to try again."""
+        the newest snapshot is the best place to try again, once: diverging from it again after that, go further
+        back too."""
         candidates = self._candidates()
-        repeat = candidates and candidates[0].step == self._last_target and settings == self._last_settings
+        # A snapshot that diverged again after a retry at a new LR scale holds the fault itself: go further back.
+        again = settings == self._last_settings or self._retries >= 1
+        repeat = candidates and candidates[0].step == self._last_target and again
         if len(candidates) > 1 and repeat:
             return candidates[1:] + candidates[:1], candidates[0]
         return candidates, None
@@ -471,10 +481,13 @@ class Rollback(SuiteCallback):
     # ---- rolling back -----------------------------------------------------------------------------------------
     def _roll_back(self, trainer: pl.Trainer, signal: Signal) -> None:
         step = int(trainer.global_step)
-        recent = [h for h in self.history if step - h["step"] < self.window]
-        if len(recent) >= self.max_rollbacks:
-            self._stop(trainer, signal, recent)
         settings = self.board(trainer).settings()
+        # A retry with new settings (the LR backed off since the last rollback) is progress, bounded by the backoff's
+        # floor: only the retries that changed nothing spend the budget.
+        progress = bool(self.history) and self._rollback_settings is not None and settings != self._rollback_settings
+        recent = [h for i, h in enumerate(self.history) if step - h["step"] < self.window and i not in self._free]
+        if len(recent) >= self.max_rollbacks and not progress:
+            self._stop(trainer, signal, recent)
         candidates, avoided = self._targets(settings)
         restored = self._restore_first(trainer, candidates)
         if restored is None:
@@ -489,13 +502,17 @@ class Rollback(SuiteCallback):
             "snapshot_step": target.step,
             "source": source,
         }
+        if progress:
+            self._free.add(len(self.history))
         self.history.append(entry)
+        self._rollback_settings = settings
         self.rollbacks += 1
+        self._retries = self._retries + 1 if target.step == self._last_target else 0
         self._last_target = target.step
         self._last_settings = settings
         self._healthy = 0
         self._skip_left = self.skip_batches
-        left = self.max_rollbacks - len(recent) - 1
+        left = self.max_rollbacks - len(recent) - (not progress)
         skip = f"; the next {self.skip_batches} batch(es) will be skipped" if self.skip_batches else ""
         message = (
             f"Rollback: restored the snapshot of step {target.step} ({source}) at step {step} after "
@@ -503,7 +520,8 @@ class Rollback(SuiteCallback):
             f"{self.window} steps."
         )
         details = {key: value for key, value in entry.items() if key != "step"}  # the event's own step
-        self._event(trainer, "rollback", message, **details, rollbacks=self.rollbacks, budget_left=left)
+        self._event(trainer, "rollback", message, **details, rollbacks=self.rollbacks, budget_left=left,
+                    counted=not progress)  # fmt: skip
 
     def _forget(self, snapshot: Snapshot) -> None:
         self._memory.discard(snapshot)
