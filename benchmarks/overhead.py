@@ -230,6 +230,9 @@ def configurations(all_rows: bool, model: str) -> list[Config]:
         Config("Lightning grad_norm logged", lambda _: ([LightningGradNorm()], {}), "lightning"),
         Config("detect_anomaly=True", lambda _: ([], {"detect_anomaly": True}), "lightning"),
         Config("Lightning SpikeDetection", _spike_detection, "lightning"),
+        # What Lightning's hook dispatch alone costs six callbacks (as many as default_callbacks() has): the floor
+        # of any composition of six, whatever they do.
+        Config("6 empty Lightning callbacks", lambda _: ([pl.Callback() for _ in range(6)], {}), "lightning"),
     ]
     if _installed("zclip") and _installed("lightning"):
         rows.append(Config("ZClip callback", _zclip, "peer"))
