@@ -138,6 +138,21 @@ def test_retries_that_back_off_further_spend_no_rollback_budget(tmp_path: Path) 
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
 
 
+def test_the_rollbacks_that_spent_no_budget_are_kept_across_a_resume(tmp_path: Path) -> None:
+    from lightning_overflow import Rollback
+
+    suite = default_callbacks(snapshot_every_n_steps=2)
+    faults = FaultInjector(*(Fault(step, "nan_weight") for step in range(5, 10)))
+    fit(TinyRegressor(), [*suite, faults], max_steps=14, default_root_dir=str(tmp_path))
+    rollback = suite[-1]
+    torch.save(rollback.state_dict(), tmp_path / "rollback.pt")
+    state = torch.load(tmp_path / "rollback.pt", weights_only=True)
+    assert state["free"] == [1, 2, 3, 4]  # history entries 1-4 were retries at a lower LR
+    resumed = Rollback(every_n_steps=2)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == rollback.state_dict()
+
+
 def test_retries_with_nothing_changed_spend_the_budget_and_stop(tmp_path: Path) -> None:
     from lightning_overflow import NonFiniteDetector, Rollback
     from lightning_overflow.exceptions import DivergenceError

@@ -646,6 +646,7 @@ class Rollback(SuiteCallback):
             "skip_left": self._skip_left,
             "healthy_steps": self._healthy,
             "disk": [dict(e) for e in self._disk],
+            "free": sorted(self._free),  # the rollbacks of history that spent no budget (progress)
         }
 
     @override
@@ -656,6 +657,7 @@ class Rollback(SuiteCallback):
         self._skip_left = int(state_dict.get("skip_left", 0))
         self._healthy = int(state_dict.get("healthy_steps", 0))
         self._disk = [{"step": int(e["step"]), "file": str(e["file"])} for e in state_dict.get("disk", [])]
+        self._free = {int(i) for i in state_dict.get("free", []) if 0 <= int(i) < len(self.history)}
         self._resumed = True
 
 
