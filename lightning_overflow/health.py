@@ -95,8 +95,6 @@ def board_for(trainer: pl.Trainer) -> HealthBoard:
 _LAST_BOARD: tuple[weakref.ref[Any], HealthBoard] | None = None
 
 
-
-
 @dataclass(frozen=True)
 class Signal:
     """A detector's report for this training batch, identical on every rank.
