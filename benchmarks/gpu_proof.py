@@ -4,7 +4,7 @@
 
 1. ``default_callbacks()`` for ``--steps`` steps with ``torch.cuda.set_sync_debug_mode("error")``: any
    device-to-host synchronisation raises, except the suite's documented one read per checked step
-   (``distributed.reduce_and_read``), which runs with the debug mode lifted and is counted. A healthy run must
+   (``distributed.read_packed``), which runs with the debug mode lifted and is counted. A healthy run must
    make exactly one such read per optimizer step, plus one per snapshot verification.
 2. Real ``16-mixed`` (GradScaler): the scaler's calibration overflows at the start are left to the scaler
    (no ``nonfinite`` event, no backoff), and the run ends finite.
@@ -88,20 +88,21 @@ class StepTimer(pl.Callback):
 
 def check_sync_free(args: argparse.Namespace, root: str) -> bool:
     reads = {"n": 0}
-    original = distributed.reduce_and_read
+    original = distributed.read_packed
 
-    def counted(summed: torch.Tensor, local: torch.Tensor) -> tuple[list[float], list[float]]:
+    def counted(packed: torch.Tensor, n_summed: int, world_size: int) -> list[float]:
         reads["n"] += 1
         torch.cuda.set_sync_debug_mode(0)
         try:
-            return original(summed, local)
+            return original(packed, n_summed, world_size)
         finally:
             torch.cuda.set_sync_debug_mode("error")
 
-    distributed.reduce_and_read = counted  # type: ignore[assignment]
+    # Every read goes through distributed.read_packed; health holds its own name for it.
+    distributed.read_packed = counted  # type: ignore[assignment]
     import lightning_overflow.health as health
 
-    health.reduce_and_read = counted  # type: ignore[assignment]
+    health.read_packed = counted  # type: ignore[assignment]
     suite = default_callbacks(snapshot_every_n_steps=args.steps + 1)  # the start snapshot only: one verification
     error = ""
     torch.cuda.set_sync_debug_mode("error")
@@ -111,8 +112,8 @@ def check_sync_free(args: argparse.Namespace, root: str) -> bool:
         error = str(err).splitlines()[0]
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        distributed.reduce_and_read = original  # type: ignore[assignment]
-        health.reduce_and_read = original  # type: ignore[assignment]
+        distributed.read_packed = original  # type: ignore[assignment]
+        health.read_packed = original  # type: ignore[assignment]
     expected = args.steps + 1
     ok = not error and reads["n"] <= expected
     print(f"{'PASS' if ok else 'FAIL'}: sync-free: {reads['n']} documented reads in {args.steps} steps "

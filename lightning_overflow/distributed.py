@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["flags_by_rank", "pack_per_rank", "ranks_where", "read_packed", "reduce_and_read", "sum_and_read", "world"]
+__all__ = ["flags_by_rank", "pack_per_rank", "ranks_where", "read_packed", "sum_and_read", "world"]
 
 
 def world() -> tuple[int, int]:
@@ -23,29 +23,11 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def reduce_and_read(summed: Tensor, local: Tensor) -> tuple[list[float], list[float]]:
-    """Sum ``summed`` across ranks, then read both tensors to the host with one transfer.
-
-    Args:
-        summed: 1-D float64 values to add up over ranks.
-        local: 1-D float64 values already identical on every rank.
-
-    Returns:
-        ``(summed values, local values)`` as Python floats.
-    """
-    packed = torch.cat([summed.to(torch.float64), local.to(device=summed.device, dtype=torch.float64)])
-    n = summed.numel()
-    if n and world()[1] > 1:
-        head = packed[:n]  # a contiguous view: reduced in place inside ``packed``
-        dist.all_reduce(head, op=dist.ReduceOp.SUM)
-    values = packed.tolist()
-    return values[:n], values[n:]
-
-
 def read_packed(packed: Tensor, n_summed: int, world_size: int) -> list[float]:
     """Sum the first ``n_summed`` values of 1-D ``packed`` across ranks (in place), then read all of it to the host.
 
-    The step record's one read: it packs its values itself, in one concatenation. Entered on every rank together.
+    Every host read of the suite's collectives goes through here (the step record packs its values itself, in one
+    concatenation; :func:`sum_and_read` is the all-summed case). Entered on every rank together.
 
     Args:
         packed: the values to sum over ranks (float64 where ``world_size > 1``), then values already identical on
@@ -59,8 +41,10 @@ def read_packed(packed: Tensor, n_summed: int, world_size: int) -> list[float]:
 
 
 def sum_and_read(values: Tensor) -> list[float]:
-    """Sum 1-D ``values`` across ranks (one all-reduce) and read them to the host. Entered on every rank together."""
-    return reduce_and_read(values.reshape(-1), values.new_zeros(0))[0]
+    """Sum ``values`` across ranks in float64 (one all-reduce) and read them to the host. Entered on every rank
+    together. A 1-D float64 ``values`` is reduced in place (pass a tensor of its own, as every caller builds)."""
+    packed = values.reshape(-1).to(torch.float64)
+    return read_packed(packed, packed.numel(), world()[1])
 
 
 def pack_per_rank(values: list[Tensor], rank: int, world_size: int, device: torch.device | str) -> Tensor:
@@ -90,5 +74,4 @@ def flags_by_rank(flags: list[Tensor], device: torch.device | str) -> list[tuple
     """
     rank, world_size = world()
     packed = pack_per_rank(flags, rank, world_size, device)
-    values, _ = reduce_and_read(packed, packed.new_zeros(0))
-    return ranks_where(values, world_size)
+    return ranks_where(sum_and_read(packed), world_size)

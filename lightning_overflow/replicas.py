@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_overflow.distributed import pack_per_rank, reduce_and_read
+from lightning_overflow.distributed import pack_per_rank, sum_and_read
 
 __all__ = ["ReplicaMismatch", "checksum", "compare", "differing_parameters"]
 
@@ -58,7 +58,7 @@ def differing_parameters(
     """The parameters whose checksum is not the same on every rank: one all-reduce, entered by every rank."""
     values = [checksum([p])[1] for _, p in named]
     packed = pack_per_rank(values, rank, world_size, device)
-    summed, _ = reduce_and_read(packed, packed.new_zeros(0))
+    summed = sum_and_read(packed)
     return [
         name
         for i, (name, _) in enumerate(named)

@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_overflow import _compat
 from lightning_overflow._validation import check_bool, check_int, check_norm_type
 from lightning_overflow.callbacks._base import SuiteCallback
-from lightning_overflow.distributed import reduce_and_read, world
+from lightning_overflow.distributed import sum_and_read, world
 from lightning_overflow.health import StepHealth, metric_key
 from lightning_overflow.numerics import refine_norms, tensor_norms
 from lightning_overflow.numerics._float64 import to_float32
@@ -194,7 +194,7 @@ def _epoch_aggregates(epoch: dict[int, _EpochTotals], device: torch.device) -> d
     if world_size > 1 and local:
         packed = torch.zeros(len(local) * world_size, dtype=torch.float64, device=device)
         packed[rank::world_size] = torch.tensor(local, dtype=torch.float64)
-        summed, _ = reduce_and_read(packed, packed.new_zeros(0))  # zeros elsewhere: each rank's value exact
+        summed = sum_and_read(packed)  # zeros elsewhere: each rank's value exact
         per_rank = [summed[k * world_size : (k + 1) * world_size] for k in range(len(local))]
     aggregates = {}
     for n, index in enumerate(indices):
