@@ -134,7 +134,9 @@ def test_retries_that_back_off_further_spend_no_rollback_budget(tmp_path: Path) 
     assert [e["details"]["counted"] for e in rollbacks] == [True, False, False, False, False]
     assert [e["details"]["budget_left"] for e in rollbacks] == [2, 2, 2, 2, 2]
     assert _kinds(events, "abort") == []
-    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.01 * 0.5**5
+    # Each backoff after the first comes within two snapshot intervals of the one before: the factor twice.
+    assert [e["details"]["scale"] for e in events if e["kind"] == "backoff"] == [0.5**k for k in (1, 3, 5, 7, 9)]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.01 * 0.5**9
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
 
 

@@ -47,6 +47,9 @@ class LRBackoff(SuiteCallback):
 
     - **Backoff**: ``scale *= factor``. Further triggers within ``cooldown`` optimizer steps of a backoff belong to
       the same burst and are ignored.
+    - **Escalation**: a backoff within ``escalate_within`` optimizer steps of the previous one multiplies the scale
+      by ``factor ** 2``: the LR just backed off diverged again before it had held, so half the step was not
+      enough (a restored state that diverges again at the new LR, as a run at 16x its stable LR does).
     - **Floor**: the scale never goes below ``min_scale`` (nor a base LR below ``min_lr``); a trigger once the scale
       sits on the floor raises :class:`DivergenceError` with the history of every backoff.
     - **Regrowth**: after ``regrow_after`` optimizer steps without a trigger, ``scale /= factor`` (at most 1: never
@@ -66,6 +69,10 @@ class LRBackoff(SuiteCallback):
         cooldown: optimizer steps after a backoff during which further triggers are part of the same burst
             (default 10: a burst of non-finite steps or a spike lasting a few steps costs one backoff, while a
             divergence that goes on after it gets the next one soon).
+        escalate_within: optimizer steps after a backoff within which the next backoff applies ``factor`` twice
+            (default ``None``: every backoff applies ``factor`` once). ``default_callbacks()`` sets it to two of
+            Rollback's snapshot intervals: a restored state that diverges again before the run has taken its second
+            snapshot at the new LR was not helped enough by the first backoff.
         min_scale: the smallest scale, in (0, 1] (default 1e-3, about ten halvings).
         min_lr: optional floor on the backed-off base learning rate of every param group (its ``initial_lr``, or its
             ``lr`` without a scheduler, times the scale).
@@ -111,6 +118,7 @@ class LRBackoff(SuiteCallback):
         factor: float = 0.5,
         triggers: Sequence[str] = DEFAULT_TRIGGERS,
         cooldown: int = 10,
+        escalate_within: int | None = None,
         min_scale: float = 1e-3,
         min_lr: float | None = None,
         regrow_after: int | None = 1000,
@@ -120,6 +128,7 @@ class LRBackoff(SuiteCallback):
         self.factor = check_float("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
         self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
         self.cooldown = check_int("cooldown", cooldown, minimum=0)
+        self.escalate_within = check_int("escalate_within", escalate_within, minimum=1, optional=True)
         self.min_scale = check_float("min_scale", min_scale, low=0.0, high=1.0, low_open=True)
         self.min_lr = check_float("min_lr", min_lr, low=0.0, low_open=True, optional=True)
         self.regrow_after = check_int("regrow_after", regrow_after, minimum=1, optional=True)
@@ -187,25 +196,39 @@ class LRBackoff(SuiteCallback):
                 raise self._diverged(trainer, index, signals)
         for index, signals in due.items():
             old = self.scales[index]
-            new = max(old * self.factor, self._floor(trainer, index))
+            first = min(signals, key=lambda s: s.step)
+            previous = self._last_backoff(index)
+            held = None if previous is None else first.step - previous
+            escalated = held is not None and self.escalate_within is not None and held <= self.escalate_within
+            new = max(old * self.factor ** (2 if escalated else 1), self._floor(trainer, index))
             self._apply(trainer, index, new / old)
             self.scales[index] = new
-            first = min(signals, key=lambda s: s.step)
             self._cooldown_until[index] = first.step + self.cooldown
             last_regrowth = self._last_regrowth[index]
             if last_regrowth >= 0 and first.step - last_regrowth <= self._windows[index]:
                 self._windows[index] = math.ceil(self._windows[index] * self.window_growth)
             entry = self._remember("backoff", first.step, index, _kinds(signals), first.reason, new)
+            twice = (
+                f"; factor {self.factor:g} twice: the backoff at step {previous} held for only {held} steps"
+                if escalated
+                else ""
+            )
             message = (
                 f"LRBackoff: {entry['kinds']} at step {first.step}: the learning rate of optimizer {index} is now "
-                f"{new:.4g} x its schedule (was {old:.4g} x; group LRs {_lrs(trainer, index)}). Cause: {first.reason}"
+                f"{new:.4g} x its schedule (was {old:.4g} x{twice}; group LRs {_lrs(trainer, index)}). "
+                f"Cause: {first.reason}"
             )
             self._event(
                 trainer, "backoff", message, step=first.step, **_details(entry), previous_scale=old,
-                lrs=_lrs(trainer, index),
+                lrs=_lrs(trainer, index), escalated=escalated,
             )
             if trainer.global_rank == 0:
                 log.info(message)
+
+    def _last_backoff(self, index: int) -> int | None:
+        """The step of this optimizer's last backoff (``None``: none yet)."""
+        steps = [h["step"] for h in self.history if h["action"] == "backoff" and h["optimizer"] == index]
+        return steps[-1] if steps else None
 
     def _floor(self, trainer: pl.Trainer, index: int) -> float:
         """The smallest scale allowed: ``min_scale``, or higher where ``min_lr`` says so."""
