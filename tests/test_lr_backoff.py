@@ -451,6 +451,7 @@ def test_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> No
         "stable_since": [21],
         "windows": [50],
         "last_regrowth": [-1],
+        "restored_at": [-1],
         "history": backoff.history,
     }
 

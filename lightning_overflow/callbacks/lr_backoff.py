@@ -48,8 +48,9 @@ class LRBackoff(SuiteCallback):
     - **Backoff**: ``scale *= factor``. Further triggers within ``cooldown`` optimizer steps of a backoff belong to
       the same burst and are ignored.
     - **Escalation**: a backoff within ``escalate_within`` optimizer steps of the previous one multiplies the scale
-      by ``factor ** 2``: the LR just backed off diverged again before it had held, so half the step was not
-      enough (a restored state that diverges again at the new LR, as a run at 16x its stable LR does).
+      by ``factor ** 2``: the LR just backed off diverged again before it had held, so one factor was not enough
+      (a run at 16x its stable LR, restored, trains for a few dozen steps at 8x and diverges again). Not when the
+      state diverges again within ``cooldown`` steps of a rollback: then the restored snapshot held the fault.
     - **Floor**: the scale never goes below ``min_scale`` (nor a base LR below ``min_lr``); a trigger once the scale
       sits on the floor raises :class:`DivergenceError` with the history of every backoff.
     - **Regrowth**: after ``regrow_after`` optimizer steps without a trigger, ``scale /= factor`` (at most 1: never
@@ -142,6 +143,7 @@ class LRBackoff(SuiteCallback):
         self._stable_since: list[int] = []
         self._windows: list[int] = []
         self._last_regrowth: list[int] = []
+        self._restored_at: list[int] = []
         self.history: list[dict[str, Any]] = []
 
     @property
@@ -199,7 +201,7 @@ class LRBackoff(SuiteCallback):
             first = min(signals, key=lambda s: s.step)
             previous = self._last_backoff(index)
             held = None if previous is None else first.step - previous
-            escalated = held is not None and self.escalate_within is not None and held <= self.escalate_within
+            escalated = self._escalates(index, first.step, held)
             new = max(old * self.factor ** (2 if escalated else 1), self._floor(trainer, index))
             self._apply(trainer, index, new / old)
             self.scales[index] = new
@@ -224,6 +226,15 @@ class LRBackoff(SuiteCallback):
             )
             if trainer.global_rank == 0:
                 log.info(message)
+
+    def _escalates(self, index: int, step: int, held: int | None) -> bool:
+        """Whether this backoff applies the factor twice: the LR backed off ``held`` steps ago diverged again, after
+        the state it was applied to had trained for longer than ``cooldown`` steps. A state restored from a snapshot
+        that diverges again within ``cooldown`` steps held the fault itself (Rollback goes further back for that):
+        no reason to lower the LR further."""
+        if held is None or self.escalate_within is None or held > self.escalate_within:
+            return False
+        return step - max(step - held, self._restored_at[index]) > self.cooldown
 
     def _last_backoff(self, index: int) -> int | None:
         """The step of this optimizer's last backoff (``None``: none yet)."""
@@ -290,6 +301,7 @@ class LRBackoff(SuiteCallback):
             self._stable_since.append(step)
             self._windows.append(self.regrow_after or 0)
             self._last_regrowth.append(-1)
+            self._restored_at.append(-1)
 
     def _apply(self, trainer: pl.Trainer, index: int, ratio: float) -> None:
         if ratio == 1.0:
@@ -339,6 +351,7 @@ class LRBackoff(SuiteCallback):
             # The state that diverged is undone: a divergence of the restored state at this scale is new evidence,
             # and backs off further at once rather than waiting out the cooldown of the backoff just made.
             self._cooldown_until[index] = min(self._cooldown_until[index], step)
+            self._restored_at[index] = step
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -348,6 +361,7 @@ class LRBackoff(SuiteCallback):
             "stable_since": list(self._stable_since),
             "windows": list(self._windows),
             "last_regrowth": list(self._last_regrowth),
+            "restored_at": list(self._restored_at),
             "history": [dict(h) for h in self.history],
         }
 
@@ -360,6 +374,7 @@ class LRBackoff(SuiteCallback):
         self._stable_since = [int(s) for s in state_dict.get("stable_since", [0] * n)]
         self._windows = [int(s) for s in state_dict.get("windows", [self.regrow_after or 0] * n)]
         self._last_regrowth = [int(s) for s in state_dict.get("last_regrowth", [-1] * n)]
+        self._restored_at = [int(s) for s in state_dict.get("restored_at", [-1] * n)]
         self.history = [dict(h) for h in state_dict.get("history", [])]
 
 
