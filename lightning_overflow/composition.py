@@ -37,7 +37,8 @@ def default_callbacks(
     3. evidence that the training state degrades (non-finite steps on clean batches, non-finite weights or
        moments, a collapsing GradScaler, a loss that stays above its reference, settles far above its best level
        or trends up) multiplies the LR by ``lr_factor`` (``LRBackoff``) and restores the last snapshot verified
-       finite (``Rollback``); a divergence again at the lower LR backs off further;
+       finite (``Rollback``); a divergence again at the lower LR backs off further, by ``lr_factor`` twice when it
+       comes within two snapshot intervals of the previous backoff;
     4. after ``max_rollbacks`` retries with nothing changed within Rollback's window (a retry at a backed-off LR
        is progress and spends none), or the LR backed off to its floor, the run stops with
        :class:`~lightning_overflow.DivergenceError`, which lists what was tried.
@@ -81,7 +82,8 @@ def default_callbacks(
     ]
     if clip is not None:
         callbacks.append(AutoClip(mode=clip))  # type: ignore[arg-type]
-    callbacks.append(LRBackoff(factor=factor))
+    # A restored state that diverges again within two snapshot intervals: the backoff was too small, back off twice.
+    callbacks.append(LRBackoff(factor=factor, escalate_within=2 * every))
     if with_rollback:
         callbacks.append(Rollback(every_n_steps=every, max_rollbacks=budget, dirpath=dirpath))
     return callbacks

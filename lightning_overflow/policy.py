@@ -29,7 +29,8 @@ signal (who raises it)     rung of the default interventions           why
 =========================  ==========================================  ============================================
 
 A divergence after a rollback is new evidence about the restored state: the rollback ends LRBackoff's cooldown,
-so it backs off again at once. A rollback whose settings differ from the previous rollback's (the LR backed off
+so it backs off again at once; in ``default_callbacks()`` a backoff within two snapshot intervals of the previous
+one applies the factor twice (the backed-off LR did not hold: half of it was not enough). A rollback whose settings differ from the previous rollback's (the LR backed off
 since) is progress and spends none of Rollback's budget; only retries with nothing changed do. After
 ``max_rollbacks`` such retries within Rollback's window, or the LR at LRBackoff's floor (``min_scale``, about ten
 halvings), the run stops with :class:`~lightning_overflow.DivergenceError`.

@@ -35,6 +35,10 @@ def test_composition_and_options() -> None:
     assert clip.mode == "agc"
     rollback = next(c for c in default_callbacks(snapshot_every_n_steps=7, max_rollbacks=2) if isinstance(c, Rollback))
     assert (rollback.every_n_steps, rollback.max_rollbacks) == (7, 2)
+    # A restored state that diverges again within two snapshot intervals backs off twice as far.
+    backoff = next(c for c in default_callbacks(snapshot_every_n_steps=7) if isinstance(c, LRBackoff))
+    assert backoff.escalate_within == 14
+    assert LRBackoff().escalate_within is None
 
 
 @pytest.mark.parametrize(

@@ -158,6 +158,29 @@ def test_cooldown_counts_one_burst_once(tmp_path: Path, second: int, expected: l
     assert backoff.scales == [expected[-1]]
 
 
+@pytest.mark.parametrize(("second", "expected"), [(40, [0.5, 0.125]), (41, [0.5, 0.25])])
+def test_a_backoff_within_escalate_within_steps_of_the_last_applies_the_factor_twice(
+    tmp_path: Path, second: int, expected: list[float]
+) -> None:
+    backoff = backoff_on_spikes(cooldown=10, regrow_after=None, escalate_within=20)
+    recorder = LRRecorder()
+    faults = FaultInjector(Fault(SPIKE_AT, "loss_spike"), Fault(second, "loss_spike"))
+    trainer = make_trainer(
+        [recorder, backoff, LossSpikeDetector(warmup=10, check_grad_norm=False), faults],
+        max_steps=45,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(TinyRegressor())
+    assert [(h["step"], h["scale"]) for h in backoff.history] == [(SPIKE_AT, 0.5), (second, expected[1])]
+    assert backoff.scales == [expected[1]]
+    base = recorder.lrs[0][0]  # no scheduler: the configured LR throughout, times the scale
+    assert recorder.lrs[second + 1][0] == pytest.approx(expected[1] * base, rel=1e-6, abs=0.0)
+    events = [e for e in read_journal(Path(trainer.log_dir) / "overflow_events.jsonl") if e["kind"] == "backoff"]
+    assert [e["details"]["escalated"] for e in events] == [False, second - SPIKE_AT <= 20]
+    if second - SPIKE_AT <= 20:
+        assert "(was 0.5 x; factor 0.5 twice: the backoff at step 20 held for only 20 steps;" in events[1]["message"]
+
+
 def test_reaching_min_scale_with_divergence_continuing_raises_with_the_history(tmp_path: Path) -> None:
     backoff = backoff_on_spikes(min_scale=0.25, cooldown=0)
     faults = FaultInjector(*(Fault(s, "loss_spike") for s in (20, 22, 24)))
@@ -428,6 +451,7 @@ def test_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> No
         "stable_since": [21],
         "windows": [50],
         "last_regrowth": [-1],
+        "restored_at": [-1],
         "history": backoff.history,
     }
 
@@ -476,6 +500,8 @@ def test_a_run_10x_above_its_stable_lr_completes_near_the_stable_runs_loss(tmp_p
         ({"factor": 1.5}, ValueError, "'factor' must be in (0, 1) (got 1.5)"),
         ({"factor": 0}, ValueError, "'factor' must be in (0, 1) (got 0)"),
         ({"cooldown": -1}, ValueError, "'cooldown' must be >= 0 (got -1)"),
+        ({"escalate_within": 0}, ValueError, "'escalate_within' must be >= 1 (got 0)"),
+        ({"escalate_within": 2.5}, TypeError, "'escalate_within' must be an int or None (got 2.5)"),
         ({"min_scale": 0.0}, ValueError, "'min_scale' must be in (0, 1] (got 0)"),
         ({"min_lr": -1e-3}, ValueError, "'min_lr' must be in (0, inf) (got -0.001)"),
         ({"regrow_after": 0}, ValueError, "'regrow_after' must be >= 1 (got 0)"),

@@ -47,6 +47,10 @@ class LRBackoff(SuiteCallback):
 
     - **Backoff**: ``scale *= factor``. Further triggers within ``cooldown`` optimizer steps of a backoff belong to
       the same burst and are ignored.
+    - **Escalation**: a backoff within ``escalate_within`` optimizer steps of the previous one multiplies the scale
+      by ``factor ** 2``: the LR just backed off diverged again before it had held, so one factor was not enough
+      (a run at 16x its stable LR, restored, trains for a few dozen steps at 8x and diverges again). Not when the
+      state diverges again within ``cooldown`` steps of a rollback: then the restored snapshot held the fault.
     - **Floor**: the scale never goes below ``min_scale`` (nor a base LR below ``min_lr``); a trigger once the scale
       sits on the floor raises :class:`DivergenceError` with the history of every backoff.
     - **Regrowth**: after ``regrow_after`` optimizer steps without a trigger, ``scale /= factor`` (at most 1: never
@@ -66,6 +70,10 @@ class LRBackoff(SuiteCallback):
         cooldown: optimizer steps after a backoff during which further triggers are part of the same burst
             (default 10: a burst of non-finite steps or a spike lasting a few steps costs one backoff, while a
             divergence that goes on after it gets the next one soon).
+        escalate_within: optimizer steps after a backoff within which the next backoff applies ``factor`` twice
+            (default ``None``: every backoff applies ``factor`` once). ``default_callbacks()`` sets it to two of
+            Rollback's snapshot intervals: a restored state that diverges again before the run has taken its second
+            snapshot at the new LR was not helped enough by the first backoff.
         min_scale: the smallest scale, in (0, 1] (default 1e-3, about ten halvings).
         min_lr: optional floor on the backed-off base learning rate of every param group (its ``initial_lr``, or its
             ``lr`` without a scheduler, times the scale).
@@ -111,6 +119,7 @@ class LRBackoff(SuiteCallback):
         factor: float = 0.5,
         triggers: Sequence[str] = DEFAULT_TRIGGERS,
         cooldown: int = 10,
+        escalate_within: int | None = None,
         min_scale: float = 1e-3,
         min_lr: float | None = None,
         regrow_after: int | None = 1000,
@@ -120,6 +129,7 @@ class LRBackoff(SuiteCallback):
         self.factor = check_float("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
         self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
         self.cooldown = check_int("cooldown", cooldown, minimum=0)
+        self.escalate_within = check_int("escalate_within", escalate_within, minimum=1, optional=True)
         self.min_scale = check_float("min_scale", min_scale, low=0.0, high=1.0, low_open=True)
         self.min_lr = check_float("min_lr", min_lr, low=0.0, low_open=True, optional=True)
         self.regrow_after = check_int("regrow_after", regrow_after, minimum=1, optional=True)
@@ -133,6 +143,7 @@ class LRBackoff(SuiteCallback):
         self._stable_since: list[int] = []
         self._windows: list[int] = []
         self._last_regrowth: list[int] = []
+        self._restored_at: list[int] = []
         self.history: list[dict[str, Any]] = []
 
     @property
@@ -187,25 +198,48 @@ class LRBackoff(SuiteCallback):
                 raise self._diverged(trainer, index, signals)
         for index, signals in due.items():
             old = self.scales[index]
-            new = max(old * self.factor, self._floor(trainer, index))
+            first = min(signals, key=lambda s: s.step)
+            previous = self._last_backoff(index)
+            held = None if previous is None else first.step - previous
+            escalated = self._escalates(index, first.step, held)
+            new = max(old * self.factor ** (2 if escalated else 1), self._floor(trainer, index))
             self._apply(trainer, index, new / old)
             self.scales[index] = new
-            first = min(signals, key=lambda s: s.step)
             self._cooldown_until[index] = first.step + self.cooldown
             last_regrowth = self._last_regrowth[index]
             if last_regrowth >= 0 and first.step - last_regrowth <= self._windows[index]:
                 self._windows[index] = math.ceil(self._windows[index] * self.window_growth)
             entry = self._remember("backoff", first.step, index, _kinds(signals), first.reason, new)
+            twice = (
+                f"; factor {self.factor:g} twice: the backoff at step {previous} held for only {held} steps"
+                if escalated
+                else ""
+            )
             message = (
                 f"LRBackoff: {entry['kinds']} at step {first.step}: the learning rate of optimizer {index} is now "
-                f"{new:.4g} x its schedule (was {old:.4g} x; group LRs {_lrs(trainer, index)}). Cause: {first.reason}"
+                f"{new:.4g} x its schedule (was {old:.4g} x{twice}; group LRs {_lrs(trainer, index)}). "
+                f"Cause: {first.reason}"
             )
             self._event(
                 trainer, "backoff", message, step=first.step, **_details(entry), previous_scale=old,
-                lrs=_lrs(trainer, index),
+                lrs=_lrs(trainer, index), escalated=escalated,
             )
             if trainer.global_rank == 0:
                 log.info(message)
+
+    def _escalates(self, index: int, step: int, held: int | None) -> bool:
+        """Whether this backoff applies the factor twice: the LR backed off ``held`` steps ago diverged again, after
+        the state it was applied to had trained for longer than ``cooldown`` steps. A state restored from a snapshot
+        that diverges again within ``cooldown`` steps held the fault itself (Rollback goes further back for that):
+        no reason to lower the LR further."""
+        if held is None or self.escalate_within is None or held > self.escalate_within:
+            return False
+        return step - max(step - held, self._restored_at[index]) > self.cooldown
+
+    def _last_backoff(self, index: int) -> int | None:
+        """The step of this optimizer's last backoff (``None``: none yet)."""
+        steps = [h["step"] for h in self.history if h["action"] == "backoff" and h["optimizer"] == index]
+        return steps[-1] if steps else None
 
     def _floor(self, trainer: pl.Trainer, index: int) -> float:
         """The smallest scale allowed: ``min_scale``, or higher where ``min_lr`` says so."""
@@ -267,6 +301,7 @@ class LRBackoff(SuiteCallback):
             self._stable_since.append(step)
             self._windows.append(self.regrow_after or 0)
             self._last_regrowth.append(-1)
+            self._restored_at.append(-1)
 
     def _apply(self, trainer: pl.Trainer, index: int, ratio: float) -> None:
         if ratio == 1.0:
@@ -316,6 +351,7 @@ class LRBackoff(SuiteCallback):
             # The state that diverged is undone: a divergence of the restored state at this scale is new evidence,
             # and backs off further at once rather than waiting out the cooldown of the backoff just made.
             self._cooldown_until[index] = min(self._cooldown_until[index], step)
+            self._restored_at[index] = step
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -325,6 +361,7 @@ class LRBackoff(SuiteCallback):
             "stable_since": list(self._stable_since),
             "windows": list(self._windows),
             "last_regrowth": list(self._last_regrowth),
+            "restored_at": list(self._restored_at),
             "history": [dict(h) for h in self.history],
         }
 
@@ -337,6 +374,7 @@ class LRBackoff(SuiteCallback):
         self._stable_since = [int(s) for s in state_dict.get("stable_since", [0] * n)]
         self._windows = [int(s) for s in state_dict.get("windows", [self.regrow_after or 0] * n)]
         self._last_regrowth = [int(s) for s in state_dict.get("last_regrowth", [-1] * n)]
+        self._restored_at = [int(s) for s in state_dict.get("restored_at", [-1] * n)]
         self.history = [dict(h) for h in state_dict.get("history", [])]
 
 
