@@ -152,6 +152,8 @@ def test_a_restored_state_that_trains_then_diverges_again_soon_backs_off_twice_a
     events = _journal(tmp_path)
     backoffs = [(e["step"], e["details"]["scale"], e["details"]["escalated"]) for e in events if e["kind"] == "backoff"]
     assert backoffs == [(25, 0.5, False), (45, 0.125, True), (100, 0.0625, False)]
+    rollbacks = [(e["step"], e["details"]["snapshot_step"]) for e in events if e["kind"] == "rollback"]
+    assert rollbacks == [(26, 20), (46, 20), (101, 86)]  # step 20 retried once at the new LR, then a newer one
     message = next(e["message"] for e in events if e["kind"] == "backoff" and e["step"] == 45)
     assert "(was 0.5 x; factor 0.5 twice: the backoff at step 25 held for only 20 steps;" in message
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.01 * 0.0625
