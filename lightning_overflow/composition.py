@@ -49,7 +49,8 @@ def default_callbacks(
         clip: the ``AutoClip`` mode (``"zscore"``, ``"percentile"``, ``"agc"``; ``"fixed"`` needs a threshold, so
             build that ``AutoClip`` yourself), or ``None`` for no clipping (use this when the Trainer has
             ``gradient_clip_val``).
-        lr_factor: the LR multiplier on divergence (default 0.5).
+        lr_factor: the LR multiplier on divergence (default 0.5), applied twice when a backoff comes within two
+            snapshot intervals of the previous one (build ``LRBackoff`` yourself to turn that off).
         snapshot_every_n_steps: Rollback's snapshot interval, and the interval of the DDP replica-parity check
             (default 100). Each snapshot holds the model and
             optimizer state in host memory, ``keep=2`` of them.

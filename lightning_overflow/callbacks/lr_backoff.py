@@ -73,7 +73,8 @@ class LRBackoff(SuiteCallback):
         escalate_within: optimizer steps after a backoff within which the next backoff applies ``factor`` twice
             (default ``None``: every backoff applies ``factor`` once). ``default_callbacks()`` sets it to two of
             Rollback's snapshot intervals: a restored state that diverges again before the run has taken its second
-            snapshot at the new LR was not helped enough by the first backoff.
+            snapshot at the new LR was not helped enough by the first backoff. With a small ``factor`` (0.125: 64x
+            at once when escalated) leave it ``None``.
         min_scale: the smallest scale, in (0, 1] (default 1e-3, about ten halvings).
         min_lr: optional floor on the backed-off base learning rate of every param group (its ``initial_lr``, or its
             ``lr`` without a scheduler, times the scale).
