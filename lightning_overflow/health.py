@@ -79,6 +79,9 @@ _PROGRESS_BAR = {"overflow/skipped_steps": "skips", "overflow/rollbacks": "rollb
 _PROGRESS_BAR_DEFAULTS = {"overflow/skipped_steps": 0.0, "overflow/rollbacks": 0.0, "overflow/lr_scale": 1.0}
 
 
+_LAST_BOARD: tuple[weakref.ref[Any], HealthBoard] | None = None  # the last trainer asked for, and its board
+
+
 def board_for(trainer: pl.Trainer) -> HealthBoard:
     """The board of ``trainer``, created on first use."""
     global _LAST_BOARD
@@ -90,9 +93,6 @@ def board_for(trainer: pl.Trainer) -> HealthBoard:
         board = _BOARDS[trainer] = HealthBoard()
     _LAST_BOARD = weakref.ref(trainer), board
     return board
-
-
-_LAST_BOARD: tuple[weakref.ref[Any], HealthBoard] | None = None
 
 
 @dataclass(frozen=True)

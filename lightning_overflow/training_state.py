@@ -61,7 +61,7 @@ from torch import Tensor
 
 from lightning_overflow import _compat
 from lightning_overflow.distributed import flags_by_rank
-from lightning_overflow.numerics.norms import is_sharded
+from lightning_overflow.numerics.norms import any_sharded
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
     clone_state,
@@ -233,9 +233,9 @@ def restore_module_(module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
         True
     """
     live = local_state(module.state_dict())
-    if _module_difference(live, saved):
-        if any(is_sharded(t) for t in state_tensors(module.state_dict())):  # load_state_dict would want full tensors
-            difference = _module_difference(live, saved)
+    difference = _module_difference(live, saved)
+    if difference:
+        if any_sharded(state_tensors(module.state_dict())):  # load_state_dict would want full tensors
             raise SnapshotError(f"a sharded module cannot load a snapshot of another layout ({difference})")
         module.load_state_dict(clone_state(saved))
         return

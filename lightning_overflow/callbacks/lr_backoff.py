@@ -202,7 +202,7 @@ class LRBackoff(SuiteCallback):
             first = min(signals, key=lambda s: s.step)
             previous = self._last_backoff(index)
             held = None if previous is None else first.step - previous
-            escalated = self._escalates(index, first.step, held)
+            escalated = self._escalates(index, first.step, previous)
             new = max(old * self.factor ** (2 if escalated else 1), self._floor(trainer, index))
             self._apply(trainer, index, new / old)
             self.scales[index] = new
@@ -228,14 +228,15 @@ class LRBackoff(SuiteCallback):
             if trainer.global_rank == 0:
                 log.info(message)
 
-    def _escalates(self, index: int, step: int, held: int | None) -> bool:
-        """Whether this backoff applies the factor twice: the LR backed off ``held`` steps ago diverged again, after
-        the state it was applied to had trained for longer than ``cooldown`` steps. A state restored from a snapshot
-        that diverges again within ``cooldown`` steps held the fault itself (Rollback goes further back for that):
-        no reason to lower the LR further."""
-        if held is None or self.escalate_within is None or held > self.escalate_within:
+    def _escalates(self, index: int, step: int, previous: int | None) -> bool:
+        """Whether the backoff at ``step`` applies the factor twice: the LR backed off at ``previous`` diverged again
+        within ``escalate_within`` steps, after the state it was applied to (the one restored since, if any) had
+        trained for longer than ``cooldown`` steps. A state restored from a snapshot that diverges again within
+        ``cooldown`` steps held the fault itself (Rollback goes further back for that): no reason to lower the LR
+        further."""
+        if previous is None or self.escalate_within is None or step - previous > self.escalate_within:
             return False
-        return step - max(step - held, self._restored_at[index]) > self.cooldown
+        return step - max(previous, self._restored_at[index]) > self.cooldown
 
     def _last_backoff(self, index: int) -> int | None:
         """The step of this optimizer's last backoff (``None``: none yet)."""

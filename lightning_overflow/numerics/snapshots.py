@@ -279,8 +279,8 @@ def is_placeholder(snapshot_tensor: Tensor, live_tensor: Tensor | None = None) -
 
 
 def without_placeholders(snapshot: Any) -> Any:
-    """``snapshot`` without its placeholders (dict entries and tuple/list items that are placeholders become
-    ``None``), for checks of the tensors a snapshot holds: paths of the others stay the same."""
+    """``snapshot`` without its placeholders (dropped from dicts; ``None`` in lists and tuples, so that the positions
+    of the others stay), for checks of the tensors a snapshot holds: paths of the others stay the same."""
     if isinstance(snapshot, Tensor):
         return None if is_placeholder(snapshot) else snapshot
     if isinstance(snapshot, Mapping):
@@ -511,7 +511,7 @@ def _pair(live: Any, snap: Any, dst: list[Tensor], src: list[Tensor], path: str)
             )
         if is_placeholder(snap, live):
             return  # another rank holds it and broadcasts it
-        dst.append(local_shard(live.detach()))
+        dst.append(live.detach())
         src.append(snap)
     elif isinstance(live, Mapping):
         if not isinstance(snap, Mapping) or set(live) != set(snap):
