@@ -77,7 +77,8 @@ def default_callbacks(
         raise ValueError(f"'dirpath' needs rollback=True: it is where Rollback writes its snapshots (got {dirpath!r})")
     callbacks: list[Callback] = [
         GradNormMonitor(per_parameter=per_parameter),
-        # Replica parity at the snapshot interval: a snapshot is taken on a step whose weights the ranks agree on.
+        # Replica parity once a snapshot interval, naming the parameters that differ (Rollback also compares the
+        # replicas before each snapshot it keeps).
         NonFiniteDetector(action="skip", check_replicas_every_n_steps=every),
         LossSpikeDetector(),
     ]

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from lightning_overflow import _compat
-from lightning_overflow.distributed import flags_by_rank
+from lightning_overflow.distributed import pack_per_rank, ranks_where, sum_and_read, world
 from lightning_overflow.numerics.norms import any_sharded
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
@@ -77,6 +77,7 @@ from lightning_overflow.numerics.snapshots import (
     state_tensors,
     synchronize,
 )
+from lightning_overflow.replicas import compare
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -318,6 +319,8 @@ class StateCheck:
     state_ranks: tuple[int, ...]
     weight_names: tuple[str, ...] = ()
     state_names: tuple[str, ...] = ()
+    #: The ranks whose weights differ from the other replicas' (only when asked, and only for a finite state).
+    replica_ranks: tuple[int, ...] = ()
 
     @property
     def finite(self) -> bool:
@@ -387,6 +390,7 @@ def check_state(
     constants: NonFiniteConstants | None,
     device: torch.device | str,
     labels: Callable[[], Sequence[Sequence[str]]] | None = None,
+    parity: Tensor | None = None,
 ) -> StateCheck:
     """Check a training state on every rank together: one all-reduce of two flags per rank, one host read; the
     names (a second read) only when some rank holds inf/NaN.
@@ -397,11 +401,17 @@ def check_state(
         device: where the flags are reduced (the strategy's root device).
         labels: returns the parameter names of :func:`nonfinite_parts` (called only when there is something to
             name, e.g. ``lambda: optimizer_labels(module, optimizers)``).
+        parity: this rank's :func:`~lightning_overflow.replicas.checksum` of its weights, compared with the other
+            ranks' in the same all-reduce (for replicas, which must hold the same weights); ``None``: not compared.
     """
     weights, moments = nonfinite_flags(model_state, optimizer_states, constants)
-    weight_ranks, state_ranks = flags_by_rank([weights, moments], device)
+    rank, world_size = world()
+    values = [weights, moments] if parity is None else [weights, moments, *parity.reshape(-1)]
+    summed = sum_and_read(pack_per_rank(values, rank, world_size, device))
+    weight_ranks, state_ranks = ranks_where(summed[: 2 * world_size], world_size)
     if not weight_ranks and not state_ranks:
-        return StateCheck((), ())
+        mismatch = compare(summed[2 * world_size :], world_size) if parity is not None else None
+        return StateCheck((), (), replica_ranks=mismatch.ranks if mismatch is not None else ())
     names = labels() if labels is not None else None
     weight_names, state_names = nonfinite_parts(model_state, optimizer_states, constants, names)
     return StateCheck(weight_ranks, state_ranks, tuple(weight_names), tuple(state_names))

@@ -70,3 +70,27 @@ def test_a_replica_whose_weights_drift_is_named_and_rolled_back(tmp_path: Path) 
     assert mismatch["details"]["parameters"] == ["net.0.weight"]
     (rolled,) = [e for e in events if e["kind"] == "rollback"]
     assert rolled["details"]["reason"] == "replica_mismatch" and rolled["details"]["snapshot_step"] == 4
+
+
+def test_a_snapshot_is_refused_when_the_replicas_disagree_and_every_rank_returns_to_the_last_one(
+    tmp_path: Path,
+) -> None:
+    # No parity check of NonFiniteDetector's: Rollback's own comparison at the snapshot of step 6 finds the drift.
+    rollback = Rollback(every_n_steps=3)
+    reports = run_ddp(TinyRegressor(), [NonFiniteDetector(), rollback, PerturbOnRank(5, rank=1)], tmp_path,
+                      max_steps=8)  # fmt: skip
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["digest"] == reports[1]["digest"], "every rank back to the same weights"
+    events = [json.loads(line) for line in (tmp_path / "overflow_events.jsonl").read_text().splitlines()]
+    (refused,) = [e for e in events if e["kind"] == "snapshot_refused"]
+    assert refused["step"] == 6 and refused["rank"] == 1 and refused["details"]["ranks"] == [1]
+    assert refused["message"] == (
+        "Rollback: the weights of rank(s) 1 differ from the other replicas' at step 6; this state is no rollback target"
+    )
+    (rolled,) = [e for e in events if e["kind"] == "rollback"]
+    assert rolled["details"]["reason"] == "replica_mismatch" and rolled["details"]["snapshot_step"] == 3
+    for report in reports:  # the same decision on both ranks
+        history = json.loads(report["states"][1].split(":", 1)[1])["history"]
+        assert [(h["step"], h["reason"], h["trigger_step"], h["snapshot_step"]) for h in history] == [
+            (6, "replica_mismatch", 6, 3)
+        ]

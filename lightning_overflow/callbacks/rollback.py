@@ -45,6 +45,7 @@ from lightning_overflow.exceptions import DivergenceError, NonFiniteError, Rollb
 from lightning_overflow.health import MAX_NAMES, Signal, StepHealth
 from lightning_overflow.numerics.snapshots import without_placeholders
 from lightning_overflow.policy import DEFAULT_ROLLBACK_TRIGGERS, SIGNAL_KINDS, StepAction, Verdict
+from lightning_overflow.replicas import checksum
 from lightning_overflow.snapshot_store import Snapshot, SnapshotFiles, SnapshotRing, snapshot_name
 from lightning_overflow.training_state import (
     CheckpointGuard,
@@ -82,8 +83,10 @@ class Rollback(SuiteCallback):
 
     Snapshots: the state the fit starts from, then one every ``every_n_steps`` healthy optimizer steps (no detector
     signal, not skipped), each verified finite on every rank first (parameters and optimizer moments strictly;
-    buffers may keep the infs they held when the fit started, such as a causal mask's ``-inf``). A state that fails
-    the check is refused and, with ``"nonfinite_state"`` among the triggers, is itself a reason to roll back. A
+    buffers may keep the infs they held when the fit started, such as a causal mask's ``-inf``) and, under DDP, the
+    same on every rank (a checksum of the parameters compared across the replicas in the same all-reduce). A state
+    that fails the check is refused and, with ``"nonfinite_state"`` (or ``"replica_mismatch"``) among the triggers,
+    is itself a reason to roll back. A
     second rollback to the same snapshot goes one snapshot further back. Every checkpoint written during the fit
     is checked first and rolled back before it is written when it is not finite (see the module docstring).
     Not rewound: ``global_step``, the data position, RNG states, loggers. Details: ``docs/rollback.md``.
@@ -308,8 +311,8 @@ class Rollback(SuiteCallback):
         self._before_restart = listed if self._files is not None and self._resumed else []
         self._resumed = False
         refused = self._take(trainer, start=True)
-        if refused:
-            self._warnings.warn("start", refused)
+        if refused is not None:
+            self._warnings.warn("start", refused.reason)
 
     def _journal_skip(self, trainer: pl.Trainer, record: StepHealth) -> None:
         self.skipped_steps += 1
@@ -333,18 +336,21 @@ class Rollback(SuiteCallback):
         if self._healthy < self.every_n_steps:
             return
         refused = self._take(trainer)
-        if refused and "nonfinite_state" in self.triggers:
-            self._roll_back(trainer, Signal("nonfinite_state", int(trainer.global_step), refused, "Rollback"))
-        elif refused:
-            self._warnings.warn("refused", refused + " (shown once)")
+        if refused is not None and refused.kind in self.triggers:
+            self._roll_back(trainer, refused)
+        elif refused is not None:
+            self._warnings.warn("refused", refused.reason + " (shown once)")
 
     # ---- checks -----------------------------------------------------------------------------------------------
-    def _check(self, trainer: pl.Trainer, model_state: Any, optimizer_states: Any) -> StateCheck:
-        """The state check on every rank together (one all-reduce)."""
+    def _check(
+        self, trainer: pl.Trainer, model_state: Any, optimizer_states: Any, parity: torch.Tensor | None = None
+    ) -> StateCheck:
+        """The state check on every rank together (one all-reduce; ``parity``: compare the replicas too)."""
         def labels() -> list[list[str]]:
             return optimizer_labels(trainer.lightning_module, trainer.optimizers)
 
-        return check_state(model_state, optimizer_states, self._constants, trainer.strategy.root_device, labels)
+        device = trainer.strategy.root_device
+        return check_state(model_state, optimizer_states, self._constants, device, labels, parity)
 
     def _check_live(self, trainer: pl.Trainer) -> StateCheck:
         state = live_state(trainer)
@@ -395,11 +401,14 @@ class Rollback(SuiteCallback):
         )
 
     # ---- snapshots --------------------------------------------------------------------------------------------
-    def _take(self, trainer: pl.Trainer, start: bool = False) -> str | None:
-        """Snapshot the live state if it is finite on every rank. When it is not: journal it, return why."""
+    def _take(self, trainer: pl.Trainer, start: bool = False) -> Signal | None:
+        """Snapshot the live state if it is finite on every rank and, for replicas, the same on every rank. When
+        it is not: journal it, return it as a signal (``nonfinite_state`` or ``replica_mismatch``)."""
         self._healthy = 0
         state = live_state(trainer)
-        check = self._check(trainer, state["model"], state["optimizers"])
+        replicas = trainer.world_size > 1 and _compat.replicated_strategy(trainer.strategy)
+        parity = checksum(list(trainer.lightning_module.parameters())) if replicas else None
+        check = self._check(trainer, state["model"], state["optimizers"], parity)
         step = int(trainer.global_step)
         if not check.finite:
             target = "the fit starts from a non-finite state, which" if start else "this state"
@@ -408,7 +417,16 @@ class Rollback(SuiteCallback):
                 f"{_quote(check.names)}; {target} is no rollback target"
             )
             self._event(trainer, "snapshot_refused", message, rank=min(check.ranks), tensors=check.names[:MAX_NAMES])
-            return message
+            return Signal("nonfinite_state", step, message, "Rollback")
+        if check.replica_ranks:
+            # Restored by a broadcast from each tensor's owner, such a snapshot would spread one rank's corruption.
+            message = (
+                f"Rollback: the weights of rank(s) {_ranks(check.replica_ranks)} differ from the other replicas' at "
+                f"step {step}; {'the state the fit starts from' if start else 'this state'} is no rollback target"
+            )
+            self._event(trainer, "snapshot_refused", message, rank=min(check.replica_ranks),
+                        ranks=list(check.replica_ranks))  # fmt: skip
+            return Signal("replica_mismatch", step, message, "Rollback")
         extras = copy.deepcopy(self.board(trainer).snapshot_extras(trainer))
         held, owners = split_snapshot(trainer, state)
         snapshot = self._memory.take(step, state, extras, held, owners)
