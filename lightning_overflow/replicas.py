@@ -28,10 +28,14 @@ def checksum(params: list[Tensor]) -> Tensor:
     if not params:
         return torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        sums = torch.stack([p.detach().double().sum() for p in params]).sum()
-        squares = torch.stack([torch.dot(p.detach().double().reshape(-1), p.detach().double().reshape(-1))
-                               for p in params]).sum()  # fmt: skip
-    return torch.stack([sums, squares])
+        return torch.stack([_sums(p.detach()) for p in params]).sum(0)
+
+
+def _sums(t: Tensor) -> Tensor:
+    """``[sum, sum of squares]`` of one tensor in float64 (a complex one: of its real and imaginary parts, which
+    ``double()`` alone would drop)."""
+    values = (torch.view_as_real(t.resolve_conj()) if t.is_complex() else t).double().reshape(-1)
+    return torch.stack([values.sum(), torch.dot(values, values)])
 
 
 @dataclass(frozen=True)

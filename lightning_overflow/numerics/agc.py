@@ -22,6 +22,7 @@ Paper:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,12 +48,20 @@ def unitwise_norms(tensors: Sequence[Tensor], exact: bool = False) -> list[Tenso
     check_bool("exact", exact)
     norms = []
     for t in tensors:
-        dtype = torch.float64 if exact or t.dtype == torch.float64 else torch.float32
+        dtype = torch.float64 if exact or t.dtype.to_real() == torch.float64 else torch.float32
         if t.dim() <= 1:
-            norms.append(torch.linalg.vector_norm(t, dtype=dtype))
+            norms.append(_vector_norm(t, dtype))
         else:
-            norms.append(torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())), keepdim=True, dtype=dtype))
+            norms.append(_vector_norm(t, dtype, dim=tuple(range(1, t.dim())), keepdim=True))
     return norms
+
+
+def _vector_norm(t: Tensor, dtype: torch.dtype, **dims: Any) -> Tensor:
+    """``vector_norm`` accumulated in the real ``dtype``; a complex tensor in the complex type of that precision
+    (its moduli: the norm is real either way)."""
+    if t.is_complex():
+        dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+    return torch.linalg.vector_norm(t, dtype=dtype, **dims)
 
 
 def agc_coefficients(
@@ -72,7 +81,8 @@ def agc_coefficients(
         exact: compute the norms in float64 (gradients above about 1e19).
 
     Returns:
-        One coefficient tensor per parameter, in the gradient's dtype, broadcastable against it.
+        One coefficient tensor per parameter, in the gradient's dtype (a complex one's real dtype), broadcastable
+        against it.
 
     Raises:
         TypeError: ``clipping`` or ``eps`` is not a number, or ``exact`` not a bool.
@@ -114,7 +124,7 @@ def agc_coefficients_and_norms(
         coef = torch.where(clip, limit / torch.where(clip, g, torch.ones_like(g)), torch.ones_like(g))
         coef = coef.clamp(min=FP32_TINY)
         norms.append(torch.linalg.vector_norm(g * coef))
-        coefs.append(coef.to(p.grad.dtype))  # type: ignore[union-attr]
+        coefs.append(coef.to(p.grad.dtype.to_real()))  # type: ignore[union-attr]
     return coefs, norms
 
 
@@ -127,8 +137,8 @@ def _batchable(params: Sequence[Tensor], exact: bool) -> bool:
     if grad is None:
         return False
     dtype, device = grad.dtype, grad.device
-    return dtype != torch.float64 and all(
-        p.grad is not None and p.grad.dtype == dtype and p.grad.device == device and p.dtype != torch.float64
+    return dtype.to_real() != torch.float64 and all(
+        p.grad is not None and p.grad.dtype == dtype and p.grad.device == device and p.dtype.to_real() != torch.float64
         for p in params
     )
 
@@ -139,9 +149,9 @@ def _flat_unit_norms(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int]]:
     norms = []
     for t in tensors:
         if t.dim() <= 1:
-            norms.append(torch.linalg.vector_norm(t, dtype=torch.float32).reshape(1))
+            norms.append(_vector_norm(t, torch.float32).reshape(1))
         else:
-            norms.append(torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())), dtype=torch.float32))
+            norms.append(_vector_norm(t, torch.float32, dim=tuple(range(1, t.dim()))))
     return torch.cat(norms), [n.numel() for n in norms]
 
 
@@ -158,7 +168,7 @@ def _batched_coefficients_and_norms(
         coef = torch.where(clip, limit / torch.where(clip, grads, 1.0), 1.0).clamp(min=FP32_TINY)
         clipped = (grads * coef).split(sizes)
         norms = [torch.linalg.vector_norm(unit_norms) for unit_norms in clipped]
-        flat = coef.to(params[0].grad.dtype).split(sizes)  # type: ignore[union-attr]
+        flat = coef.to(params[0].grad.dtype.to_real()).split(sizes)  # type: ignore[union-attr]
     coefs = [c.reshape(()) if p.dim() <= 1 else c.reshape(-1, *([1] * (p.dim() - 1))) for p, c in zip(params, flat)]
     return coefs, norms
 

@@ -37,6 +37,7 @@ __all__ = [
     "is_sharded",
     "local_shard",
     "norm_status",
+    "real_values",
     "refine_norms",
     "shard_squares",
     "tensor_norms",
@@ -100,6 +101,19 @@ def _dense_values(t: Tensor) -> Tensor:
     if t.layout != torch.strided:
         return t.to_dense()
     return t
+
+
+def real_values(t: Tensor, norm_type: float = 2.0) -> Tensor:
+    """A real tensor with ``t``'s norm: ``t`` itself, or for a complex ``t`` its real and imaginary parts as a view
+    (L2: the same sum of squares) or its moduli (a copy, for the largest magnitude).
+
+    Example:
+        >>> real_values(torch.tensor([3 + 4j]), math.inf)
+        tensor([5.])
+    """
+    if not t.is_complex():
+        return t
+    return t.abs() if math.isinf(norm_type) else torch.view_as_real(t.resolve_conj())
 
 
 def _copies(t: Tensor, world_size: int) -> int:
@@ -181,7 +195,7 @@ def tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
 
     Args:
         tensors: the tensors (gradients, weights, optimizer moments); sparse gradients (``nn.Embedding(sparse=True)``)
-            are measured by their coalesced values.
+            are measured by their coalesced values, complex ones by their moduli.
         norm_type: ``2`` (L2) or ``inf`` (largest magnitude).
 
     Example:
@@ -193,7 +207,10 @@ def tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
         return torch.zeros(0, dtype=torch.float32)
     if _dtensor_type() is not None:  # no DTensor can exist before its module is loaded
         tensors = [local_shard(t) for t in tensors]
-    tensors = [t if t.layout == torch.strided else _dense_values(t) for t in tensors]
+    tensors = [
+        t if t.layout == torch.strided and not t.is_complex() else real_values(_dense_values(t), norm_type)
+        for t in tensors
+    ]
     device = tensors[0].device
     if all(t.device == device for t in tensors):
         return _norms_on_one_device(tensors, norm_type)
@@ -257,7 +274,7 @@ def refine_norms(tensors: Sequence[Tensor], norms: Tensor, indices: Iterable[int
     norm_type = check_norm_type(norm_type)
     exact = norms.to(torch.float64, copy=True)
     for i in indices:
-        t = _dense_values(local_shard(tensors[i].detach()))
+        t = real_values(_dense_values(local_shard(tensors[i].detach())), norm_type)
         if math.isinf(norm_type):
             value = _max_abs(t.double()).double() if t.numel() else exact.new_zeros(())
         else:

@@ -448,7 +448,7 @@ def _host_buffer(t: Tensor) -> Tensor:
 def _checked(t: Tensor, scalars: bool) -> bool:
     """Whether a finiteness check reads ``t``: floating point, not empty on this rank (a ``DTensor``'s shard may
     be), and not 0-d unless ``scalars``."""
-    return t.is_floating_point() and local_shard(t).numel() > 0 and (scalars or t.dim() > 0)
+    return (t.is_floating_point() or t.is_complex()) and local_shard(t).numel() > 0 and (scalars or t.dim() > 0)
 
 
 def _nonfinite_each(tensors: list[Tensor]) -> Tensor:
@@ -463,6 +463,8 @@ def _fp32_proxy(t: Tensor) -> Tensor:
     :func:`tensor_norms` returns FP32 magnitudes, and finite float64 values beyond 3.4e38 would turn into inf there.
     The stand-in keeps only the non-finite bounds of ``t`` (its minimum and maximum, computed in float64).
     """
+    if t.dtype == torch.complex128:
+        t = torch.view_as_real(t.resolve_conj())  # non-finite where a real or an imaginary part is
     if t.dtype != torch.float64:
         return t
     bounds = torch.stack(torch.aminmax(t))  # NaN propagates through aminmax
