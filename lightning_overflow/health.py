@@ -434,10 +434,12 @@ class HealthBoard:
         self.signals.append(signal)
 
     def constants(self, trainer: pl.Trainer) -> NonFiniteConstants:
-        """The infs the module's buffers hold as constants (a causal mask's ``-inf``), recorded the first time a
-        check asks in this fit: the one record every state check of the suite uses."""
+        """The infs the module's buffers hold as constants (a causal mask's ``-inf``): the one record every state
+        check of the suite uses, started the first time a check asks in this fit and brought up to date at each
+        ask (a buffer built on the first forward)."""
         if self._constants is None:
-            self._constants = NonFiniteConstants.of_module(trainer.lightning_module)
+            self._constants = NonFiniteConstants()
+        self._constants.learn(trainer.lightning_module)
         return self._constants
 
     def state_before_step(self, module: torch.nn.Module) -> dict[str, Any]:

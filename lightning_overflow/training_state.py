@@ -13,10 +13,12 @@ across ranks, :func:`nonfinite_parts` for the names). Its rule:
   :mod:`lightning_overflow.numerics.snapshots`);
 - buffers and extra-state tensors may hold non-finite *constants*: a causal-attention mask registered as a buffer
   holds ``-inf`` above the diagonal (``register_buffer("mask", torch.triu(torch.full((n, n), -inf), 1))``, the
-  nanoGPT pattern). :class:`NonFiniteConstants` records, when the fit starts, where each buffer holds ``+inf`` and
-  ``-inf`` (two boolean masks, only for the buffers that hold any; most hold none). Later a buffer is non-finite when
-  it holds NaN, or an inf where it held none at the start, or of the other sign. BatchNorm's running statistics hold
-  no inf at the start, so they stay strictly checked.
+  nanoGPT pattern). :class:`NonFiniteConstants` records, when it first sees a buffer, where it holds ``+inf`` and
+  ``-inf`` (two boolean masks, only for the buffers that hold any; most hold none). A buffer is first seen when the
+  fit starts, or when it appears or changes shape during the fit: a mask built on the first forward pass, or rebuilt
+  for longer sequences. Later a buffer is non-finite when it holds NaN, or an inf where it held none when first
+  seen, or of the other sign. BatchNorm's running statistics hold no inf at the start, so they stay strictly
+  checked.
 
 The checkpoint guard (:class:`CheckpointGuard`). Every Lightning writer of checkpoints (``ModelCheckpoint`` in all its
 modes, ``OnExceptionCheckpoint``, a user's own call) goes through ``Trainer.save_checkpoint``, which Lightning
@@ -249,17 +251,20 @@ def restore_module_(module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
 
 # ---- finiteness -------------------------------------------------------------------------------------------------
 class NonFiniteConstants:
-    """Where the buffers of a module state held ``+inf`` and ``-inf`` when they were recorded.
+    """Where the buffers of a module state held ``+inf`` and ``-inf`` when they were first seen.
 
     Attributes:
         paths: the dotted state paths of the tensors that held an inf (most modules have none).
 
-    Use :meth:`record` at the start of the fit; :func:`nonfinite_flags` then accepts those infs where they were,
-    and nowhere else. Parameters are never recorded: they stay strictly checked.
+    Use :meth:`record` at the start of the fit and :meth:`learn` before each check; :func:`nonfinite_flags` then
+    accepts those infs where they were, and nowhere else. A buffer is seen first when the fit starts, or when it
+    appears or changes shape during the fit (a causal mask built on the first forward, or rebuilt for a longer
+    sequence): its infs then are constants too. Parameters are never recorded: they stay strictly checked.
     """
 
     def __init__(self, patterns: Mapping[str, tuple[Tensor, Tensor]] | None = None) -> None:
         self._patterns = dict(patterns or {})
+        self._shapes: dict[str, torch.Size] = {path: masks[0].shape for path, masks in self._patterns.items()}
 
     @classmethod
     def record(cls, model_state: Mapping[str, Any], parameter_names: Iterable[str]) -> NonFiniteConstants:
@@ -271,24 +276,39 @@ class NonFiniteConstants:
             model_state: a module's ``state_dict()`` (extra-state values are walked too).
             parameter_names: the state keys of the parameters (``named_parameters(remove_duplicate=False)``).
         """
-        parameters = set(parameter_names)
-        candidates = [
-            (path, t.detach())
-            for path, t in named_state_tensors(model_state)
-            if path not in parameters and t.is_floating_point() and t.numel() > 0 and t.device.type != "meta"
-        ]
-        if not candidates:
-            return cls()
-        device = candidates[0][1].device
-        holds_inf = torch.stack([torch.isinf(t).any().to(device) for _, t in candidates]).tolist()
-        held = [(path, t) for (path, t), inf in zip(candidates, holds_inf) if inf]
-        return cls({path: (torch.isposinf(t), torch.isneginf(t)) for path, t in held})
+        constants = cls()
+        constants._see(model_state, set(parameter_names))
+        return constants
 
     @classmethod
     def of_module(cls, module: torch.nn.Module) -> NonFiniteConstants:
         """:meth:`record` for a module's own state."""
-        names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
-        return cls.record(module.state_dict(), names)
+        constants = cls()
+        constants.learn(module)
+        return constants
+
+    def learn(self, module: torch.nn.Module) -> None:
+        """Record the buffers of ``module`` that appeared or changed shape since the last record (one host read
+        when there are any; nothing read otherwise). Entered by every rank alike: it needs no collective."""
+        self._see(module.state_dict(), {name for name, _ in module.named_parameters(remove_duplicate=False)})
+
+    def _see(self, model_state: Mapping[str, Any], parameters: set[str]) -> None:
+        new = [
+            (path, t.detach())
+            for path, t in named_state_tensors(model_state)
+            if path not in parameters and t.is_floating_point() and t.numel() > 0 and t.device.type != "meta"
+            and self._shapes.get(path) != t.shape
+        ]  # fmt: skip
+        if not new:
+            return
+        device = new[0][1].device
+        holds_inf = torch.stack([torch.isinf(t).any().to(device) for _, t in new]).tolist()
+        for (path, t), inf in zip(new, holds_inf):
+            self._shapes[path] = t.shape
+            if inf:
+                self._patterns[path] = (torch.isposinf(t), torch.isneginf(t))
+            else:
+                self._patterns.pop(path, None)
 
     @property
     def paths(self) -> list[str]:

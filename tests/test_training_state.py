@@ -176,6 +176,59 @@ def test_constants_are_recorded_for_buffers_only_and_judged_by_position_and_sign
     assert nonfinite_parts(module.state_dict(), [], NonFiniteConstants()) == (["mask"], [])  # strict without them
 
 
+class LazyMaskLM(TinyCausalLM):
+    """The mask built on the first forward pass (a ``None`` buffer until then), as many attention layers cache it."""
+
+    def __init__(self, block: int = 6) -> None:
+        super().__init__(block=block)
+        self.block = block
+        self.register_buffer("mask", None)
+
+    @override
+    def forward(self, idx: Tensor) -> Tensor:
+        if self.mask is None:
+            self.mask = torch.triu(torch.full((self.block, self.block), -INF), 1)
+        return super().forward(idx)
+
+
+def test_a_mask_built_on_the_first_forward_is_a_constant_too() -> None:
+    rollback = Rollback(every_n_steps=2)
+    trainer = fit(LazyMaskLM(), [NonFiniteDetector(check_weights_every_n_steps=1), rollback], max_steps=8)
+    assert trainer.global_step == 8 and rollback.rollbacks == 0
+    assert rollback.snapshot_steps == [6, 8]
+    assert journal(trainer, rollback) == []
+    assert torch.equal(trainer.lightning_module.mask, TinyCausalLM().mask)
+
+
+def test_corruption_of_a_mask_built_on_the_first_forward_is_found_and_rolled_back() -> None:
+    rollback, probe = Rollback(every_n_steps=2), StateAt()
+    trainer = fit(LazyMaskLM(), [rollback, probe, BufferFault(3, "mask", (5, 0), float("nan"))], max_steps=6)
+    assert [(h["step"], h["reason"], h["snapshot_step"]) for h in rollback.history] == [(4, "nonfinite_state", 2)]
+    assert torch.equal(_bits(probe.at[4]["mask"]), _bits(probe.at[2]["mask"]))
+
+
+def test_constants_learn_the_buffers_that_appear_or_change_shape() -> None:
+    module = TinyCausalLM(block=3)
+    constants = NonFiniteConstants.of_module(module)
+    module.register_buffer("cache", torch.tensor([0.0, -INF]))  # appears during the fit, holding a constant
+    module.register_buffer("stats", torch.tensor([1.0, float("nan")]))  # appears holding NaN: never a constant
+    module.lazy = nn.Linear(2, 2)
+    with torch.no_grad():
+        module.lazy.weight[0, 0] = -INF  # a parameter that appears: never a constant
+    constants.learn(module)
+    assert constants.paths == ["mask", "cache"]
+    assert nonfinite_parts(module.state_dict(), [], constants) == (["stats", "lazy.weight"], [])
+    module.mask = torch.triu(torch.full((4, 4), -INF), 1)  # rebuilt for longer sequences: learned again
+    module.stats = torch.ones(2)
+    with torch.no_grad():
+        module.lazy.weight[0, 0] = 0.0
+    assert nonfinite_flags(module.state_dict(), [], constants)[0].item() == 1.0  # not yet learned
+    constants.learn(module)
+    assert [f.item() for f in nonfinite_flags(module.state_dict(), [], constants)] == [0.0, 0.0]
+    module.cache[0] = -INF  # the same shape: an inf at a new position is no constant
+    assert nonfinite_parts(module.state_dict(), [], constants) == (["cache"], [])
+
+
 def test_constants_apply_to_copies_and_files_of_the_state() -> None:
     """The rule follows the state path, so a snapshot or a file read back (CPU tensors) is judged alike."""
     module = TinyCausalLM(block=3)

@@ -49,7 +49,6 @@ from lightning_overflow.replicas import checksum
 from lightning_overflow.snapshot_store import Snapshot, SnapshotFiles, SnapshotRing, snapshot_name
 from lightning_overflow.training_state import (
     CheckpointGuard,
-    NonFiniteConstants,
     StateCheck,
     check_state,
     live_state,
@@ -83,12 +82,12 @@ class Rollback(SuiteCallback):
 
     Snapshots: the state the fit starts from, then one every ``every_n_steps`` healthy optimizer steps (no detector
     signal, not skipped), each verified finite on every rank first (parameters and optimizer moments strictly;
-    buffers may keep the infs they held when the fit started, such as a causal mask's ``-inf``) and, under DDP, the
-    same on every rank (a checksum of the parameters compared across the replicas in the same all-reduce). A state
-    that fails the check is refused and, with ``"nonfinite_state"`` (or ``"replica_mismatch"``) among the triggers,
-    is itself a reason to roll back. A
-    second rollback to the same snapshot goes one snapshot further back. Every checkpoint written during the fit
-    is checked first and rolled back before it is written when it is not finite (see the module docstring).
+    buffers may keep the infs they held when first seen, such as a causal mask's ``-inf``, even one built on the
+    first forward pass) and, under DDP, the same on every rank (a checksum of the parameters compared across the
+    replicas in the same all-reduce). A state that fails the check is refused and, with ``"nonfinite_state"`` (or
+    ``"replica_mismatch"``) among the triggers, is itself a reason to roll back. A second rollback to the same
+    snapshot goes one snapshot further back. Every checkpoint written during the fit is checked first and rolled
+    back before it is written when it is not finite (see the module docstring).
     Not rewound: ``global_step``, the data position, RNG states, loggers. Details: ``docs/rollback.md``.
 
     Host memory per rank, for ``P`` parameters trained with AdamW in FP32 (12 bytes per parameter: the weights and
@@ -192,7 +191,6 @@ class Rollback(SuiteCallback):
         self._writer: SnapshotFiles | None = None  # this rank's folder of dirpath (dirpath itself on one process)
         self._disk: list[dict[str, Any]] = []  # files written, oldest first: {"step", "file"}
         self._before_restart: list[Snapshot] = []  # files from the checkpoint's list, not read yet
-        self._constants = NonFiniteConstants()
         self._healthy = 0
         self._last_step = 0
         self._skip_left = 0
@@ -300,8 +298,7 @@ class Rollback(SuiteCallback):
         self._guard = CheckpointGuard(trainer, self._before_save)
 
     def _start(self, trainer: pl.Trainer) -> None:
-        """Record the buffers' constants and take the first snapshot: the state the fit starts from."""
-        self._constants = self.board(trainer).constants(trainer)
+        """Take the first snapshot: the state the fit starts from (its check records the buffers' constants)."""
         self._last_step = int(trainer.global_step)
         self._last_target = None
         self._last_settings = ()
@@ -350,7 +347,8 @@ class Rollback(SuiteCallback):
             return optimizer_labels(trainer.lightning_module, trainer.optimizers)
 
         device = trainer.strategy.root_device
-        return check_state(model_state, optimizer_states, self._constants, device, labels, parity)
+        constants = self.board(trainer).constants(trainer)
+        return check_state(model_state, optimizer_states, constants, device, labels, parity)
 
     def _check_live(self, trainer: pl.Trainer) -> StateCheck:
         state = live_state(trainer)
@@ -590,7 +588,7 @@ class Rollback(SuiteCallback):
         if problem:
             return problem
         held = without_placeholders(state)
-        weights, states = nonfinite_parts(held["model"], held["optimizers"], self._constants)
+        weights, states = nonfinite_parts(held["model"], held["optimizers"], self.board(trainer).constants(trainer))
         return f"it holds inf/NaN{_quote(weights + states)}" if weights or states else ""
 
     def _unusable(
