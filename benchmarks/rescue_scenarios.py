@@ -45,17 +45,24 @@ def _batches(data: TensorDataset, batch_size: int, seed: int) -> DataLoader:
 
 
 @functools.lru_cache(maxsize=None)
-def _teacher(in_features: int) -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(DATA_SEED)
+def _teacher(in_features: int, task: int = 0) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(DATA_SEED + 1000 * task)
     return torch.randn(in_features, 16, generator=gen) / math.sqrt(in_features), torch.randn(16, 1, generator=gen)
 
 
-def regression_set(samples: int, in_features: int = 16, offset: int = 0) -> TensorDataset:
-    """A fixed nonlinear regression problem, ``y = tanh(x @ w1) @ w2 + 0.1 noise``; ``offset`` draws another split."""
-    w1, w2 = _teacher(in_features)
+def teacher_targets(x: Tensor, task: int = 0, scale: float = 1.0) -> Tensor:
+    """The noise-free targets of regression task ``task`` (another teacher network), times ``scale``."""
+    w1, w2 = _teacher(x.shape[-1], task)
+    return scale * torch.tanh(x @ w1) @ w2
+
+
+def regression_set(samples: int, in_features: int = 16, offset: int = 0, task: int = 0, scale: float = 1.0
+                   ) -> TensorDataset:  # fmt: skip
+    """A fixed nonlinear regression problem, ``y = tanh(x @ w1) @ w2 + 0.1 noise``; ``offset`` draws another split,
+    ``task`` another teacher, ``scale`` multiplies its targets."""
     gen = torch.Generator().manual_seed(DATA_SEED + 1 + offset)
     x = torch.randn(samples, in_features, generator=gen)
-    return TensorDataset(x, torch.tanh(x @ w1) @ w2 + 0.1 * torch.randn(samples, 1, generator=gen))
+    return TensorDataset(x, teacher_targets(x, task, scale) + 0.1 * torch.randn(samples, 1, generator=gen))
 
 
 # ---- models ---------------------------------------------------------------------------------------------------------
@@ -88,6 +95,8 @@ class Regression(Benchmarked):
         poison_step: the step whose batch is multiplied by ``poison_factor``, once.
         schedule: ``"constant"``; ``"warmup"``, a linear rise from 1x to ``peak`` x the LR over ``total_steps``; or
             ``"onecycle"``, PyTorch's ``OneCycleLR`` peaking at ``lr`` over ``total_steps``.
+        shift_step: from this step on the targets are another teacher's, ``shift_scale`` times larger (new data, a
+            harder task: a legitimate rise of the loss); the evaluation is on that task.
     """
 
     def __init__(
@@ -108,6 +117,8 @@ class Regression(Benchmarked):
         schedule: str = "constant",
         peak: float = 1.0,
         total_steps: int = 1,
+        shift_step: int | None = None,
+        shift_scale: float = 2.0,
     ) -> None:
         super().__init__()
         torch.manual_seed(seed)
@@ -125,17 +136,21 @@ class Regression(Benchmarked):
         self.spike_every, self.spike_factor = spike_every, spike_factor
         self.poison_step, self.poison_factor = poison_step, poison_factor
         self.schedule, self.peak, self.total_steps = schedule, peak, total_steps
+        self.shift_step, self.shift_scale = shift_step, shift_scale
         self.data = regression_set(samples)
         if corrupt_index is not None:
             x, y = self.data.tensors
             x = x.clone()
             x[corrupt_index] = float("nan")
             self.data = TensorDataset(x, y)
-        self.evaluation = regression_set(1024, offset=1)
+        self.evaluation = regression_set(1024, offset=1, task=int(shift_step is not None), scale=shift_scale
+                                         if shift_step is not None else 1.0)  # fmt: skip
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         step = self.trainer.global_step
+        if self.shift_step is not None and step >= self.shift_step:
+            y = teacher_targets(x, task=1, scale=self.shift_scale) + (y - teacher_targets(x))  # the same noise
         if self.spike_every is not None and step % self.spike_every == self.spike_every // 2:
             x = x * self.spike_factor
         if step == self.poison_step:
@@ -545,6 +560,12 @@ def _catalogue() -> list[Scenario]:
             "Adam warmed up linearly over the whole run to 40x the stable LR: the loss creeps up, no spike, no NaN",
             functools.partial(adam, lr=ADAM_LR, schedule="warmup", peak=40.0, total_steps=STEPS), STEPS,
             "mlp_adam_lr1x",
+        ),
+        Scenario(
+            "data_shift", "data_shift",
+            "MLP regression, Adam, whose targets switch at step 100 to another teacher's, 2x larger (healthy: new "
+            "data, a harder task)",
+            functools.partial(adam, lr=ADAM_LR, shift_step=100), STEPS, "data_shift", quick=True,
         ),
         Scenario(
             "hinge_at_zero", "hinge",

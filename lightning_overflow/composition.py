@@ -38,7 +38,8 @@ def default_callbacks(
        moments, a collapsing GradScaler, a loss that stays above its reference, settles far above its best level
        or trends up) multiplies the LR by ``lr_factor`` (``LRBackoff``) and restores the last snapshot verified
        finite (``Rollback``); a divergence again at the lower LR backs off further, by ``lr_factor`` twice when it
-       comes within two snapshot intervals of the previous backoff;
+       comes within two snapshot intervals of the previous backoff; when the restored weights turn out as bad on
+       the current data as the diverged ones (a ``data_shift``: new data, a harder task), the backoff is undone;
     4. after ``max_rollbacks`` retries with nothing changed within Rollback's window (a retry at a backed-off LR
        is progress and spends none), or the LR backed off to its floor, the run stops with
        :class:`~lightning_overflow.DivergenceError`, which lists what was tried.

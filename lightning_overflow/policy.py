@@ -26,16 +26,20 @@ signal (who raises it)     rung of the default interventions           why
 ``loss_trend``             back off and roll back                      a slow rise with no spike and no NaN
 ``replica_mismatch``       roll back (every rank to the same           DDP replicas whose weights differ: silent
 (NonFiniteDetector)        snapshot)                                   data corruption, no fault of the LR
+``data_shift``             undo the backoff made for the divergence;   after a rollback for a loss divergence, the
+(LossSpikeDetector)        the loss statistics start again             restored weights (kept while the loss was
+                                                                       low) are as bad on the next batches, measured
+                                                                       without a step: the data changed, not the
+                                                                       state
 =========================  ==========================================  ============================================
 
 A divergence after a rollback is new evidence about the restored state: the rollback ends LRBackoff's cooldown,
 so it backs off again at once; in ``default_callbacks()`` a backoff within two snapshot intervals of the previous
-one applies the factor twice (the backed-off LR did not hold: half of it was not enough). A rollback whose settings differ from the previous rollback's (the LR backed off
-since) is progress and spends none of Rollback's budget; only retries with nothing changed do. After
-``max_rollbacks`` such retries within Rollback's window, or the LR at LRBackoff's floor (``min_scale``, about ten
-halvings), the run stops with :class:`~lightning_overflow.DivergenceError`.
-
-For one optimizer step, each participant judges the same final record and may return a :class:`Verdict`:
+one applies the factor twice (the backed-off LR did not hold: half of it was not enough). A rollback whose
+settings differ from the previous rollback's (the LR backed off since) is progress and spends none of Rollback's
+budget; only retries with nothing changed do. After ``max_rollbacks`` such retries within Rollback's window, or the
+LR at LRBackoff's floor (``min_scale``, about ten halvings), the run stops with
+:class:`~lightning_overflow.DivergenceError`.
 
 Each suite callback judges the same final step record and may return a :class:`Verdict`: a reason to skip the
 step, a proposed clip, or both. :func:`decide_step` turns all of them into one :class:`StepAction`, applied once by
@@ -64,6 +68,7 @@ from typing import Any
 from torch import Tensor
 
 __all__ = [
+    "DATA_SHIFT",
     "DEFAULT_BACKOFF_TRIGGERS",
     "DEFAULT_ROLLBACK_TRIGGERS",
     "DIVERGENCE_SIGNALS",
@@ -96,6 +101,10 @@ DEFAULT_BACKOFF_TRIGGERS = DIVERGENCE_SIGNALS
 
 DEFAULT_ROLLBACK_TRIGGERS = (*DIVERGENCE_SIGNALS, "replica_mismatch")
 """Rollback's default triggers: divergence, and DDP replicas whose weights differ (no LR is to blame for those)."""
+
+DATA_SHIFT = "data_shift"
+"""The signal that takes a divergence back: the weights restored from before it are as bad on the current data, so
+the data changed, not the state. No trigger: ``LRBackoff`` undoes the backoff it made for the divergence."""
 
 
 @dataclass

@@ -295,6 +295,8 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path: Path) -> No
         ({"level_factor": 1.0}, ValueError, "'level_factor' must be in (1, inf) (got 1)"),
         ({"level_fraction": 0}, ValueError, "'level_fraction' must be in (0, 1] (got 0)"),
         ({"level_fraction": "half"}, TypeError, "'level_fraction' must be a number (got 'half')"),
+        ({"probe_steps": 0}, ValueError, "'probe_steps' must be >= 1 (got 0)"),
+        ({"probe_steps": 2.5}, TypeError, "'probe_steps' must be an int or None (got 2.5)"),
     ],
 )
 def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:

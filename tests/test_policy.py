@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+import pytorch_lightning as pl
 import torch
 from conftest import fit
 
@@ -189,3 +191,108 @@ def test_retries_with_nothing_changed_spend_the_budget_and_stop(tmp_path: Path) 
     rollbacks = [e for e in _journal(tmp_path) if e["kind"] == "rollback"]
     assert [(e["step"], e["details"]["counted"]) for e in rollbacks] == [(6, True), (7, True), (8, True)]
     assert [e["details"]["budget_left"] for e in rollbacks] == [2, 1, 0]
+
+
+class NewTask(TinyRegressor):
+    """From step ``at`` on, the targets are another task's (``3 - 4y``): new data, a far higher loss, no fault."""
+
+    def __init__(self, at: int = 60) -> None:
+        super().__init__()
+        self.at = at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.trainer.global_step >= self.at:
+            y = 3.0 - 4.0 * y
+        return torch.nn.functional.mse_loss(self(x), y)
+
+
+class WeightsAtBatchEnd(pl.Callback):
+    """The weights at the end of every batch (after the suite acted)."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.at[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+def test_a_rise_that_the_data_explains_is_measured_after_the_rollback_and_taken_back(tmp_path: Path) -> None:
+    model, weights = NewTask(at=60), WeightsAtBatchEnd()
+    trainer = fit(model, [*default_callbacks(snapshot_every_n_steps=10), weights], max_steps=100,
+                  default_root_dir=str(tmp_path))  # fmt: skip
+    events = _journal(tmp_path)
+    assert _kinds(events, "loss_divergence", "backoff", "rollback", "skip", "data_shift", "undo", "abort") == [
+        (62, "loss_divergence"), (62, "backoff"), (63, "rollback"),
+        (63, "skip"), (64, "skip"), (65, "skip"), (65, "data_shift"), (65, "undo"),
+    ]  # fmt: skip
+    (rollback,) = [e for e in events if e["kind"] == "rollback"]
+    assert rollback["details"]["snapshot_step"] == 60
+    probe = [e for e in events if e["kind"] == "skip"]
+    assert [e["details"]["reason"] for e in probe] == ["probe"] * 3
+    # The three probe batches change nothing: the weights are the snapshot's, bit for bit.
+    for step in (64, 65, 66):
+        assert all(torch.equal(weights.at[step][k], weights.at[63][k]) for k in weights.at[63])
+    (shift,) = [e for e in events if e["kind"] == "data_shift"]
+    assert shift["details"]["finding_step"] == 62 and len(shift["details"]["losses"]) == 3
+    assert min(shift["details"]["losses"]) > max(shift["details"]["before"])
+    (undo,) = [e for e in events if e["kind"] == "undo"]
+    assert undo["details"]["undone_step"] == 62 and undo["details"]["scale"] == 1.0
+    assert trainer.optimizers[0].param_groups[0]["lr"] == model.lr  # exactly the configured LR again
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_undone_backoff_counts_for_no_escalation(tmp_path: Path) -> None:
+    """A true divergence 15 steps after the backoff that the data shift took back: one factor, not two."""
+    faults = FaultInjector(*(Fault(step, "loss_spike", factor=1e3) for step in (75, 76, 77)))
+    trainer = fit(NewTask(at=60), [*default_callbacks(snapshot_every_n_steps=10), faults], max_steps=100,
+                  default_root_dir=str(tmp_path))  # fmt: skip
+    events = _journal(tmp_path)
+    assert [(e["step"], e["details"]["scale"], e["details"].get("escalated")) for e in events
+            if e["kind"] in ("backoff", "undo")] == [(62, 0.5, False), (65, 1.0, None), (77, 0.5, False)]  # fmt: skip
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.5 * 0.01
+
+
+def test_without_the_probe_the_same_new_task_is_fought_down_to_the_lr_floor(tmp_path: Path) -> None:
+    from lightning_overflow.exceptions import DivergenceError
+
+    suite = default_callbacks(snapshot_every_n_steps=10)
+    suite[2] = LossSpikeDetector(probe_steps=None)
+    try:
+        fit(NewTask(at=60), suite, max_steps=200, default_root_dir=str(tmp_path))
+    except DivergenceError as error:
+        assert "already at its floor" in str(error)
+    else:
+        raise AssertionError("a rise that no backoff can bring down ends at the floor")
+    assert _kinds(_journal(tmp_path), "data_shift", "undo") == []
+
+
+def test_a_true_divergence_is_not_probed_and_runs_as_without_the_probe(tmp_path: Path) -> None:
+    """After the rollback the restored weights' first loss is within their old range: the probe ends there, and
+    that batch trains as any."""
+    runs = []
+    for probe_steps in (3, None):
+        suite = default_callbacks(snapshot_every_n_steps=4)
+        suite[2] = LossSpikeDetector(warmup=10, probe_steps=probe_steps)
+        faults = FaultInjector(*(Fault(step, "loss_spike", factor=1e3) for step in (30, 31, 32)))
+        root = tmp_path / str(probe_steps)
+        torch.manual_seed(0)
+        model = TinyRegressor()
+        fit(model, [*suite, faults], max_steps=40, default_root_dir=str(root))
+        runs.append((model, [(e["step"], e["kind"]) for e in _journal(root)]))
+    (probed, journal), (plain, plain_journal) = runs
+    assert journal == plain_journal and (33, "rollback") in journal and all(k != "skip" for _, k in journal)
+    assert all(torch.equal(a, b) for a, b in zip(probed.state_dict().values(), plain.state_dict().values()))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_under_ddp_both_ranks_probe_and_take_the_backoff_back_at_the_same_steps(tmp_path: Path) -> None:
+    from ddp_utils import run_ddp
+
+    reports = run_ddp(NewTask(at=30), default_callbacks(snapshot_every_n_steps=10), tmp_path, max_steps=50)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]
+    assert reports[0]["lrs"] == reports[1]["lrs"] and reports[0]["lrs"][-1] == 0.01
+    kinds = _kinds(_journal(tmp_path), "rollback", "data_shift", "undo", "abort")
+    assert [k for _, k in kinds] == ["rollback", "data_shift", "undo"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytorch_lightning as pl
@@ -13,11 +15,12 @@ from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
 from lightning_overflow.numerics.running_stats import HostRunningStats
 from lightning_overflow.numerics.trend import slope_probability
-from lightning_overflow.policy import StepAction
+from lightning_overflow.policy import StepAction, Verdict
 
 __all__ = ["LossSpikeDetector"]
 
 _CHANNELS = ("loss", "grad_norm")
+_RECENT = 5  # the last losses before a snapshot: what its weights gave, for the probe after a rollback to it
 _SIGNALS = {"loss": "loss_spike", "grad_norm": "grad_spike"}
 _WHAT = {"loss": "the training loss", "grad_norm": "the gradient norm"}
 
@@ -101,6 +104,17 @@ class LossSpikeDetector(SuiteCallback):
             generator loss rises as its discriminator improves). It is off as well while the anchor is 0 (no scale
             to measure a rise by) and once the level went negative (a log-likelihood: no ratio means anything).
         level_fraction: see ``level_factor``, in (0, 1].
+        probe_steps: after a rollback made for this detector's ``loss_divergence`` or ``loss_trend``, up to this
+            many batches measure the restored weights on the current data (default 3; ``None``: no probe). Each
+            batch whose loss stands above every one of the last losses before the snapshot (the losses the same
+            weights gave then) is taken without an optimizer step; the first batch within that range ends the
+            probe and trains, so a rollback for a true divergence changes nothing. When all ``probe_steps``
+            batches stand above (for exchangeable losses a chance of 1 in 56 with 5 losses before and 3 after),
+            their median above ``level_factor`` times the median before and at no less than half the loss judged
+            divergent, the same weights are as bad on this data as the diverged ones were: the data changed (a new
+            data mixture, a harder task), not the training state. That is journaled as ``data_shift`` and
+            signalled (``LRBackoff`` undoes the backoff it made for the divergence), and the loss statistics start
+            again from the new data.
 
     Signals (read by interventions): ``loss_divergence`` when the loss stays above its reference for
     ``confirm_steps`` steps, ``loss_trend`` for a slow rise with no spike, ``loss_spike`` and ``grad_spike`` at the
@@ -150,6 +164,7 @@ class LossSpikeDetector(SuiteCallback):
         level_window: int | None = 20,
         level_factor: float = 2.0,
         level_fraction: float = 0.5,
+        probe_steps: int | None = 3,
     ) -> None:
         self.window = check_int("window", window, minimum=2)
         self.warmup = check_int("warmup", warmup, minimum=1)
@@ -170,6 +185,11 @@ class LossSpikeDetector(SuiteCallback):
         self.level_window = check_int("level_window", level_window, minimum=1, optional=True)
         self.level_factor = check_float("level_factor", level_factor, low=1.0, low_open=True)
         self.level_fraction = check_float("level_fraction", level_fraction, low=0.0, high=1.0, low_open=True)
+        self.probe_steps = check_int("probe_steps", probe_steps, minimum=1, optional=True)
+        self._judged: dict[int, tuple[int, float]] = {}  # the last loss finding: (step, loss judged divergent)
+        self._probes: dict[int, _Probe] = {}
+        self.probe_skips = 0
+        self.data_shifts = 0
         self._evidence: dict[int, DivergenceEvidence] = {}
         self._ratios = [self.loss_ratio, self.grad_ratio]
         self._stats: dict[int, HostRunningStats] = {}
@@ -199,12 +219,24 @@ class LossSpikeDetector(SuiteCallback):
             self._streaks.clear()
             self._peaks.clear()
             self._evidence.clear()
-            self.loss_spikes = self.grad_spikes = 0
+            self._judged.clear()
+            self._probes.clear()
+            self.loss_spikes = self.grad_spikes = self.probe_skips = self.data_shifts = 0
 
     # ---- the decision -----------------------------------------------------------------------------------------
     @override
+    def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
+        probe = self._probes.get(record.optimizer_index)
+        if probe is None or not probe.above(record.loss_mean):
+            return None
+        return Verdict(skip="the restored weights measured on the current data")
+
+    @override
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
         """Test this step's loss and gradient norm (host values identical on every rank), then learn from them."""
+        probe = self._probes.get(record.optimizer_index)
+        if probe is not None and self._probe(trainer, record, action, probe):
+            return  # the restored weights' losses on this data: not yet the run's statistics
         grad = record.total_norm if self.check_grad_norm and record.grads_finite else math.nan
         values = [record.loss_mean, grad]
         stats = self._stats_for(record.optimizer_index)
@@ -240,11 +272,55 @@ class LossSpikeDetector(SuiteCallback):
         if finding is None:
             return
         kind, reason = finding
+        self._judged[record.optimizer_index] = (record.step, evidence.judged)
         suffix = f" of optimizer {record.optimizer_index}" if record.n_optimizers > 1 else ""
         message = f"LossSpikeDetector: the training loss{suffix} {reason} at step {record.step}."
         self._event(trainer, kind, message, loss=record.loss_mean, anchor=evidence.anchor,
                     optimizer=record.optimizer_index)  # fmt: skip
         self._signal(trainer, kind, message, record.optimizer_index)
+
+    # ---- the probe after a rollback ---------------------------------------------------------------------------
+    def _probe(self, trainer: pl.Trainer, record: StepHealth, action: StepAction, probe: _Probe) -> bool:
+        """One step of the probe; return whether it was a probe step (skipped, measured), or the probe ended."""
+        index = record.optimizer_index
+        if action.skipped_by is not self:
+            del self._probes[index]  # a loss within the old range (or a step skipped for another reason): no shift
+            return False
+        self.probe_skips += 1
+        probe.losses.append(record.loss_mean)
+        message = (
+            f"LossSpikeDetector: skipped optimizer step {record.step} ({action.skip_reason}: loss "
+            f"{record.loss_mean:.4g}, above the {len(probe.before)} losses before the snapshot; batch "
+            f"{len(probe.losses)} of {self.probe_steps})"
+        )
+        self._event(trainer, "skip", message, reason="probe", optimizer=index)
+        if len(probe.losses) < self.probe_steps:  # type: ignore[operator]
+            return True
+        del self._probes[index]
+        if probe.explained_by_data(self.level_factor):
+            self._data_shift(trainer, record, probe)
+        return True
+
+    def _data_shift(self, trainer: pl.Trainer, record: StepHealth, probe: _Probe) -> None:
+        """The restored weights are as bad on the current data as the diverged ones: start the loss series again."""
+        index = record.optimizer_index
+        self.data_shifts += 1
+        suffix = f" of optimizer {index}" if record.n_optimizers > 1 else ""
+        message = (
+            f"LossSpikeDetector: the restored weights gave losses of median {statistics.median(probe.before):.4g} "
+            f"(at most {max(probe.before):.4g}) before their snapshot, and of median "
+            f"{statistics.median(probe.losses):.4g} (at least {min(probe.losses):.4g}) on the {len(probe.losses)} "
+            f"batches up to step {record.step}, as high as the loss{suffix} judged divergent at step "
+            f"{probe.finding_step} ({probe.judged:.4g}): the data changed, not the training state. The loss "
+            "statistics start again from this data."
+        )
+        self._event(trainer, "data_shift", message, before=list(probe.before), losses=list(probe.losses),
+                    judged=probe.judged, finding_step=probe.finding_step, optimizer=index)  # fmt: skip
+        self._signal(trainer, "data_shift", message, index)
+        self._evidence[index] = DivergenceEvidence()
+        self._stats_for(index).reset()
+        self._streaks[index] = [0] * len(_CHANNELS)
+        self._peaks[index] = [-math.inf] * len(_CHANNELS)
 
     def _stats_for(self, index: int) -> HostRunningStats:
         stats = self._stats.get(index)
@@ -318,7 +394,17 @@ class LossSpikeDetector(SuiteCallback):
     # ---- counters and state -----------------------------------------------------------------------------------
     @override
     def _counters(self) -> dict[str, float]:
-        return {"overflow/spikes": self.spikes}
+        counters = {"overflow/spikes": float(self.spikes)}
+        if self.probe_skips:
+            counters["overflow/skipped_steps"] = float(self.probe_skips)
+        return counters
+
+    @override
+    def _snapshot_extra(self) -> dict[str, Any]:
+        """The last finite losses of each series when the snapshot is taken (weights next to the snapshot's): what
+        the probe compares the restored weights' losses with (for the snapshot the fit starts from, its first
+        losses stand for them)."""
+        return {"recent": {str(i): list(e.recent) for i, e in self._evidence.items()}}
 
     @override
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
@@ -329,6 +415,20 @@ class LossSpikeDetector(SuiteCallback):
             self._peaks[index] = [-math.inf] * len(_CHANNELS)
         for evidence in self._evidence.values():
             evidence.after_restore()
+        self._start_probes(trainer, extra)
+
+    def _start_probes(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        """A rollback for a loss finding of this batch: measure the restored weights on the next batches."""
+        judged, self._judged = self._judged, {}
+        if self.probe_steps is None:
+            return
+        recent = extra.get("recent", {})
+        for index, (step, value) in judged.items():
+            evidence = self._evidence.get(index)
+            before = [float(v) for v in recent.get(str(index), [])] or (list(evidence.first) if evidence else [])
+            # A loss that goes negative (a log-likelihood) has no scale for "times its median": no probe.
+            if step >= trainer.global_step - 1 and before and statistics.median(before) > 0:
+                self._probes[index] = _Probe(before, value, step)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -339,6 +439,9 @@ class LossSpikeDetector(SuiteCallback):
             "loss_spikes": self.loss_spikes,
             "grad_spikes": self.grad_spikes,
             "evidence": {str(i): e.state_dict() for i, e in self._evidence.items()},
+            "probes": {str(i): p.state_dict() for i, p in self._probes.items()},
+            "probe_skips": self.probe_skips,
+            "data_shifts": self.data_shifts,
         }
 
     @override
@@ -357,6 +460,9 @@ class LossSpikeDetector(SuiteCallback):
         self.loss_spikes = int(state_dict.get("loss_spikes", 0))
         self.grad_spikes = int(state_dict.get("grad_spikes", 0))
         self._evidence = {int(k): DivergenceEvidence.from_state(v) for k, v in state_dict.get("evidence", {}).items()}
+        self._probes = {int(k): _Probe.from_state(v) for k, v in state_dict.get("probes", {}).items()}
+        self.probe_skips = int(state_dict.get("probe_skips", 0))
+        self.data_shifts = int(state_dict.get("data_shifts", 0))
 
 
 class DivergenceEvidence:
@@ -374,6 +480,8 @@ class DivergenceEvidence:
         self.level_count = 0
         self.best_level = math.inf
         self.level_streak = 0
+        self.judged = 0.0  # the loss (or level, or window mean) of the last finding
+        self.recent: list[float] = []  # the last finite losses
 
     def observe(
         self,
@@ -394,6 +502,8 @@ class DivergenceEvidence:
         if not math.isfinite(loss):
             return None  # the detector's business; neither breaks nor extends the streak
         runaway = self.anchor > 0 and loss > runaway_factor * self.anchor
+        # Spikes included: the weights a snapshot keeps are measured by every loss they gave, not the quiet ones.
+        self.recent = [*self.recent[-(_RECENT - 1) :], loss]
         if len(self.first) < anchor_steps and not runaway:
             self.first.append(abs(loss))
             # The median, but never above the very first loss: a run whose loss climbs from its first steps on
@@ -401,6 +511,7 @@ class DivergenceEvidence:
             self.anchor = min(self.first[0], sorted(self.first)[len(self.first) // 2])
         self.streak = self.streak + 1 if (spike or runaway) else 0
         if self.streak == confirm_steps:
+            self.judged = loss
             where = (
                 f"is {loss:.4g}, {loss / self.anchor:.3g}x its anchor {self.anchor:.4g}"
                 if runaway
@@ -434,7 +545,7 @@ class DivergenceEvidence:
         self.level_streak = self.level_streak + 1 if self.level > bound else 0
         if self.level_streak < confirm_steps:
             return None
-        level = self.level
+        level = self.judged = self.level
         self._restart_level()
         return "loss_divergence", (
             f"settled far above its best level: its level over about {window} healthy steps is {level:.4g}, "
@@ -461,6 +572,7 @@ class DivergenceEvidence:
         self.best_mean = min(self.best_mean, mean)
         if not rising:
             return None
+        self.judged = mean
         return "loss_trend", (
             f"trends up: P(slope > 0) = {p:.4f} over the last {window} healthy steps, whose mean {mean:.4g} stands "
             f"above the best window mean {best:.4g} by more than {margin:g}x"
@@ -469,12 +581,14 @@ class DivergenceEvidence:
     def after_restore(self) -> None:
         self.streak = 0
         self.window = []
+        self.recent = []
         self._restart_level()  # the level of the state just undone; the best level stays
 
     def state_dict(self) -> dict[str, Any]:
         return {"first": list(self.first), "anchor": self.anchor, "streak": self.streak, "window": list(self.window),
                 "best_mean": self.best_mean, "level": self.level, "level_count": self.level_count,
-                "best_level": self.best_level, "level_streak": self.level_streak}  # fmt: skip
+                "best_level": self.best_level, "level_streak": self.level_streak, "judged": self.judged,
+                "recent": list(self.recent)}  # fmt: skip
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> DivergenceEvidence:
@@ -488,4 +602,35 @@ class DivergenceEvidence:
         evidence.level_count = int(state.get("level_count", 0))
         evidence.best_level = float(state.get("best_level", math.inf))
         evidence.level_streak = int(state.get("level_streak", 0))
+        evidence.judged = float(state.get("judged", 0.0))
+        evidence.recent = [float(v) for v in state.get("recent", [])]
         return evidence
+
+
+@dataclass
+class _Probe:
+    """The restored weights measured on the current data, against the losses they gave before their snapshot."""
+
+    before: list[float]
+    judged: float
+    finding_step: int
+    losses: list[float] = field(default_factory=list)
+
+    def above(self, loss: float) -> bool:
+        """Whether ``loss`` stands above every loss before the snapshot."""
+        return math.isfinite(loss) and loss > max(self.before)
+
+    def explained_by_data(self, factor: float) -> bool:
+        """Whether the measured losses, all above the old ones, also stand ``factor`` times above their median and
+        at half the loss judged divergent or more: the same weights, far worse on this data."""
+        median = statistics.median(self.losses)
+        return median > factor * statistics.median(self.before) and median >= 0.5 * self.judged
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"before": list(self.before), "judged": self.judged, "finding_step": self.finding_step,
+                "losses": list(self.losses)}  # fmt: skip
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> _Probe:
+        return cls([float(v) for v in state["before"]], float(state["judged"]), int(state["finding_step"]),
+                   [float(v) for v in state.get("losses", [])])  # fmt: skip

@@ -14,7 +14,7 @@ from lightning_overflow._validation import check_bool, check_choices, check_floa
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.health import Signal
-from lightning_overflow.policy import DEFAULT_BACKOFF_TRIGGERS, SIGNAL_KINDS
+from lightning_overflow.policy import DATA_SHIFT, DEFAULT_BACKOFF_TRIGGERS, SIGNAL_KINDS
 from lightning_overflow.numerics.lr_scaling import scale_lr
 
 __all__ = ["DEFAULT_TRIGGERS", "LRBackoff"]
@@ -57,6 +57,9 @@ class LRBackoff(SuiteCallback):
       above the configured schedule), as ``GradScaler`` grows its loss scale. A backoff within the growth window
       after a regrowth means the regrowth came too early: the window is multiplied by ``window_growth`` (metaseq's
       adaptive loss-scale window), so the run does not oscillate between two learning rates.
+    - **Undo**: a ``data_shift`` signal (``LossSpikeDetector``, after a rollback: the restored weights are as bad
+      on the current data as the diverged ones) takes back the last backoff that stands, exactly: the rise of the
+      loss it answered was the data's. An undone backoff counts for no escalation.
 
     Steps are ``global_step`` steps: under manual optimization every optimizer's step counts.
 
@@ -88,8 +91,8 @@ class LRBackoff(SuiteCallback):
 
     Attributes:
         scales: the current LR multiplier of each optimizer (1.0 = as configured).
-        history: one dict per backoff and regrowth (``step``, ``action``, ``optimizer``, ``reason``, ``kinds``,
-            ``scale``), oldest first.
+        history: one dict per backoff, regrowth and undo (``step``, ``action``, ``optimizer``, ``reason``,
+            ``kinds``, ``scale``), oldest first.
 
     Raises:
         DivergenceError: a trigger arrived while the scale was already at its floor.
@@ -102,8 +105,8 @@ class LRBackoff(SuiteCallback):
     ``overflow/lr_scale``  current LR multiplier (1.0 = as configured)
     =====================  ================================================
 
-    ``LearningRateMonitor`` shows the backed-off learning rate. Each backoff and regrowth is one ``"backoff"`` /
-    ``"regrowth"`` line in the journal.
+    ``LearningRateMonitor`` shows the backed-off learning rate. Each backoff, regrowth and undo is one
+    ``"backoff"`` / ``"regrowth"`` / ``"undo"`` line in the journal.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -166,7 +169,10 @@ class LRBackoff(SuiteCallback):
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         step = int(trainer.global_step)
         self._track(len(trainer.optimizers), step)
-        fired = self._fired(self.board(trainer).signals, len(self.scales))
+        signals = self.board(trainer).signals
+        for shift in [s for s in signals if s.kind == DATA_SHIFT and s.optimizer_index < len(self.scales)]:
+            self._undo(trainer, shift)
+        fired = self._fired(signals, len(self.scales))
         due: dict[int, list[Signal]] = {}
         for index, signals in fired.items():
             self._stable_since[index] = step  # not a stable step, even inside the cooldown
@@ -239,9 +245,41 @@ class LRBackoff(SuiteCallback):
         return step - max(previous, self._restored_at[index]) > self.cooldown
 
     def _last_backoff(self, index: int) -> int | None:
-        """The step of this optimizer's last backoff (``None``: none yet)."""
-        steps = [h["step"] for h in self.history if h["action"] == "backoff" and h["optimizer"] == index]
+        """The step of this optimizer's last backoff that stands (``None``: none yet, or every one undone)."""
+        steps: list[int] = []
+        for entry in self.history:
+            if entry["optimizer"] == index and entry["action"] == "backoff":
+                steps.append(entry["step"])
+            elif entry["optimizer"] == index and entry["action"] == "undo" and steps:
+                steps.pop()
         return steps[-1] if steps else None
+
+    # ---- undo -------------------------------------------------------------------------------------------------
+    def _undo(self, trainer: pl.Trainer, shift: Signal) -> None:
+        """Take back the last standing backoff: the rise of the loss it answered is the data's (``data_shift``)."""
+        indices = [shift.optimizer_index] if self.per_optimizer else list(range(len(self.scales)))
+        for index in indices:
+            previous = self._last_backoff(index)
+            if previous is None:
+                continue
+            entries = [h for h in self.history if h["optimizer"] == index]
+            at = max(i for i, h in enumerate(entries) if h["action"] == "backoff" and h["step"] == previous)
+            before = entries[at - 1]["scale"] if at > 0 else 1.0
+            old = self.scales[index]
+            new = old * before / entries[at]["scale"]
+            self._apply(trainer, index, new / old)
+            self.scales[index] = new
+            self._cooldown_until[index] = shift.step  # a divergence from here on is new evidence
+            entry = self._remember("undo", shift.step, index, shift.kind, shift.reason, new)
+            message = (
+                f"LRBackoff: the backoff at step {previous} answered a rise of the loss that the data explains: the "
+                f"learning rate of optimizer {index} is back to {new:.4g} x its schedule (was {old:.4g} x; group LRs "
+                f"{_lrs(trainer, index)}). Cause: {shift.reason}"
+            )
+            self._event(trainer, "undo", message, step=shift.step, **_details(entry), previous_scale=old,
+                        undone_step=previous, lrs=_lrs(trainer, index))  # fmt: skip
+            if trainer.global_rank == 0:
+                log.info(message)
 
     def _floor(self, trainer: pl.Trainer, index: int) -> float:
         """The smallest scale allowed: ``min_scale``, or higher where ``min_lr`` says so."""

@@ -47,11 +47,13 @@ EVENT_MARKERS: dict[str, MarkerSpec] = {
     "backoff": MarkerSpec("LR backoff", "s", "tab:brown"),
     "regrowth": MarkerSpec("LR regrowth", "P", "goldenrod"),
     "rollback": MarkerSpec("rollback", "D", "deeppink"),
+    "data_shift": MarkerSpec("data shift (backoff undone)", "*", "tab:green", 11.0),
     "abort": MarkerSpec("abort (run stopped)", "X", "red", 12.0),
 }
 OTHER_MARKER = MarkerSpec("other event (see the journal)", "h", "silver", 7.0)
-# Routine kinds: clipping shows in the gradient-norm panel, a re-baseline only restarts statistics.
-HIDDEN_KINDS = frozenset({"clip", "rebaseline"})
+# Routine kinds: clipping shows in the gradient-norm panel, a re-baseline only restarts statistics, an undo is the
+# data shift's own marker.
+HIDDEN_KINDS = frozenset({"clip", "rebaseline", "undo"})
 
 
 def event_markers(events: Iterable[Mapping[str, Any]]) -> list[Marker]:
