@@ -38,7 +38,7 @@ Run (from the repository root; the package must be importable, e.g. ``pip instal
                                                        # of CPU (25 s wall on 2 idle cores)
     python benchmarks/rescue.py --workers 2 --json rescue.json --png rescue.png
                                                        # 26 scenarios x 7 methods x 3 seeds + references: 582 runs,
-                                                       # ~17 min of CPU (9 min wall on 2 idle cores)
+                                                       # ~16 min of CPU (8 min wall on 2 idle cores)
     python benchmarks/rescue.py --scenarios nan_weight,hinge_at_zero --methods "unprotected,default_callbacks()"
     python benchmarks/rescue.py --report rescue.json --png rescue.png    # print and draw saved results again
 """
