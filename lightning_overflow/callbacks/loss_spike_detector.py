@@ -105,16 +105,17 @@ class LossSpikeDetector(SuiteCallback):
             to measure a rise by) and once the level went negative (a log-likelihood: no ratio means anything).
         level_fraction: see ``level_factor``, in (0, 1].
         probe_steps: after a rollback made for this detector's ``loss_divergence`` or ``loss_trend``, up to this
-            many batches measure the restored weights on the current data (default 3; ``None``: no probe). Each
-            batch whose loss stands above every one of the last losses before the snapshot (the losses the same
-            weights gave then) is taken without an optimizer step; the first batch within that range ends the
-            probe and trains, so a rollback for a true divergence changes nothing. When all ``probe_steps``
-            batches stand above (for exchangeable losses a chance of 1 in 56 with 5 losses before and 3 after),
-            their median above ``level_factor`` times the median before and at no less than half the loss judged
-            divergent, the same weights are as bad on this data as the diverged ones were: the data changed (a new
-            data mixture, a harder task), not the training state. That is journaled as ``data_shift`` and
-            signalled (``LRBackoff`` undoes the backoff it made for the divergence), and the loss statistics start
-            again from the new data.
+            many batches measure the restored weights on the current data (default 3; ``None``: no probe). A batch
+            points at the data when its loss stands above every one of the last losses the same weights gave before
+            their snapshot, above ``level_factor`` times their median, and at half the loss judged divergent or
+            more. Such a batch is taken without an optimizer step; the first batch that does not point at the data
+            ends the probe and trains, so a rollback for a true divergence (or to a snapshot that itself held it)
+            changes nothing. Each snapshot is probed on its first restore only: one restored again was retried
+            and diverged on its own. When all ``probe_steps`` batches point at the data (for exchangeable losses "above
+            all 5 before" alone has a chance of 1 in 56 over 3 batches), the same weights are as bad on this data
+            as the diverged ones were: the data changed (a new data mixture, a harder task), not the training
+            state. That is journaled as ``data_shift`` and signalled (``LRBackoff`` undoes the backoff it made
+            for the divergence), and the loss statistics start again from the new data.
 
     Signals (read by interventions): ``loss_divergence`` when the loss stays above its reference for
     ``confirm_steps`` steps, ``loss_trend`` for a slow rise with no spike, ``loss_spike`` and ``grad_spike`` at the
@@ -188,6 +189,8 @@ class LossSpikeDetector(SuiteCallback):
         self.probe_steps = check_int("probe_steps", probe_steps, minimum=1, optional=True)
         self._judged: dict[int, tuple[int, float]] = {}  # the last loss finding: (step, loss judged divergent)
         self._probes: dict[int, _Probe] = {}
+        self._snapshots = 0  # snapshots taken so far: each one's serial number, kept beside it
+        self._probed: set[int] = set()  # the serials of the snapshots already probed
         self.probe_skips = 0
         self.data_shifts = 0
         self._evidence: dict[int, DivergenceEvidence] = {}
@@ -221,13 +224,15 @@ class LossSpikeDetector(SuiteCallback):
             self._evidence.clear()
             self._judged.clear()
             self._probes.clear()
+            self._snapshots = 0
+            self._probed.clear()
             self.loss_spikes = self.grad_spikes = self.probe_skips = self.data_shifts = 0
 
     # ---- the decision -----------------------------------------------------------------------------------------
     @override
     def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
         probe = self._probes.get(record.optimizer_index)
-        if probe is None or not probe.above(record.loss_mean):
+        if probe is None or not probe.explained_by_data(record.loss_mean, self.level_factor):
             return None
         return Verdict(skip="the restored weights measured on the current data")
 
@@ -290,15 +295,14 @@ class LossSpikeDetector(SuiteCallback):
         probe.losses.append(record.loss_mean)
         message = (
             f"LossSpikeDetector: skipped optimizer step {record.step} ({action.skip_reason}: loss "
-            f"{record.loss_mean:.4g}, above the {len(probe.before)} losses before the snapshot; batch "
-            f"{len(probe.losses)} of {self.probe_steps})"
+            f"{record.loss_mean:.4g}, above the {len(probe.before)} losses before the snapshot and near the diverged "
+            f"one; batch {len(probe.losses)} of {self.probe_steps})"
         )
         self._event(trainer, "skip", message, reason="probe", optimizer=index)
         if len(probe.losses) < self.probe_steps:  # type: ignore[operator]
             return True
         del self._probes[index]
-        if probe.explained_by_data(self.level_factor):
-            self._data_shift(trainer, record, probe)
+        self._data_shift(trainer, record, probe)  # every probe batch pointed at the data
         return True
 
     def _data_shift(self, trainer: pl.Trainer, record: StepHealth, probe: _Probe) -> None:
@@ -404,7 +408,8 @@ class LossSpikeDetector(SuiteCallback):
         """The last finite losses of each series when the snapshot is taken (weights next to the snapshot's): what
         the probe compares the restored weights' losses with (for the snapshot the fit starts from, its first
         losses stand for them)."""
-        return {"recent": {str(i): list(e.recent) for i, e in self._evidence.items()}}
+        self._snapshots += 1
+        return {"recent": {str(i): list(e.recent) for i, e in self._evidence.items()}, "serial": self._snapshots}
 
     @override
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
@@ -420,8 +425,10 @@ class LossSpikeDetector(SuiteCallback):
     def _start_probes(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         """A rollback for a loss finding of this batch: measure the restored weights on the next batches."""
         judged, self._judged = self._judged, {}
-        if self.probe_steps is None:
-            return
+        serial = extra.get("serial")
+        if self.probe_steps is None or serial in self._probed:
+            return  # a snapshot restored once already was retried after a divergence of its own: no data to blame
+        self._probed.add(serial)
         recent = extra.get("recent", {})
         for index, (step, value) in judged.items():
             evidence = self._evidence.get(index)
@@ -440,6 +447,8 @@ class LossSpikeDetector(SuiteCallback):
             "grad_spikes": self.grad_spikes,
             "evidence": {str(i): e.state_dict() for i, e in self._evidence.items()},
             "probes": {str(i): p.state_dict() for i, p in self._probes.items()},
+            "snapshots": self._snapshots,
+            "probed": sorted(s for s in self._probed if s is not None),
             "probe_skips": self.probe_skips,
             "data_shifts": self.data_shifts,
         }
@@ -461,6 +470,8 @@ class LossSpikeDetector(SuiteCallback):
         self.grad_spikes = int(state_dict.get("grad_spikes", 0))
         self._evidence = {int(k): DivergenceEvidence.from_state(v) for k, v in state_dict.get("evidence", {}).items()}
         self._probes = {int(k): _Probe.from_state(v) for k, v in state_dict.get("probes", {}).items()}
+        self._snapshots = int(state_dict.get("snapshots", 0))
+        self._probed = {int(s) for s in state_dict.get("probed", [])}
         self.probe_skips = int(state_dict.get("probe_skips", 0))
         self.data_shifts = int(state_dict.get("data_shifts", 0))
 
@@ -616,15 +627,17 @@ class _Probe:
     finding_step: int
     losses: list[float] = field(default_factory=list)
 
-    def above(self, loss: float) -> bool:
-        """Whether ``loss`` stands above every loss before the snapshot."""
-        return math.isfinite(loss) and loss > max(self.before)
-
-    def explained_by_data(self, factor: float) -> bool:
-        """Whether the measured losses, all above the old ones, also stand ``factor`` times above their median and
-        at half the loss judged divergent or more: the same weights, far worse on this data."""
-        median = statistics.median(self.losses)
-        return median > factor * statistics.median(self.before) and median >= 0.5 * self.judged
+    def explained_by_data(self, loss: float, factor: float) -> bool:
+        """Whether the restored weights' ``loss`` on this batch points at the data: above every loss they gave
+        before their snapshot, above ``factor`` times the median of those, and at half the loss judged divergent or
+        more (the same weights, as bad as the diverged ones; a snapshot that itself held the divergence is far
+        below that)."""
+        return (
+            math.isfinite(loss)
+            and loss > max(self.before)
+            and loss > factor * statistics.median(self.before)
+            and loss >= 0.5 * self.judged
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"before": list(self.before), "judged": self.judged, "finding_step": self.finding_step,
