@@ -15,7 +15,7 @@ from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
 from lightning_overflow.numerics.running_stats import HostRunningStats
 from lightning_overflow.numerics.trend import slope_probability
-from lightning_overflow.policy import StepAction, Verdict
+from lightning_overflow.policy import DATA_SHIFT, StepAction, Verdict
 
 __all__ = ["LossSpikeDetector"]
 
@@ -318,9 +318,9 @@ class LossSpikeDetector(SuiteCallback):
             f"{probe.finding_step} ({probe.judged:.4g}): the data changed, not the training state. The loss "
             "statistics start again from this data."
         )
-        self._event(trainer, "data_shift", message, before=list(probe.before), losses=list(probe.losses),
+        self._event(trainer, DATA_SHIFT, message, before=list(probe.before), losses=list(probe.losses),
                     judged=probe.judged, finding_step=probe.finding_step, optimizer=index)  # fmt: skip
-        self._signal(trainer, "data_shift", message, index)
+        self._signal(trainer, DATA_SHIFT, message, index)
         self._evidence[index] = DivergenceEvidence()
         self._stats_for(index).reset()
         self._streaks[index] = [0] * len(_CHANNELS)
