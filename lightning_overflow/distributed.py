@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["flags_by_rank", "pack_per_rank", "ranks_where", "read_packed", "sum_and_read", "world"]
+__all__ = ["flags_by_rank", "pack_per_rank", "per_rank_values", "ranks_where", "read_packed", "sum_and_read", "world"]
 
 
 def world() -> tuple[int, int]:
@@ -67,11 +67,16 @@ def ranks_where(summed: list[float], world_size: int) -> list[tuple[int, ...]]:
     ]
 
 
+def per_rank_values(values: list[Tensor], device: torch.device | str) -> list[float]:
+    """Every rank's value of each 0-d ``values[i]``, as block ``i`` of ``world_size`` host floats: one all-reduce
+    and one host read for all of them. Entered on every rank together."""
+    rank, world_size = world()
+    return sum_and_read(pack_per_rank(values, rank, world_size, device))
+
+
 def flags_by_rank(flags: list[Tensor], device: torch.device | str) -> list[tuple[int, ...]]:
     """For each 0-d flag, the ranks where it is set: one all-reduce and one host read for all of them.
 
     Entered on every rank together.
     """
-    rank, world_size = world()
-    packed = pack_per_rank(flags, rank, world_size, device)
-    return ranks_where(sum_and_read(packed), world_size)
+    return ranks_where(per_rank_values(flags, device), world()[1])

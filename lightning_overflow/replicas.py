@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_overflow.distributed import pack_per_rank, sum_and_read
+from lightning_overflow.numerics.norms import real_values
 
 __all__ = ["ReplicaMismatch", "checksum", "compare", "differing_parameters"]
 
@@ -34,7 +35,7 @@ def checksum(params: list[Tensor]) -> Tensor:
 def _sums(t: Tensor) -> Tensor:
     """``[sum, sum of squares]`` of one tensor in float64 (a complex one: of its real and imaginary parts, which
     ``double()`` alone would drop)."""
-    values = (torch.view_as_real(t.resolve_conj()) if t.is_complex() else t).double().reshape(-1)
+    values = real_values(t).double().reshape(-1)
     return torch.stack([values.sum(), torch.dot(values, values)])
 
 

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from lightning_overflow import _compat
-from lightning_overflow.distributed import pack_per_rank, ranks_where, sum_and_read, world
+from lightning_overflow.distributed import per_rank_values, ranks_where, world
 from lightning_overflow.numerics.norms import any_sharded
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
@@ -425,9 +425,9 @@ def check_state(
             ranks' in the same all-reduce (for replicas, which must hold the same weights); ``None``: not compared.
     """
     weights, moments = nonfinite_flags(model_state, optimizer_states, constants)
-    rank, world_size = world()
+    world_size = world()[1]
     values = [weights, moments] if parity is None else [weights, moments, *parity.reshape(-1)]
-    summed = sum_and_read(pack_per_rank(values, rank, world_size, device))
+    summed = per_rank_values(values, device)
     weight_ranks, state_ranks = ranks_where(summed[: 2 * world_size], world_size)
     if not weight_ranks and not state_ranks:
         mismatch = compare(summed[2 * world_size :], world_size) if parity is not None else None

@@ -323,16 +323,19 @@ class LossSpikeDetector(SuiteCallback):
         self._signal(trainer, DATA_SHIFT, message, index)
         self._evidence[index] = DivergenceEvidence()
         self._stats_for(index).reset()
-        self._streaks[index] = [0] * len(_CHANNELS)
-        self._peaks[index] = [-math.inf] * len(_CHANNELS)
+        self._end_spikes(index)
 
     def _stats_for(self, index: int) -> HostRunningStats:
         stats = self._stats.get(index)
         if stats is None:
             stats = self._stats[index] = HostRunningStats(len(_CHANNELS), self.window, self.warmup)
-            self._streaks[index] = [0] * len(_CHANNELS)
-            self._peaks[index] = [-math.inf] * len(_CHANNELS)
+            self._end_spikes(index)
         return stats
+
+    def _end_spikes(self, index: int) -> None:
+        """No spike under way in optimizer ``index``'s series: streaks at 0, no peak."""
+        self._streaks[index] = [0] * len(_CHANNELS)
+        self._peaks[index] = [-math.inf] * len(_CHANNELS)
 
     def _report(
         self, trainer: pl.Trainer, record: StepHealth, stats: HostRunningStats, values: list[float], found: list[bool]
@@ -416,8 +419,7 @@ class LossSpikeDetector(SuiteCallback):
         # The statistics describe the healthy run before the divergence and stay; the streaks belong to the
         # state that was just undone.
         for index in self._streaks:
-            self._streaks[index] = [0] * len(_CHANNELS)
-            self._peaks[index] = [-math.inf] * len(_CHANNELS)
+            self._end_spikes(index)
         for evidence in self._evidence.values():
             evidence.after_restore()
         self._start_probes(trainer, extra)

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_overflow.numerics.norms import is_sharded, local_shard, tensor_norms
+from lightning_overflow.numerics.norms import is_sharded, local_shard, real_values, tensor_norms
 from lightning_overflow.numerics.state import parameters_of
 
 __all__ = [
@@ -464,7 +464,7 @@ def _fp32_proxy(t: Tensor) -> Tensor:
     The stand-in keeps only the non-finite bounds of ``t`` (its minimum and maximum, computed in float64).
     """
     if t.dtype == torch.complex128:
-        t = torch.view_as_real(t.resolve_conj())  # non-finite where a real or an imaginary part is
+        t = real_values(t)  # the real and imaginary parts: non-finite where either is
     if t.dtype != torch.float64:
         return t
     bounds = torch.stack(torch.aminmax(t))  # NaN propagates through aminmax
