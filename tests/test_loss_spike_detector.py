@@ -365,6 +365,62 @@ def test_the_level_starts_again_after_a_signal_and_a_restore_and_keeps_its_best(
     assert DivergenceEvidence.from_state(evidence.state_dict()).state_dict() == evidence.state_dict()
 
 
+def test_one_outlier_that_the_spike_test_let_through_settles_no_level() -> None:
+    # Best level 1, bound 2.5. One loss of 100 lifts the level (alpha 0.4) to 40.6, and it stays above the bound
+    # for 8 steps; the confirming steps' own losses are 1: no divergence. Before, the third step fired.
+    assert _first_finding([4.0] * 8 + [1.0] * 40 + [100.0] + [1.0] * 30) is None
+    # Two of the three confirming losses above the bound: a level that settled there.
+    index, (kind, _) = _first_finding([4.0] * 8 + [1.0] * 40 + [100.0, 100.0] + [1.0] * 30)
+    assert (index, kind) == (48 + 2, "loss_divergence")
+
+
+def _learned() -> DivergenceEvidence:
+    """First losses 4 (anchor and first loss 4), best level 1: the bound is 2.5."""
+    evidence = DivergenceEvidence()
+    for loss in [4.0] * 8 + [1.0] * 40:
+        assert evidence.observe(loss, spike=False, **LEVEL) is None
+    return evidence
+
+
+def test_a_restored_state_above_the_bound_is_judged_against_the_first_loss_until_it_trained_back() -> None:
+    """The fit's first snapshot sits at the first losses, above the bound of a run that had learned: restored
+    there, the run first trains back down; a rise after that is judged as any."""
+    evidence = _learned()
+    evidence.after_restore()
+    assert not evidence.level_armed
+    # Back at the first loss (level 4 > 2.5) for 30 steps: before, the test fired on the third step of the level.
+    assert [evidence.observe(4.0, spike=False, **LEVEL) for _ in range(30)] == [None] * 30
+    # Training back down: the level 4 - 3 * (1 - 0.6**k) is within 2.5 from k = 2; the test is armed from there.
+    assert evidence.observe(1.0, spike=False, **LEVEL) is None and not evidence.level_armed
+    assert evidence.observe(1.0, spike=False, **LEVEL) is None and evidence.level_armed
+    for _ in range(20):
+        assert evidence.observe(1.0, spike=False, **LEVEL) is None
+    # A settled rise to 3 fires as on a run never restored: the third step above 2.5, at k = 5.
+    findings = [evidence.observe(3.0, spike=False, **LEVEL) for _ in range(5)]
+    assert [f is not None for f in findings] == [False] * 4 + [True]
+    restored = DivergenceEvidence.from_state(evidence.state_dict())
+    assert restored.state_dict() == evidence.state_dict() and restored.level_armed
+
+
+def test_a_restored_state_above_the_first_loss_is_judged_at_once() -> None:
+    """A snapshot taken as the divergence began: above the first loss, it is no state on its way down."""
+    evidence = _learned()
+    evidence.after_restore()
+    # The level is the mean of the first 4 losses (6), above max(2.5, 4), for the third time at the 6th loss.
+    findings = [evidence.observe(6.0, spike=False, **LEVEL) for _ in range(6)]
+    assert [f is not None for f in findings] == [False] * 5 + [True] and not evidence.level_armed
+    assert "its level over about 4 healthy steps is 6, above 4 " in findings[5][1]
+
+
+def test_a_streak_is_judged_by_its_least_loss() -> None:
+    evidence = DivergenceEvidence()
+    for loss in [1.0] * 8:
+        evidence.observe(loss, spike=False, **LEVEL)
+    findings = [evidence.observe(loss, spike=True, **LEVEL) for loss in (14.6, 5.7, 9.6)]
+    assert findings[:2] == [None, None] and findings[2][0] == "loss_divergence"
+    assert evidence.judged == 5.7  # what the diverged state gave on each of the batches, however they scatter
+
+
 def test_the_anchor_never_sits_above_the_first_loss() -> None:
     evidence = DivergenceEvidence()
     for loss in [4.0, 25.0, 300.0, 26.0, 16.0, 39.0, 15.0, 3.7]:  # a loss that climbs from its first steps on

@@ -193,6 +193,23 @@ def test_retries_with_nothing_changed_spend_the_budget_and_stop(tmp_path: Path) 
     assert [e["details"]["budget_left"] for e in rollbacks] == [2, 1, 0]
 
 
+def test_a_nan_weight_before_the_first_scheduled_snapshot_rolls_back_to_the_start_once(tmp_path: Path) -> None:
+    """The only snapshot is the fit's first, whose loss is far above the level the run had reached: the restored
+    state trains back down at the backed-off LR and is judged once it is back (before, the level test fired 22
+    steps after each restore, and the run ended in DivergenceError at step 172)."""
+    model = TinyRegressor()
+    faults = FaultInjector(Fault(40, "nan_weight", parameter="net.0.weight"))
+    trainer = fit(model, [*default_callbacks(), faults], max_steps=200, default_root_dir=str(tmp_path))
+    events = _journal(tmp_path)
+    assert _kinds(events, "nonfinite", "loss_divergence", "backoff", "rollback", "abort") == [
+        (40, "nonfinite"), (40, "backoff"), (41, "rollback")
+    ]  # fmt: skip
+    (rollback,) = [e for e in events if e["kind"] == "rollback"]
+    assert rollback["details"]["snapshot_step"] == 0
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.5 * model.lr
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 class NewTask(TinyRegressor):
     """From step ``at`` on, the targets are another task's (``3 - 4y``): new data, a far higher loss, no fault."""
 

@@ -95,11 +95,15 @@ class LossSpikeDetector(SuiteCallback):
             (default 2) **and** has given back ``level_fraction`` of the progress from the anchor down to the best
             level (default 0.5): ``level > max(level_factor * min(best, anchor), best + level_fraction * (anchor -
             best))``; a run that never went below its anchor is thus measured against twice its first losses. Held
-            for ``confirm_steps`` consecutive healthy steps, that is divergence (``loss_divergence``): a run whose
-            loss went down and settles back up at a collapsed level (its predictor dead, its moments blown) is not
-            coming back at this learning rate, spike or no spike. A rise of less than half the progress made (new
-            data, a harder task) is no divergence. The level starts again after the signal and after a rollback, so
-            a run that diverges again at the backed-off rate is caught again; the best level stays. With several
+            for ``confirm_steps`` consecutive healthy steps, with most of those steps' own losses above the bound
+            too (one outlier that the spike test let through lifts the level for many steps), that is divergence
+            (``loss_divergence``): a run whose loss went down and settles back up at a collapsed level (its
+            predictor dead, its moments blown) is not coming back at this learning rate, spike or no spike. A rise
+            of less than half the progress made (new data, a harder task) is no divergence. The level starts again
+            after the signal and after a rollback, so a run that diverges again at the backed-off rate is caught
+            again; the best level stays. A state restored above the bound (the fit's first snapshot, when no later
+            one exists yet) is on its way down, not diverged: until its level has come back within the bound it is
+            judged against the fit's first loss instead. With several
             optimizers (manual optimization) the test is off: each loss is one player's in a game (a GAN's
             generator loss rises as its discriminator improves). It is off as well while the anchor is 0 (no scale
             to measure a rise by) and once the level went negative (a log-likelihood: no ratio means anything).
@@ -108,11 +112,12 @@ class LossSpikeDetector(SuiteCallback):
             many batches measure the restored weights on the current data (default 3; ``None``: no probe). A batch
             points at the data when its loss stands above every one of the last losses the same weights gave before
             their snapshot, above ``level_factor`` times their median, and at half the loss judged divergent or
-            more. Such a batch is taken without an optimizer step; the first batch that does not point at the data
-            ends the probe and trains, so a rollback for a true divergence (or to a snapshot that itself held it)
-            changes nothing. Each snapshot is probed on its first restore only: one restored again was retried
-            and diverged on its own. When all ``probe_steps`` batches point at the data (for exchangeable losses "above
-            all 5 before" alone has a chance of 1 in 56 over 3 batches), the same weights are as bad on this data
+            more (for a streak of spikes, the least loss of the streak). Such a batch is taken without an
+            optimizer step; the first batch that does not point at the data ends the probe and trains, so a
+            rollback for a true divergence (or to a snapshot that itself held it) changes nothing. Each snapshot is
+            probed on its first restore only: one restored again was retried and diverged on its own. When all
+            ``probe_steps`` batches point at the data (for exchangeable losses "above all 5 before" alone has a
+            chance of 1 in 56 over 3 batches), the same weights are as bad on this data
             as the diverged ones were: the data changed (a new data mixture, a harder task), not the training
             state. That is journaled as ``data_shift`` and signalled (``LRBackoff`` undoes the backoff it made
             for the divergence), and the loss statistics start again from the new data.
@@ -487,13 +492,16 @@ class DivergenceEvidence:
         self.first: list[float] = []
         self.anchor = 0.0
         self.streak = 0
+        self.streak_low = math.inf  # the lowest loss of the streak under way
         self.window: list[float] = []
         self.best_mean = math.inf
         self.level = 0.0
         self.level_count = 0
         self.best_level = math.inf
         self.level_streak = 0
-        self.judged = 0.0  # the loss (or level, or window mean) of the last finding
+        self.level_armed = True  # the level has been within its bound since the last restore
+        self.level_losses: list[float] = []  # the last healthy losses, as many as confirm the level test
+        self.judged = 0.0  # what the last finding judged divergent: the least loss of its streak, a level or a mean
         self.recent: list[float] = []  # the last finite losses
 
     def observe(
@@ -523,8 +531,11 @@ class DivergenceEvidence:
             # would otherwise anchor itself in the climb.
             self.anchor = min(self.first[0], sorted(self.first)[len(self.first) // 2])
         self.streak = self.streak + 1 if (spike or runaway) else 0
+        self.streak_low = min(self.streak_low, loss) if self.streak else math.inf
         if self.streak == confirm_steps:
-            self.judged = loss
+            # The least of the streak: what the diverged state gave on every one of its batches, however the
+            # batches' losses scatter (a probe compares the restored weights' losses with it).
+            self.judged = self.streak_low
             where = (
                 f"is {loss:.4g}, {loss / self.anchor:.3g}x its anchor {self.anchor:.4g}"
                 if runaway
@@ -555,8 +566,17 @@ class DivergenceEvidence:
             return None  # no scale to measure by (a first loss of 0), or a loss that goes negative: ratios mean nothing
         # A run that never went below its anchor is measured against the anchor: settled at twice its first losses.
         bound = max(factor * min(best, self.anchor), best + fraction * (self.anchor - best))
+        # A state restored above the bound (the fit's first snapshot, restored before any later one exists) is on
+        # its way down from the first losses, not diverged: it is judged against the first loss until it trained
+        # back within the bound. One above the first loss (a snapshot taken as the divergence began) is judged.
+        self.level_armed = self.level_armed or self.level <= bound
+        if not self.level_armed:
+            bound = max(bound, self.first[0] if self.first else self.anchor)
         self.level_streak = self.level_streak + 1 if self.level > bound else 0
-        if self.level_streak < confirm_steps:
+        self.level_losses = [*self.level_losses[-(confirm_steps - 1) :], loss] if confirm_steps > 1 else [loss]
+        # The losses of the confirming steps as well: one outlier that the spike test let through lifts the mean
+        # for many steps; a level that settled is in most of the losses.
+        if self.level_streak < confirm_steps or statistics.median(self.level_losses) <= bound:
             return None
         level = self.judged = self.level
         self._restart_level()
@@ -570,6 +590,7 @@ class DivergenceEvidence:
         self.level = 0.0
         self.level_count = 0
         self.level_streak = 0
+        self.level_losses = []
 
     def _trend(self, loss: float, window: int | None, probability: float, margin: float) -> tuple[str, str] | None:
         if window is None:
@@ -593,15 +614,18 @@ class DivergenceEvidence:
 
     def after_restore(self) -> None:
         self.streak = 0
+        self.streak_low = math.inf
         self.window = []
         self.recent = []
         self._restart_level()  # the level of the state just undone; the best level stays
+        self.level_armed = False
 
     def state_dict(self) -> dict[str, Any]:
         return {"first": list(self.first), "anchor": self.anchor, "streak": self.streak, "window": list(self.window),
                 "best_mean": self.best_mean, "level": self.level, "level_count": self.level_count,
                 "best_level": self.best_level, "level_streak": self.level_streak, "judged": self.judged,
-                "recent": list(self.recent)}  # fmt: skip
+                "recent": list(self.recent), "streak_low": self.streak_low, "level_armed": self.level_armed,
+                "level_losses": list(self.level_losses)}  # fmt: skip
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> DivergenceEvidence:
@@ -617,6 +641,9 @@ class DivergenceEvidence:
         evidence.level_streak = int(state.get("level_streak", 0))
         evidence.judged = float(state.get("judged", 0.0))
         evidence.recent = [float(v) for v in state.get("recent", [])]
+        evidence.streak_low = float(state.get("streak_low", math.inf))
+        evidence.level_armed = bool(state.get("level_armed", True))
+        evidence.level_losses = [float(v) for v in state.get("level_losses", [])]
         return evidence
 
 
