@@ -34,11 +34,11 @@ are never dependencies of the package). A peer that is not installed is skipped 
 
 Run (from the repository root; the package must be importable, e.g. ``pip install -e .`` or ``PYTHONPATH=.``):
 
-    python benchmarks/rescue.py --quick --workers 2    # one seed, seven scenarios, half the steps: 52 runs, ~35 s
-                                                       # of CPU (25 s wall on 2 idle cores)
+    python benchmarks/rescue.py --quick --workers 2    # one seed, nine scenarios, half the steps: 67 runs, ~45 s
+                                                       # of CPU (32 s wall on 2 idle cores)
     python benchmarks/rescue.py --workers 2 --json rescue.json --png rescue.png
-                                                       # 26 scenarios x 7 methods x 3 seeds + references: 582 runs,
-                                                       # ~16 min of CPU (8 min wall on 2 idle cores)
+                                                       # 28 scenarios x 7 methods x 3 seeds + references: 624 runs,
+                                                       # ~17 min of CPU (9 min wall on 2 idle cores)
     python benchmarks/rescue.py --scenarios nan_weight,hinge_at_zero --methods "unprotected,default_callbacks()"
     python benchmarks/rescue.py --report rescue.json --png rescue.png    # print and draw saved results again
 """

@@ -462,6 +462,7 @@ SGD_LR, ADAM_LR, ADAMW_LR = 0.02, 1e-2, 1e-2  # the stable learning rates of the
 SWEEP = (1, 4, 8, 16)
 STEPS = 400  # the budget of the MLP regressions
 FAULT_STEP = 150  # where the one-off faults of the SGD regression strike
+EARLY_FAULT_STEP = 77  # before default_callbacks()' first scheduled snapshot (every 100 steps)
 
 
 def _sweep(prefix: str, what: str, build: Callable[..., Benchmarked], lr: float, steps: int, quick: tuple[int, ...]
@@ -547,6 +548,11 @@ def _catalogue() -> list[Scenario]:
             functools.partial(Regression, spike_every=50), STEPS, "mlp_sgd_lr1x", quick=True,
         ),
         Scenario(
+            "periodic_spikes_x10", "mlp_sgd",
+            "one batch in 50 has its inputs multiplied by 10, a spike the loss statistics may take in",
+            functools.partial(Regression, spike_every=50, spike_factor=10.0), STEPS, "mlp_sgd_lr1x", quick=True,
+        ),
+        Scenario(
             "poison_batch", "mlp_sgd", f"the batch of step {FAULT_STEP} has its inputs multiplied by 1e4, once",
             functools.partial(Regression, poison_step=FAULT_STEP), STEPS, "mlp_sgd_lr1x",
         ),
@@ -554,6 +560,13 @@ def _catalogue() -> list[Scenario]:
             "nan_weight", "mlp_sgd", f"FaultInjector writes NaN into net.0.weight before step {FAULT_STEP}",
             Regression, STEPS, "mlp_sgd_lr1x",
             faults=(Fault(step=FAULT_STEP, kind="nan_weight", parameter="net.0.weight"),), quick=True,
+        ),
+        Scenario(
+            "nan_weight_before_snapshot", "mlp_adam",
+            f"Adam; FaultInjector writes NaN into net.0.weight before step {EARLY_FAULT_STEP}, before the first "
+            "scheduled snapshot: the one to return to is the fit's first",
+            functools.partial(adam, lr=ADAM_LR), STEPS, "mlp_adam_lr1x",
+            faults=(Fault(step=EARLY_FAULT_STEP, kind="nan_weight", parameter="net.0.weight"),), quick=True,
         ),
         Scenario(
             "slow_drift", "mlp_adam",
