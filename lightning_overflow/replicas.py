@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_overflow.distributed import pack_per_rank, sum_and_read
+from lightning_overflow.distributed import per_rank_values, world
 from lightning_overflow.numerics.norms import real_values
 
 __all__ = ["ReplicaMismatch", "checksum", "compare", "differing_parameters"]
@@ -57,13 +57,10 @@ def compare(slots: list[float], world_size: int) -> ReplicaMismatch | None:
     return ReplicaMismatch(tuple(r for r, pair in enumerate(pairs) if pair != majority))
 
 
-def differing_parameters(
-    named: list[tuple[str, Tensor]], rank: int, world_size: int, device: torch.device | str
-) -> list[str]:
+def differing_parameters(named: list[tuple[str, Tensor]], device: torch.device | str) -> list[str]:
     """The parameters whose checksum is not the same on every rank: one all-reduce, entered by every rank."""
-    values = [checksum([p])[1] for _, p in named]
-    packed = pack_per_rank(values, rank, world_size, device)
-    summed = sum_and_read(packed)
+    summed = per_rank_values([checksum([p])[1] for _, p in named], device)
+    world_size = world()[1]
     return [
         name
         for i, (name, _) in enumerate(named)

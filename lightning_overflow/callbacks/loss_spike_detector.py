@@ -571,9 +571,9 @@ class DivergenceEvidence:
         # back within the bound. One above the first loss (a snapshot taken as the divergence began) is judged.
         self.level_armed = self.level_armed or self.level <= bound
         if not self.level_armed:
-            bound = max(bound, self.first[0] if self.first else self.anchor)
+            bound = max(bound, self.first[0])  # an anchor above 0 came from the first losses
         self.level_streak = self.level_streak + 1 if self.level > bound else 0
-        self.level_losses = [*self.level_losses[-(confirm_steps - 1) :], loss] if confirm_steps > 1 else [loss]
+        self.level_losses = [*self.level_losses, loss][-confirm_steps:]
         # The losses of the confirming steps as well: one outlier that the spike test let through lifts the mean
         # for many steps; a level that settled is in most of the losses.
         if self.level_streak < confirm_steps or statistics.median(self.level_losses) <= bound:

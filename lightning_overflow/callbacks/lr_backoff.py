@@ -246,24 +246,31 @@ class LRBackoff(SuiteCallback):
 
     def _last_backoff(self, index: int) -> int | None:
         """The step of this optimizer's last backoff that stands (``None``: none yet, or every one undone)."""
-        steps: list[int] = []
-        for entry in self.history:
-            if entry["optimizer"] == index and entry["action"] == "backoff":
-                steps.append(entry["step"])
-            elif entry["optimizer"] == index and entry["action"] == "undo" and steps:
-                steps.pop()
-        return steps[-1] if steps else None
+        entries, standing = self._standing_backoffs(index)
+        return entries[standing[-1]]["step"] if standing else None
+
+    def _standing_backoffs(self, index: int) -> tuple[list[dict[str, Any]], list[int]]:
+        """This optimizer's history, and the positions in it of the backoffs that stand: each undo takes back the
+        last one standing."""
+        entries = [h for h in self.history if h["optimizer"] == index]
+        standing: list[int] = []
+        for position, entry in enumerate(entries):
+            if entry["action"] == "backoff":
+                standing.append(position)
+            elif entry["action"] == "undo" and standing:
+                standing.pop()
+        return entries, standing
 
     # ---- undo -------------------------------------------------------------------------------------------------
     def _undo(self, trainer: pl.Trainer, shift: Signal) -> None:
         """Take back the last standing backoff: the rise of the loss it answered is the data's (``data_shift``)."""
         indices = [shift.optimizer_index] if self.per_optimizer else list(range(len(self.scales)))
         for index in indices:
-            previous = self._last_backoff(index)
-            if previous is None:
+            entries, standing = self._standing_backoffs(index)
+            if not standing:
                 continue
-            entries = [h for h in self.history if h["optimizer"] == index]
-            at = max(i for i, h in enumerate(entries) if h["action"] == "backoff" and h["step"] == previous)
+            at = standing[-1]
+            previous = entries[at]["step"]
             before = entries[at - 1]["scale"] if at > 0 else 1.0
             old = self.scales[index]
             new = old * before / entries[at]["scale"]

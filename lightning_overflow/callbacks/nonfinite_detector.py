@@ -289,8 +289,7 @@ class NonFiniteDetector(SuiteCallback):
         if mismatch is None:
             return
         module = trainer.lightning_module
-        names = differing_parameters(list(module.named_parameters()), record.rank, record.world_size,
-                                     record.grad_norms.device)  # fmt: skip
+        names = differing_parameters(list(module.named_parameters()), record.grad_norms.device)
         ranks = ", ".join(map(str, mismatch.ranks))
         more = f" (+{len(names) - MAX_NAMES} more)" if len(names) > MAX_NAMES else ""
         message = (
