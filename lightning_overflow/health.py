@@ -8,8 +8,8 @@ One optimizer step travels in one direction::
     ->  every participant learns from the outcome  ->  at batch end, interventions act on the batch's signals
 
 Suite callbacks join their trainer's :class:`HealthBoard` in ``setup`` (they implement :class:`StepParticipant`);
-the board runs the pipeline when the first of them receives ``on_before_optimizer_step`` and ignores the others'
-calls for the same evaluation of the closure. So a callback's place in the list never changes what it sees.
+one of them, the first that Lightning calls (:meth:`HealthBoard.leader`), forwards each hook to the board, and the
+others' hooks return at once. So a callback's place in the list never changes what it sees.
 The record (:class:`StepHealth`) is a plain value: it holds no reference to the board or the trainer.
 
 Boards live in a ``WeakKeyDictionary`` keyed by the trainer: nothing is written onto the trainer.
@@ -365,14 +365,11 @@ class HealthBoard:
         self._loss_sum: Tensor | None = None
         self._loss_count = 0
         self._losses: list[Tensor] = []  # one process: this step's losses as they came
-        self._last_loss: weakref.ref[Tensor] | None = None
         self._held = HeldSchedules()
         self._buffers = BufferCopy()
         self._window_open = False
-        self._seen: set[int] = set()
-        self._seen_optimizer: Any = None
-        self._started_batch: tuple[int, int] | None = None
-        self._ended_batch: tuple[int, int] | None = None
+        self._leader: StepParticipant | None = None
+        self._log_due: bool | None = None  # whether Lightning logs this batch, once asked
         self._summarised = False
         self._published: dict[str, float] = {}
         self._constants: NonFiniteConstants | None = None
@@ -391,7 +388,7 @@ class HealthBoard:
             self._ordered = None
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
         self._step_names = None
-        self._started_batch = self._ended_batch = None
+        self._leader = None
         self._published = {}
         self._constants = None
         if not self._journal_open:  # the fit's first participant opens its journal; a broadcast: every rank, in setup
@@ -408,6 +405,15 @@ class HealthBoard:
             self._ordered = [p for ref in self._participants if (p := ref()) is not None]
         return self._ordered
 
+    def leader(self, trainer: pl.Trainer) -> StepParticipant | None:
+        """The participant that forwards Lightning's per-batch hooks to the board: the first of them in
+        ``trainer.callbacks``, the order in which Lightning calls them, so the board hears each hook once, as soon
+        as any participant does. Resolved once per fit (every hook of every participant asks)."""
+        if self._leader is None:
+            joined = {id(p) for p in self.participants}
+            self._leader = next((c for c in trainer.callbacks if id(c) in joined), None)  # type: ignore[misc]
+        return self._leader
+
     def release(self) -> None:
         """Drop everything tied to the last fit's tensors (records, held schedules, buffers, loss flags)."""
         self.current = None
@@ -416,12 +422,10 @@ class HealthBoard:
         self._loss_flags = self._loss_sum = None
         self._loss_count = 0
         self._losses = []
-        self._last_loss = None
+        self._leader = None
         self._held = HeldSchedules()
         self._buffers.release()
         self._window_open = False
-        self._seen.clear()
-        self._seen_optimizer = None
         self.signals.clear()
         self.metrics.clear()
         self._journal_open = False  # the next fit opens its own journal
@@ -469,28 +473,22 @@ class HealthBoard:
             participant._after_restore(trainer, extras.get(participant.state_key, {}))
 
     # ---- the batch --------------------------------------------------------------------------------------------
-    def begin_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        """Once per batch, for whichever participant gets ``on_train_batch_start`` first: forget the previous
-        batch's signals, and copy the buffers when an accumulation window begins."""
-        key = (int(trainer.current_epoch), int(batch_idx))
-        if key == self._started_batch:
-            return
-        self._started_batch = key
+    def begin_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At the start of each training batch: forget the previous batch's signals, and copy the buffers when an
+        accumulation window begins."""
         self.signals.clear()
+        self._log_due = None
         if not self._window_open and pl_module.automatic_optimization:
             self._buffers.take(pl_module)
             self._window_open = True
 
     def observe_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
-        """Note this backward pass's loss (no host read). Idempotent per loss tensor.
+        """Note this backward pass's loss (no host read).
 
         On one process the loss is kept as it is: it rides on the step's read and is judged on the host, with no
         tensor op per backward pass. Across ranks its flags and sums are accumulated on the device, since the
         ranks' numbers of backward passes need not match and the read's layout must.
         """
-        if self._last_loss is not None and self._last_loss() is loss:
-            return
-        self._last_loss = weakref.ref(loss)
         if trainer.world_size == 1:
             value = loss.detach()
             self._losses.append(value if value.numel() == 1 else value.float().sum())
@@ -513,13 +511,9 @@ class HealthBoard:
             self._loss_flags, self._loss_sum = self._loss_flags + bad.float(), self._loss_sum + finite
         self._loss_count += 1
 
-    def end_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch_idx: int) -> None:
-        """Once per batch, for whichever participant gets ``on_train_batch_end`` first: put held schedules back,
-        let every participant act in pipeline order, then log the batch's metrics with one call per logger."""
-        key = (int(trainer.current_epoch), int(batch_idx))
-        if key == self._ended_batch:
-            return
-        self._ended_batch = key
+    def end_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        """At the end of each training batch: put held schedules back, let every participant act in pipeline
+        order, then log the batch's metrics with one call per logger."""
         self._held.restore()
         for participant in self.participants:
             participant._after_batch(trainer, pl_module, outputs)
@@ -528,9 +522,16 @@ class HealthBoard:
             for key, value in participant._counters().items():
                 counters[key] = counters.get(key, 0.0) + float(value)
         self._publish_counters(trainer, counters)
-        if trainer.loggers and _compat.should_update_logs(trainer):
+        if self.logs_now(trainer):
             self.metrics.add(counters, _compat.batches_that_stepped(trainer))
         self.flush(trainer)
+
+    def logs_now(self, trainer: pl.Trainer) -> bool:
+        """Whether Lightning logs this batch's metrics: asked once per batch (its logging step stays the same until
+        the batch ends), and true as well once a stop was asked for since (Lightning logs the last batch)."""
+        if self._log_due is None:
+            self._log_due = bool(trainer.loggers) and _compat.should_update_logs(trainer)
+        return self._log_due or (bool(trainer.loggers) and bool(trainer.should_stop))
 
     def _publish_counters(self, trainer: pl.Trainer, counters: dict[str, float]) -> None:
         """Counters in ``trainer.callback_metrics`` (so ``ModelCheckpoint``/``EarlyStopping`` can monitor them) and,
@@ -563,23 +564,13 @@ class HealthBoard:
 
     # ---- the step pipeline (on_before_optimizer_step) ---------------------------------------------------------
     def before_optimizer_step(
-        self,
-        caller: StepParticipant,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        optimizer: torch.optim.Optimizer,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Run the pipeline for this evaluation of the closure, once, whichever participant calls first.
+        """Run the pipeline for this evaluation of the closure.
 
-        Lightning calls every callback's ``on_before_optimizer_step`` after each evaluation of the closure (LBFGS
-        evaluates it several times per step): a participant calling a second time, or another optimizer, starts
-        a new evaluation with its own record.
+        Lightning calls ``on_before_optimizer_step`` after each evaluation of the closure (LBFGS evaluates it several
+        times per step) and once per optimizer: each call is an evaluation with its own record.
         """
-        if optimizer is self._seen_optimizer and id(caller) not in self._seen:
-            self._seen.add(id(caller))
-            return
-        self._seen = {id(caller)}
-        self._seen_optimizer = optimizer
         if not any(p._wants_record() for p in self.participants):
             self.current = None
             self._window_open = False  # the accumulation window ends with this step all the same
@@ -617,7 +608,7 @@ class HealthBoard:
             names=list(self._step_names[1]),
             all_names=self.names,
             log_step=_compat.batches_that_stepped(trainer),
-            log_due=bool(trainer.loggers) and _compat.should_update_logs(trainer),
+            log_due=self.logs_now(trainer),
         )
         device = record.grad_norms.device
         if record.world_size == 1:

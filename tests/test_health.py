@@ -124,6 +124,34 @@ def test_counters_logged_at_a_step_include_every_callbacks_action(order: str) ->
     assert dict(logger.metrics["overflow/skipped_steps"])[4] == 3
 
 
+def test_the_board_hears_each_hook_once_through_the_first_suite_callback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the number of suite callbacks, and with foreign callbacks before them: each batch starts and ends
+    once on the board, each backward pass gives it one loss, each optimizer step runs the pipeline once, and the
+    first suite callback of ``trainer.callbacks`` is the one that forwards them."""
+    from pytorch_lightning import Callback
+
+    from lightning_overflow import LossSpikeDetector
+
+    heard: Counter[tuple[str, str]] = Counter()
+    for name in ("begin_batch", "observe_loss", "before_optimizer_step", "end_batch"):
+        original = getattr(health.HealthBoard, name)
+
+        def counting(self: Any, trainer: Any, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            heard[(_name, type(self.leader(trainer)).__name__)] += 1
+            return _original(self, trainer, *args)
+
+        monkeypatch.setattr(health.HealthBoard, name, counting)
+    callbacks = [Callback(), LossSpikeDetector(), GradNormMonitor(), Callback(), NonFiniteDetector()]
+    fit(TinyRegressor(), callbacks, max_steps=STEPS, accumulate_grad_batches=2, logger=MemoryLogger())
+    batches = 2 * STEPS
+    assert heard == Counter({
+        ("begin_batch", "LossSpikeDetector"): batches,
+        ("observe_loss", "LossSpikeDetector"): batches,
+        ("before_optimizer_step", "LossSpikeDetector"): STEPS,
+        ("end_batch", "LossSpikeDetector"): batches,
+    })
+
+
 def test_the_place_of_a_callback_in_the_list_changes_nothing(tmp_path: Any) -> None:
     from lightning_overflow import AutoClip, LossSpikeDetector, LRBackoff, Rollback, read_journal
     from lightning_overflow.testing import Fault, FaultInjector

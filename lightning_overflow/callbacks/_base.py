@@ -51,22 +51,29 @@ class SuiteCallback(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
-        self.board(trainer).begin_batch(trainer, pl_module, _batch_idx(args))
+        board = self.board(trainer)
+        if board.leader(trainer) is self:
+            board.begin_batch(trainer, pl_module)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if trainer.training:
-            self.board(trainer).observe_loss(trainer, loss)
+        board = self.board(trainer)
+        if board.leader(trainer) is self and trainer.training:
+            board.observe_loss(trainer, loss)
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self.board(trainer).before_optimizer_step(self, trainer, pl_module, optimizer)
+        board = self.board(trainer)
+        if board.leader(trainer) is self:
+            board.before_optimizer_step(trainer, pl_module, optimizer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
-        self.board(trainer).end_batch(trainer, pl_module, outputs, _batch_idx(args[1:]))
+        board = self.board(trainer)
+        if board.leader(trainer) is self:
+            board.end_batch(trainer, pl_module, outputs)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,8 +154,3 @@ class SuiteCallback(Callback):
         signal = Signal(kind, int(trainer.global_step), reason, type(self).__name__, optimizer_index)
         self.board(trainer).signal(signal)
 
-
-def _batch_idx(args: tuple[Any, ...]) -> int:
-    """The ``batch_idx`` of ``on_train_batch_start(batch, batch_idx)`` / ``on_train_batch_end(outputs, batch,
-    batch_idx)``, given the arguments after the batch."""
-    return int(args[0]) if args else 0

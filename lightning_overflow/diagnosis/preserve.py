@@ -25,7 +25,9 @@ class RngState:
 
 def capture_rng() -> RngState:
     """The torch random streams now (a 5 KB copy of the CPU state; CUDA states are a seed and an offset, no sync)."""
-    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    # is_initialized() alone: CUDA that is not available is never initialised, and the availability check costs
+    # more than the copy on every training batch.
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None
     return RngState(torch.get_rng_state(), cuda)
 
 
