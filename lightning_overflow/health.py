@@ -8,7 +8,7 @@ One optimizer step travels in one direction::
     ->  every participant learns from the outcome  ->  at batch end, interventions act on the batch's signals
 
 Suite callbacks join their trainer's :class:`HealthBoard` in ``setup`` (they implement :class:`StepParticipant`);
-one of them, the first that Lightning calls (:meth:`HealthBoard.leader`), forwards each hook to the board, and the
+one of them, the first that Lightning calls (:meth:`HealthBoard.leads`), forwards each hook to the board, and the
 others' hooks return at once. So a callback's place in the list never changes what it sees.
 The record (:class:`StepHealth`) is a plain value: it holds no reference to the board or the trainer.
 
@@ -405,14 +405,13 @@ class HealthBoard:
             self._ordered = [p for ref in self._participants if (p := ref()) is not None]
         return self._ordered
 
-    def leader(self, trainer: pl.Trainer) -> StepParticipant | None:
-        """The participant that forwards Lightning's per-batch hooks to the board: the first of them in
-        ``trainer.callbacks``, the order in which Lightning calls them, so the board hears each hook once, as soon
-        as any participant does. Resolved once per fit (every hook of every participant asks)."""
+    def leads(self, participant: StepParticipant) -> bool:
+        """Whether ``participant`` forwards Lightning's per-batch hooks to the board: the first participant that
+        calls after the fit's participants joined (Lightning calls callbacks in the order of ``trainer.callbacks``,
+        so the first of them in that list), so the board hears each hook once, as soon as any participant does."""
         if self._leader is None:
-            joined = {id(p) for p in self.participants}
-            self._leader = next((c for c in trainer.callbacks if id(c) in joined), None)  # type: ignore[misc]
-        return self._leader
+            self._leader = participant
+        return self._leader is participant
 
     def release(self) -> None:
         """Drop everything tied to the last fit's tensors (records, held schedules, buffers, loss flags)."""

@@ -137,7 +137,7 @@ def test_the_board_hears_each_hook_once_through_the_first_suite_callback(monkeyp
         original = getattr(health.HealthBoard, name)
 
         def counting(self: Any, trainer: Any, *args: Any, _original: Any = original, _name: str = name) -> Any:
-            heard[(_name, type(self.leader(trainer)).__name__)] += 1
+            heard[(_name, type(self._leader).__name__)] += 1
             return _original(self, trainer, *args)
 
         monkeypatch.setattr(health.HealthBoard, name, counting)

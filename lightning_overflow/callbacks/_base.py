@@ -24,7 +24,8 @@ MONITOR, DETECTOR, CLIPPER, BACKOFF, ROLLBACK = 0, 1, 2, 3, 4
 
 
 class SuiteCallback(Callback):
-    """Base of the suite's callbacks: joins the trainer's board in ``setup`` and forwards Lightning's hooks to it.
+    """Base of the suite's callbacks: joins the trainer's board in ``setup``; the board's leader (the first suite
+    callback in ``trainer.callbacks``) forwards Lightning's per-batch hooks to it, the others' hooks return at once.
 
     Pipeline stages (override what the callback needs; every default does nothing):
         ``_contribute(trainer, pl_module, record)``: add device values to the step's one host read.
@@ -52,13 +53,13 @@ class SuiteCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
         board = self.board(trainer)
-        if board.leader(trainer) is self:
+        if board.leads(self):
             board.begin_batch(trainer, pl_module)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         board = self.board(trainer)
-        if board.leader(trainer) is self and trainer.training:
+        if board.leads(self) and trainer.training:
             board.observe_loss(trainer, loss)
 
     @override
@@ -66,13 +67,13 @@ class SuiteCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         board = self.board(trainer)
-        if board.leader(trainer) is self:
+        if board.leads(self):
             board.before_optimizer_step(trainer, pl_module, optimizer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
         board = self.board(trainer)
-        if board.leader(trainer) is self:
+        if board.leads(self):
             board.end_batch(trainer, pl_module, outputs)
 
     @override
