@@ -52,9 +52,11 @@ class Clocks:
         self.seconds: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
         self._depth = 0
+        self._originals: list[tuple[Any, str, Any]] = []
 
     def wrap(self, owner: Any, name: str, label: str, outermost: bool = False) -> None:
         original = owner.__dict__[name]
+        self._originals.append((owner, name, original))
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             self._depth += outermost
@@ -73,17 +75,24 @@ class Clocks:
         self.seconds.clear()
         self.calls.clear()
 
+    def remove(self) -> None:
+        """Put back every method wrapped (the classes are the package's own, shared by the whole process)."""
+        for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+        self._originals.clear()
+
 
 def instrument(clocks: Clocks) -> None:
     classes = {type(c) for c in default_callbacks()}
+    wrapped: set[tuple[type, str]] = set()
     for cls in sorted(classes, key=lambda c: c.__name__):
         for klass in cls.__mro__:
             if not klass.__module__.startswith("lightning_overflow"):
                 continue
             for hook in HOOKS:
-                if hook in klass.__dict__ and not getattr(klass.__dict__[hook], "_timed", False):
+                if hook in klass.__dict__ and (klass, hook) not in wrapped:  # a base class of several callbacks
                     clocks.wrap(klass, hook, f"hook  {hook}", outermost=True)
-                    klass.__dict__[hook]._timed = True
+                    wrapped.add((klass, hook))
         for stage in STAGES:
             if stage in cls.__dict__:
                 clocks.wrap(cls, stage, f"stage {cls.__name__}.{stage}")
@@ -95,10 +104,13 @@ def instrument(clocks: Clocks) -> None:
 def profile_suite(spec: overhead.ModelSpec, steps: int, tmp: Path) -> tuple[Clocks, float]:
     clocks = Clocks()
     instrument(clocks)
-    config = overhead.Config("suite", lambda _: (default_callbacks(), {}), "suite")
-    overhead.fit_ms_per_step(spec, config, 5, "cpu", tmp, "warm")
-    clocks.clear()
-    ms = overhead.fit_ms_per_step(spec, config, steps, "cpu", tmp, "profiled")
+    try:
+        config = overhead.Config("suite", lambda _: (default_callbacks(), {}), "suite")
+        overhead.fit_ms_per_step(spec, config, 5, "cpu", tmp, "warm")
+        clocks.clear()
+        ms = overhead.fit_ms_per_step(spec, config, steps, "cpu", tmp, "profiled")
+    finally:
+        clocks.remove()
     return clocks, ms
 
 

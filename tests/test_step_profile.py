@@ -19,6 +19,12 @@ def test_the_profile_names_every_hook_the_norms_and_the_read(capsys: pytest.Capt
         assert step_profile.main(["--steps", "3"]) == 0
     finally:
         torch.set_num_threads(threads)  # the script sets the process-wide thread count
+    from lightning_overflow.callbacks._base import SuiteCallback
+    from lightning_overflow.health import StepHealth
+
+    # The clocks are taken off again: the package's classes are the whole process's.
+    assert SuiteCallback.__dict__["on_before_optimizer_step"].__qualname__ == "SuiteCallback.on_before_optimizer_step"
+    assert StepHealth.__dict__["_read"].__qualname__ == "StepHealth._read"
     out = capsys.readouterr().out
     assert "time inside the suite's hooks:" in out
     for row in ("hook  on_before_optimizer_step", "hook  on_train_batch_end", "board the record: gradient norms",
