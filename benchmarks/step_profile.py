@@ -125,7 +125,7 @@ class FirstRead(pl.Callback):
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         reads: dict[str, Callable[[], Any]] = {
             "norms": lambda: host_total_norm(tensor_norms(grads).tolist()),
-            "sum": lambda: torch.stack([g.sum() for g in grads]).tolist(),
+            "sum": lambda: overhead.read_all(grads),
         }
         order = ("norms", "sum") if trainer.global_step % 2 else ("sum", "norms")
         for place, what in zip(("first", "second"), order):

@@ -528,9 +528,11 @@ class HealthBoard:
     def logs_now(self, trainer: pl.Trainer) -> bool:
         """Whether Lightning logs this batch's metrics: asked once per batch (its logging step stays the same until
         the batch ends), and true as well once a stop was asked for since (Lightning logs the last batch)."""
+        if not trainer.loggers:
+            return False
         if self._log_due is None:
-            self._log_due = bool(trainer.loggers) and _compat.should_update_logs(trainer)
-        return self._log_due or (bool(trainer.loggers) and bool(trainer.should_stop))
+            self._log_due = _compat.should_update_logs(trainer)
+        return self._log_due or bool(trainer.should_stop)
 
     def _publish_counters(self, trainer: pl.Trainer, counters: dict[str, float]) -> None:
         """Counters in ``trainer.callback_metrics`` (so ``ModelCheckpoint``/``EarlyStopping`` can monitor them) and,
