@@ -21,11 +21,12 @@ signal (who raises it)     rung of the default interventions           why
 ``loss_divergence``        back off and roll back                      the level of the healthy losses settled far
 (level test)                                                           above the best level the run reached (2x it
                                                                        and half the progress given back), or at 2x
-                                                                       the first losses, in most of the confirming
-                                                                       losses too: a collapsed state does not come
-                                                                       back at this LR (a state restored above the
-                                                                       bound is judged against the first loss until
-                                                                       it trained back within)
+                                                                       the first losses, beyond 3 standard errors of
+                                                                       the losses' scatter, and in most of the
+                                                                       confirming losses too: a collapsed state does
+                                                                       not come back at this LR (a state restored
+                                                                       above the bound is judged against the first
+                                                                       loss until it trained back within)
 ``loss_trend``             back off and roll back                      a slow rise with no spike and no NaN
 ``replica_mismatch``       roll back (every rank to the same           DDP replicas whose weights differ: silent
 (NonFiniteDetector)        snapshot)                                   data corruption, no fault of the LR

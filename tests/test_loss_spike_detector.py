@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_overflow import NonFiniteDetector
 from lightning_overflow.callbacks.loss_spike_detector import DivergenceEvidence, LossSpikeDetector
+from lightning_overflow.numerics.trend import loss_scatter
 from lightning_overflow.events import read_journal
 from lightning_overflow.health import Signal, board_for
 from lightning_overflow.numerics.running_stats import RunningStats
@@ -295,6 +297,7 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path: Path) -> No
         ({"level_factor": 1.0}, ValueError, "'level_factor' must be in (1, inf) (got 1)"),
         ({"level_fraction": 0}, ValueError, "'level_fraction' must be in (0, 1] (got 0)"),
         ({"level_fraction": "half"}, TypeError, "'level_fraction' must be a number (got 'half')"),
+        ({"level_sigmas": -1}, ValueError, "'level_sigmas' must be in [0, inf) (got -1)"),
         ({"probe_steps": 0}, ValueError, "'probe_steps' must be >= 1 (got 0)"),
         ({"probe_steps": 2.5}, TypeError, "'probe_steps' must be an int or None (got 2.5)"),
     ],
@@ -419,6 +422,65 @@ def test_a_streak_is_judged_by_its_least_loss() -> None:
     findings = [evidence.observe(loss, spike=True, **LEVEL) for loss in (14.6, 5.7, 9.6)]
     assert findings[:2] == [None, None] and findings[2][0] == "loss_divergence"
     assert evidence.judged == 5.7  # what the diverged state gave on each of the batches, however they scatter
+
+
+# ---- the level test through the losses' scatter -------------------------------------------------------------------
+NOISY = {**LEVEL, "level_window": 20}  # the default window
+
+
+def _scattered(n: int, seed: int) -> list[float]:
+    """Losses of mean 1 that scatter as a squared error of a batch of 4 does (a gamma of shape 2, standard deviation
+    0.71): steady, and healthy."""
+    rng = random.Random(seed)
+    return [rng.gammavariate(2.0, 0.5) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_losses_that_scatter_about_a_steady_mean_never_stand_far_above_their_best(seed: int) -> None:
+    losses = _scattered(5000, seed)
+    assert _first_finding(losses, **NOISY, level_sigmas=3.0) is None
+    # Without the allowance, the least of a noisy average and a first loss that fell low by chance call it divergence.
+    assert _first_finding(losses, **NOISY, level_sigmas=0.0) is not None
+
+
+def test_a_loss_that_settles_back_up_through_its_scatter_is_still_divergence() -> None:
+    rng = random.Random(0)
+    losses = [4.0 + rng.gauss(0.0, 0.2) for _ in range(8)] + [1.0 + rng.gauss(0.0, 0.2) for _ in range(300)]
+    losses += [3.0 + rng.gauss(0.0, 0.6) for _ in range(40)]  # up from 1 to 3, scattering as much relative to it
+    index, (kind, reason) = _first_finding(losses, **NOISY, level_sigmas=3.0)
+    plain, _ = _first_finding(losses, **NOISY, level_sigmas=0.0)
+    # The allowance (3 standard errors of the scatter at the best) costs three steps, not the finding.
+    assert kind == "loss_divergence" and (plain, index) == (308 + 15, 308 + 18)
+    assert "less the allowance for the losses' scatter), above " in reason
+
+
+def test_the_scatter_follows_the_noise_not_a_trend_or_an_outlier() -> None:
+    noise = [0.1 * (-1) ** i for i in range(41)]
+    flat = loss_scatter([1.0 + e for e in noise])
+    assert flat == pytest.approx(0.2 / 0.6745 / math.sqrt(2.0))  # |differences| of 0.2 throughout
+    assert loss_scatter([1.0 + 0.01 * i + e for i, e in enumerate(noise)]) == pytest.approx(flat, rel=0.06)
+    assert loss_scatter([1.0 + e + (100.0 if i == 20 else 0.0) for i, e in enumerate(noise)]) == flat
+    assert loss_scatter([2.0]) == 0.0
+
+
+def test_a_healthy_run_whose_losses_scatter_widely_trains_as_without_the_suite(tmp_path: Path) -> None:
+    """Batches of 2 of targets that no input predicts: the loss never moves from its mean and scatters as much."""
+    from lightning_overflow import default_callbacks
+
+    def model() -> TinyRegressor:
+        torch.manual_seed(0)
+        regressor = TinyRegressor(batch_size=2, n_samples=1200, lr=1e-3)
+        x, _ = regressor.data.tensors
+        regressor.data = TensorDataset(x, torch.randn(len(x), 1, generator=torch.Generator().manual_seed(1)))
+        return regressor
+
+    bare = model()
+    make_trainer([], max_steps=600).fit(bare)
+    protected = model()
+    trainer = make_trainer(default_callbacks(clip=None), max_steps=600, default_root_dir=str(tmp_path))
+    trainer.fit(protected)
+    assert _journal(trainer, "loss_divergence") == [] and _journal(trainer, "rollback") == []
+    assert_bit_identical(weights(bare), weights(protected))
 
 
 def test_the_anchor_never_sits_above_the_first_loss() -> None:

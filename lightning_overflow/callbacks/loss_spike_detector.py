@@ -14,12 +14,13 @@ from lightning_overflow._validation import check_bool, check_float, check_int
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
 from lightning_overflow.numerics.running_stats import HostRunningStats
-from lightning_overflow.numerics.trend import slope_probability
+from lightning_overflow.numerics.trend import loss_scatter, slope_probability
 from lightning_overflow.policy import DATA_SHIFT, StepAction, Verdict
 
 __all__ = ["LossSpikeDetector"]
 
 _CHANNELS = ("loss", "grad_norm")
+_SCATTER_WINDOWS = 5  # the level test's scatter is measured over this many of its windows of losses
 _RECENT = 5  # the last losses before a snapshot: what its weights gave, for the probe after a rollback to it
 _SIGNALS = {"loss": "loss_spike", "grad_norm": "grad_spike"}
 _WHAT = {"loss": "the training loss", "grad_norm": "the gradient norm"}
@@ -90,7 +91,8 @@ class LossSpikeDetector(SuiteCallback):
             no divergence.
         level_window: span, in healthy steps, of the moving level of the loss behind the level test (default 20;
             ``None`` disables the test). The level is the mean of the first ``level_window`` healthy losses, then
-            their exponential moving average; its lowest value so far is the run's best level.
+            their exponential moving average; its lowest value so far (plus the allowance of ``level_sigmas``) is
+            the run's best level.
         level_factor: the level stands far above its best when it exceeds ``level_factor`` times the best level
             (default 2) **and** has given back ``level_fraction`` of the progress from the anchor down to the best
             level (default 0.5): ``level > max(level_factor * min(best, anchor), best + level_fraction * (anchor -
@@ -108,6 +110,13 @@ class LossSpikeDetector(SuiteCallback):
             generator loss rises as its discriminator improves). It is off as well while the anchor is 0 (no scale
             to measure a rise by) and once the level went negative (a log-likelihood: no ratio means anything).
         level_fraction: see ``level_factor``, in (0, 1].
+        level_sigmas: how far the level test lets averages stand off by chance, in standard errors (default 3).
+            With ``s`` the scatter of the healthy losses when the best level was reached (:func:`loss_scatter` of
+            a window of them), the best level is the least level plus ``level_sigmas * s / sqrt(level_window)``, the
+            level is judged less that, and the anchor is taken plus ``level_sigmas * s / sqrt(anchor_steps)``. So a
+            run whose losses scatter widely (a small batch, a heavy-tailed loss) but whose mean does not move never
+            stands far above its best, while a loss that scatters little is judged as if the allowance were 0 (0
+            turns it off).
         probe_steps: after a rollback made for this detector's ``loss_divergence`` or ``loss_trend``, up to this
             many batches measure the restored weights on the current data (default 3; ``None``: no probe). A batch
             points at the data when its loss stands above every one of the last losses the same weights gave before
@@ -170,6 +179,7 @@ class LossSpikeDetector(SuiteCallback):
         level_window: int | None = 20,
         level_factor: float = 2.0,
         level_fraction: float = 0.5,
+        level_sigmas: float = 3.0,
         probe_steps: int | None = 3,
     ) -> None:
         self.window = check_int("window", window, minimum=2)
@@ -191,6 +201,7 @@ class LossSpikeDetector(SuiteCallback):
         self.level_window = check_int("level_window", level_window, minimum=1, optional=True)
         self.level_factor = check_float("level_factor", level_factor, low=1.0, low_open=True)
         self.level_fraction = check_float("level_fraction", level_fraction, low=0.0, high=1.0, low_open=True)
+        self.level_sigmas = check_float("level_sigmas", level_sigmas, low=0.0)
         self.probe_steps = check_int("probe_steps", probe_steps, minimum=1, optional=True)
         self._judged: dict[int, tuple[int, float]] = {}  # the last loss finding: (step, loss judged divergent)
         self._probes: dict[int, _Probe] = {}
@@ -278,6 +289,7 @@ class LossSpikeDetector(SuiteCallback):
             level_window=self.level_window if record.n_optimizers == 1 else None,
             level_factor=self.level_factor,
             level_fraction=self.level_fraction,
+            level_sigmas=self.level_sigmas,
         )
         if finding is None:
             return
@@ -500,6 +512,9 @@ class DivergenceEvidence:
         self.best_level = math.inf
         self.level_streak = 0
         self.level_armed = True  # the level has been within its bound since the last restore
+        self.level_window_losses: list[float] = []  # the last healthy losses, over a few of the level's windows
+        self.scatter = 0.0  # their scatter (:func:`loss_scatter`), taken once a window
+        self.best_scatter = 0.0  # the scatter when the best level was reached
         self.level_losses: list[float] = []  # the last healthy losses, as many as confirm the level test
         self.judged = 0.0  # what the last finding judged divergent: the least loss of its streak, a level or a mean
         self.recent: list[float] = []  # the last finite losses
@@ -518,6 +533,7 @@ class DivergenceEvidence:
         level_window: int | None = None,
         level_factor: float = 2.0,
         level_fraction: float = 0.5,
+        level_sigmas: float = 0.0,
     ) -> tuple[str, str] | None:
         """Take one step's loss; return ``(signal kind, reason)`` when it is evidence of divergence."""
         if not math.isfinite(loss):
@@ -544,14 +560,21 @@ class DivergenceEvidence:
             return "loss_divergence", f"{where}, for {confirm_steps} consecutive steps"
         if spike or runaway:
             return None  # a spike's losses stay out of the trend window and the level
-        return self._level(loss, level_window, level_factor, level_fraction, confirm_steps) or self._trend(
+        return self._level(loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas) or self._trend(
             loss, trend_window, trend_probability, trend_margin
         )
 
     def _level(
-        self, loss: float, window: int | None, factor: float, fraction: float, confirm_steps: int
+        self, loss: float, window: int | None, factor: float, fraction: float, confirm_steps: int, sigmas: float
     ) -> tuple[str, str] | None:
-        """The level test: the moving level of the healthy losses far above the best level the run reached."""
+        """The level test: the moving level of the healthy losses far above the best level the run reached.
+
+        Averages wander by chance as much as the losses scatter: the best level is the least level plus ``sigmas``
+        standard errors of an average of ``window`` losses, the anchor (an average of fewer) is taken plus its own,
+        and the level is judged less its own, all measured by the scatter of the losses when the best was reached
+        (the null hypothesis: nothing changed since). So a run whose losses scatter widely (a small batch, a
+        heavy-tailed loss) but whose mean does not move is never far above its best.
+        """
         if window is None:
             return None
         self.level_count += 1
@@ -559,31 +582,46 @@ class DivergenceEvidence:
             self.level += (loss - self.level) / self.level_count
         else:
             self.level += 2.0 / (window + 1) * (loss - self.level)
+        # The scatter over several windows: losses that scale with their level scatter less in a dip of it, which is
+        # where the best level is reached.
+        self.level_window_losses.append(loss)
+        if len(self.level_window_losses) > _SCATTER_WINDOWS * window:
+            del self.level_window_losses[0]
         if self.level_count < window:
             return None
-        best = self.best_level = min(self.best_level, self.level)
+        if self.level_count % window == 0:  # once a window: a median, not a cost of every step
+            self.scatter = loss_scatter(self.level_window_losses)
+        error = sigmas * self.scatter / math.sqrt(window)
+        if self.level + error < self.best_level:
+            self.best_level, self.best_scatter = self.level + error, self.scatter
+        best = self.best_level
+        allowance = sigmas * self.best_scatter / math.sqrt(window)
         if self.anchor <= 0.0 or best < 0.0:
             return None  # no scale to measure by (a first loss of 0), or a loss that goes negative: ratios mean nothing
+        # The anchor is a median of fewer losses than the level averages: its allowance grows as the square root.
+        anchor = self.anchor + allowance * math.sqrt(window / len(self.first))
         # A run that never went below its anchor is measured against the anchor: settled at twice its first losses.
-        bound = max(factor * min(best, self.anchor), best + fraction * (self.anchor - best))
+        bound = max(factor * min(best, anchor), best + fraction * (anchor - best))
+        level = self.level - allowance
         # A state restored above the bound (the fit's first snapshot, restored before any later one exists) is on
         # its way down from the first losses, not diverged: it is judged against the first loss until it trained
         # back within the bound. One above the first loss (a snapshot taken as the divergence began) is judged.
-        self.level_armed = self.level_armed or self.level <= bound
+        self.level_armed = self.level_armed or level <= bound
         if not self.level_armed:
             bound = max(bound, self.first[0])  # an anchor above 0 came from the first losses
-        self.level_streak = self.level_streak + 1 if self.level > bound else 0
+        self.level_streak = self.level_streak + 1 if level > bound else 0
         self.level_losses = [*self.level_losses, loss][-confirm_steps:]
         # The losses of the confirming steps as well: one outlier that the spike test let through lifts the mean
         # for many steps; a level that settled is in most of the losses.
         if self.level_streak < confirm_steps or statistics.median(self.level_losses) <= bound:
             return None
-        level = self.judged = self.level
+        self.judged = self.level
         self._restart_level()
+        within = f" ({level:.4g} less the allowance for the losses' scatter)" if allowance > 0.0 else ""
         return "loss_divergence", (
-            f"settled far above its best level: its level over about {window} healthy steps is {level:.4g}, "
-            f"above {bound:.4g} (the best level {best:.4g} times {factor:g}, and {fraction:g} of the way back up to "
-            f"its anchor {self.anchor:.4g}) for {confirm_steps} consecutive steps"
+            f"settled far above its best level: its level over about {window} healthy steps is {self.judged:.4g}"
+            f"{within}, above {bound:.4g} (the best level {best:.4g} times {factor:g}, and {fraction:g} of the way "
+            f"back up to its anchor {anchor:.4g}) for {confirm_steps} consecutive steps"
         )
 
     def _restart_level(self) -> None:
@@ -591,6 +629,7 @@ class DivergenceEvidence:
         self.level_count = 0
         self.level_streak = 0
         self.level_losses = []
+        self.level_window_losses = []
 
     def _trend(self, loss: float, window: int | None, probability: float, margin: float) -> tuple[str, str] | None:
         if window is None:
@@ -625,7 +664,8 @@ class DivergenceEvidence:
                 "best_mean": self.best_mean, "level": self.level, "level_count": self.level_count,
                 "best_level": self.best_level, "level_streak": self.level_streak, "judged": self.judged,
                 "recent": list(self.recent), "streak_low": self.streak_low, "level_armed": self.level_armed,
-                "level_losses": list(self.level_losses)}  # fmt: skip
+                "level_losses": list(self.level_losses), "level_window_losses": list(self.level_window_losses),
+                "scatter": self.scatter, "best_scatter": self.best_scatter}  # fmt: skip
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> DivergenceEvidence:
@@ -644,6 +684,9 @@ class DivergenceEvidence:
         evidence.streak_low = float(state.get("streak_low", math.inf))
         evidence.level_armed = bool(state.get("level_armed", True))
         evidence.level_losses = [float(v) for v in state.get("level_losses", [])]
+        evidence.level_window_losses = [float(v) for v in state.get("level_window_losses", [])]
+        evidence.scatter = float(state.get("scatter", 0.0))
+        evidence.best_scatter = float(state.get("best_scatter", 0.0))
         return evidence
 
 

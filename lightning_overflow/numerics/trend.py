@@ -1,16 +1,20 @@
-"""Is a series trending up? The probability that the least-squares slope of recent values is positive.
+"""Is a series trending up? The probability that the least-squares slope of recent values is positive. And how
+much does it scatter about its mean, whatever its trend?
 
 The test dlib's trainer uses to notice a slow divergence without any spike: fit ``y = a + b t`` to the last values
-and ask how likely ``b > 0`` is given the residual noise. Pure Python on host floats: it runs on a few hundred
+and ask how likely ``b > 0`` is given the residual noise. Pure Python on host floats: each runs on a few hundred
 values every so often, never on the device.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
-__all__ = ["slope_probability"]
+__all__ = ["loss_scatter", "slope_probability"]
+
+_MEDIAN_DIFFERENCE = 0.6745 * math.sqrt(2.0)  # the median |x - y| of two normal draws, in standard deviations
 
 
 def slope_probability(values: Sequence[float]) -> float:
@@ -36,3 +40,17 @@ def slope_probability(values: Sequence[float]) -> float:
         return 0.5 if slope == 0 else (1.0 if slope > 0 else 0.0)
     stderr = math.sqrt(residual / (n - 2) / s_tt)
     return 0.5 * (1.0 + math.erf(slope / stderr / math.sqrt(2.0)))
+
+
+def loss_scatter(losses: Sequence[float]) -> float:
+    """How much consecutive losses scatter about their mean, as a standard deviation: the median of their
+    successive differences over 0.954 (what it is for normal noise, ``0.6745 * sqrt(2)``). A slow trend barely moves
+    it, and a few outliers do not move it at all.
+
+    Example:
+        >>> round(loss_scatter([1.0, 3.0, 1.0, 3.0, 1.0]), 3)
+        2.097
+    """
+    if len(losses) < 2:
+        return 0.0
+    return statistics.median(abs(b - a) for a, b in zip(losses, losses[1:])) / _MEDIAN_DIFFERENCE
