@@ -430,6 +430,25 @@ def test_inside_the_warm_up_a_norm_far_beyond_the_first_ones_is_capped_at_the_an
     assert autoclip._stats[0].mean == pytest.approx(sum(learned) / 8, rel=1e-6)
 
 
+def test_after_the_warm_up_a_norm_within_min_ratio_times_the_mean_is_left_alone() -> None:
+    """A healthy small batch puts a norm at 3-5x the mean now and then, many standard deviations out: at the default
+    min_ratio (5) it passes, at 3 it is clipped to 3x the running mean."""
+    for min_ratio in (5.0, 3.0):
+        pl.seed_everything(0, verbose=False)
+        spike = FaultInjector(Fault(step=30, kind="loss_spike", factor=8.0))  # the gradients of step 30 x8
+        autoclip = AutoClip(mode="zscore", min_ratio=min_ratio)  # warm-up of 25 steps
+        model = TinyRegressor(lr=1e-4)  # the norms move slowly: the running mean is near the plain one
+        _, logger, before, after = clipped_run(autoclip, model, extra=[spike], max_steps=32)
+        norms, clipped = before.of(), after.of()
+        mean = sum(norms[:30]) / 30
+        assert 3.0 * mean < norms[30] < 5.0 * mean
+        if min_ratio == 5.0:
+            assert clipped == pytest.approx(norms, rel=1e-6) and autoclip.clipped_steps == 0
+        else:
+            assert clipped[30] < norms[30] and autoclip.clipped_steps == 1
+            assert clipped[30] == pytest.approx(dict(logger.series("clip/threshold"))[30], rel=1e-5)
+
+
 def test_without_an_anchor_factor_the_warm_up_lets_every_norm_through() -> None:
     spike = FaultInjector(Fault(step=6, kind="loss_spike", factor=1e3))
     autoclip = AutoClip(mode="zscore", anchor_factor=None)  # the paper's warm-up

@@ -117,9 +117,9 @@ class AutoClip(SuiteCallback):
         anchor_steps: ``"zscore"`` mode: the first norms whose median is the anchor (default 3); the warm-up's
             cap applies from the next step on.
         min_ratio: ``"zscore"`` mode: after the warm-up, the threshold is at least ``min_ratio`` times the running
-            mean (default 3; 1 is the paper's rule). Small noisy batches put about one healthy step in a hundred
-            beyond 2.5 standard deviations, and up to 3x the mean; clipping those changes a healthy run's
-            trajectory and protects nothing.
+            mean (default 5; 1 is the paper's rule). Small noisy batches put about one healthy step in a hundred
+            beyond 2.5 standard deviations, at 3-5x the mean; clipping those changes a healthy run's trajectory and
+            protects nothing.
         clipping: ``"agc"`` mode: the largest ratio of unit gradient norm to unit weight norm (default 0.01, the
             paper's at batch size 4096; larger batches want smaller values).
         eps: ``"agc"`` mode: floor on the unit weight norm (default 1e-3, the paper's).
@@ -174,7 +174,7 @@ class AutoClip(SuiteCallback):
         warmup_steps: int = 25,
         anchor_factor: float | None = 10.0,
         anchor_steps: int = 3,
-        min_ratio: float = 3.0,
+        min_ratio: float = 5.0,
         clipping: float = 0.01,
         eps: float = 1e-3,
         exclude: Sequence[str] = (),
