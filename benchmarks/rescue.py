@@ -37,8 +37,8 @@ Run (from the repository root; the package must be importable, e.g. ``pip instal
     python benchmarks/rescue.py --quick --workers 2    # one seed, nine scenarios, half the steps: 67 runs, ~45 s
                                                        # of CPU (32 s wall on 2 idle cores)
     python benchmarks/rescue.py --workers 2 --json rescue.json --png rescue.png
-                                                       # 28 scenarios x 7 methods x 3 seeds + references: 624 runs,
-                                                       # ~17 min of CPU (9 min wall on 2 idle cores)
+                                                       # 29 scenarios x 7 methods x 3 seeds + references: 648 runs,
+                                                       # ~17 min of CPU (10 min wall on 2 idle cores)
     python benchmarks/rescue.py --scenarios nan_weight,hinge_at_zero --methods "unprotected,default_callbacks()"
     python benchmarks/rescue.py --report rescue.json --png rescue.png    # print and draw saved results again
 """

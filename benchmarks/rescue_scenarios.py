@@ -590,6 +590,11 @@ def _catalogue() -> list[Scenario]:
             functools.partial(adam, lr=ADAM_LR, schedule="onecycle", total_steps=STEPS), STEPS, "healthy",
             stable=True,
         ),
+        Scenario(
+            "small_batch", "small_batch",
+            "MLP regression, Adam in batches of 2 at a stable LR: losses that scatter as much as they weigh (healthy)",
+            functools.partial(adam, lr=ADAM_LR / 4, batch_size=2), STEPS, "small_batch", stable=True,
+        ),
     ]
     return scenarios
 
