@@ -111,12 +111,12 @@ class LossSpikeDetector(SuiteCallback):
             to measure a rise by) and once the level went negative (a log-likelihood: no ratio means anything).
         level_fraction: see ``level_factor``, in (0, 1].
         level_sigmas: how far the level test lets averages stand off by chance, in standard errors (default 3).
-            With ``s`` the scatter of the healthy losses when the best level was reached (:func:`loss_scatter` of
-            a window of them), the best level is the least level plus ``level_sigmas * s / sqrt(level_window)``, the
-            level is judged less that, and the anchor is taken plus ``level_sigmas * s / sqrt(anchor_steps)``. So a
-            run whose losses scatter widely (a small batch, a heavy-tailed loss) but whose mean does not move never
-            stands far above its best, while a loss that scatters little is judged as if the allowance were 0 (0
-            turns it off).
+            With ``s`` the scatter of the healthy losses when the best level was reached (``loss_scatter`` of the
+            last five windows of them, taken once a window), the best level is the least level plus
+            ``level_sigmas * s / sqrt(level_window)``, the level is judged less that, and the anchor is taken plus
+            ``level_sigmas * s / sqrt(anchor_steps)``. So a run whose losses scatter widely (a small batch, a
+            heavy-tailed loss) but whose mean does not move never stands far above its best, while a loss that
+            scatters little is judged as if the allowance were 0 (0 turns it off).
         probe_steps: after a rollback made for this detector's ``loss_divergence`` or ``loss_trend``, up to this
             many batches measure the restored weights on the current data (default 3; ``None``: no probe). A batch
             points at the data when its loss stands above every one of the last losses the same weights gave before
@@ -513,7 +513,7 @@ class DivergenceEvidence:
         self.level_streak = 0
         self.level_armed = True  # the level has been within its bound since the last restore
         self.level_window_losses: list[float] = []  # the last healthy losses, over a few of the level's windows
-        self.scatter = 0.0  # their scatter (:func:`loss_scatter`), taken once a window
+        self.scatter = 0.0  # their scatter (``loss_scatter``), taken once a window
         self.best_scatter = 0.0  # the scatter when the best level was reached
         self.level_losses: list[float] = []  # the last healthy losses, as many as confirm the level test
         self.judged = 0.0  # what the last finding judged divergent: the least loss of its streak, a level or a mean
