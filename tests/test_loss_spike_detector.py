@@ -17,12 +17,12 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_overflow import NonFiniteDetector
+from lightning_overflow import NonFiniteDetector, default_callbacks
 from lightning_overflow.callbacks.loss_spike_detector import DivergenceEvidence, LossSpikeDetector
-from lightning_overflow.numerics.trend import loss_scatter
 from lightning_overflow.events import read_journal
 from lightning_overflow.health import Signal, board_for
 from lightning_overflow.numerics.running_stats import RunningStats
+from lightning_overflow.numerics.trend import loss_scatter
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 
 
@@ -465,8 +465,6 @@ def test_the_scatter_follows_the_noise_not_a_trend_or_an_outlier() -> None:
 
 def test_a_healthy_run_whose_losses_scatter_widely_trains_as_without_the_suite(tmp_path: Path) -> None:
     """Batches of 2 of targets that no input predicts: the loss never moves from its mean and scatters as much."""
-    from lightning_overflow import default_callbacks
-
     def model() -> TinyRegressor:
         torch.manual_seed(0)
         regressor = TinyRegressor(batch_size=2, n_samples=1200, lr=1e-3)

@@ -512,10 +512,11 @@ class DivergenceEvidence:
         self.best_level = math.inf
         self.level_streak = 0
         self.level_armed = True  # the level has been within its bound since the last restore
-        self.level_window_losses: list[float] = []  # the last healthy losses, over a few of the level's windows
+        # The last healthy losses since the level started: over a few of its windows for their scatter, and at least
+        # as many as confirm the level test.
+        self.level_losses: list[float] = []
         self.scatter = 0.0  # their scatter (``loss_scatter``), taken once a window
         self.best_scatter = 0.0  # the scatter when the best level was reached
-        self.level_losses: list[float] = []  # the last healthy losses, as many as confirm the level test
         self.judged = 0.0  # what the last finding judged divergent: the least loss of its streak, a level or a mean
         self.recent: list[float] = []  # the last finite losses
 
@@ -584,13 +585,13 @@ class DivergenceEvidence:
             self.level += 2.0 / (window + 1) * (loss - self.level)
         # The scatter over several windows: losses that scale with their level scatter less in a dip of it, which is
         # where the best level is reached.
-        self.level_window_losses.append(loss)
-        if len(self.level_window_losses) > _SCATTER_WINDOWS * window:
-            del self.level_window_losses[0]
+        self.level_losses.append(loss)
+        if len(self.level_losses) > max(_SCATTER_WINDOWS * window, confirm_steps):
+            del self.level_losses[0]
         if self.level_count < window:
             return None
         if self.level_count % window == 0:  # once a window: a median, not a cost of every step
-            self.scatter = loss_scatter(self.level_window_losses)
+            self.scatter = loss_scatter(self.level_losses)
         error = sigmas * self.scatter / math.sqrt(window)
         if self.level + error < self.best_level:
             self.best_level, self.best_scatter = self.level + error, self.scatter
@@ -610,10 +611,9 @@ class DivergenceEvidence:
         if not self.level_armed:
             bound = max(bound, self.first[0])  # an anchor above 0 came from the first losses
         self.level_streak = self.level_streak + 1 if level > bound else 0
-        self.level_losses = [*self.level_losses, loss][-confirm_steps:]
         # The losses of the confirming steps as well: one outlier that the spike test let through lifts the mean
         # for many steps; a level that settled is in most of the losses.
-        if self.level_streak < confirm_steps or statistics.median(self.level_losses) <= bound:
+        if self.level_streak < confirm_steps or statistics.median(self.level_losses[-confirm_steps:]) <= bound:
             return None
         self.judged = self.level
         self._restart_level()
@@ -629,7 +629,6 @@ class DivergenceEvidence:
         self.level_count = 0
         self.level_streak = 0
         self.level_losses = []
-        self.level_window_losses = []
 
     def _trend(self, loss: float, window: int | None, probability: float, margin: float) -> tuple[str, str] | None:
         if window is None:
@@ -664,8 +663,8 @@ class DivergenceEvidence:
                 "best_mean": self.best_mean, "level": self.level, "level_count": self.level_count,
                 "best_level": self.best_level, "level_streak": self.level_streak, "judged": self.judged,
                 "recent": list(self.recent), "streak_low": self.streak_low, "level_armed": self.level_armed,
-                "level_losses": list(self.level_losses), "level_window_losses": list(self.level_window_losses),
-                "scatter": self.scatter, "best_scatter": self.best_scatter}  # fmt: skip
+                "level_losses": list(self.level_losses), "scatter": self.scatter,
+                "best_scatter": self.best_scatter}  # fmt: skip
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> DivergenceEvidence:
@@ -684,7 +683,6 @@ class DivergenceEvidence:
         evidence.streak_low = float(state.get("streak_low", math.inf))
         evidence.level_armed = bool(state.get("level_armed", True))
         evidence.level_losses = [float(v) for v in state.get("level_losses", [])]
-        evidence.level_window_losses = [float(v) for v in state.get("level_window_losses", [])]
         evidence.scatter = float(state.get("scatter", 0.0))
         evidence.best_scatter = float(state.get("best_scatter", 0.0))
         return evidence
