@@ -105,6 +105,8 @@ class Signal:
         reason: a sentence for messages and the journal.
         source: the callback that raised it.
         optimizer_index: the optimizer concerned.
+        onset: the first step whose state the evidence implicates (``None``: the step of the signal); a rollback
+            goes to a snapshot taken at or before it.
     """
 
     kind: str
@@ -112,6 +114,7 @@ class Signal:
     reason: str
     source: str
     optimizer_index: int = 0
+    onset: int | None = None
 
 
 class StepParticipant(Protocol):

@@ -28,6 +28,11 @@ signal (who raises it)     rung of the default interventions           why
                                                                        above the bound is judged against the first
                                                                        loss until it trained back within)
 ``loss_trend``             back off and roll back                      a slow rise with no spike and no NaN
+``weight_growth``          back off and roll back to a snapshot from   the weight norm grew 2x over 50 steps while
+(LossSpikeDetector)        before the growth (later ones dropped)      the loss did not fall and stood above its
+                                                                       best: updates that overshoot without
+                                                                       overflowing; weights that grow as the loss
+                                                                       falls (a small initialisation) are learning
 ``replica_mismatch``       roll back (every rank to the same           DDP replicas whose weights differ: silent
 (NonFiniteDetector)        snapshot)                                   data corruption, no fault of the LR
 ``data_shift``             undo the backoff made for the divergence;   after a rollback for a loss divergence, the
@@ -93,11 +98,19 @@ SIGNAL_KINDS = (
     "grad_spike",
     "loss_divergence",
     "loss_trend",
+    "weight_growth",
     "replica_mismatch",
 )
 """Every signal a detector can raise: the vocabulary of ``triggers`` (see the ladder above)."""
 
-DIVERGENCE_SIGNALS = ("nonfinite_persistent", "nonfinite_state", "scaler_collapse", "loss_divergence", "loss_trend")
+DIVERGENCE_SIGNALS = (
+    "nonfinite_persistent",
+    "nonfinite_state",
+    "scaler_collapse",
+    "loss_divergence",
+    "loss_trend",
+    "weight_growth",
+)
 """The signals that are evidence that the training state itself degrades."""
 
 DEFAULT_BACKOFF_TRIGGERS = DIVERGENCE_SIGNALS

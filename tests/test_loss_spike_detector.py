@@ -300,6 +300,14 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path: Path) -> No
         ({"level_sigmas": -1}, ValueError, "'level_sigmas' must be in [0, inf) (got -1)"),
         ({"probe_steps": 0}, ValueError, "'probe_steps' must be >= 1 (got 0)"),
         ({"probe_steps": 2.5}, TypeError, "'probe_steps' must be an int or None (got 2.5)"),
+        ({"growth_every_n_steps": 0}, ValueError, "'growth_every_n_steps' must be >= 1 (got 0)"),
+        ({"growth_window": 0}, ValueError, "'growth_window' must be >= 1 (got 0)"),
+        ({"growth_window": 5}, ValueError,
+         "'growth_window' must be at least 'growth_every_n_steps' (10): the window compares two weight samples "
+         "(got 5)"),
+        ({"growth_factor": 1.0}, ValueError, "'growth_factor' must be in (1, inf) (got 1)"),
+        ({"growth_progress": 1.0}, ValueError, "'growth_progress' must be in [0, 1) (got 1)"),
+        ({"growth_progress": "some"}, TypeError, "'growth_progress' must be a number (got 'some')"),
     ],
 )
 def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:

@@ -512,7 +512,8 @@ def test_a_run_10x_above_its_stable_lr_completes_near_the_stable_runs_loss(tmp_p
             ValueError,
             (
                 "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', "
-                "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend', 'replica_mismatch' (got 'typo')"
+                "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend', 'weight_growth', "
+                "'replica_mismatch' (got 'typo')"
             ),
         ),
     ],

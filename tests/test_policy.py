@@ -3,13 +3,14 @@ evidence that the state degrades backs off and rolls back. Faults at exact steps
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import fit
+from conftest import assert_bit_identical, fit, weights
 
 from lightning_overflow import LossSpikeDetector, default_callbacks, read_journal
 from lightning_overflow.policy import DEFAULT_BACKOFF_TRIGGERS, DEFAULT_ROLLBACK_TRIGGERS, decide_step, Verdict
@@ -316,3 +317,65 @@ def test_under_ddp_both_ranks_probe_and_take_the_backoff_back_at_the_same_steps(
     assert reports[0]["lrs"] == reports[1]["lrs"] and reports[0]["lrs"][-1] == 0.01
     kinds = _kinds(_journal(tmp_path), "rollback", "data_shift", "undo", "abort")
     assert [k for _, k in kinds] == ["rollback", "data_shift", "undo"]
+
+
+# ---- weights that run away -----------------------------------------------------------------------------------------
+RUNAWAY = [Fault(step, "scale_weight", parameter="net.0.weight", factor=1.15) for step in range(60, 70)]  # 4.05x
+
+
+def test_weights_that_run_away_while_the_loss_climbs_back_roll_back_to_before_the_growth(tmp_path: Path) -> None:
+    """The first layer grows 1.15x a step over steps 60-69, its units saturate and the loss climbs back: at the
+    weight sample of step 80 the norm stands 2x or more above the sample of step 30 with the loss above its best.
+    The snapshots of steps 50 and 75 are kept: 75 holds the runaway weights, so the rollback goes to 50 and drops 75."""
+    model, after = TinyRegressor(), WeightsAtBatchEnd()
+    suite = default_callbacks(snapshot_every_n_steps=25)
+    trainer = fit(model, [*suite, FaultInjector(*RUNAWAY), after], max_steps=120,
+                  default_root_dir=str(tmp_path))  # fmt: skip
+    events = _journal(tmp_path)
+    assert _kinds(events, "weight_growth", "loss_divergence", "backoff", "rollback", "abort") == [
+        (80, "weight_growth"), (80, "backoff"), (81, "rollback")
+    ]  # fmt: skip
+    (growth,) = [e for e in events if e["kind"] == "weight_growth"]
+    details = growth["details"]
+    assert details["since"] == 30 and details["weight_norm"] >= 2 * details["weight_norm_before"]
+    assert details["loss"] >= 1.1 * details["best_loss"] and details["loss"] >= 0.8 * details["loss_before"]
+    assert re.match(r"LossSpikeDetector: the weight norm grew [\d.]+x in 50 steps \(from [\d.]+ at step 30 to [\d.]+ at "
+                    r"step 80\) while the training loss did not fall", growth["message"])
+    (backoff,) = [e for e in events if e["kind"] == "backoff"]
+    assert backoff["details"]["kinds"] == "weight_growth"
+    (rollback,) = [e for e in events if e["kind"] == "rollback"]
+    assert rollback["details"]["snapshot_step"] == 50
+    assert_bit_identical(after.at[81], after.at[50])  # the state the snapshot of step 50 took
+    assert suite[-1].snapshot_steps[0] == 50 and 75 not in suite[-1].snapshot_steps
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.5 * model.lr
+
+
+def test_weights_that_grow_out_of_a_small_init_while_the_run_learns_change_nothing(tmp_path: Path) -> None:
+    """Weights drawn 100x smaller grow about 9x in the first 50 steps, the loss at its best all along: no finding,
+    and the run is bit-identical to the same run without the suite."""
+    runs = []
+    for suite in ([], default_callbacks(clip=None)):
+        torch.manual_seed(0)
+        model = TinyRegressor()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(0.01)
+        fit(model, suite, max_steps=200, default_root_dir=str(tmp_path / str(len(runs))))
+        runs.append(weights(model))
+    assert _journal(tmp_path / "1") == []
+    assert_bit_identical(runs[0], runs[1])
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_under_ddp_both_ranks_find_the_runaway_weights_and_roll_back_together(tmp_path: Path) -> None:
+    from ddp_utils import run_ddp
+
+    suite = default_callbacks(snapshot_every_n_steps=25)
+    reports = run_ddp(TinyRegressor(), [*suite, FaultInjector(*RUNAWAY)], tmp_path, max_steps=100)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]
+    assert reports[0]["lrs"] == reports[1]["lrs"] and reports[0]["lrs"][-1] == 0.005
+    assert _kinds(_journal(tmp_path), "weight_growth", "backoff", "rollback") == [
+        (80, "weight_growth"), (80, "backoff"), (81, "rollback")
+    ]  # fmt: skip

@@ -30,7 +30,7 @@ KINDS = ("nonfinite", "loss_spike", "grad_spike")
 LISTED = "'nonfinite', 'loss_spike', 'grad_spike'"
 SIGNALS = (
     "'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', 'scaler_collapse', 'loss_spike'"
-    ", 'grad_spike', 'loss_divergence', 'loss_trend', 'replica_mismatch'"
+    ", 'grad_spike', 'loss_divergence', 'loss_trend', 'weight_growth', 'replica_mismatch'"
 )
 
 
@@ -218,7 +218,7 @@ def test_check_names_default_wording_and_empty() -> None:
         (lambda: Fault(-1, "nan_loss"), ValueError, "'step' must be >= 0 (got -1)"),
         (lambda: Fault(1, None), TypeError,
          "'kind' must be one of 'nan_loss', 'inf_loss', 'loss_spike', 'nan_grad', 'inf_grad', 'nan_weight', "
-         "'inf_weight' (got None)"),
+         "'inf_weight', 'scale_weight' (got None)"),
         (lambda: Fault(1, "nan_loss", rank=True), TypeError, "'rank' must be an int or None (got True)"),
         (lambda: Fault(1, "nan_loss", rank=-1), ValueError, "'rank' must be >= 0 (got -1)"),
         (lambda: Fault(1, "nan_grad", parameter=0), TypeError, "'parameter' must be a parameter name or None (got 0)"),

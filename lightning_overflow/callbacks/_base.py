@@ -151,7 +151,9 @@ class SuiteCallback(Callback):
         self.board(trainer).record(event)
         return event
 
-    def _signal(self, trainer: pl.Trainer, kind: str, reason: str, optimizer_index: int = 0) -> None:
-        signal = Signal(kind, int(trainer.global_step), reason, type(self).__name__, optimizer_index)
+    def _signal(
+        self, trainer: pl.Trainer, kind: str, reason: str, optimizer_index: int = 0, onset: int | None = None
+    ) -> None:
+        signal = Signal(kind, int(trainer.global_step), reason, type(self).__name__, optimizer_index, onset)
         self.board(trainer).signal(signal)
 

@@ -8,11 +8,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from typing_extensions import override
 
 from lightning_overflow._validation import check_bool, check_float, check_int
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
+from lightning_overflow.numerics import tensor_norms
+from lightning_overflow.numerics.growth import WeightGrowth
+from lightning_overflow.numerics.norms import shard_squares
 from lightning_overflow.numerics.running_stats import HostRunningStats
 from lightning_overflow.numerics.trend import loss_scatter, slope_probability
 from lightning_overflow.policy import DATA_SHIFT, StepAction, Verdict
@@ -130,12 +134,29 @@ class LossSpikeDetector(SuiteCallback):
             as the diverged ones were: the data changed (a new data mixture, a harder task), not the training
             state. That is journaled as ``data_shift`` and signalled (``LRBackoff`` undoes the backoff it made
             for the divergence), and the loss statistics start again from the new data.
+        growth_every_n_steps: how often the weight-growth test samples the norm of the weights (default 10; ``None``
+            disables the test). The sample joins the step's one read (one norm of the weights every 10 steps). A
+            learning rate far too high can overshoot without overflowing or spiking: the weights grow step after step
+            while the loss hovers where it began. The test (:class:`~lightning_overflow.numerics.growth.WeightGrowth`)
+            signals ``weight_growth`` when the norm grew ``growth_factor`` times or more over ``growth_window`` steps
+            while the median of the losses did not fall by ``growth_progress`` over the window and stands 10% above
+            the best median since the test started; weights that grow out of a small initialisation as the loss falls
+            are learning, not divergence. The signal names the window's start, so ``Rollback`` returns to a snapshot
+            from before the growth. Off with several optimizers (each player of a game moves its weights as the game
+            goes); it starts again after a finding and after a rollback.
+        growth_window: the steps between the two weight samples compared (default 50; at least
+            ``growth_every_n_steps``).
+        growth_factor: the growth of the weight norm over the window that counts as running away (default 2.0;
+            healthy runs measured grow theirs at most 1.7x in 50 steps while they learn).
+        growth_progress: the least fraction by which the loss median must have fallen over the window for the growth
+            to be the price of learning, in [0, 1) (default 0.2).
 
     Signals (read by interventions): ``loss_divergence`` when the loss stays above its reference for
-    ``confirm_steps`` steps, ``loss_trend`` for a slow rise with no spike, ``loss_spike`` and ``grad_spike`` at the
-    first step of a spike and again at each step that climbs above the highest value of the same spike. The
-    default interventions act on ``loss_divergence`` and ``loss_trend``: the evidence that the training state itself
-    degrades; a spike alone is the batch's business.
+    ``confirm_steps`` steps, ``loss_trend`` for a slow rise with no spike, ``weight_growth`` for weights that run
+    away while the loss does not fall, ``loss_spike`` and ``grad_spike`` at the first step of a spike and again at
+    each step that climbs above the highest value of the same spike. The default interventions act on
+    ``loss_divergence``, ``loss_trend`` and ``weight_growth``: the evidence that the training state itself degrades;
+    a spike alone is the batch's business.
 
     Attributes:
         spikes: spikes found so far (loss and gradient norm).
@@ -181,6 +202,10 @@ class LossSpikeDetector(SuiteCallback):
         level_fraction: float = 0.5,
         level_sigmas: float = 3.0,
         probe_steps: int | None = 3,
+        growth_every_n_steps: int | None = 10,
+        growth_window: int = 50,
+        growth_factor: float = 2.0,
+        growth_progress: float = 0.2,
     ) -> None:
         self.window = check_int("window", window, minimum=2)
         self.warmup = check_int("warmup", warmup, minimum=1)
@@ -203,6 +228,16 @@ class LossSpikeDetector(SuiteCallback):
         self.level_fraction = check_float("level_fraction", level_fraction, low=0.0, high=1.0, low_open=True)
         self.level_sigmas = check_float("level_sigmas", level_sigmas, low=0.0)
         self.probe_steps = check_int("probe_steps", probe_steps, minimum=1, optional=True)
+        self.growth_every_n_steps = check_int("growth_every_n_steps", growth_every_n_steps, minimum=1, optional=True)
+        self.growth_window = check_int("growth_window", growth_window, minimum=1)
+        self.growth_factor = check_float("growth_factor", growth_factor, low=1.0, low_open=True)
+        self.growth_progress = check_float("growth_progress", growth_progress, low=0.0, high=1.0, high_open=True)
+        if self.growth_every_n_steps is not None and self.growth_window < self.growth_every_n_steps:
+            raise ValueError(
+                f"'growth_window' must be at least 'growth_every_n_steps' ({self.growth_every_n_steps}): the window "
+                f"compares two weight samples (got {self.growth_window})"
+            )
+        self._growth: dict[int, WeightGrowth] = {}
         self._judged: dict[int, tuple[int, float]] = {}  # the last loss finding: (step, loss judged divergent)
         self._probes: dict[int, _Probe] = {}
         self._snapshots = 0  # snapshots taken so far: each one's serial number, kept beside it
@@ -242,9 +277,26 @@ class LossSpikeDetector(SuiteCallback):
             self._probes.clear()
             self._snapshots = 0
             self._probed.clear()
+            self._growth.clear()
             self.loss_spikes = self.grad_spikes = self.probe_skips = self.data_shifts = 0
 
     # ---- the decision -----------------------------------------------------------------------------------------
+    def _samples_weights(self, record: StepHealth) -> bool:
+        """Whether this step measures the weight norm (every ``growth_every_n_steps`` steps; with several optimizers
+        the test is off, as the level test is: each player of a game moves its weights as the game goes)."""
+        every = self.growth_every_n_steps
+        return every is not None and record.n_optimizers == 1 and record.step % every == 0
+
+    @override
+    def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
+        if not self._samples_weights(record):
+            return
+        # Each rank's share of the weights' squared norm (its shards, or 1/world of a replica): summed in the read,
+        # so every rank reads the same norm, at no extra collective.
+        with torch.no_grad():
+            norms = tensor_norms(record.params)
+            record.add("weight_squares", shard_squares(norms, record.params, record.world_size).sum(), summed=True)
+
     @override
     def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
         probe = self._probes.get(record.optimizer_index)
@@ -271,6 +323,7 @@ class LossSpikeDetector(SuiteCallback):
         stats.update(values, include=[not found[0], not found[1] and not record.grads_beyond_fp32])
         self._track_streaks(trainer, record, stats, found, values)
         self._weigh_evidence(trainer, record, evidence, found[0])
+        self._weigh_growth(trainer, record)
 
     def _weigh_evidence(
         self, trainer: pl.Trainer, record: StepHealth, evidence: DivergenceEvidence, spike: bool
@@ -300,6 +353,37 @@ class LossSpikeDetector(SuiteCallback):
         self._event(trainer, kind, message, loss=record.loss_mean, anchor=evidence.anchor,
                     optimizer=record.optimizer_index)  # fmt: skip
         self._signal(trainer, kind, message, record.optimizer_index)
+
+    def _weigh_growth(self, trainer: pl.Trainer, record: StepHealth) -> None:
+        """Signal divergence when the weights ran away over the growth window while the loss did not fall."""
+        if self.growth_every_n_steps is None or record.n_optimizers != 1:
+            return
+        growth = self._growth.get(record.optimizer_index)
+        if growth is None:
+            growth = self._growth[record.optimizer_index] = self._new_growth()
+        growth.add_loss(record.loss_mean)
+        if not record.has("weight_squares"):
+            return
+        finding = growth.observe(record.step, math.sqrt(record.value("weight_squares")[0]))
+        if finding is None:
+            return
+        f = finding
+        message = (
+            f"LossSpikeDetector: the weight norm grew {f.norm / f.norm_before:.3g}x in {f.step - f.since} steps (from "
+            f"{f.norm_before:.4g} at step {f.since} to {f.norm:.4g} at step {f.step}) while the training loss did not "
+            f"fall (median {f.loss_before:.4g} then, {f.loss:.4g} now) and stood above the best it had reached "
+            f"({f.best_loss:.4g}): the updates overshoot at this learning rate. HINT: a lower learning rate, or a "
+            "longer warm-up."
+        )
+        self._event(trainer, "weight_growth", message, weight_norm=f.norm, weight_norm_before=f.norm_before,
+                    loss=f.loss, loss_before=f.loss_before, best_loss=f.best_loss, since=f.since)  # fmt: skip
+        # The weights were sound where the window started: a snapshot from after it holds the runaway weights.
+        self._signal(trainer, "weight_growth", message, record.optimizer_index, onset=f.since)
+
+    def _new_growth(self) -> WeightGrowth:
+        # The loss median beside each weight sample: the losses of the two sampling intervals before it.
+        every = self.growth_every_n_steps or 1
+        return WeightGrowth(self.growth_window, self.growth_factor, self.growth_progress, losses_per_sample=2 * every)
 
     # ---- the probe after a rollback ---------------------------------------------------------------------------
     def _probe(self, trainer: pl.Trainer, record: StepHealth, action: StepAction, probe: _Probe) -> bool:
@@ -439,6 +523,8 @@ class LossSpikeDetector(SuiteCallback):
             self._end_spikes(index)
         for evidence in self._evidence.values():
             evidence.after_restore()
+        for growth in self._growth.values():
+            growth.restart()  # the growth of the state just undone
         self._start_probes(trainer, extra)
 
     def _start_probes(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
@@ -470,6 +556,7 @@ class LossSpikeDetector(SuiteCallback):
             "probed": sorted(s for s in self._probed if s is not None),
             "probe_skips": self.probe_skips,
             "data_shifts": self.data_shifts,
+            "growth": {str(i): g.state_dict() for i, g in self._growth.items()},
         }
 
     @override
@@ -493,6 +580,10 @@ class LossSpikeDetector(SuiteCallback):
         self._probed = {int(s) for s in state_dict.get("probed", [])}
         self.probe_skips = int(state_dict.get("probe_skips", 0))
         self.data_shifts = int(state_dict.get("data_shifts", 0))
+        self._growth = {}
+        for key, growth_state in state_dict.get("growth", {}).items():
+            growth = self._growth[int(key)] = self._new_growth()
+            growth.load_state_dict(growth_state)
 
 
 class DivergenceEvidence:

@@ -66,8 +66,8 @@ class LRBackoff(SuiteCallback):
     Args:
         factor: the multiplier applied on each backoff, in (0, 1) (default 0.5).
         triggers: the signal kinds that mean divergence (default :data:`DEFAULT_TRIGGERS`:
-            ``nonfinite_persistent``, ``nonfinite_state``, ``scaler_collapse``, ``loss_divergence``, ``loss_trend``:
-            evidence that the training state degrades). A non-finite step that ``NonFiniteDetector`` skipped, a
+            ``nonfinite_persistent``, ``nonfinite_state``, ``scaler_collapse``, ``loss_divergence``, ``loss_trend``,
+            ``weight_growth``: evidence that the training state degrades). A non-finite step that ``NonFiniteDetector`` skipped, a
             burst of them on bad data and a single spike are not; add ``"nonfinite_burst"`` or ``"loss_spike"`` to
             back off on those too.
         cooldown: optimizer steps after a backoff during which further triggers are part of the same burst

@@ -99,9 +99,11 @@ class Rollback(SuiteCallback):
 
     Triggers (signal kinds that make it roll back; the default, :data:`DEFAULT_TRIGGERS`, is the evidence that the
     training state degrades, and DDP replicas that disagree): ``"nonfinite_persistent"``, ``"nonfinite_state"``,
-    ``"scaler_collapse"``, ``"loss_divergence"``, ``"loss_trend"``, ``"replica_mismatch"``. A skipped non-finite
-    step, a burst of them on bad data, and a single spike are not (a skip or a clip absorbs them at no cost; see
-    :mod:`lightning_overflow.policy`).
+    ``"scaler_collapse"``, ``"loss_divergence"``, ``"loss_trend"``, ``"weight_growth"``, ``"replica_mismatch"``. A
+    skipped non-finite step, a burst of them on bad data, and a single spike are not (a skip or a clip absorbs them at
+    no cost; see :mod:`lightning_overflow.policy`). A signal that names where the state began to degrade
+    (``weight_growth``: the start of its window) sends the rollback to a snapshot from before then, and the
+    snapshots taken since are dropped.
 
     Args:
         every_n_steps: healthy optimizer steps between snapshots (default 100).
@@ -480,13 +482,17 @@ class Rollback(SuiteCallback):
         older = [s for s in self._before_restart if s.step not in steps]
         return sorted(self._memory.snapshots + older, key=lambda s: (s.step, s.state is not None), reverse=True)
 
-    def _targets(self, settings: tuple[float, ...]) -> tuple[list[Snapshot], Snapshot | None]:
+    def _targets(self, settings: tuple[float, ...], onset: int | None) -> tuple[list[Snapshot], Snapshot | None]:
         """The candidates in the order to try, and the one avoided. Never the same snapshot twice with the same
         settings: having diverged again from the last target (no newer snapshot since) with nothing changed (no
         backoff since), go one snapshot further back and keep that one only as a last resort. With a new LR scale,
         the newest snapshot is the best place to try again, once: diverging from it again after that, go further
-        back too."""
+        back too. When the evidence names the step the state began to degrade (``onset``), the snapshots from
+        before it come first, newest first, then the later ones nearest the onset first."""
         candidates = self._candidates()
+        if onset is not None:
+            later = [c for c in candidates if c.step > onset]
+            candidates = [c for c in candidates if c.step <= onset] + later[::-1]
         # A snapshot that diverged again after a retry at a new LR scale holds the fault itself: go further back.
         again = settings == self._last_settings or self._retries >= 1
         repeat = candidates and candidates[0].step == self._last_target and again
@@ -504,13 +510,16 @@ class Rollback(SuiteCallback):
         recent = [h for i, h in enumerate(self.history) if step - h["step"] < self.window and i not in self._free]
         if len(recent) >= self.max_rollbacks and not progress:
             self._stop(trainer, signal, recent)
-        candidates, avoided = self._targets(settings)
+        candidates, avoided = self._targets(settings, signal.onset)
         restored = self._restore_first(trainer, candidates)
         if restored is None:
             self._no_snapshot(trainer, signal)
         target, source = restored
         if avoided is not None and target is not avoided:
             self._forget(avoided)
+        if signal.onset is not None:  # the newer snapshots were taken as the state degraded: no target any more
+            for newer in [c for c in self._candidates() if c.step > target.step]:
+                self._forget(newer)
         entry = {
             "step": step,
             "reason": signal.kind,

@@ -16,7 +16,7 @@ from lightning_overflow._validation import check_bool, check_choice, check_float
 
 __all__ = ["FAULT_KINDS", "Fault", "FaultInjector"]
 
-FAULT_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "nan_weight", "inf_weight")
+FAULT_KINDS = ("nan_loss", "inf_loss", "loss_spike", "nan_grad", "inf_grad", "nan_weight", "inf_weight", "scale_weight")
 
 _LOSS_FACTORS = {"nan_loss": float("nan"), "inf_loss": float("inf")}
 _VALUES = {"nan_grad": float("nan"), "inf_grad": float("inf"), "nan_weight": float("nan"), "inf_weight": float("inf")}
@@ -31,10 +31,11 @@ class Fault:
         kind: ``"nan_loss"`` / ``"inf_loss"`` (the loss is multiplied by NaN/inf, so the gradients follow),
             ``"loss_spike"`` (the loss is multiplied by ``factor``), ``"nan_grad"`` / ``"inf_grad"`` (one element
             of one parameter's gradient, before the DDP all-reduce), ``"nan_weight"`` / ``"inf_weight"`` (one
-            element of one parameter, before the batch).
+            element of one parameter, before the batch), ``"scale_weight"`` (one parameter multiplied by ``factor``
+            before the batch: finite weights that run away, as a too-high learning rate makes them).
         rank: the global rank it fires on (``None``: every rank).
         parameter: the parameter name for gradient and weight faults (``None``: the first parameter).
-        factor: the multiplier of ``"loss_spike"`` (default 1e3).
+        factor: the multiplier of ``"loss_spike"`` and ``"scale_weight"`` (default 1e3).
         once: fire on the first execution only; ``False`` fires every time the step is executed (a replay too).
 
     Raises:
@@ -98,7 +99,7 @@ class FaultInjector(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for fault in self.faults:
-            if fault.kind.endswith(("_grad", "_weight")):
+            if fault.kind.endswith(("_grad", "_weight")):  # scale_weight too
                 _parameter(pl_module, fault.parameter)  # a wrong name fails now, not at the fault's step
         name = "training_step" if pl_module.automatic_optimization else "manual_backward"
         original = getattr(pl_module, name)
@@ -143,6 +144,10 @@ class FaultInjector(Callback):
             self._fire(trainer, i, fault)
             with torch.no_grad():
                 _parameter(pl_module, fault.parameter).view(-1)[0] = _VALUES[fault.kind]
+        for i, fault in self._due(trainer, ("scale_weight",)):
+            self._fire(trainer, i, fault)
+            with torch.no_grad():
+                _parameter(pl_module, fault.parameter).mul_(fault.factor)
         for i, fault in self._due(trainer, ("nan_grad", "inf_grad")):
             self._fire(trainer, i, fault)
             # A tensor hook changes the gradient before DDP all-reduces it, as a real fault on one rank would.

@@ -1,0 +1,122 @@
+"""Are the weights running away while the loss stands still? The weight-growth test on host floats.
+
+A learning rate far too high for the model does not always overflow or spike: the updates overshoot, the weights
+grow step after step (a ReLU network's units die, its output collapses to a constant) and the loss hovers where it
+started, or drifts up. The loss alone cannot tell such a run from a healthy one whose loss plateaus, and the norm
+alone cannot tell it from a healthy run that grows its weights while it learns (a small initialisation, new data).
+Together they can: in a window of steps the weight norm grew by a large factor, the loss did not fall over the
+window, **and** it stands above the best it had reached. A run that learns pays for its weights' growth with a
+lower loss; a run that escapes a small initialisation grows its weights fast too, but its loss goes down as they
+grow and stays at its best; a healthy run on a plateau barely moves its weights.
+
+Measured on the rescue benchmark (``benchmarks/rescue.py``) and on healthy runs of other kinds (weights drawn 7-700x
+smaller than Kaiming's, a GPT-style N(0, 0.02) transformer with and without warm-up, a BatchNorm CNN): healthy runs
+grow their weights by at most 1.7x over 50 steps while they learn, or up to 2.7x out of a small initialisation with
+the loss at its best; SGD with momentum at 4-16x its stable rate, or a large batch at 8x, grows them 2-400x in the
+first 50 steps while the loss climbs back above the best it had reached.
+
+Pure Python, a few values every ``every_n_steps`` steps: no device, no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+__all__ = ["GrowthFinding", "WeightGrowth"]
+
+
+class GrowthFinding(NamedTuple):
+    """Weights that ran away: the norm at the window's start (step ``since``) and now, the loss median then and
+    now, and the best loss median the run had reached."""
+
+    since: int
+    step: int
+    norm_before: float
+    norm: float
+    loss_before: float
+    loss: float
+    best_loss: float
+
+
+@dataclass
+class WeightGrowth:
+    """The weight norm sampled every few steps beside the median of the losses just before each sample; a
+    finding when, over ``window`` steps, the norm grew ``factor`` times or more while the loss median fell by less
+    than ``progress`` of its value and stands ``above_best`` or more above the least median of the samples since the
+    test (re)started.
+
+    Args:
+        window: steps between the two samples compared.
+        factor: the growth of the weight norm over the window that counts as running away (> 1).
+        progress: the least fraction by which the loss must have fallen over the window for the growth to be the
+            price of learning (in [0, 1)).
+        losses_per_sample: finite losses whose median stands beside each sample.
+        above_best: how far above its best median the loss median must stand (a fraction, >= 0).
+
+    Example:
+        >>> growth = WeightGrowth(window=20, factor=2.0, progress=0.2, losses_per_sample=2)
+        >>> for step, norm, losses in ((0, 5.0, (3.0, 3.2)), (10, 7.0, (1.0, 1.2)), (20, 11.25, (3.0, 3.2))):
+        ...     for loss in losses:
+        ...         growth.add_loss(loss)
+        ...     finding = growth.observe(step, norm)
+        >>> finding  # 2.25x in 20 steps, the loss back where it started and far above its best
+        GrowthFinding(since=0, step=20, norm_before=5.0, norm=11.25, loss_before=3.1, loss=3.1, best_loss=1.1)
+    """
+
+    window: int = 50
+    factor: float = 2.0
+    progress: float = 0.2
+    losses_per_sample: int = 20
+    above_best: float = 0.1
+    best: float = math.inf  # the least loss median of the samples so far
+    samples: list[tuple[int, float, float]] = field(default_factory=list)  # (step, weight norm, loss median)
+    losses: list[float] = field(default_factory=list)  # the last finite losses
+
+    def add_loss(self, loss: float) -> None:
+        """Take one step's loss (non-finite losses are the non-finite detector's business: left out)."""
+        if math.isfinite(loss):
+            self.losses.append(loss)
+            if len(self.losses) > self.losses_per_sample:
+                del self.losses[0]
+
+    def observe(self, step: int, norm: float) -> GrowthFinding | None:
+        """Take the weight norm at ``step``; return what was found when the weights ran away over the window, else
+        ``None``. After a finding the test starts again (the next one must show a new window of growth)."""
+        if not math.isfinite(norm) or not self.losses:
+            return None  # a non-finite weight is the non-finite detector's business
+        median = statistics.median(self.losses)
+        best, self.best = self.best, min(self.best, median)
+        then = None
+        for sample in self.samples:
+            if sample[0] <= step - self.window:
+                then = sample
+        self.samples = [s for s in self.samples if s[0] >= step - 2 * self.window] + [(step, norm, median)]
+        if then is None:
+            return None
+        then_step, then_norm, then_median = then
+        # A loss that is 0 or goes negative (a log-likelihood) has no scale for "fell by a fraction": no test.
+        if then_norm <= 0.0 or then_median <= 0.0:
+            return None
+        if norm < self.factor * then_norm or median < (1.0 - self.progress) * then_median:
+            return None
+        if median < (1.0 + self.above_best) * best:
+            return None  # the loss is at its best: weights that grow out of a small initialisation as it learns
+        self.restart()
+        return GrowthFinding(then_step, step, then_norm, norm, then_median, median, best)
+
+    def restart(self) -> None:
+        """Forget the samples and losses (after a finding, and after the state was restored from a snapshot)."""
+        self.samples = []
+        self.losses = []
+        self.best = math.inf
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples": [list(s) for s in self.samples], "losses": list(self.losses), "best": self.best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.samples = [(int(s[0]), float(s[1]), float(s[2])) for s in state.get("samples", [])]
+        self.losses = [float(v) for v in state.get("losses", [])]
+        self.best = float(state.get("best", math.inf))

@@ -1,0 +1,95 @@
+"""The weight-growth test: weights that run away while the loss stands still are divergence; weights that grow
+while the run learns (out of a small initialisation) are not. Pure host floats, hand-checkable series."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_overflow.numerics.growth import GrowthFinding, WeightGrowth
+
+
+def _feed(growth: WeightGrowth, series: list[tuple[int, float, list[float]]]) -> list[GrowthFinding]:
+    """``(step, weight norm, the losses of the steps before it)`` in order; the findings."""
+    findings = []
+    for step, norm, losses in series:
+        for loss in losses:
+            growth.add_loss(loss)
+        finding = growth.observe(step, norm)
+        if finding is not None:
+            findings.append(finding)
+    return findings
+
+
+def _growth() -> WeightGrowth:
+    return WeightGrowth(window=20, factor=2.0, progress=0.2, losses_per_sample=2, above_best=0.1)
+
+
+def test_weights_that_double_while_the_loss_climbs_back_are_found_at_the_window_end() -> None:
+    series = [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0]), (20, 8.0, [2.9, 3.1]), (30, 9.0, [3.0, 3.0])]
+    assert _feed(_growth(), series) == [GrowthFinding(0, 20, 4.0, 8.0, 3.0, 3.0, 1.0)]
+
+
+def test_weights_that_grow_out_of_a_small_init_while_the_loss_falls_are_no_finding() -> None:
+    # 0.9 -> 2.45 in 20 steps (2.7x), the loss at its best at every sample: a saddle escape, not a divergence.
+    series = [(0, 0.9, [3.0, 3.0]), (10, 1.4, [2.9, 2.9]), (20, 2.45, [2.5, 2.5]), (30, 3.0, [2.0, 2.0])]
+    assert _feed(_growth(), series) == []
+
+
+def test_a_loss_that_fell_by_the_progress_over_the_window_is_no_finding() -> None:
+    # Above its best (1.0) at the end, but 40% below where the window started: the growth bought progress.
+    series = [(0, 4.0, [5.0, 5.0]), (10, 5.0, [1.0, 1.0]), (20, 8.0, [3.0, 3.0])]
+    assert _feed(_growth(), series) == []
+
+
+def test_growth_below_the_factor_is_no_finding() -> None:
+    series = [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0]), (20, 7.99, [3.0, 3.0])]
+    assert _feed(_growth(), series) == []
+
+
+def test_the_loss_must_stand_above_its_best_by_the_margin() -> None:
+    series = [(0, 4.0, [3.0, 3.0]), (10, 5.0, [2.8, 2.8]), (20, 8.0, [3.0, 3.0])]  # 3.0 < 1.1 * 2.8
+    assert _feed(_growth(), series) == []
+
+
+def test_after_a_finding_a_new_window_of_growth_is_needed() -> None:
+    growth = _growth()
+    series = [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0]), (20, 8.0, [3.0, 3.0]), (30, 16.0, [3.0, 3.0])]
+    assert [f.step for f in _feed(growth, series)] == [20]
+    later = [(40, 32.0, [3.5, 3.5]), (50, 64.0, [4.0, 4.0])]  # samples at 30 (after the finding's restart), 40, 50
+    assert [(f.since, f.step) for f in _feed(growth, later)] == [(30, 50)]
+
+
+def test_a_restart_forgets_the_samples_and_the_best() -> None:
+    growth = _growth()
+    _feed(growth, [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0])])
+    growth.restart()
+    assert growth.samples == [] and growth.losses == [] and growth.best == math.inf
+    assert _feed(growth, [(20, 8.0, [3.0, 3.0]), (30, 9.0, [3.0, 3.0])]) == []
+
+
+def test_non_finite_values_are_left_to_the_non_finite_detector() -> None:
+    growth = _growth()
+    growth.add_loss(math.nan)
+    assert growth.losses == [] and growth.observe(0, 1.0) is None  # no finite loss yet: no sample
+    growth.add_loss(1.0)
+    assert growth.observe(0, math.inf) is None and growth.samples == []
+
+
+def test_a_loss_at_zero_or_below_has_no_scale_and_no_test() -> None:
+    series = [(0, 4.0, [-3.0, -3.0]), (10, 5.0, [-5.0, -5.0]), (20, 8.0, [-1.0, -1.0])]
+    assert _feed(_growth(), series) == []
+
+
+def test_the_state_round_trips_through_torch_load_weights_only(tmp_path: pytest.TempPathFactory) -> None:
+    growth = _growth()
+    _feed(growth, [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0])])
+    path = tmp_path / "growth.pt"  # type: ignore[operator]
+    torch.save(growth.state_dict(), path)
+    again = _growth()
+    again.load_state_dict(torch.load(path, weights_only=True))
+    assert (again.samples, again.losses, again.best) == (growth.samples, growth.losses, growth.best)
+    tail = [(20, 8.0, [3.0, 3.0])]
+    assert _feed(again, tail) == _feed(growth, tail) == [GrowthFinding(0, 20, 4.0, 8.0, 3.0, 3.0, 1.0)]
