@@ -281,15 +281,14 @@ class LossSpikeDetector(SuiteCallback):
             self.loss_spikes = self.grad_spikes = self.probe_skips = self.data_shifts = 0
 
     # ---- the decision -----------------------------------------------------------------------------------------
-    def _samples_weights(self, record: StepHealth) -> bool:
-        """Whether this step measures the weight norm (every ``growth_every_n_steps`` steps; with several optimizers
-        the test is off, as the level test is: each player of a game moves its weights as the game goes)."""
-        every = self.growth_every_n_steps
-        return every is not None and record.n_optimizers == 1 and record.step % every == 0
+    def _tests_growth(self, record: StepHealth) -> bool:
+        """Whether the weight-growth test runs (with several optimizers it is off, as the level test is: each player
+        of a game moves its weights as the game goes)."""
+        return self.growth_every_n_steps is not None and record.n_optimizers == 1
 
     @override
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
-        if not self._samples_weights(record):
+        if not self._tests_growth(record) or record.step % self.growth_every_n_steps:  # type: ignore[operator]
             return
         # Each rank's share of the weights' squared norm (its shards, or 1/world of a replica): summed in the read,
         # so every rank reads the same norm, at no extra collective.
@@ -356,7 +355,7 @@ class LossSpikeDetector(SuiteCallback):
 
     def _weigh_growth(self, trainer: pl.Trainer, record: StepHealth) -> None:
         """Signal divergence when the weights ran away over the growth window while the loss did not fall."""
-        if self.growth_every_n_steps is None or record.n_optimizers != 1:
+        if not self._tests_growth(record):
             return
         growth = self._growth.get(record.optimizer_index)
         if growth is None:
