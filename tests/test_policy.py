@@ -14,6 +14,7 @@ from conftest import assert_bit_identical, fit, weights
 
 from lightning_overflow import LossSpikeDetector, default_callbacks, read_journal
 from lightning_overflow.policy import DEFAULT_BACKOFF_TRIGGERS, DEFAULT_ROLLBACK_TRIGGERS, decide_step, Verdict
+from lightning_overflow.snapshot_store import snapshot_name
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 
 BATCHES_PER_EPOCH = 8  # TinyRegressor: 64 samples, batch size 8, no shuffling
@@ -348,6 +349,15 @@ def test_weights_that_run_away_while_the_loss_climbs_back_roll_back_to_before_th
     assert_bit_identical(after.at[81], after.at[50])  # the state the snapshot of step 50 took
     assert suite[-1].snapshot_steps[0] == 50 and 75 not in suite[-1].snapshot_steps
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.5 * model.lr
+
+
+def test_the_snapshot_taken_during_the_growth_is_dropped_from_disk_too(tmp_path: Path) -> None:
+    """A resumed run must not find the runaway weights either: the file of step 75 goes with its memory copy."""
+    suite = default_callbacks(snapshot_every_n_steps=25, dirpath=tmp_path / "snaps")
+    fit(TinyRegressor(), [*suite, FaultInjector(*RUNAWAY)], max_steps=100, default_root_dir=str(tmp_path))
+    assert _kinds(_journal(tmp_path), "rollback") == [(81, "rollback")]
+    assert sorted(p.name for p in (tmp_path / "snaps").glob("*.pt")) == [snapshot_name(50)]
+    assert [entry["step"] for entry in suite[-1].state_dict()["disk"]] == [50]
 
 
 def test_weights_that_grow_out_of_a_small_init_while_the_run_learns_change_nothing(tmp_path: Path) -> None:

@@ -549,8 +549,14 @@ class Rollback(SuiteCallback):
                     counted=not progress)  # fmt: skip
 
     def _forget(self, snapshot: Snapshot) -> None:
+        """Never a rollback target again: out of memory, and its file removed, so a resumed run cannot find it."""
         self._memory.discard(snapshot)
         self._before_restart = [s for s in self._before_restart if s.step != snapshot.step]
+        written = [entry for entry in self._disk if entry["step"] == snapshot.step]
+        self._disk = [entry for entry in self._disk if entry["step"] != snapshot.step]
+        if self._writer is not None:
+            for entry in written:
+                self._writer.remove(entry["file"])
 
     def _restore_first(self, trainer: pl.Trainer, candidates: list[Snapshot]) -> tuple[Snapshot, str] | None:
         """Restore the first usable candidate (a file is read and verified first): ``(it, "memory" or "disk")``, or
