@@ -1,14 +1,21 @@
 """The weight-growth test: weights that run away while the loss stands still are divergence; weights that grow
-while the run learns (out of a small initialisation) are not. Pure host floats, hand-checkable series."""
+while the run learns (out of a small initialisation) are not. Hand-checkable series of host floats, and the norm the
+detector reads in a fit."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
+from conftest import fit
 
+from lightning_overflow import LossSpikeDetector
 from lightning_overflow.numerics.growth import GrowthFinding, WeightGrowth
+from lightning_overflow.testing import TinyRegressor
 
 
 def _feed(growth: WeightGrowth, series: list[tuple[int, float, list[float]]]) -> list[GrowthFinding]:
@@ -93,3 +100,34 @@ def test_the_state_round_trips_through_torch_load_weights_only(tmp_path: pytest.
     assert (again.samples, again.losses, again.best) == (growth.samples, growth.losses, growth.best)
     tail = [(20, 8.0, [3.0, 3.0])]
     assert _feed(again, tail) == _feed(growth, tail) == [GrowthFinding(0, 20, 4.0, 8.0, 3.0, 3.0, 1.0)]
+
+
+class SometimesUnused(TinyRegressor):
+    """A head used on even steps only: on odd steps its weights get no gradient at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Parameter(torch.full((64,), 3.0))  # norm 24, far above the rest
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss + 1e-3 * self.head.square().mean() if self.trainer.global_step % 2 == 0 else loss
+
+
+def test_the_weight_norm_covers_every_parameter_of_the_optimizer_with_a_gradient_or_not(tmp_path: Path) -> None:
+    detector, weights = LossSpikeDetector(growth_every_n_steps=5, growth_window=5), WeightNorms()
+    fit(SometimesUnused(), [detector, weights], max_steps=21, default_root_dir=str(tmp_path))
+    samples = detector.state_dict()["growth"]["0"]["samples"]  # steps 10, 15, 20: odd and even alike
+    assert [step for step, _, _ in samples] == [10, 15, 20]
+    for step, norm, _ in samples:
+        assert norm == pytest.approx(weights.at[step], rel=1e-6)
+
+
+class WeightNorms(pl.Callback):
+    """The norm of every parameter as each batch starts (before its step's update)."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.at[trainer.global_step] = math.sqrt(sum(float(p.double().square().sum()) for p in pl_module.parameters()))

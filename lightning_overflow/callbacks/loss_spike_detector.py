@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_overflow._validation import check_bool, check_float, check_int
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
-from lightning_overflow.numerics import tensor_norms
+from lightning_overflow.numerics import parameters_of, tensor_norms
 from lightning_overflow.numerics.growth import WeightGrowth
 from lightning_overflow.numerics.norms import shard_squares
 from lightning_overflow.numerics.running_stats import HostRunningStats
@@ -290,11 +290,13 @@ class LossSpikeDetector(SuiteCallback):
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
         if not self._tests_growth(record) or record.step % self.growth_every_n_steps:  # type: ignore[operator]
             return
-        # Each rank's share of the weights' squared norm (its shards, or 1/world of a replica): summed in the read,
-        # so every rank reads the same norm, at no extra collective.
+        # Every parameter the optimizer updates, with a gradient this step or not: the same set at every sample.
+        # Each rank's share of their squared norm (its shards, or 1/world of a replica) is summed in the read, so
+        # every rank reads the same norm, at no extra collective.
+        params = parameters_of(record.optimizer)
         with torch.no_grad():
-            norms = tensor_norms(record.params)
-            record.add("weight_squares", shard_squares(norms, record.params, record.world_size).sum(), summed=True)
+            norms = tensor_norms(params)
+            record.add("weight_squares", shard_squares(norms, params, record.world_size).sum(), summed=True)
 
     @override
     def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
