@@ -131,3 +131,11 @@ class WeightNorms(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         self.at[trainer.global_step] = math.sqrt(sum(float(p.double().square().sum()) for p in pl_module.parameters()))
+
+
+def test_parameters_added_to_the_optimizer_start_the_test_again() -> None:
+    growth = _growth()
+    _feed(growth, [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0])])
+    growth.add_loss(3.0)
+    assert growth.observe(20, 8.0, size=100) is None  # 2x, but over more parameters than before: no comparison
+    assert [s[0] for s in growth.samples] == [20] and growth.size == 100

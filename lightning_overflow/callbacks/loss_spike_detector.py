@@ -365,7 +365,8 @@ class LossSpikeDetector(SuiteCallback):
         growth.add_loss(record.loss_mean)
         if not record.has("weight_squares"):
             return
-        finding = growth.observe(record.step, math.sqrt(record.value("weight_squares")[0]))
+        size = sum(p.numel() for p in parameters_of(record.optimizer))  # DTensors count their full size
+        finding = growth.observe(record.step, math.sqrt(record.value("weight_squares")[0]), size)
         if finding is None:
             return
         f = finding

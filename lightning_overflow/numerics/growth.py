@@ -72,6 +72,7 @@ class WeightGrowth:
     losses_per_sample: int = 20
     above_best: float = 0.1
     best: float = math.inf  # the least loss median of the samples so far
+    size: int = 0  # how many values the sampled norms cover
     samples: list[tuple[int, float, float]] = field(default_factory=list)  # (step, weight norm, loss median)
     losses: list[float] = field(default_factory=list)  # the last finite losses
 
@@ -82,9 +83,12 @@ class WeightGrowth:
             if len(self.losses) > self.losses_per_sample:
                 del self.losses[0]
 
-    def observe(self, step: int, norm: float) -> GrowthFinding | None:
-        """Take the weight norm at ``step``; return what was found when the weights ran away over the window, else
-        ``None``. After a finding the test starts again (the next one must show a new window of growth)."""
+    def observe(self, step: int, norm: float, size: int = 0) -> GrowthFinding | None:
+        """Take the weight norm at ``step`` of ``size`` values; return what was found when the weights ran away over
+        the window, else ``None``. After a finding the test starts again (the next one must show a new window of
+        growth), and so it does when ``size`` changed (parameters added to the optimizer: no longer the same norm)."""
+        if size != self.size:
+            self.samples, self.best, self.size = [], math.inf, size
         if not math.isfinite(norm) or not self.losses:
             return None  # a non-finite weight is the non-finite detector's business
         median = statistics.median(self.losses)
@@ -114,9 +118,11 @@ class WeightGrowth:
         self.best = math.inf
 
     def state_dict(self) -> dict[str, Any]:
-        return {"samples": [list(s) for s in self.samples], "losses": list(self.losses), "best": self.best}
+        return {"samples": [list(s) for s in self.samples], "losses": list(self.losses), "best": self.best,
+                "size": self.size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.samples = [(int(s[0]), float(s[1]), float(s[2])) for s in state.get("samples", [])]
         self.losses = [float(v) for v in state.get("losses", [])]
         self.best = float(state.get("best", math.inf))
+        self.size = int(state.get("size", 0))
