@@ -143,7 +143,8 @@ class LossSpikeDetector(SuiteCallback):
             the best median since the test started; weights that grow out of a small initialisation as the loss falls
             are learning, not divergence. The signal names the window's start, so ``Rollback`` returns to a snapshot
             from before the growth. Off with several optimizers (each player of a game moves its weights as the game
-            goes); it starts again after a finding and after a rollback.
+            goes); it measures every parameter of the optimizer, with a gradient or not, and starts again after a
+            finding, after a rollback and when parameters join the optimizer.
         growth_window: the steps between the two weight samples compared (default 50; at least
             ``growth_every_n_steps``).
         growth_factor: the growth of the weight norm over the window that counts as running away (default 2.0;
