@@ -9,7 +9,7 @@ window, **and** it stands above the best it had reached. A run that learns pays 
 lower loss; a run that escapes a small initialisation grows its weights fast too, but its loss goes down as they
 grow and stays at its best; a healthy run on a plateau barely moves its weights.
 
-Measured on the rescue benchmark (``benchmarks/rescue.py``) and on healthy runs of other kinds (weights drawn 7-700x
+Measured on the rescue benchmark (``benchmarks/rescue.py``) and on healthy runs of other kinds (weights drawn 3-350x
 smaller than Kaiming's, a GPT-style N(0, 0.02) transformer with and without warm-up, a BatchNorm CNN): healthy runs
 grow their weights by at most 1.7x over 50 steps while they learn, or up to 2.7x out of a small initialisation with
 the loss at its best; SGD with momentum at 4-16x its stable rate, or a large batch at 8x, grows them 2-400x in the
