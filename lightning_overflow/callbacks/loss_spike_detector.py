@@ -148,7 +148,8 @@ class LossSpikeDetector(SuiteCallback):
         growth_window: the steps between the two weight samples compared (default 50; at least
             ``growth_every_n_steps``).
         growth_factor: the growth of the weight norm over the window that counts as running away (default 2.0;
-            healthy runs measured grow theirs at most 1.7x in 50 steps while they learn).
+            at a stable learning rate the runs measured grow theirs at most 1.25x in 50 steps; those that grow
+            theirs faster while they learn also lower their loss).
         growth_progress: the least fraction by which the loss median must have fallen over the window for the growth
             to be the price of learning, in [0, 1) (default 0.2).
 
