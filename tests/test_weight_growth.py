@@ -102,6 +102,14 @@ def test_the_state_round_trips_through_torch_load_weights_only(tmp_path: pytest.
     assert _feed(again, tail) == _feed(growth, tail) == [GrowthFinding(0, 20, 4.0, 8.0, 3.0, 3.0, 1.0)]
 
 
+def test_parameters_added_to_the_optimizer_start_the_test_again() -> None:
+    growth = _growth()
+    _feed(growth, [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0])])
+    growth.add_loss(3.0)
+    assert growth.observe(20, 8.0, size=100) is None  # 2x, but over more parameters than before: no comparison
+    assert [s[0] for s in growth.samples] == [20] and growth.size == 100
+
+
 class SometimesUnused(TinyRegressor):
     """A head used on even steps only: on odd steps its weights get no gradient at all."""
 
@@ -114,15 +122,6 @@ class SometimesUnused(TinyRegressor):
         return loss + 1e-3 * self.head.square().mean() if self.trainer.global_step % 2 == 0 else loss
 
 
-def test_the_weight_norm_covers_every_parameter_of_the_optimizer_with_a_gradient_or_not(tmp_path: Path) -> None:
-    detector, weights = LossSpikeDetector(growth_every_n_steps=5, growth_window=5), WeightNorms()
-    fit(SometimesUnused(), [detector, weights], max_steps=21, default_root_dir=str(tmp_path))
-    samples = detector.state_dict()["growth"]["0"]["samples"]  # steps 10, 15, 20: odd and even alike
-    assert [step for step, _, _ in samples] == [10, 15, 20]
-    for step, norm, _ in samples:
-        assert norm == pytest.approx(weights.at[step], rel=1e-6)
-
-
 class WeightNorms(pl.Callback):
     """The norm of every parameter as each batch starts (before its step's update)."""
 
@@ -133,9 +132,11 @@ class WeightNorms(pl.Callback):
         self.at[trainer.global_step] = math.sqrt(sum(float(p.double().square().sum()) for p in pl_module.parameters()))
 
 
-def test_parameters_added_to_the_optimizer_start_the_test_again() -> None:
-    growth = _growth()
-    _feed(growth, [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0])])
-    growth.add_loss(3.0)
-    assert growth.observe(20, 8.0, size=100) is None  # 2x, but over more parameters than before: no comparison
-    assert [s[0] for s in growth.samples] == [20] and growth.size == 100
+def test_the_weight_norm_covers_every_parameter_of_the_optimizer_with_a_gradient_or_not(tmp_path: Path) -> None:
+    detector, weights = LossSpikeDetector(growth_every_n_steps=5, growth_window=5), WeightNorms()
+    fit(SometimesUnused(), [detector, weights], max_steps=21, default_root_dir=str(tmp_path))
+    samples = detector.state_dict()["growth"]["0"]["samples"]  # steps 10, 15, 20: odd and even alike
+    assert [step for step, _, _ in samples] == [10, 15, 20]
+    for step, norm, _ in samples:
+        assert norm == pytest.approx(weights.at[step], rel=1e-6)
+
