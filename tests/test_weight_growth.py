@@ -90,10 +90,10 @@ def test_a_loss_at_zero_or_below_has_no_scale_and_no_test() -> None:
     assert _feed(_growth(), series) == []
 
 
-def test_the_state_round_trips_through_torch_load_weights_only(tmp_path: pytest.TempPathFactory) -> None:
+def test_the_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> None:
     growth = _growth()
     _feed(growth, [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0])])
-    path = tmp_path / "growth.pt"  # type: ignore[operator]
+    path = tmp_path / "growth.pt"
     torch.save(growth.state_dict(), path)
     again = _growth()
     again.load_state_dict(torch.load(path, weights_only=True))
