@@ -340,8 +340,8 @@ def test_weights_that_run_away_while_the_loss_climbs_back_roll_back_to_before_th
     details = growth["details"]
     assert details["since"] == 30 and details["weight_norm"] >= 2 * details["weight_norm_before"]
     assert details["loss"] >= 1.1 * details["best_loss"] and details["loss"] >= 0.8 * details["loss_before"]
-    assert re.match(r"LossSpikeDetector: the weight norm grew [\d.]+x in 50 steps \(from [\d.]+ at step 30 to [\d.]+ at "
-                    r"step 80\) while the training loss did not fall", growth["message"])
+    assert re.match(r"LossSpikeDetector: the weight norm grew [\d.]+x in 50 steps \(from [\d.]+ at step 30 to "
+                    r"[\d.]+ at step 80\) while the training loss did not fall", growth["message"])
     (backoff,) = [e for e in events if e["kind"] == "backoff"]
     assert backoff["details"]["kinds"] == "weight_growth"
     (rollback,) = [e for e in events if e["kind"] == "rollback"]

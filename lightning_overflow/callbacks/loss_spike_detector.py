@@ -656,9 +656,8 @@ class DivergenceEvidence:
             return "loss_divergence", f"{where}, for {confirm_steps} consecutive steps"
         if spike or runaway:
             return None  # a spike's losses stay out of the trend window and the level
-        return self._level(loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas) or self._trend(
-            loss, trend_window, trend_probability, trend_margin
-        )
+        level = self._level(loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas)
+        return level or self._trend(loss, trend_window, trend_probability, trend_margin)
 
     def _level(
         self, loss: float, window: int | None, factor: float, fraction: float, confirm_steps: int, sigmas: float

@@ -67,9 +67,9 @@ class LRBackoff(SuiteCallback):
         factor: the multiplier applied on each backoff, in (0, 1) (default 0.5).
         triggers: the signal kinds that mean divergence (default :data:`DEFAULT_TRIGGERS`:
             ``nonfinite_persistent``, ``nonfinite_state``, ``scaler_collapse``, ``loss_divergence``, ``loss_trend``,
-            ``weight_growth``: evidence that the training state degrades). A non-finite step that ``NonFiniteDetector`` skipped, a
-            burst of them on bad data and a single spike are not; add ``"nonfinite_burst"`` or ``"loss_spike"`` to
-            back off on those too.
+            ``weight_growth``: evidence that the training state degrades). A non-finite step that
+            ``NonFiniteDetector`` skipped, a burst of them on bad data and a single spike are not; add
+            ``"nonfinite_burst"`` or ``"loss_spike"`` to back off on those too.
         cooldown: optimizer steps after a backoff during which further triggers are part of the same burst
             (default 10: a burst of non-finite steps or a spike lasting a few steps costs one backoff, while a
             divergence that goes on after it gets the next one soon).
