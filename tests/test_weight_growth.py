@@ -65,8 +65,22 @@ def test_after_a_finding_a_new_window_of_growth_is_needed() -> None:
     growth = _growth()
     series = [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0]), (20, 8.0, [3.0, 3.0]), (30, 16.0, [3.0, 3.0])]
     assert [f.step for f in _feed(growth, series)] == [20]
-    later = [(40, 32.0, [3.5, 3.5]), (50, 64.0, [4.0, 4.0])]  # samples at 30 (after the finding's restart), 40, 50
+    # Measured from the samples before the finding, 24 at step 40 would be 3x the norm of step 20: found at 40.
+    later = [(40, 24.0, [3.5, 3.5]), (50, 32.0, [4.0, 4.0])]  # samples at 30 (after the finding's restart), 40, 50
     assert [(f.since, f.step) for f in _feed(growth, later)] == [(30, 50)]
+
+
+def test_growth_within_less_than_a_window_is_found_at_its_first_sample() -> None:
+    # The norm doubles in the first 10 steps while the loss climbs: no need to wait for a whole window.
+    series = [(0, 4.0, [3.0, 3.0]), (10, 8.0, [3.4, 3.6])]
+    assert _feed(_growth(), series) == [GrowthFinding(0, 10, 4.0, 8.0, 3.0, 3.5, 3.0)]
+
+
+def test_only_samples_at_most_a_window_back_are_compared() -> None:
+    # 9.0 at step 30 is 2.25x the norm of step 0, but step 0 lies more than the window (20) back; from step 10 on,
+    # the norm grew 1.8x.
+    series = [(0, 4.0, [3.0, 3.0]), (10, 5.0, [1.0, 1.0]), (20, 6.0, [3.0, 3.0]), (30, 9.0, [3.0, 3.0])]
+    assert _feed(_growth(), series) == []
 
 
 def test_a_restart_forgets_the_samples_and_the_best() -> None:
@@ -133,7 +147,7 @@ class WeightNorms(pl.Callback):
 
 
 def test_the_weight_norm_covers_every_parameter_of_the_optimizer_with_a_gradient_or_not(tmp_path: Path) -> None:
-    detector, weights = LossSpikeDetector(growth_every_n_steps=5, growth_window=5), WeightNorms()
+    detector, weights = LossSpikeDetector(growth_every_n_steps=5, growth_window=10), WeightNorms()
     fit(SometimesUnused(), [detector, weights], max_steps=21, default_root_dir=str(tmp_path))
     samples = detector.state_dict()["growth"]["0"]["samples"]  # steps 10, 15, 20: odd and even alike
     assert [step for step, _, _ in samples] == [10, 15, 20]
