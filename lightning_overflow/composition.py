@@ -36,7 +36,7 @@ def default_callbacks(
        (``NonFiniteDetector``); an isolated one (one corrupt sample) stops there;
     3. evidence that the training state degrades (non-finite steps on clean batches, non-finite weights or
        moments, a collapsing GradScaler, a loss that stays above its reference, settles far above its best level
-       or trends up, weights that grow 2x in 50 steps while the loss does not fall) multiplies the LR by
+       or trends up, weights that grow 2x within 50 steps while the loss does not fall) multiplies the LR by
        ``lr_factor`` (``LRBackoff``) and restores the last snapshot verified finite (``Rollback``; for runaway
        weights, the last one from before they began to grow); a divergence again at the lower LR backs off
        further, by ``lr_factor`` twice when it comes within two snapshot intervals of the previous backoff; when

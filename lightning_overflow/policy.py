@@ -15,20 +15,21 @@ signal (who raises it)     rung of the default interventions           why
 ``scaler_collapse``        back off and roll back                      the GradScaler cannot find a finite scale
 ``loss_spike``,            none by default (journaled)                 one spike is one batch, or a clip already
 ``grad_spike``                                                         neutralised it
-``loss_divergence``        back off and roll back                      the loss stays above its reference (its
-(LossSpikeDetector)                                                    statistics, or an absolute anchor) for
-                                                                       several steps: the state degrades
-``loss_divergence``        back off and roll back                      the level of the healthy losses settled far
-(level test)                                                           above the best level the run reached (2x it
-                                                                       and half the progress given back), or at 2x
+``loss_divergence``        back off and roll back to a snapshot from   the loss stays above its reference (its
+(LossSpikeDetector)        before the losses judged (later ones        statistics, or an absolute anchor) for
+                           dropped)                                    several steps: the state degrades
+``loss_divergence``        back off and roll back to a snapshot from   the level of the healthy losses settled far
+(level test)               before the losses its level averages        above the best level the run reached (2x it
+                           (later ones dropped)                        and half the progress given back), or at 2x
                                                                        the first losses, beyond 3 standard errors of
                                                                        the losses' scatter, and in most of the
                                                                        confirming losses too: a collapsed state does
                                                                        not come back at this LR (a state restored
                                                                        above the bound is judged against the first
                                                                        loss until it trained back within)
-``loss_trend``             back off and roll back                      a slow rise with no spike and no NaN
-``weight_growth``          back off and roll back to a snapshot from   the weight norm grew 2x over 50 steps while
+``loss_trend``             back off and roll back to a snapshot from   a slow rise with no spike and no NaN
+                           before the window (later ones dropped)
+``weight_growth``          back off and roll back to a snapshot from   the weight norm grew 2x within 50 steps while
 (LossSpikeDetector)        before the growth (later ones dropped)      the loss did not fall and stood above its
                                                                        best: updates that overshoot without
                                                                        overflowing; weights that grow as the loss

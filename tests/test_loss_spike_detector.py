@@ -347,6 +347,24 @@ def test_a_loss_that_went_down_and_settles_back_up_is_divergence() -> None:
     assert "the best level 1 times 2, and 0.5 of the way back up to its anchor 4" in reason
 
 
+def test_each_finding_names_the_losses_it_rests_on_so_the_rollback_goes_back_before_them() -> None:
+    def span(losses: list[float], **overrides: Any) -> tuple[int, str, int]:
+        evidence = DivergenceEvidence()
+        for i, loss in enumerate(losses):
+            finding = evidence.observe(loss, spike=False, **{**LEVEL, **overrides})
+            if finding is not None:
+                return i, finding[0], evidence.span
+        raise AssertionError("no finding")
+
+    # The level: its 3 confirming steps and the window of 4 it averages (losses 46-52; the rise began at 48).
+    assert span([4.0] * 8 + [1.0] * 40 + [3.0] * 10) == (52, "loss_divergence", 7)
+    # A streak of losses beyond 100x the anchor: the streak itself (losses 8-10).
+    assert span([4.0] * 8 + [500.0] * 3) == (10, "loss_divergence", 3)
+    # The trend: its window of 10 losses.
+    rising = [4.0] * 8 + [1.0] * 12 + [2.0 + 0.1 * i for i in range(10)]  # windows of losses 0-9, 10-19, 20-29
+    assert span(rising, level_window=None, trend_window=10) == (29, "loss_trend", 10)
+
+
 def test_a_rise_of_less_than_half_the_progress_is_no_divergence() -> None:
     assert _first_finding([4.0] * 8 + [1.0] * 40 + [2.4] * 200) is None  # below 2.5: a harder task, new data
 

@@ -63,6 +63,8 @@ def test_a_loss_that_stays_above_its_reference_backs_off_and_rolls_back(tmp_path
     trainer = fit(TinyRegressor(), [*suite, faults], max_steps=40, default_root_dir=str(tmp_path))
     events = _journal(tmp_path)
     assert _kinds(events, "loss_divergence") == [(32, "loss_divergence")]
+    (finding,) = [e for e in events if e["kind"] == "loss_divergence"]
+    assert finding["details"]["since"] == 30  # the first of the streak's losses: the state before it is sound
     (backoff,) = [e for e in events if e["kind"] == "backoff"]
     assert backoff["step"] == 32 and backoff["details"]["kinds"] == "loss_divergence"
     (rollback,) = [e for e in events if e["kind"] == "rollback"]

@@ -138,15 +138,16 @@ class LossSpikeDetector(SuiteCallback):
             disables the test). The sample joins the step's one read (one norm of the weights every 10 steps). A
             learning rate far too high can overshoot without overflowing or spiking: the weights grow step after step
             while the loss hovers where it began. The test (:class:`~lightning_overflow.numerics.growth.WeightGrowth`)
-            signals ``weight_growth`` when the norm grew ``growth_factor`` times or more over ``growth_window`` steps
-            while the median of the losses did not fall by ``growth_progress`` over the window and stands 10% above
+            signals ``weight_growth`` when the norm grew ``growth_factor`` times or more within ``growth_window`` steps
+            (from the oldest sample at most that far back: a run that overshoots from its first steps is caught at its
+            first samples) while the median of the losses did not fall by ``growth_progress`` and stands 10% above
             the best median since the test started; weights that grow out of a small initialisation as the loss falls
             are learning, not divergence. The signal names the window's start, so ``Rollback`` returns to a snapshot
             from before the growth. Off with several optimizers (each player of a game moves its weights as the game
             goes); it measures every parameter of the optimizer, with a gradient or not, and starts again after a
             finding, after a rollback and when parameters join the optimizer.
-        growth_window: the steps between the two weight samples compared (default 50; at least
-            ``growth_every_n_steps``).
+        growth_window: how far back the weight sample compared with the newest may lie, in steps (default 50; at
+            least ``growth_every_n_steps``).
         growth_factor: the growth of the weight norm over the window that counts as running away (default 2.0;
             at a stable learning rate the runs measured grow theirs at most 1.25x in 50 steps; those that grow
             theirs faster while they learn also lower their loss).
@@ -353,9 +354,13 @@ class LossSpikeDetector(SuiteCallback):
         self._judged[record.optimizer_index] = (record.step, evidence.judged)
         suffix = f" of optimizer {record.optimizer_index}" if record.n_optimizers > 1 else ""
         message = f"LossSpikeDetector: the training loss{suffix} {reason} at step {record.step}."
+        # The losses judged came from the states of the last ``span`` steps (or more, with spikes between them); the
+        # first of those states gave its loss before any update from the suspect ones, so a snapshot of it may be
+        # sound (new data, not a bad state); one taken after it holds the divergence.
+        onset = max(0, record.step - evidence.span + 1)
         self._event(trainer, kind, message, loss=record.loss_mean, anchor=evidence.anchor,
-                    optimizer=record.optimizer_index)  # fmt: skip
-        self._signal(trainer, kind, message, record.optimizer_index)
+                    optimizer=record.optimizer_index, since=onset)  # fmt: skip
+        self._signal(trainer, kind, message, record.optimizer_index, onset=onset)
 
     def _weigh_growth(self, trainer: pl.Trainer, record: StepHealth) -> None:
         """Signal divergence when the weights ran away over the growth window while the loss did not fall."""
@@ -613,6 +618,7 @@ class DivergenceEvidence:
         self.scatter = 0.0  # their scatter (``loss_scatter``), taken once a window
         self.best_scatter = 0.0  # the scatter when the best level was reached
         self.judged = 0.0  # what the last finding judged divergent: the least loss of its streak, a level or a mean
+        self.span = 0  # how many of the last finite losses the last finding rests on
         self.recent: list[float] = []  # the last finite losses
 
     def observe(
@@ -647,7 +653,7 @@ class DivergenceEvidence:
         if self.streak == confirm_steps:
             # The least of the streak: what the diverged state gave on every one of its batches, however the
             # batches' losses scatter (a probe compares the restored weights' losses with it).
-            self.judged = self.streak_low
+            self.judged, self.span = self.streak_low, confirm_steps
             where = (
                 f"is {loss:.4g}, {loss / self.anchor:.3g}x its anchor {self.anchor:.4g}"
                 if runaway
@@ -709,7 +715,8 @@ class DivergenceEvidence:
         # for many steps; a level that settled is in most of the losses.
         if self.level_streak < confirm_steps or statistics.median(self.level_losses[-confirm_steps:]) <= bound:
             return None
-        self.judged = self.level
+        # The level averages about a window of losses before its streak: the states that gave them are implicated.
+        self.judged, self.span = self.level, self.level_streak + window
         self._restart_level()
         within = f" ({level:.4g} less the allowance for the losses' scatter)" if allowance > 0.0 else ""
         return "loss_divergence", (
@@ -738,7 +745,7 @@ class DivergenceEvidence:
         self.best_mean = min(self.best_mean, mean)
         if not rising:
             return None
-        self.judged = mean
+        self.judged, self.span = mean, window
         return "loss_trend", (
             f"trends up: P(slope > 0) = {p:.4f} over the last {window} healthy steps, whose mean {mean:.4g} stands "
             f"above the best window mean {best:.4g} by more than {margin:g}x"
