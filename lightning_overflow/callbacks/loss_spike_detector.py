@@ -354,9 +354,9 @@ class LossSpikeDetector(SuiteCallback):
         self._judged[record.optimizer_index] = (record.step, evidence.judged)
         suffix = f" of optimizer {record.optimizer_index}" if record.n_optimizers > 1 else ""
         message = f"LossSpikeDetector: the training loss{suffix} {reason} at step {record.step}."
-        # The losses judged came from the states of the last ``span`` steps (or more, with spikes between them); the
-        # first of those states gave its loss before any update from the suspect ones, so a snapshot of it may be
-        # sound (new data, not a bad state); one taken after it holds the divergence.
+        # The losses judged came from the states of the last ``span`` steps (or more, with spikes between them). The
+        # first of those states had taken no update from a judged batch: its snapshot may be sound (the data changed,
+        # not the state); one taken after it holds the divergence.
         onset = max(0, record.step - evidence.span + 1)
         self._event(trainer, kind, message, loss=record.loss_mean, anchor=evidence.anchor,
                     optimizer=record.optimizer_index, since=onset)  # fmt: skip
