@@ -38,10 +38,10 @@ def default_callbacks(
        moments, a collapsing GradScaler, a loss that stays above its reference, settles far above its best level
        or trends up, weights that grow 2x within 50 steps while the loss does not fall) multiplies the LR by
        ``lr_factor`` (``LRBackoff``) and restores the last snapshot verified finite (``Rollback``; for runaway
-       weights, the last one from before they began to grow); a divergence again at the lower LR backs off
-       further, by ``lr_factor`` twice when it comes within two snapshot intervals of the previous backoff; when
-       the restored weights turn out as bad on the current data as the diverged ones (a ``data_shift``: new data,
-       a harder task), the backoff is undone;
+       weights or a loss finding, the last one from before the growth or the losses judged); a divergence again
+       at the lower LR backs off further, by ``lr_factor`` twice when it comes within two snapshot intervals of
+       the previous backoff; when the restored weights turn out as bad on the current data as the diverged ones
+       (a ``data_shift``: new data, a harder task), the backoff is undone;
     4. after ``max_rollbacks`` retries with nothing changed within Rollback's window (a retry at a backed-off LR
        is progress and spends none), or the LR backed off to its floor, the run stops with
        :class:`~lightning_overflow.DivergenceError`, which lists what was tried.

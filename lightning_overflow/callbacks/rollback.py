@@ -102,8 +102,8 @@ class Rollback(SuiteCallback):
     ``"scaler_collapse"``, ``"loss_divergence"``, ``"loss_trend"``, ``"weight_growth"``, ``"replica_mismatch"``. A
     skipped non-finite step, a burst of them on bad data, and a single spike are not (a skip or a clip absorbs them at
     no cost; see :mod:`lightning_overflow.policy`). A signal that names where the state began to degrade
-    (``weight_growth``: the start of its window) sends the rollback to a snapshot from before then, and the
-    snapshots taken since are dropped.
+    (``weight_growth``: the start of its window; ``loss_divergence`` and ``loss_trend``: the first step of the losses
+    judged) sends the rollback to a snapshot from before then, and the snapshots taken since are dropped.
 
     Args:
         every_n_steps: healthy optimizer steps between snapshots (default 100).
