@@ -373,10 +373,9 @@ class LossSpikeDetector(SuiteCallback):
         if not record.has("weight_squares"):
             return
         size = sum(p.numel() for p in parameters_of(record.optimizer))  # DTensors count their full size
-        finding = growth.observe(record.step, math.sqrt(record.value("weight_squares")[0]), size)
-        if finding is None:
+        f = growth.observe(record.step, math.sqrt(record.value("weight_squares")[0]), size)
+        if f is None:
             return
-        f = finding
         message = (
             f"LossSpikeDetector: the weight norm grew {f.norm / f.norm_before:.3g}x in {f.step - f.since} steps (from "
             f"{f.norm_before:.4g} at step {f.since} to {f.norm:.4g} at step {f.step}) while the training loss did not "
