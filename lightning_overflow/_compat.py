@@ -39,6 +39,9 @@ __all__ = [
     "scaler_of",
     "scaler_scale",
     "should_update_logs",
+    "BATCH_HOOKS",
+    "mute_hooks",
+    "unmute_hooks",
 ]
 
 
@@ -72,6 +75,35 @@ def scaler_scale(scaler: Any) -> Tensor | None:
     """The scaler's current scale as a device tensor. ``GradScaler.get_scale()`` would read it to the host, a sync
     per call; ``_scale`` is the tensor behind it (torch 2.13.0). ``None`` before the first scaled backward."""
     return getattr(scaler, "_scale", None)
+
+
+BATCH_HOOKS = (
+    "on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+    "on_before_zero_grad", "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end",
+    "on_test_batch_start", "on_test_batch_end", "on_predict_batch_start", "on_predict_batch_end",
+)  # fmt: skip
+"""The callback hooks Lightning calls once or more per batch (2.6.6)."""
+
+
+def mute_hooks(callback: Any, hooks: list[str]) -> tuple[str, ...]:
+    """Have Lightning skip ``hooks`` of this callback instance; return the ones muted.
+
+    ``_call_callback_hooks`` calls a hook only when ``callable(getattr(callback, name))`` (2.6.6), and opens a
+    profiler context around every call it makes: a few microseconds a hook, a callback and a batch. A hook already
+    set on the instance (someone wrapped it) is left alone; ``on_save_checkpoint`` and ``on_load_checkpoint``, which
+    Lightning calls directly, are never muted.
+    """
+    muted = tuple(name for name in hooks if name not in vars(callback))
+    for name in muted:
+        setattr(callback, name, None)
+    return muted
+
+
+def unmute_hooks(callback: Any, hooks: tuple[str, ...]) -> None:
+    """Undo :func:`mute_hooks`: the class's hooks answer again."""
+    for name in hooks:
+        if name in vars(callback) and vars(callback)[name] is None:
+            delattr(callback, name)
 
 
 SHARDED_STRATEGIES = ("FSDPStrategy", "XLAFSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")

@@ -391,10 +391,11 @@ class HealthBoard:
             self._ordered = None
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
         self._step_names = None
-        self._leader = None
         self._published = {}
         self._constants = None
         if not self._journal_open:  # the fit's first participant opens its journal; a broadcast: every rank, in setup
+            # ... and leads: Lightning calls setup in the order of trainer.callbacks, as it calls every other hook.
+            self._leader = participant
             path, run = journal_location(trainer)
             self.journal = Journal(path, write=trainer.global_rank == 0, run=run)
             self._journal_open = True
@@ -409,9 +410,9 @@ class HealthBoard:
         return self._ordered
 
     def leads(self, participant: StepParticipant) -> bool:
-        """Whether ``participant`` forwards Lightning's per-batch hooks to the board: the first participant that
-        calls after the fit's participants joined (Lightning calls callbacks in the order of ``trainer.callbacks``,
-        so the first of them in that list), so the board hears each hook once, as soon as any participant does."""
+        """Whether ``participant`` forwards Lightning's per-batch hooks to the board: the fit's first participant to
+        join (Lightning calls callbacks in the order of ``trainer.callbacks``, so the first of them in that list),
+        so the board hears each hook once, as soon as any participant does."""
         if self._leader is None:
             self._leader = participant
         return self._leader is participant

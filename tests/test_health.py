@@ -152,6 +152,45 @@ def test_the_board_hears_each_hook_once_through_the_first_suite_callback(monkeyp
     })
 
 
+def test_lightning_calls_only_the_batch_hooks_a_suite_callback_works_in() -> None:
+    """Lightning opens a profiler context around every callback hook it calls, every batch: for the fit, the suite's
+    callbacks have it skip the hooks they have nothing to do in. The leader keeps the four it forwards to the board,
+    NonFiniteDetector its own batch start and end (it keeps the batch for a replay), the others none; after the fit
+    every hook answers again."""
+    from pytorch_lightning.profilers import PassThroughProfiler
+
+    from lightning_overflow import default_callbacks
+
+    class Recording(PassThroughProfiler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.actions: Counter[str] = Counter()
+
+        def start(self, action_name: str) -> None:
+            if action_name.startswith("[Callback]"):
+                hook = action_name.rsplit(".", 1)[1]
+                if "batch" in hook or "backward" in hook or "optimizer_step" in hook or "zero_grad" in hook:
+                    self.actions[action_name.split("{")[0].removeprefix("[Callback]") + "." + hook] += 1
+
+    suite = default_callbacks()
+    wrapped: list[int] = []  # a hook someone set on an instance is theirs: never muted
+    suite[2].on_after_backward = lambda trainer, *_: wrapped.append(trainer.global_step)
+    profiler = Recording()
+    fit(TinyRegressor(), suite, max_steps=STEPS, logger=MemoryLogger(), profiler=profiler)
+    assert wrapped == list(range(STEPS))
+    assert profiler.actions == Counter({
+        "LossSpikeDetector.on_after_backward": STEPS,
+        "GradNormMonitor.on_train_batch_start": STEPS,
+        "GradNormMonitor.on_before_backward": STEPS,
+        "GradNormMonitor.on_before_optimizer_step": STEPS,
+        "GradNormMonitor.on_train_batch_end": STEPS,
+        "NonFiniteDetector.on_train_batch_start": STEPS,
+        "NonFiniteDetector.on_train_batch_end": STEPS,
+    })
+    for callback in suite:
+        assert callable(callback.on_after_backward) and callable(callback.on_train_batch_start)
+
+
 def test_the_place_of_a_callback_in_the_list_changes_nothing(tmp_path: Any) -> None:
     from lightning_overflow import AutoClip, LossSpikeDetector, LRBackoff, Rollback, read_journal
     from lightning_overflow.testing import Fault, FaultInjector

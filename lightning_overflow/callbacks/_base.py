@@ -22,10 +22,15 @@ __all__ = ["MONITOR", "DETECTOR", "CLIPPER", "BACKOFF", "ROLLBACK", "SuiteCallba
 # clipped; LRBackoff acts before Rollback at batch end, so that the rollback carries the new LR scale.
 MONITOR, DETECTOR, CLIPPER, BACKOFF, ROLLBACK = 0, 1, 2, 3, 4
 
+# The hooks the board's leader forwards to the board; in the other suite callbacks they return at once.
+_FORWARDED = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
+
 
 class SuiteCallback(Callback):
     """Base of the suite's callbacks: joins the trainer's board in ``setup``; the board's leader (the first suite
-    callback in ``trainer.callbacks``) forwards Lightning's per-batch hooks to it, the others' hooks return at once.
+    callback in ``trainer.callbacks``) forwards Lightning's per-batch hooks to it. For the fit, each callback has
+    Lightning skip the per-batch hooks it has nothing to do in (the others' forwarding hooks, the hooks no suite
+    callback uses), so six of them cost Lightning's hook dispatch about what one does.
 
     Pipeline stages (override what the callback needs; every default does nothing):
         ``_contribute(trainer, pl_module, record)``: add device values to the step's one host read.
@@ -46,9 +51,12 @@ class SuiteCallback(Callback):
     # ---- Lightning's hooks ------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._unmute()
         if stage == "fit":
             _compat.check_strategy(trainer.strategy, type(self).__name__)
-            self.board(trainer).join(self, trainer, pl_module)
+            board = self.board(trainer)
+            board.join(self, trainer, pl_module)
+            self._muted = _compat.mute_hooks(self, self._idle_hooks(board))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
@@ -93,6 +101,20 @@ class SuiteCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.board(trainer).release()
+        self._unmute()
+
+    def _unmute(self) -> None:
+        _compat.unmute_hooks(self, getattr(self, "_muted", ()))
+        self._muted: tuple[str, ...] = ()
+
+    def _idle_hooks(self, board: HealthBoard) -> list[str]:
+        """The per-batch hooks in which this callback has nothing to do in this fit, for Lightning to skip: those its
+        class leaves to Lightning's no-op, and, unless it leads the board, those that only forward to the board."""
+        cls = type(self)
+        idle = [hook for hook in _compat.BATCH_HOOKS if getattr(cls, hook) is getattr(Callback, hook)]
+        if not board.leads(self):
+            idle += [hook for hook in _FORWARDED if getattr(cls, hook) is getattr(SuiteCallback, hook)]
+        return idle
 
     # ---- pipeline stages --------------------------------------------------------------------------------------
     def _wants_record(self) -> bool:
