@@ -7,6 +7,10 @@ counted twice) and around each stage of the step pipeline. Each line is microsec
 fit, so the work done every 100 steps (Rollback's snapshot, NonFiniteDetector's weights check and headroom sample)
 is spread over the steps as it is in a run. The clocks themselves cost well under a microsecond a call.
 
+Before that, unclocked fits of a bare model, of six empty Lightning callbacks and of ``default_callbacks()`` give the
+wall time of Lightning's per-batch callback hooks with its dispatch (the profiler context it opens around every hook
+of every callback): what the suite costs there in all, muted hooks spared.
+
 Then, inside ``on_before_optimizer_step`` of a bare fit of the same model: the suite's norm and finiteness check
 against a plain sum of every gradient, taken first and second in turn. The first read of the gradients in a step
 costs more than the same read in ``overhead.py``'s loop: the backward pass has just pushed them out of the caches.
@@ -32,8 +36,9 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.trainer import call
 
-from lightning_overflow import default_callbacks
+from lightning_overflow import _compat, default_callbacks
 from lightning_overflow.health import HealthBoard, StepHealth
 from lightning_overflow.numerics import tensor_norms
 from lightning_overflow.numerics.norms import host_total_norm
@@ -134,6 +139,51 @@ class FirstRead(pl.Callback):
             self.times[f"{what}, {place}"].append(time.perf_counter() - start)
 
 
+class Dispatch:
+    """Wall time of Lightning's per-batch callback hooks, its dispatch included (the profiler context it opens
+    around every call, for every callback), while in use."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._original = call._call_callback_hooks
+
+    def __enter__(self) -> Dispatch:
+        original = self._original
+
+        def timed(trainer: pl.Trainer, hook_name: str, *args: Any, **kwargs: Any) -> Any:
+            if hook_name not in _compat.BATCH_HOOKS:
+                return original(trainer, hook_name, *args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return original(trainer, hook_name, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        call._call_callback_hooks = timed
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        call._call_callback_hooks = self._original
+
+
+DISPATCHED = {
+    "bare": lambda: [],
+    "6 empty Lightning callbacks": lambda: [pl.Callback() for _ in range(6)],
+    "default_callbacks()": default_callbacks,
+}
+
+
+def dispatch_costs(spec: overhead.ModelSpec, steps: int, tmp: Path) -> dict[str, float]:
+    """Microseconds a step in Lightning's per-batch callback hooks, for each row of ``DISPATCHED``."""
+    costs = {}
+    for name, make in DISPATCHED.items():
+        config = overhead.Config(name, lambda _, make=make: (make(), {}), "suite")
+        with Dispatch() as dispatch:
+            overhead.fit_ms_per_step(spec, config, steps, "cpu", tmp, "dispatch")
+        costs[name] = dispatch.seconds / (steps + spec.warmup_steps + 1) * 1e6
+    return costs
+
+
 def first_reads(spec: overhead.ModelSpec, steps: int, tmp: Path) -> dict[str, float]:
     probe = FirstRead()
     overhead.fit_ms_per_step(spec, overhead.Config("read", lambda _: ([probe], {}), "bare"), steps, "cpu", tmp, "read")
@@ -157,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as root:
         tmp = Path(root)
         reads = first_reads(spec, args.steps, tmp)
+        dispatched = dispatch_costs(spec, args.steps, tmp)
         clocks, ms = profile_suite(spec, args.steps, tmp)
     per_step = args.steps + spec.warmup_steps + 1
     n_params = sum(p.numel() for p in spec.build(1).parameters())
@@ -171,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, seconds in sorted(clocks.seconds.items(), key=lambda kv: -kv[1]):
         print(f"| {label} | {seconds / per_step * 1e6:.1f} | {clocks.calls[label] / per_step:.1f} |")
     print("\n(stages run inside the hooks, the board's parts inside the stages' hook: the rows overlap)")
+    print("\nLightning's per-batch callback hooks, its dispatch included, us per step (unclocked fits):")
+    for label, us in dispatched.items():
+        print(f"  {label:28s} {us:8.1f}")
     print("\ninside on_before_optimizer_step of a bare fit, median us per step:")
     for label, us in reads.items():
         print(f"  {label:15s} {us:8.1f}")

@@ -8,8 +8,9 @@ One optimizer step travels in one direction::
     ->  every participant learns from the outcome  ->  at batch end, interventions act on the batch's signals
 
 Suite callbacks join their trainer's :class:`HealthBoard` in ``setup`` (they implement :class:`StepParticipant`);
-one of them, the first that Lightning calls (:meth:`HealthBoard.leads`), forwards each hook to the board, and the
-others' hooks return at once. So a callback's place in the list never changes what it sees.
+the first to join, the first in ``trainer.callbacks`` (:meth:`HealthBoard.leads`), forwards each per-batch hook to
+the board, and Lightning skips the others' forwarding hooks for the fit. So a callback's place in the list never
+changes what it sees.
 The record (:class:`StepHealth`) is a plain value: it holds no reference to the board or the trainer.
 
 Boards live in a ``WeakKeyDictionary`` keyed by the trainer: nothing is written onto the trainer.

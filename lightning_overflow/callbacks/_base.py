@@ -22,7 +22,7 @@ __all__ = ["MONITOR", "DETECTOR", "CLIPPER", "BACKOFF", "ROLLBACK", "SuiteCallba
 # clipped; LRBackoff acts before Rollback at batch end, so that the rollback carries the new LR scale.
 MONITOR, DETECTOR, CLIPPER, BACKOFF, ROLLBACK = 0, 1, 2, 3, 4
 
-# The hooks the board's leader forwards to the board; in the other suite callbacks they return at once.
+# The hooks the board's leader forwards to the board; in the other suite callbacks they are muted for the fit.
 _FORWARDED = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 
 
