@@ -41,7 +41,10 @@ def default_callbacks(
        weights or a loss finding, the last one from before the growth or the losses judged); a divergence again
        at the lower LR backs off further, by ``lr_factor`` twice when it comes within two snapshot intervals of
        the previous backoff; when the restored weights turn out as bad on the current data as the diverged ones
-       (a ``data_shift``: new data, a harder task), the backoff is undone;
+       (a ``data_shift``: new data, a harder task), the backoff is undone; when one snapshot, restored twice,
+       diverges again within 10 steps each time at a lower LR, its gradients are out of scale: ``AutoClip`` bounds
+       every update to 1% of the weight norm from then on and the backoffs since that snapshot are taken back
+       (``update_bound``);
     4. after ``max_rollbacks`` retries with nothing changed within Rollback's window (a retry at a backed-off LR
        is progress and spends none), or the LR backed off to its floor, the run stops with
        :class:`~lightning_overflow.DivergenceError`, which lists what was tried.

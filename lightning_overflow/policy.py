@@ -41,6 +41,13 @@ signal (who raises it)     rung of the default interventions           why
                                                                        low) are as bad on the next batches, measured
                                                                        without a step: the data changed, not the
                                                                        state
+``update_bound``           clip every update to 1% of the weight norm  the same snapshot, restored twice, diverged
+(AutoClip)                 (halved at each further return); take the   again within 10 steps each time, at a lower LR,
+                           backoffs since the snapshot back            after updates beyond 1% of its weight norm:
+                                                                       its gradients are out of scale (a first
+                                                                       gradient of 1e8), which no rate halving
+                                                                       reaches; the bound holds every step, so the
+                                                                       lower rate would only slow the run
 =========================  ==========================================  ============================================
 
 A divergence after a rollback is new evidence about the restored state: the rollback ends LRBackoff's cooldown,
@@ -79,6 +86,7 @@ from torch import Tensor
 
 __all__ = [
     "DATA_SHIFT",
+    "UPDATE_BOUND",
     "DEFAULT_BACKOFF_TRIGGERS",
     "DEFAULT_ROLLBACK_TRIGGERS",
     "DIVERGENCE_SIGNALS",
@@ -123,6 +131,11 @@ DEFAULT_ROLLBACK_TRIGGERS = (*DIVERGENCE_SIGNALS, "replica_mismatch")
 DATA_SHIFT = "data_shift"
 """The signal that takes a divergence back: the weights restored from before it are as bad on the current data, so
 the data changed, not the state. No trigger: ``LRBackoff`` undoes the backoff it made for the divergence."""
+
+UPDATE_BOUND = "update_bound"
+"""The signal that takes the backoffs of a restored state back: that state diverged again right after each restore,
+at a lower learning rate each time, so its gradients are out of scale, not the rate; ``AutoClip`` bounds every
+update from now on. No trigger: ``LRBackoff`` returns to the learning rate of the snapshot."""
 
 
 @dataclass

@@ -134,6 +134,9 @@ def assert_clipped_to(before: list[float], after: list[float], thresholds: list[
         ({"anchor_factor": "10"}, TypeError, "'anchor_factor' must be a number or None (got '10')"),
         ({"anchor_steps": 0}, ValueError, "'anchor_steps' must be >= 1 (got 0)"),
         ({"min_ratio": 0.9}, ValueError, "'min_ratio' must be in [1, inf) (got 0.9)"),
+        ({"update_ratio": 0}, ValueError, "'update_ratio' must be in (0, 1] (got 0)"),
+        ({"update_ratio": "x"}, TypeError, "'update_ratio' must be a number or None (got 'x')"),
+        ({"restart_steps": 0}, ValueError, "'restart_steps' must be >= 1 (got 0)"),
     ],
 )
 def test_rejects_bad_arguments(kwargs: dict[str, Any], error: type, message: str) -> None:

@@ -15,11 +15,13 @@ from typing_extensions import override
 from lightning_overflow import _compat
 from lightning_overflow._validation import check_choice, check_float, check_int, check_names
 from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
+from lightning_overflow.distributed import sum_and_read
 from lightning_overflow.health import StepHealth, metric_key
 from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
 from lightning_overflow.numerics.clipping import HostPercentile, HostZScore, host_clip_coefficient
-from lightning_overflow.numerics.norms import FP32_MAX
-from lightning_overflow.policy import ClipPlan, StepAction, Verdict
+from lightning_overflow.numerics import parameters_of, tensor_norms
+from lightning_overflow.numerics.norms import FP32_MAX, shard_squares
+from lightning_overflow.policy import UPDATE_BOUND, ClipPlan, StepAction, Verdict
 
 __all__ = ["AutoClip"]
 
@@ -95,6 +97,18 @@ class AutoClip(SuiteCallback):
     clipping (computed from the same pass, riding on the suite's one read): the final norm is ``max_norm`` whenever
     the unit-wise clipping left it above.
 
+    The update bound (``"fixed"``, ``"percentile"``, ``"zscore"``): when ``Rollback`` restores the same snapshot
+    twice in a row, and the state restored the first time diverged again within ``restart_steps`` optimizer steps
+    after updates beyond ``update_ratio`` times its weight norm (the learning rate times the gradient norm applied:
+    the size an SGD step has), at a learning rate ``LRBackoff`` had already lowered, the gradients, not the rate,
+    are out of scale (a recurrent net whose first gradients are 1e8, where halving the rate ten times cannot help).
+    From then on the total norm is capped so that the learning rate times the norm stays within ``update_ratio``
+    times the weight norm of the restored state, and each further such return halves the ratio. The bound holds
+    for the rest of the fit, journaled once per change; the statistics take the capped norms in. When it arms,
+    ``LRBackoff`` returns to the snapshot's learning rate (the ``update_bound`` signal). A state that diverged again
+    after updates within the bound (non-finite weights written by a fault) arms nothing: the bound would not have
+    changed those updates.
+
     What never happens: a step whose norm is inf/NaN, or a step that ``NonFiniteDetector`` skipped (whatever the
     order of the callbacks), changes nothing: no clipping, no statistics, no log. Norms beyond the FP32 range are
     clipped but kept out of the statistics. Under manual optimization each optimizer has its own statistics. Under
@@ -129,6 +143,11 @@ class AutoClip(SuiteCallback):
         event_below: a clip whose coefficient is below this (default 0.1: the gradients shrunk tenfold) is written
             to the journal, at most once every :attr:`EVENT_GAP` optimizer steps per optimizer; the event counts
             those in between.
+        update_ratio: the update bound's ratio of ``lr x total norm`` to the weight norm (default 0.01: an update
+            of at most 1% of the weights, a few times what healthy steps make; ``None``: no update bound). Not in
+            ``"agc"`` mode, which bounds every unit by its weights already.
+        restart_steps: the update bound arms when a restored state diverged again within this many optimizer
+            steps (default 10: the loss tests confirm a divergence over 3 steps, after the loss has climbed).
 
     Attributes:
         steps: optimizer steps that went ahead with AutoClip's coefficient applied.
@@ -179,6 +198,8 @@ class AutoClip(SuiteCallback):
         eps: float = 1e-3,
         exclude: Sequence[str] = (),
         event_below: float = 0.1,
+        update_ratio: float | None = 0.01,
+        restart_steps: int = 10,
     ) -> None:
         self.mode: Mode = check_choice("mode", mode, MODES)  # type: ignore[assignment]
         self.max_norm = check_float("max_norm", max_norm, low=0.0, low_open=True, optional=True)
@@ -199,6 +220,8 @@ class AutoClip(SuiteCallback):
             raise ValueError(f"'exclude' applies to mode='agc' only (got mode={self.mode!r})")
         self.exclude = tuple(exclude)
         self.event_below = check_float("event_below", event_below, low=0.0, high=1.0)
+        self.update_ratio = check_float("update_ratio", update_ratio, low=0.0, high=1.0, low_open=True, optional=True)
+        self.restart_steps = check_int("restart_steps", restart_steps, minimum=1)
         self._reset()
 
     def _reset(self) -> None:
@@ -211,6 +234,9 @@ class AutoClip(SuiteCallback):
         self._agc: _AgcPlan | None = None
         self._last_event: dict[int, int] = {}
         self._quiet_clips: dict[int, int] = {}
+        self._bounds: dict[int, tuple[float, float]] = {}  # optimizer index -> (update ratio, weight norm)
+        self._last_restore: tuple[int, int] | None = None  # (steps of the snapshot restored, self.steps then)
+        self._largest_update: dict[int, float] = {}  # optimizer index -> largest lr x norm since the last restore
 
     @property
     def state_key(self) -> str:
@@ -271,6 +297,9 @@ class AutoClip(SuiteCallback):
         if clip.stats is not None:
             clip.stats.update(clip.learned)
             self._stats[index] = clip.stats
+        if self._last_restore is not None:  # what the update bound weighs at the next return to the same snapshot
+            update = _largest_lr(record.optimizer) * clip.coef * clip.total  # the gradient norm as applied
+            self._largest_update[index] = max(self._largest_update.get(index, 0.0), update)
         first = self._first.setdefault(index, [])
         if len(first) < self.anchor_steps and math.isfinite(clip.total) and clip.total <= FP32_MAX:
             first.append(clip.total)
@@ -325,6 +354,10 @@ class AutoClip(SuiteCallback):
         if cap is not None:
             threshold = cap
             learned = min(total, cap)
+        bound = self._update_bound(record)
+        if bound is not None:
+            threshold = min(threshold, bound)
+            learned = min(learned, bound)
         if self.max_norm is not None:
             threshold = min(threshold, self.max_norm)
         coef = host_clip_coefficient(total, threshold)
@@ -340,6 +373,15 @@ class AutoClip(SuiteCallback):
         if len(first) < self.anchor_steps:
             return None
         return self.anchor_factor * sorted(first)[len(first) // 2]
+
+    def _update_bound(self, record: StepHealth) -> float | None:
+        """The update bound's cap on the total norm at this step's learning rate (``None``: not armed)."""
+        bound = self._bounds.get(record.optimizer_index)
+        if bound is None:
+            return None
+        ratio, weight_norm = bound
+        lr = _largest_lr(record.optimizer)
+        return ratio * weight_norm / lr if lr > 0 else None
 
     def _new_stats(self) -> Stats:
         if self.mode == "percentile":
@@ -430,6 +472,7 @@ class AutoClip(SuiteCallback):
             "clipped_steps": self.clipped_steps,
             "epoch": {index: list(counts) for index, counts in self._epoch.items()},
             "first": {index: list(norms) for index, norms in self._first.items()},
+            "bounds": {index: list(bound) for index, bound in self._bounds.items()},
         }
 
     @override
@@ -438,6 +481,7 @@ class AutoClip(SuiteCallback):
         self.clipped_steps = int(state_dict.get("clipped_steps", 0))
         self._epoch = {int(i): [int(c) for c in counts] for i, counts in state_dict.get("epoch", {}).items()}
         self._first = {int(i): [float(n) for n in norms] for i, norms in state_dict.get("first", {}).items()}
+        self._bounds = {int(i): (float(r), float(w)) for i, (r, w) in state_dict.get("bounds", {}).items()}
         self._load_stats(state_dict)
 
     def _load_stats(self, state_dict: dict[str, Any]) -> None:
@@ -455,7 +499,51 @@ class AutoClip(SuiteCallback):
         return self.state_dict()
 
     @override
+    def _settings(self) -> tuple[float, ...]:
+        return tuple(ratio for _, (ratio, _) in sorted(self._bounds.items()))
+
+    @override
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        # The statistics go back with the weights; what was clipped meanwhile stays counted and logged.
-        if extra:
-            self._load_stats(extra)
+        # The statistics go back with the weights; what was clipped meanwhile, and the update bound, stay.
+        if not extra:
+            return
+        self._load_stats(extra)
+        restored = (int(extra.get("steps", -1)), self.steps)
+        last, self._last_restore = self._last_restore, restored
+        largest, self._largest_update = self._largest_update, {}
+        again = last is not None and last[0] == restored[0] and self.steps - last[1] <= self.restart_steps
+        if again and self.update_ratio is not None and self.mode != "agc":
+            self._bound_updates(trainer, self.steps - last[1], largest)  # type: ignore[index]
+
+    def _bound_updates(self, trainer: pl.Trainer, steps: int, largest: dict[int, float]) -> None:
+        """Arm the update bound for each optimizer whose updates since the last restore went beyond it (halve its
+        ratio where it is armed already), from the restored weights' norms. Entered on every rank together (a
+        restore is, and every rank read the same norms): one all-reduce of the weights' squared norms."""
+        squares = []
+        for optimizer in trainer.optimizers:
+            params = parameters_of(optimizer)
+            with torch.no_grad():
+                squares.append(shard_squares(tensor_norms(params), params, trainer.world_size).sum())
+        norms = [math.sqrt(v) for v in sum_and_read(torch.stack(squares))]
+        for index, norm in enumerate(norms):
+            previous = self._bounds.get(index)
+            if previous is None and not largest.get(index, 0.0) > self.update_ratio * norm:  # type: ignore[operator]
+                continue  # updates within the bound diverged: the bound would not have changed them
+            ratio = self.update_ratio if previous is None else previous[0] / 2  # type: ignore[operator]
+            self._bounds[index] = (ratio, norm)  # type: ignore[assignment]
+            message = (
+                f"AutoClip({self.mode}): the state restored at step {trainer.global_step} is the one restored last "
+                f"time, which diverged again within {steps} optimizer step(s) at a lower learning rate: the "
+                f"gradients are out of scale, not the rate. From now on the total norm of optimizer {index} is "
+                f"capped so that the learning rate times the norm stays within {ratio:.3g} x the weight norm "
+                f"({norm:.4g})."
+            )
+            self._event(trainer, "clip", message, mode=self.mode, optimizer=index, update_ratio=ratio,
+                        weight_norm=norm)  # fmt: skip
+            if previous is None:  # the backoffs answered the out-of-scale gradients: the bound does that now
+                self._signal(trainer, UPDATE_BOUND, message, index)
+
+
+def _largest_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The largest learning rate of the optimizer's groups: the one a bound on every update must hold for."""
+    return max(float(group["lr"]) for group in optimizer.param_groups)

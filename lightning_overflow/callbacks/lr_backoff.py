@@ -14,7 +14,7 @@ from lightning_overflow._validation import check_bool, check_choices, check_floa
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.health import Signal
-from lightning_overflow.policy import DATA_SHIFT, DEFAULT_BACKOFF_TRIGGERS, SIGNAL_KINDS
+from lightning_overflow.policy import DATA_SHIFT, DEFAULT_BACKOFF_TRIGGERS, SIGNAL_KINDS, UPDATE_BOUND
 from lightning_overflow.numerics.lr_scaling import scale_lr
 
 __all__ = ["DEFAULT_TRIGGERS", "LRBackoff"]
@@ -288,6 +288,22 @@ class LRBackoff(SuiteCallback):
             if trainer.global_rank == 0:
                 log.info(message)
 
+    def _take_back(self, trainer: pl.Trainer, index: int, scale: float, bound: Signal) -> None:
+        """Return to the scale of the snapshot just restored: every update is bounded now (``update_bound``), and the
+        backoffs made since answered gradients out of scale, not the rate."""
+        old = self.scales[index]
+        self.scales[index] = scale
+        entry = self._remember("undo", bound.step, index, bound.kind, bound.reason, scale)
+        message = (
+            f"LRBackoff: AutoClip bounds every update of optimizer {index} from step {bound.step}: the backoffs since "
+            f"the snapshot just restored are taken back, and its learning rate is {scale:.4g} x its schedule again "
+            f"(was {old:.4g} x; group LRs {_lrs(trainer, index)})."
+        )
+        self._event(trainer, "undo", message, step=bound.step, **_details(entry), previous_scale=old,
+                    lrs=_lrs(trainer, index))  # fmt: skip
+        if trainer.global_rank == 0:
+            log.info(message)
+
     def _floor(self, trainer: pl.Trainer, index: int) -> float:
         """The smallest scale allowed: ``min_scale``, or higher where ``min_lr`` says so."""
         floor = self.min_scale
@@ -392,9 +408,14 @@ class LRBackoff(SuiteCallback):
         step = int(trainer.global_step)
         self._track(len(trainer.optimizers), step)
         snapshot = [float(s) for s in extra.get("scales", [])]
+        bounds = [s for s in self.board(trainer).signals if s.kind == UPDATE_BOUND]  # raised by AutoClip's restore
         for index, scale in enumerate(self.scales):
             then = snapshot[index] if index < len(snapshot) else 1.0
-            self._apply(trainer, index, scale / then)
+            bound = [s for s in bounds if s.optimizer_index == index or not self.per_optimizer]
+            if bound and then > scale:
+                self._take_back(trainer, index, then, bound[0])  # the restored state carries the snapshot's rate
+            else:
+                self._apply(trainer, index, scale / then)
             # The state that diverged is undone: a divergence of the restored state at this scale is new evidence,
             # and backs off further at once rather than waiting out the cooldown of the backoff just made.
             self._cooldown_until[index] = min(self._cooldown_until[index], step)
