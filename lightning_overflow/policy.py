@@ -86,11 +86,11 @@ from torch import Tensor
 
 __all__ = [
     "DATA_SHIFT",
-    "UPDATE_BOUND",
     "DEFAULT_BACKOFF_TRIGGERS",
     "DEFAULT_ROLLBACK_TRIGGERS",
     "DIVERGENCE_SIGNALS",
     "SIGNAL_KINDS",
+    "UPDATE_BOUND",
     "ClipPlan",
     "StepAction",
     "Verdict",

@@ -17,9 +17,9 @@ from lightning_overflow._validation import check_choice, check_float, check_int,
 from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
 from lightning_overflow.distributed import sum_and_read
 from lightning_overflow.health import StepHealth, metric_key
+from lightning_overflow.numerics import parameters_of, tensor_norms
 from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
 from lightning_overflow.numerics.clipping import HostPercentile, HostZScore, host_clip_coefficient
-from lightning_overflow.numerics import parameters_of, tensor_norms
 from lightning_overflow.numerics.norms import FP32_MAX, shard_squares
 from lightning_overflow.policy import UPDATE_BOUND, ClipPlan, StepAction, Verdict
 

@@ -408,7 +408,8 @@ class LRBackoff(SuiteCallback):
         step = int(trainer.global_step)
         self._track(len(trainer.optimizers), step)
         snapshot = [float(s) for s in extra.get("scales", [])]
-        bounds = [s for s in self.board(trainer).signals if s.kind == UPDATE_BOUND]  # raised by AutoClip's restore
+        # AutoClip, a clipper, heard of this restore before LRBackoff (pipeline order) and may have bounded the updates.
+        bounds = [s for s in self.board(trainer).signals if s.kind == UPDATE_BOUND]
         for index, scale in enumerate(self.scales):
             then = snapshot[index] if index < len(snapshot) else 1.0
             bound = [s for s in bounds if s.optimizer_index == index or not self.per_optimizer]
