@@ -37,7 +37,7 @@ class Event:
         step: the ``global_step`` of the optimizer step concerned.
         kind: ``"nonfinite"``, ``"skip"``, ``"spike"``, ``"rebaseline"``, ``"loss_divergence"``, ``"loss_trend"``,
             ``"weight_growth"``, ``"clip"``, ``"backoff"``, ``"regrowth"``, ``"rollback"``, ``"data_shift"``,
-            ``"undo"``, ``"snapshot_refused"``, ``"snapshot_unusable"``, ``"snapshot_write_failed"``,
+            ``"undo"``, ``"update_bound"``, ``"snapshot_refused"``, ``"snapshot_unusable"``, ``"snapshot_write_failed"``,
             ``"checkpoint_refused"``, ``"exit_restore"``, ``"headroom"``, ``"abort"``.
         rank: the lowest rank that observed it (0 for what every rank observes, such as all-reduced gradients).
         source: the callback that recorded it.

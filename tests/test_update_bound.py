@@ -71,12 +71,12 @@ def test_gradients_out_of_scale_are_bounded_and_the_backoffs_taken_back(tmp_path
         (3, "backoff", "LRBackoff"), (4, "rollback", "Rollback"),
         (7, "backoff", "LRBackoff"), (8, "undo", "LRBackoff"), (8, "rollback", "Rollback"),
     ]  # fmt: skip
-    bound = [e for e in events if e["kind"] == "clip" and "update_ratio" in e["details"]]
+    bound = [e for e in events if e["kind"] == "update_bound"]
     assert [(e["step"], e["details"]["update_ratio"]) for e in bound] == [(8, 0.01)]
     assert bound[0]["details"]["weight_norm"] == pytest.approx(initial_norm, rel=1e-6)  # the restored weights
     assert "diverged again within 1 optimizer step(s) at a lower learning rate" in bound[0]["message"]
     # The first bounded step: the threshold is 1% of the weight norm over the LR, the schedule's again.
-    first = next(e for e in events if e["kind"] == "clip" and e["step"] == 8 and "coef" in e["details"])
+    first = next(e for e in events if e["kind"] == "clip" and e["step"] == 8)
     assert first["details"]["threshold"] == 0.01 * bound[0]["details"]["weight_norm"] / LR
     assert first["details"]["coef"] < 1e-5
     assert trainer.optimizers[0].param_groups[0]["lr"] == LR  # 1.0 x the schedule: both backoffs taken back

@@ -104,10 +104,10 @@ class AutoClip(SuiteCallback):
     are out of scale (a recurrent net whose first gradients are 1e8, where halving the rate ten times cannot help).
     From then on the total norm is capped so that the learning rate times the norm stays within ``update_ratio``
     times the weight norm of the restored state, and each further such return halves the ratio. The bound holds
-    for the rest of the fit, journaled once per change; the statistics take the capped norms in. When it arms,
-    ``LRBackoff`` returns to the snapshot's learning rate (the ``update_bound`` signal). A state that diverged again
-    after updates within the bound (non-finite weights written by a fault) arms nothing: the bound would not have
-    changed those updates.
+    for the rest of the fit, journaled (``update_bound``) once per change; the statistics take the capped norms in.
+    When it arms, ``LRBackoff`` returns to the snapshot's learning rate (the ``update_bound`` signal). A state that
+    diverged again after updates within the bound (non-finite weights written by a fault) arms nothing: the bound
+    would not have changed those updates.
 
     What never happens: a step whose norm is inf/NaN, or a step that ``NonFiniteDetector`` skipped (whatever the
     order of the callbacks), changes nothing: no clipping, no statistics, no log. Norms beyond the FP32 range are
@@ -538,7 +538,7 @@ class AutoClip(SuiteCallback):
                 f"capped so that the learning rate times the norm stays within {ratio:.3g} x the weight norm "
                 f"({norm:.4g})."
             )
-            self._event(trainer, "clip", message, mode=self.mode, optimizer=index, update_ratio=ratio,
+            self._event(trainer, UPDATE_BOUND, message, mode=self.mode, optimizer=index, update_ratio=ratio,
                         weight_norm=norm)  # fmt: skip
             if previous is None:  # the backoffs answered the out-of-scale gradients: the bound does that now
                 self._signal(trainer, UPDATE_BOUND, message, index)

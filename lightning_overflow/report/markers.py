@@ -48,11 +48,12 @@ EVENT_MARKERS: dict[str, MarkerSpec] = {
     "regrowth": MarkerSpec("LR regrowth", "P", "goldenrod"),
     "rollback": MarkerSpec("rollback", "D", "deeppink"),
     "data_shift": MarkerSpec("data shift (backoff undone)", "*", "tab:green", 11.0),
+    "update_bound": MarkerSpec("updates bounded (backoffs undone)", "p", "tab:cyan", 10.0),
     "abort": MarkerSpec("abort (run stopped)", "X", "red", 12.0),
 }
 OTHER_MARKER = MarkerSpec("other event (see the journal)", "h", "silver", 7.0)
 # Routine kinds: clipping shows in the gradient-norm panel, a re-baseline only restarts statistics, an undo is the
-# data shift's own marker.
+# data shift's or the update bound's own marker.
 HIDDEN_KINDS = frozenset({"clip", "rebaseline", "undo"})
 
 
