@@ -447,6 +447,29 @@ def test_the_weight_growth_test_reads_the_norm_of_the_full_parameters_on_every_r
         assert norm == pytest.approx(exact, rel=1e-6) and ddp_norm == pytest.approx(exact, rel=1e-6)
 
 
+class ArmBound(pl.Callback):
+    """Arms AutoClip's update bound at the end of one batch, on every rank, as a restore would."""
+
+    def __init__(self, autoclip: AutoClip, step: int) -> None:
+        self.autoclip, self.step = autoclip, step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            self.autoclip._bound_updates(trainer, 1, {0: math.inf})
+
+
+def test_the_update_bound_weighs_the_full_parameters_on_every_rank(tmp_path: Path) -> None:
+    """Arming the bound reads the weights' norm with one all-reduce of the shards' squares: every rank holds the
+    norm of the gathered parameters, and the same bound."""
+    autoclip = AutoClip()
+    reports = fit_sharded([autoclip, ArmBound(autoclip, 3)], tmp_path, max_steps=5)
+    bounds = [r["states"][0]["bounds"] for r in reports]
+    assert bounds[0] == bounds[1] and list(bounds[0]) == [0] and bounds[0][0][0] == 0.01
+    weights = reports[0]["steps"][3]["weights"]  # gathered as the batch after the arming began
+    exact = math.sqrt(sum(float(w.double().square().sum()) for w in weights.values()))
+    assert bounds[0][0][1] == pytest.approx(exact, rel=1e-6)
+
+
 def test_default_callbacks_leave_a_healthy_sharded_fit_bit_identical(tmp_path: Path) -> None:
     suite = fit_sharded(default_callbacks(clip=None, snapshot_every_n_steps=2), tmp_path / "suite")
     bare = fit_sharded([], tmp_path / "bare")
