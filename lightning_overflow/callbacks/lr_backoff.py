@@ -277,30 +277,32 @@ class LRBackoff(SuiteCallback):
             self._apply(trainer, index, new / old)
             self.scales[index] = new
             self._cooldown_until[index] = shift.step  # a divergence from here on is new evidence
-            entry = self._remember("undo", shift.step, index, shift.kind, shift.reason, new)
             message = (
                 f"LRBackoff: the backoff at step {previous} answered a rise of the loss that the data explains: the "
                 f"learning rate of optimizer {index} is back to {new:.4g} x its schedule (was {old:.4g} x; group LRs "
                 f"{_lrs(trainer, index)}). Cause: {shift.reason}"
             )
-            self._event(trainer, "undo", message, step=shift.step, **_details(entry), previous_scale=old,
-                        undone_step=previous, lrs=_lrs(trainer, index))  # fmt: skip
-            if trainer.global_rank == 0:
-                log.info(message)
+            self._journal_undo(trainer, index, shift, old, message, undone_step=previous)
 
     def _take_back(self, trainer: pl.Trainer, index: int, scale: float, bound: Signal) -> None:
         """Return to the scale of the snapshot just restored: every update is bounded now (``update_bound``), and the
         backoffs made since answered gradients out of scale, not the rate."""
         old = self.scales[index]
         self.scales[index] = scale
-        entry = self._remember("undo", bound.step, index, bound.kind, bound.reason, scale)
         message = (
             f"LRBackoff: AutoClip bounds every update of optimizer {index} from step {bound.step}: the backoffs since "
             f"the snapshot just restored are taken back, and its learning rate is {scale:.4g} x its schedule again "
             f"(was {old:.4g} x; group LRs {_lrs(trainer, index)})."
         )
-        self._event(trainer, "undo", message, step=bound.step, **_details(entry), previous_scale=old,
-                    lrs=_lrs(trainer, index))  # fmt: skip
+        self._journal_undo(trainer, index, bound, old, message)
+
+    def _journal_undo(
+        self, trainer: pl.Trainer, index: int, signal: Signal, old: float, message: str, **details: Any
+    ) -> None:
+        """Remember, journal and log backoffs taken back (``undo``) on ``signal``; the new scale is in place."""
+        entry = self._remember("undo", signal.step, index, signal.kind, signal.reason, self.scales[index])
+        self._event(trainer, "undo", message, step=signal.step, **_details(entry), previous_scale=old,
+                    lrs=_lrs(trainer, index), **details)  # fmt: skip
         if trainer.global_rank == 0:
             log.info(message)
 
