@@ -82,7 +82,7 @@ _SQRT_BUFFERS = threading.local()
 
 # Where the exact root lies within this many units in the last place of the correctly rounded one, the kernel returns
 # that float too: its result is off only near the midpoint between two floats, beyond 0.47 units (measured on 300,000
-# roots across 70 decades). :func:`_kernel_agrees` checks the claim on this torch before the host path is trusted.
+# roots across 35 decades). :func:`_kernel_agrees` checks the claim on this torch before the host path is trusted.
 _SETTLED = 0.4
 _SQRT_RANGE = (2.0**-900, 2.0**1000)  # inside it, the residual of a root is exact (no underflow, no overflow)
 
