@@ -37,6 +37,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer import call
+from typing_extensions import Self
 
 from lightning_overflow import _compat, default_callbacks
 from lightning_overflow.health import HealthBoard, StepHealth
@@ -147,7 +148,7 @@ class Dispatch:
         self.seconds = 0.0
         self._original = call._call_callback_hooks
 
-    def __enter__(self) -> Dispatch:
+    def __enter__(self) -> Self:
         original = self._original
 
         def timed(trainer: pl.Trainer, hook_name: str, *args: Any, **kwargs: Any) -> Any:
@@ -162,12 +163,12 @@ class Dispatch:
         call._call_callback_hooks = timed
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, *_: object) -> None:
         call._call_callback_hooks = self._original
 
 
 DISPATCHED = {
-    "bare": lambda: [],
+    "bare": list,
     "6 empty Lightning callbacks": lambda: [pl.Callback() for _ in range(6)],
     "default_callbacks()": default_callbacks,
 }
