@@ -37,8 +37,8 @@ class Event:
         step: the ``global_step`` of the optimizer step concerned.
         kind: ``"nonfinite"``, ``"skip"``, ``"spike"``, ``"rebaseline"``, ``"loss_divergence"``, ``"loss_trend"``,
             ``"weight_growth"``, ``"clip"``, ``"backoff"``, ``"regrowth"``, ``"rollback"``, ``"data_shift"``,
-            ``"undo"``, ``"update_bound"``, ``"snapshot_refused"``, ``"snapshot_unusable"``, ``"snapshot_write_failed"``,
-            ``"checkpoint_refused"``, ``"exit_restore"``, ``"headroom"``, ``"abort"``.
+            ``"undo"``, ``"update_bound"``, ``"snapshot_refused"``, ``"snapshot_unusable"``,
+            ``"snapshot_write_failed"``, ``"checkpoint_refused"``, ``"exit_restore"``, ``"headroom"``, ``"abort"``.
         rank: the lowest rank that observed it (0 for what every rank observes, such as all-reduced gradients).
         source: the callback that recorded it.
         message: a sentence for a person.

@@ -17,10 +17,10 @@ from lightning_overflow._validation import check_choice, check_float, check_int,
 from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
 from lightning_overflow.distributed import sum_and_read
 from lightning_overflow.health import StepHealth, metric_key
-from lightning_overflow.numerics import parameters_of, tensor_norms
+from lightning_overflow.numerics import parameters_of
 from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
 from lightning_overflow.numerics.clipping import HostPercentile, HostZScore, host_clip_coefficient
-from lightning_overflow.numerics.norms import FP32_MAX, shard_squares
+from lightning_overflow.numerics.norms import FP32_MAX, squared_norm_share
 from lightning_overflow.policy import UPDATE_BOUND, ClipPlan, StepAction, Verdict
 
 __all__ = ["AutoClip"]
@@ -519,11 +519,7 @@ class AutoClip(SuiteCallback):
         """Arm the update bound for each optimizer whose updates since the last restore went beyond it (halve its
         ratio where it is armed already), from the restored weights' norms. Entered on every rank together (a
         restore is, and every rank read the same norms): one all-reduce of the weights' squared norms."""
-        squares = []
-        for optimizer in trainer.optimizers:
-            params = parameters_of(optimizer)
-            with torch.no_grad():
-                squares.append(shard_squares(tensor_norms(params), params, trainer.world_size).sum())
+        squares = [squared_norm_share(parameters_of(optimizer), trainer.world_size) for optimizer in trainer.optimizers]
         norms = [math.sqrt(v) for v in sum_and_read(torch.stack(squares))]
         for index, norm in enumerate(norms):
             previous = self._bounds.get(index)

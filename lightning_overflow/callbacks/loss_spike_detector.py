@@ -8,15 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 from typing_extensions import override
 
 from lightning_overflow._validation import check_bool, check_float, check_int
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
-from lightning_overflow.numerics import parameters_of, tensor_norms
+from lightning_overflow.numerics import parameters_of
 from lightning_overflow.numerics.growth import WeightGrowth
-from lightning_overflow.numerics.norms import shard_squares
+from lightning_overflow.numerics.norms import squared_norm_share
 from lightning_overflow.numerics.running_stats import HostRunningStats
 from lightning_overflow.numerics.trend import loss_scatter, slope_probability
 from lightning_overflow.policy import DATA_SHIFT, StepAction, Verdict
@@ -296,10 +295,8 @@ class LossSpikeDetector(SuiteCallback):
         # Every parameter the optimizer updates, with a gradient this step or not: the same set at every sample.
         # Each rank's share of their squared norm (its shards, or 1/world of a replica) is summed in the read, so
         # every rank reads the same norm, at no extra collective.
-        params = parameters_of(record.optimizer)
-        with torch.no_grad():
-            norms = tensor_norms(params)
-            record.add("weight_squares", shard_squares(norms, params, record.world_size).sum(), summed=True)
+        squares = squared_norm_share(parameters_of(record.optimizer), record.world_size)
+        record.add("weight_squares", squares, summed=True)
 
     @override
     def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:

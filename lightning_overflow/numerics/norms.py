@@ -40,6 +40,7 @@ __all__ = [
     "real_values",
     "refine_norms",
     "shard_squares",
+    "squared_norm_share",
     "tensor_norms",
     "total_norm",
 ]
@@ -306,6 +307,19 @@ def shard_squares(norms: Tensor, tensors: Sequence[Tensor], world_size: int) -> 
         shares = torch.tensor([1.0 / c for c in copies], dtype=torch.float64).to(squares.device, non_blocking=True)
         squares = squares * shares
     return squares
+
+
+def squared_norm_share(tensors: Sequence[Tensor], world_size: int) -> Tensor:
+    """This rank's part of the squared L2 norm of all ``tensors`` together (a float64 0-d tensor, no host read):
+    summed over the ``world_size`` ranks, the squared norm of the full tensors (:func:`shard_squares`). For weights,
+    which require gradients: no graph is built.
+
+    Example:
+        >>> squared_norm_share([torch.tensor([3.0]), torch.tensor([4.0], requires_grad=True)], world_size=1)
+        tensor(25., dtype=torch.float64)
+    """
+    with torch.no_grad():
+        return shard_squares(tensor_norms(tensors), tensors, world_size).sum()
 
 
 def norm_status(fast: float, exact: float) -> NormStatus:
