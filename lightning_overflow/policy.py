@@ -31,7 +31,8 @@ signal (who raises it)     rung of the default interventions           why
                            before the window (later ones dropped)
 ``weight_growth``          back off and roll back to a snapshot from   the weight norm grew 2x within 50 steps while
 (LossSpikeDetector)        before the growth (later ones dropped)      the loss did not fall and stood above its
-                                                                       best: updates that overshoot without
+                                                                       best, or single losses ran beyond 10x the
+                                                                       anchor: updates that overshoot without
                                                                        overflowing; weights that grow as the loss
                                                                        falls (a small initialisation) are learning
 ``replica_mismatch``       roll back (every rank to the same           DDP replicas whose weights differ: silent

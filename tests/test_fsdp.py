@@ -439,9 +439,9 @@ def test_the_weight_growth_test_reads_the_norm_of_the_full_parameters_on_every_r
     sharded = fit_sharded(callbacks(), tmp_path / "fsdp", max_steps=6)
     replicated = fit_ddp(callbacks(), tmp_path / "ddp", max_steps=6)
     samples = [r["states"][0]["growth"]["0"]["samples"] for r in sharded + replicated]
-    assert [step for step, _, _ in samples[0]] == [1, 2, 3, 4, 5]  # those within the window of the last
+    assert [sample[0] for sample in samples[0]] == [1, 2, 3, 4, 5]  # those within the window of the last
     assert samples[0] == samples[1] and samples[2] == samples[3]
-    for (step, norm, _), (_, ddp_norm, _) in zip(samples[0], samples[2]):
+    for (step, norm, *_), (_, ddp_norm, *_) in zip(samples[0], samples[2]):
         weights = sharded[0]["steps"][step]["weights"]  # gathered as the batch began, before the step's update
         exact = math.sqrt(sum(float(w.double().square().sum()) for w in weights.values()))
         assert norm == pytest.approx(exact, rel=1e-6) and ddp_norm == pytest.approx(exact, rel=1e-6)

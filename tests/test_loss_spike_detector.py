@@ -308,6 +308,8 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path: Path) -> No
         ({"growth_factor": 1.0}, ValueError, "'growth_factor' must be in (1, inf) (got 1)"),
         ({"growth_progress": 1.0}, ValueError, "'growth_progress' must be in [0, 1) (got 1)"),
         ({"growth_progress": "some"}, TypeError, "'growth_progress' must be a number (got 'some')"),
+        ({"growth_runaway_factor": 1.0}, ValueError, "'growth_runaway_factor' must be in (1, inf) (got 1)"),
+        ({"growth_runaway_factor": None}, TypeError, "'growth_runaway_factor' must be a number (got None)"),
     ],
 )
 def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:

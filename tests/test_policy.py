@@ -342,6 +342,7 @@ def test_weights_that_run_away_while_the_loss_climbs_back_roll_back_to_before_th
     details = growth["details"]
     assert details["since"] == 30 and details["weight_norm"] >= 2 * details["weight_norm_before"]
     assert details["loss"] >= 1.1 * details["best_loss"] and details["loss"] >= 0.8 * details["loss_before"]
+    assert details["at_best"] is False
     assert re.match(r"LossSpikeDetector: the weight norm grew [\d.]+x in 50 steps \(from [\d.]+ at step 30 to "
                     r"[\d.]+ at step 80\) while the training loss did not fall", growth["message"])
     (backoff,) = [e for e in events if e["kind"] == "backoff"]
@@ -376,6 +377,56 @@ def test_weights_that_grow_out_of_a_small_init_while_the_run_learns_change_nothi
         runs.append(weights(model))
     assert _journal(tmp_path / "1") == []
     assert_bit_identical(runs[0], runs[1])
+
+
+class LossBurstAt(TinyRegressor):
+    """One batch of all the data, a BatchNorm after the first layer (scaling that layer's weight changes no output)
+    and, at step 5, a loss ``times`` the batch's whose gradients are the batch's own: single losses run away, nothing
+    else does."""
+
+    def __init__(self, times: float) -> None:
+        super().__init__(lr=1e-4, batch_norm=True, batch_size=64)
+        self.times = times
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss + (self.times - 1.0) * loss.detach() if self.global_step == 5 else loss
+
+
+OVERSHOOT = [Fault(step, "scale_weight", parameter="net.0.weight", factor=1.2) for step in range(1, 11)]  # 6.2x
+
+
+@pytest.mark.parametrize("times", [20.0, 5.0, 1.0])
+def test_weights_that_run_away_while_the_loss_stays_at_its_first_level_count_once_a_loss_ran_away(
+    tmp_path: Path, times: float
+) -> None:
+    """The first layer grows 6.2x over steps 1-10 while the loss median stays where it started, its best: a run that
+    never learned. With one loss at step 5 beyond 10x the anchor (``growth_runaway_factor``) that is overshoot (the
+    sample of step 10 against step 0's: back off, roll back to step 0); with one at 5x, or none, growth at the loss's
+    best is learning, and nothing fires."""
+    torch.manual_seed(0)
+    model, after = LossBurstAt(times), WeightsAtBatchEnd()
+    initial = weights(model)
+    trainer = fit(model, [*default_callbacks(clip=None), FaultInjector(*OVERSHOOT), after], max_steps=20,
+                  default_root_dir=str(tmp_path))  # fmt: skip
+    events, lr = _journal(tmp_path), trainer.optimizers[0].param_groups[0]["lr"]
+    if times < 10.0:
+        assert events == [] and lr == 1e-4
+        return
+    assert _kinds(events, "weight_growth", "loss_divergence", "backoff", "rollback", "abort") == [
+        (10, "weight_growth"), (10, "backoff"), (11, "rollback")
+    ]  # fmt: skip
+    (growth,) = [e for e in events if e["kind"] == "weight_growth"]
+    details = growth["details"]
+    assert details["since"] == 0 and details["weight_norm"] >= 2 * details["weight_norm_before"]
+    assert details["loss"] < 1.1 * details["best_loss"] and details["loss"] >= 0.8 * details["loss_before"]
+    assert details["at_best"] is True
+    assert re.search(r"did not fall \(median [\d.]+ then, [\d.]+ now\) and single losses ran beyond 10x its anchor "
+                     r"[\d.]+: the updates overshoot", growth["message"])
+    (rollback,) = [e for e in events if e["kind"] == "rollback"]
+    assert rollback["details"]["snapshot_step"] == 0
+    assert_bit_identical(after.at[11], initial)  # the snapshot the fit started from
+    assert lr == 0.5 * 1e-4
 
 
 @pytest.mark.ddp
