@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 from conftest import assert_bit_identical, fit, weights
 
-from lightning_overflow import LossSpikeDetector, default_callbacks, read_journal
+from lightning_overflow import AutoClip, LossSpikeDetector, default_callbacks, read_journal
 from lightning_overflow.policy import DEFAULT_BACKOFF_TRIGGERS, DEFAULT_ROLLBACK_TRIGGERS, decide_step, Verdict
 from lightning_overflow.snapshot_store import snapshot_name
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
@@ -427,6 +427,22 @@ def test_weights_that_run_away_while_the_loss_stays_at_its_first_level_count_onc
     assert rollback["details"]["snapshot_step"] == 0
     assert_bit_identical(after.at[11], initial)  # the snapshot the fit started from
     assert lr == 0.5 * 1e-4
+
+
+@pytest.mark.parametrize("clipped", [True, False])
+def test_a_loss_that_ran_away_on_a_batch_a_clip_neutralised_tells_of_the_batch(tmp_path: Path, clipped: bool) -> None:
+    """The same growth at the loss's best, and at step 5 a loss 1000x with its gradients 1000x (a poison batch). A
+    fixed clip at 10 scales that step by about 0.003: the clip neutralised the batch, whose loss then says nothing of
+    the weights, and nothing fires. Unclipped, that loss counts as one that ran away, and the growth is found."""
+    torch.manual_seed(0)
+    suite = [*default_callbacks(clip=None), *([AutoClip(mode="fixed", max_norm=10.0)] if clipped else [])]
+    faults = FaultInjector(*OVERSHOOT, Fault(5, "loss_spike", factor=1e3))
+    fit(LossBurstAt(1.0), [*suite, faults], max_steps=20, default_root_dir=str(tmp_path))
+    events = _journal(tmp_path)
+    found = [(10, "weight_growth"), (10, "backoff"), (11, "rollback")]
+    assert _kinds(events, "weight_growth", "loss_divergence", "backoff", "rollback") == ([] if clipped else found)
+    clips = [e for e in events if e["kind"] == "clip"]
+    assert [(e["step"], e["details"]["coef"] < 0.01) for e in clips] == ([(5, True)] if clipped else [])
 
 
 @pytest.mark.ddp

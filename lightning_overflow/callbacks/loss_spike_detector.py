@@ -25,6 +25,7 @@ __all__ = ["LossSpikeDetector"]
 _CHANNELS = ("loss", "grad_norm")
 _SCATTER_WINDOWS = 5  # the level test's scatter is measured over this many of its windows of losses
 _RECENT = 5  # the last losses before a snapshot: what its weights gave, for the probe after a rollback to it
+_NEUTRALISED = 0.1  # a clip coefficient below this neutralised its batch (AutoClip journals such clips by default)
 _SIGNALS = {"loss": "loss_spike", "grad_norm": "grad_spike"}
 _WHAT = {"loss": "the training loss", "grad_norm": "the gradient norm"}
 
@@ -155,10 +156,13 @@ class LossSpikeDetector(SuiteCallback):
         growth_progress: the least fraction by which the loss median must have fallen over the window for the growth
             to be the price of learning, in [0, 1) (default 0.2).
         growth_runaway_factor: a loss beyond this many times the anchor within the window shows the overshoot
-            directly: the growth counts even while the loss median stands at its best (default 10). Measured: Adam at
-            12-16x its stable rate grows its weights 4-6x in 10 steps with single losses 21-325x the anchor and the
-            median at its first level; runs that grow theirs 4-9x out of a small initialisation, at the same median,
-            stay within 2x the anchor; healthy runs whose single losses reach 80x (batches of 2) grow no weights.
+            directly: the growth counts even while the loss median stands at its best (default 10). Not the loss of a
+            step whose gradients a clip shrank more than tenfold: that batch was an outlier the clip neutralised (a
+            poison batch while the weights grow out of a small initialisation); its loss tells of the batch.
+            Measured: Adam at 12-16x its stable rate grows its weights 4-6x in 10 steps with single losses 21-325x
+            the anchor and the median at its first level; runs that grow theirs 4-9x out of a small initialisation,
+            at the same median, stay within 2x the anchor; healthy runs whose single losses reach 80x (batches of 2)
+            grow no weights.
 
     Signals (read by interventions): ``loss_divergence`` when the loss stays above its reference for
     ``confirm_steps`` steps, ``loss_trend`` for a slow rise with no spike, ``weight_growth`` for weights that run
@@ -334,7 +338,7 @@ class LossSpikeDetector(SuiteCallback):
         stats.update(values, include=[not found[0], not found[1] and not record.grads_beyond_fp32])
         self._track_streaks(trainer, record, stats, found, values)
         self._weigh_evidence(trainer, record, evidence, found[0])
-        self._weigh_growth(trainer, record, evidence)
+        self._weigh_growth(trainer, record, action, evidence)
 
     def _weigh_evidence(
         self, trainer: pl.Trainer, record: StepHealth, evidence: DivergenceEvidence, spike: bool
@@ -369,14 +373,20 @@ class LossSpikeDetector(SuiteCallback):
                     optimizer=record.optimizer_index, since=onset)  # fmt: skip
         self._signal(trainer, kind, message, record.optimizer_index, onset=onset)
 
-    def _weigh_growth(self, trainer: pl.Trainer, record: StepHealth, evidence: DivergenceEvidence) -> None:
+    def _weigh_growth(
+        self, trainer: pl.Trainer, record: StepHealth, action: StepAction, evidence: DivergenceEvidence
+    ) -> None:
         """Signal divergence when the weights ran away over the growth window while the loss did not fall."""
         if not self._tests_growth(record):
             return
         growth = self._growth.get(record.optimizer_index)
         if growth is None:
             growth = self._growth[record.optimizer_index] = self._new_growth()
-        growth.add_loss(record.loss_mean, runaway=evidence.runaway(record.loss_mean, self.growth_runaway_factor))
+        # A batch whose gradients a clip shrank more than tenfold was an outlier the clip neutralised (a poison
+        # batch): its loss tells of the batch, not of the weights.
+        neutralised = any(plan.coef < _NEUTRALISED for _, plan in action.clips)
+        runaway = not neutralised and evidence.runaway(record.loss_mean, self.growth_runaway_factor)
+        growth.add_loss(record.loss_mean, runaway=runaway)
         if not record.has("weight_squares"):
             return
         size = sum(p.numel() for p in parameters_of(record.optimizer))  # DTensors count their full size
