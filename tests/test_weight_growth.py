@@ -18,20 +18,22 @@ from lightning_overflow.numerics.growth import GrowthFinding, WeightGrowth
 from lightning_overflow.testing import TinyRegressor
 
 
-def _feed(growth: WeightGrowth, series: list[tuple[int, float, list[float]]]) -> list[GrowthFinding]:
-    """``(step, weight norm, the losses of the steps before it)`` in order; the findings."""
+def _feed(growth: WeightGrowth, series: list[tuple[int, float, list[float]]], runaway_above: float = math.inf
+          ) -> list[GrowthFinding]:  # fmt: skip
+    """``(step, weight norm, the losses of the steps before it)`` in order; the findings. A loss above
+    ``runaway_above`` is judged to run away (the detector's verdict)."""
     findings = []
     for step, norm, losses in series:
         for loss in losses:
-            growth.add_loss(loss)
+            growth.add_loss(loss, runaway=loss > runaway_above)
         finding = growth.observe(step, norm)
         if finding is not None:
             findings.append(finding)
     return findings
 
 
-def _growth() -> WeightGrowth:
-    return WeightGrowth(window=20, factor=2.0, progress=0.2, losses_per_sample=2, above_best=0.1)
+def _growth(losses_per_sample: int = 2) -> WeightGrowth:
+    return WeightGrowth(window=20, factor=2.0, progress=0.2, losses_per_sample=losses_per_sample, above_best=0.1)
 
 
 def test_weights_that_double_while_the_loss_climbs_back_are_found_at_the_window_end() -> None:
@@ -61,44 +63,34 @@ def test_the_loss_must_stand_above_its_best_by_the_margin() -> None:
     assert _feed(_growth(), series) == []
 
 
-def _feed_runaway(series: list[tuple[int, float, list[float]]], growth: WeightGrowth | None = None
-                  ) -> list[GrowthFinding]:  # fmt: skip
-    """As :func:`_feed`, three losses a sample, a loss above 100 judged to run away (the detector's verdict)."""
-    growth = growth or WeightGrowth(window=20, factor=2.0, progress=0.2, losses_per_sample=3, above_best=0.1)
-    findings = []
-    for step, norm, losses in series:
-        for loss in losses:
-            growth.add_loss(loss, runaway=loss > 100.0)
-        finding = growth.observe(step, norm)
-        if finding is not None:
-            findings.append(finding)
-    return findings
+def _runaway(series: list[tuple[int, float, list[float]]], growth: WeightGrowth | None = None) -> list[GrowthFinding]:
+    """Three losses a sample; a loss above 100 runs away."""
+    return _feed(growth or _growth(3), series, runaway_above=100.0)
 
 
 def test_a_loss_at_its_best_is_overshoot_once_a_loss_ran_away_within_the_window() -> None:
     # The median 3.0 stands within 10% of its best 2.8 (a run that never learned), the norm doubled, and a loss
     # between the samples of steps 0 and 20 ran away.
     series = [(0, 4.0, [3.0, 3.0, 3.0]), (10, 5.0, [2.8, 900.0, 2.8]), (20, 8.0, [3.0, 3.0, 3.0])]
-    assert _feed_runaway(series) == [GrowthFinding(0, 20, 4.0, 8.0, 3.0, 3.0, 2.8, at_best=True)]
+    assert _runaway(series) == [GrowthFinding(0, 20, 4.0, 8.0, 3.0, 3.0, 2.8, at_best=True)]
     calm = [(0, 4.0, [3.0, 3.0, 3.0]), (10, 5.0, [2.8, 90.0, 2.8]), (20, 8.0, [3.0, 3.0, 3.0])]
-    assert _feed_runaway(calm) == []  # 90 stays within the detector's bound: growth at the loss's best
+    assert _runaway(calm) == []  # 90 stays within the detector's bound: growth at the loss's best
 
 
 def test_a_loss_that_ran_away_before_the_window_began_does_not_count() -> None:
     # Before the sample of step 0 (the window's start), then before step 10's, which the window of step 30 starts at.
-    assert _feed_runaway([(0, 4.0, [3.0, 900.0, 3.0]), (10, 5.0, [2.8, 2.8, 2.8]), (20, 8.0, [3.0, 3.0, 3.0])]) == []
+    assert _runaway([(0, 4.0, [3.0, 900.0, 3.0]), (10, 5.0, [2.8, 2.8, 2.8]), (20, 8.0, [3.0, 3.0, 3.0])]) == []
     series = [(0, 4.0, [3.0, 3.0, 3.0]), (10, 4.5, [2.8, 900.0, 2.8]), (20, 6.0, [3.0, 3.0, 3.0]),
               (30, 9.0, [3.0, 3.0, 3.0])]  # fmt: skip
-    assert _feed_runaway(series) == []  # 9.0 is 2x the norm of step 10, whose flag covers losses before it
+    assert _runaway(series) == []  # 9.0 is 2x the norm of step 10, whose flag covers losses before it
 
 
 def test_a_restart_forgets_a_loss_that_ran_away() -> None:
-    growth = WeightGrowth(window=20, factor=2.0, progress=0.2, losses_per_sample=3, above_best=0.1)
-    _feed_runaway([(0, 4.0, [3.0, 3.0, 3.0])], growth)
-    growth.add_loss(900.0, runaway=True)
+    growth = _growth(3)
+    _runaway([(0, 4.0, [3.0, 3.0, 3.0])], growth)
+    growth.add_loss(900.0, runaway=True)  # pending: it would mark the next sample
     growth.restart()
-    assert not growth.ran_away
-    assert _feed_runaway([(10, 4.0, [2.8, 2.8, 2.8]), (20, 8.0, [3.0, 3.0, 3.0])], growth) == []
+    assert not growth.ran_away and growth.samples == []
 
 
 def test_after_a_finding_a_new_window_of_growth_is_needed() -> None:
@@ -157,10 +149,10 @@ def test_the_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -
 
 
 def test_a_loss_that_ran_away_survives_the_state_round_trip_and_older_states_load() -> None:
-    growth = WeightGrowth(window=20, factor=2.0, progress=0.2, losses_per_sample=3, above_best=0.1)
-    _feed_runaway([(0, 4.0, [3.0, 3.0, 3.0]), (10, 5.0, [2.8, 900.0, 2.8])], growth)
+    growth = _growth(3)
+    _runaway([(0, 4.0, [3.0, 3.0, 3.0]), (10, 5.0, [2.8, 900.0, 2.8])], growth)
     growth.add_loss(950.0, runaway=True)  # since the last sample: pending
-    again = WeightGrowth(window=20, factor=2.0, progress=0.2, losses_per_sample=3, above_best=0.1)
+    again = _growth(3)
     again.load_state_dict(growth.state_dict())
     assert again.samples == [(0, 4.0, 3.0, False), (10, 5.0, 2.8, True)] and again.ran_away
     older = {"samples": [[0, 4.0, 3.0], [10, 5.0, 2.8]], "losses": [2.8, 2.8, 2.8], "best": 2.8, "size": 0}
