@@ -367,6 +367,19 @@ def test_each_finding_names_the_losses_it_rests_on_so_the_rollback_goes_back_bef
     assert span(rising, level_window=None, trend_window=10) == (29, "loss_trend", 10)
 
 
+def test_a_trend_must_rise_min_rise_times_the_anchor_above_the_best_window() -> None:
+    # Anchor 1; the best window sits at 1e-6 (a hinge loss at 0); the next window climbs steadily (P(slope > 0) = 1).
+    trend = {"trend_window": 10, "level_window": None}
+    creeping = [1.0] * 8 + [1e-6] * 12 + [1e-6 + 1e-5 * i for i in range(10)]  # mean 4.6e-5: 46x its best
+    assert _first_finding(creeping, **trend, min_rise=0.1) is None
+    index, (kind, reason) = _first_finding(creeping, **trend, min_rise=0.0)  # relative margin alone: a trend
+    assert (index, kind) == (29, "loss_trend")
+    climbing = [1.0] * 8 + [1e-6] * 12 + [0.02 + 0.02 * i for i in range(10)]  # mean 0.11: beyond 0.1 x anchor
+    index, (kind, reason) = _first_finding(climbing, **trend, min_rise=0.1)
+    assert (index, kind) == (29, "loss_trend")
+    assert reason.endswith("above the best window mean 1e-06 by more than 0.5x it and 0.1x the anchor 1")
+
+
 def test_a_rise_of_less_than_half_the_progress_is_no_divergence() -> None:
     assert _first_finding([4.0] * 8 + [1.0] * 40 + [2.4] * 200) is None  # below 2.5: a harder task, new data
 

@@ -86,13 +86,17 @@ class LossSpikeDetector(SuiteCallback):
             whose statistics drifted along.
         anchor_steps: finite losses that make the anchor (default 8).
         min_rise: a loss spike must also exceed the mean by ``min_rise`` times the anchor (default 0.1), so that a
-            loss that sat at exactly 0 (zero mean, zero spread) and rises a little is no spike.
+            loss that sat at exactly 0 (zero mean, zero spread) and rises a little is no spike; a trend must have
+            risen as far above the best window mean.
         trend_window: healthy losses tested for a slow upward trend, every ``trend_window`` steps (default 200;
             ``None`` disables the test).
         trend_probability: ``P(slope > 0)`` of the window's least-squares line above which the loss trends up
             (default 0.999, the test of dlib's trainer); the window's mean must also stand ``trend_margin`` times
             above the best window mean so far (default 0.5): a loss that plateaus higher after a change of data is
-            no divergence.
+            no divergence; and ``min_rise`` times the anchor above it: a loss near 0 (a hinge loss at 1e-6 that
+            creeps to 5e-5) or one that has fallen a hundredfold and creeps back by a fraction of a percent of its
+            first losses (Adam at its stable rate, after 1400 steps: 0.027 -> 0.043 from an anchor of 2.5) is no
+            divergence.
         level_window: span, in healthy steps, of the moving level of the loss behind the level test (default 20;
             ``None`` disables the test). The level is the mean of the first ``level_window`` healthy losses, then
             their exponential moving average; its lowest value so far (plus the allowance of ``level_sigmas``) is
@@ -353,6 +357,7 @@ class LossSpikeDetector(SuiteCallback):
             trend_window=self.trend_window,
             trend_probability=self.trend_probability,
             trend_margin=self.trend_margin,
+            min_rise=self.min_rise,
             # With several optimizers each loss is one player's in a game (a GAN): its level rises as the game goes.
             level_window=self.level_window if record.n_optimizers == 1 else None,
             level_factor=self.level_factor,
@@ -657,6 +662,7 @@ class DivergenceEvidence:
         trend_window: int | None,
         trend_probability: float,
         trend_margin: float,
+        min_rise: float = 0.0,
         level_window: int | None = None,
         level_factor: float = 2.0,
         level_fraction: float = 0.5,
@@ -688,7 +694,7 @@ class DivergenceEvidence:
         if spike or runaway:
             return None  # a spike's losses stay out of the trend window and the level
         level = self._level(loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas)
-        return level or self._trend(loss, trend_window, trend_probability, trend_margin)
+        return level or self._trend(loss, trend_window, trend_probability, trend_margin, min_rise)
 
     def _level(
         self, loss: float, window: int | None, factor: float, fraction: float, confirm_steps: int, sigmas: float
@@ -756,7 +762,9 @@ class DivergenceEvidence:
         self.level_streak = 0
         self.level_losses = []
 
-    def _trend(self, loss: float, window: int | None, probability: float, margin: float) -> tuple[str, str] | None:
+    def _trend(
+        self, loss: float, window: int | None, probability: float, margin: float, min_rise: float
+    ) -> tuple[str, str] | None:
         if window is None:
             return None
         self.window.append(loss)
@@ -765,7 +773,9 @@ class DivergenceEvidence:
         values, self.window = self.window, []
         mean = sum(values) / len(values)
         p = slope_probability(values)
-        rising = p > probability and mean > self.best_mean + margin * abs(self.best_mean)
+        # Relative to the best window and to the run's scale: a best near 0 yields no threshold of 0.
+        rise = max(margin * abs(self.best_mean), min_rise * self.anchor)
+        rising = p > probability and mean > self.best_mean + rise
         best = self.best_mean
         self.best_mean = min(self.best_mean, mean)
         if not rising:
@@ -773,7 +783,8 @@ class DivergenceEvidence:
         self.judged, self.span = mean, window
         return "loss_trend", (
             f"trends up: P(slope > 0) = {p:.4f} over the last {window} healthy steps, whose mean {mean:.4g} stands "
-            f"above the best window mean {best:.4g} by more than {margin:g}x"
+            f"above the best window mean {best:.4g} by more than {margin:g}x it and {min_rise:g}x the anchor "
+            f"{self.anchor:.4g}"
         )
 
     def after_restore(self) -> None:
