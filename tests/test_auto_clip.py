@@ -452,6 +452,30 @@ def test_after_the_warm_up_a_norm_within_min_ratio_times_the_mean_is_left_alone(
             assert clipped[30] == pytest.approx(dict(logger.series("clip/threshold"))[30], rel=1e-5)
 
 
+class SilentThenSmall(TinyRegressor):
+    """No gradient at all from step 3 to 399 (a hinge loss sitting at exactly 0), then from step 400 the loss x0.05:
+    a small violation, a twentieth of the gradients the run began with."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * (1.0 if self.global_step < 3 else 0.0 if self.global_step < 400 else 0.05)
+
+
+@pytest.mark.parametrize("mode", ["zscore", "percentile"])
+def test_steps_without_a_gradient_teach_the_statistics_nothing(mode: str) -> None:
+    """397 norms of exactly 0 would leave statistics of mean and spread 0 (a window of zeros), to which the small
+    gradient of step 400 is an outlier scaled to nothing: they are left out, and it passes whole."""
+    pl.seed_everything(0, verbose=False)
+    autoclip = AutoClip(mode=mode)  # type: ignore[arg-type]
+    _, logger, before, after = clipped_run(autoclip, SilentThenSmall(lr=1e-3), max_steps=402)
+    norms = before.of()
+    assert norms[3:400] == [0.0] * 397 and 0.0 < norms[400] < 0.1 * min(norms[:3])
+    assert after.of()[400] == pytest.approx(norms[400], rel=1e-6) and dict(logger.series("clip/coef"))[400] == 1.0
+    stats = autoclip._stats[0].to_dict()
+    assert stats["count"] == 5  # the first three norms and those of steps 400 and 401
+    assert len(autoclip._first[0]) == 3 and 0.0 not in autoclip._first[0]
+
+
 def test_without_an_anchor_factor_the_warm_up_lets_every_norm_through() -> None:
     spike = FaultInjector(Fault(step=6, kind="loss_spike", factor=1e3))
     autoclip = AutoClip(mode="zscore", anchor_factor=None)  # the paper's warm-up
