@@ -414,8 +414,6 @@ class HealthBoard:
         """Whether ``participant`` forwards Lightning's per-batch hooks to the board: the fit's first participant to
         join (Lightning calls callbacks in the order of ``trainer.callbacks``, so the first of them in that list),
         so the board hears each hook once, as soon as any participant does."""
-        if self._leader is None:
-            self._leader = participant
         return self._leader is participant
 
     def release(self) -> None:

@@ -95,9 +95,13 @@ def _settled_sqrt(x: float) -> float | None:
     if not (_SQRT_RANGE[0] <= x <= _SQRT_RANGE[1]) or not _kernel_agrees():
         return None
     root = math.sqrt(x)
-    if abs(fma(-root, root, x)) < _SETTLED * 2.0 * root * math.ulp(root):
-        return root
-    return None
+    return root if _near(x, root) else None
+
+
+def _near(x: float, root: float) -> bool:
+    """Whether the exact root of ``x`` lies within ``_SETTLED`` units in the last place of ``root``, its correctly
+    rounded root: ``x - root**2`` is about twice ``root`` times that distance."""
+    return abs(fma(-root, root, x)) < _SETTLED * 2.0 * root * math.ulp(root)
 
 
 @functools.cache
@@ -108,7 +112,7 @@ def _kernel_agrees() -> bool:
     xs = torch.exp(torch.rand(4096, dtype=torch.float64, generator=gen) * 1290.0 - 600.0)  # inside _SQRT_RANGE
     for x, kernel in zip(xs.tolist(), xs.sqrt().tolist()):
         root = math.sqrt(x)
-        if abs(fma(-root, root, x)) < _SETTLED * 2.0 * root * math.ulp(root) and kernel != root:
+        if _near(x, root) and kernel != root:
             return False
     return True
 
