@@ -40,6 +40,7 @@ Run (from the repository root; the package must be importable, e.g. ``pip instal
                                                        # 29 scenarios x 7 methods x 3 seeds + references: 648 runs,
                                                        # ~17 min of CPU (10 min wall on 2 idle cores)
     python benchmarks/rescue.py --scenarios nan_weight,hinge_at_zero --methods "unprotected,default_callbacks()"
+    python benchmarks/rescue.py --workers 2 --first-seed 3 --methods "default_callbacks()"   # seeds 3-5, ours only
     python benchmarks/rescue.py --report rescue.json --png rescue.png    # print and draw saved results again
 """
 
@@ -627,6 +628,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one seed, the quick scenarios, half the steps")
     parser.add_argument("--workers", type=int, default=1, help="runs in parallel processes (default 1)")
     parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, 1 with --quick)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed; the others follow it (default 0)")
     parser.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: all)")
     parser.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
     parser.add_argument("--steps", type=int, default=None, help="one step budget for every scenario (a smoke test)")
@@ -637,6 +639,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = parser.parse_args(None if argv is None else list(argv))
     if args.workers < 1:
         parser.error(f"'--workers' must be >= 1 (got {args.workers})")
+    if args.first_seed < 0:
+        parser.error(f"'--first-seed' must be >= 0 (got {args.first_seed})")
     if args.report:
         results, meta = load(args.report)
         print(report(results) + "\n\n" + _footer(meta))
@@ -644,7 +648,8 @@ def main(argv: Iterable[str] | None = None) -> int:
             plot(results, args.png)
         return 0
     configure_process()
-    seeds = list(range(args.seeds)) if args.seeds else ([0] if args.quick else list(SEEDS))
+    count = args.seeds or (1 if args.quick else len(SEEDS))
+    seeds = list(range(args.first_seed, args.first_seed + count))
     scenarios, methods = select(args.scenarios, args.quick), _methods(args.methods)
     start = time.perf_counter()
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from torch.utils.data import TensorDataset
 from conftest import assert_bit_identical, fit, weights
 
 from lightning_overflow import AutoClip, LossSpikeDetector, default_callbacks, read_journal
@@ -375,6 +376,44 @@ def test_weights_that_grow_out_of_a_small_init_while_the_run_learns_change_nothi
                 parameter.mul_(0.01)
         fit(model, suite, max_steps=200, default_root_dir=str(tmp_path / str(len(runs))))
         runs.append(weights(model))
+    assert _journal(tmp_path / "1") == []
+    assert_bit_identical(runs[0], runs[1])
+
+
+def _norm(state: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in state.values())))
+
+
+class EasyFirstBatch(TinyRegressor):
+    """The targets of the first batch halved: an easy batch, whose loss is the fit's first and its lowest for the next
+    five steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        x, y = self.data.tensors
+        y = y.clone()
+        y[: self.batch_size] *= 0.5
+        self.data = TensorDataset(x, y)
+
+
+def test_a_first_batch_that_happened_to_be_easy_is_no_best_for_weights_that_grow_out_of_a_small_init(
+    tmp_path: Path,
+) -> None:
+    """Weights drawn 100x smaller grow over 20x in their first 10 steps while the median loss of steps 1-10 stands
+    1.6x above the fit's first one, an easy batch's: one loss is no level the run reached, so nothing fires and the
+    run is bit-identical to the same run without the suite."""
+    runs, growth = [], []
+    for suite in ([], default_callbacks(clip=None)):
+        torch.manual_seed(0)
+        model, after = EasyFirstBatch(), WeightsAtBatchEnd()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(0.01)
+        initial = weights(model)
+        fit(model, [*suite, after], max_steps=60, default_root_dir=str(tmp_path / str(len(runs))))
+        runs.append(weights(model))
+        growth.append(_norm(after.at[10]) / _norm(initial))
+    assert growth[0] > 20.0  # between the test's samples of steps 0 and 10
     assert _journal(tmp_path / "1") == []
     assert_bit_identical(runs[0], runs[1])
 

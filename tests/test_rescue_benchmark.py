@@ -89,3 +89,9 @@ def test_unknown_names_are_refused() -> None:
         rescue.run_one("nan_weight", "clip", 0)
     with pytest.raises(ValueError, match=r"^'scenario' must be one of 'mlp_sgd_lr1x', .* \(got 'nope'\)$"):
         rescue.run_one("nope", "unprotected", 0)
+
+
+def test_a_negative_first_seed_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        rescue.main(["--first-seed", "-1"])
+    assert "'--first-seed' must be >= 0 (got -1)" in capsys.readouterr().err

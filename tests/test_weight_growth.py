@@ -63,6 +63,24 @@ def test_the_loss_must_stand_above_its_best_by_the_margin() -> None:
     assert _feed(_growth(), series) == []
 
 
+def test_a_median_of_one_loss_is_no_level_the_run_reached() -> None:
+    # Weights escaping a small initialisation; the fit's first loss (1.8) came from an easy batch, the next ones are
+    # higher. That one loss is no best: the median of step 10 is the first, and growth at the best is learning. Once
+    # the loss has fallen to a lower median (1.25 at step 20), standing above it is evidence (step 30).
+    growth = _growth(losses_per_sample=4)
+    series = [(0, 1.0, [1.8]), (10, 5.0, [3.8, 3.5, 4.7, 2.0]), (20, 6.0, [1.4, 1.1, 0.7, 1.4]),
+              (30, 13.0, [3.0, 3.0, 3.0, 3.0])]  # fmt: skip
+    assert _feed(growth, series) == [GrowthFinding(10, 30, 5.0, 13.0, 3.65, 3.0, 1.25)]
+    # A run that overshoots from its first step looks the same while its loss stays at the first level it settled
+    # at: nothing is found without a loss that ran away (here above 30); with one, the growth is found.
+    overshoot = [(0, 6.7, [3.3]), (10, 32.0, [4.0, 5.0, 6.0, 5.0]), (20, 68.0, [5.0, 5.0, 5.2, 5.0])]
+    assert _feed(_growth(losses_per_sample=4), overshoot) == []
+    overshoot[1] = (10, 32.0, [4.0, 40.0, 6.0, 5.0])
+    assert _feed(_growth(losses_per_sample=4), overshoot, runaway_above=30.0) == [
+        GrowthFinding(0, 10, 6.7, 32.0, 3.3, 5.5, 5.5, at_best=True)
+    ]
+
+
 def _runaway(series: list[tuple[int, float, list[float]]], growth: WeightGrowth | None = None) -> list[GrowthFinding]:
     """Three losses a sample; a loss above 100 runs away."""
     return _feed(growth or _growth(3), series, runaway_above=100.0)

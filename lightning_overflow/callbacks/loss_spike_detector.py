@@ -143,9 +143,11 @@ class LossSpikeDetector(SuiteCallback):
             learning rate far too high can overshoot without overflowing or spiking: the weights grow step after step
             while the loss hovers where it began. The test (:class:`~lightning_overflow.numerics.growth.WeightGrowth`)
             signals ``weight_growth`` when the norm grew ``growth_factor`` times or more within ``growth_window`` steps
-            (from the oldest sample at most that far back: a run that overshoots from its first steps is caught at its
-            first samples) while the median of the losses did not fall by ``growth_progress`` and stands 10% above
-            the best median since the test started, or a loss since the window's first sample ran beyond
+            (from the oldest sample at most that far back: a run that overshoots from its first steps, single losses
+            running away, is caught at its first samples) while the median of the losses did not fall by
+            ``growth_progress`` and stands 10% above the best median since the test started (a median of at least 10
+            losses: the fit's first loss alone may be one easy batch's, no level the run reached), or a loss since
+            the window's first sample ran beyond
             ``growth_runaway_factor`` times the anchor (the median of a run that never learned stays at its best, its
             first losses, while it overshoots); weights that grow out of a small initialisation as the loss falls are
             learning, not divergence. The signal names the window's start, so ``Rollback`` returns to a snapshot
