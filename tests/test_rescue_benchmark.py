@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -95,3 +96,13 @@ def test_a_negative_first_seed_is_refused(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         rescue.main(["--first-seed", "-1"])
     assert "'--first-seed' must be >= 0 (got -1)" in capsys.readouterr().err
+
+
+def test_the_peer_target_fails_saying_so_when_no_peer_ran(results: rescue.Results) -> None:
+    ours = [dataclasses.replace(r, method=rescue.OURS) for r in results.runs if r.method == "NonFiniteDetector()"]
+    alone = rescue.Results(ours + [r for r in results.runs if r.method == "unprotected"], {}, {}, results.scenarios,
+                           [rescue.OURS], results.seeds, [])  # fmt: skip
+    rescue.score(alone)
+    assert (False, "default_callbacks() within reference on more runs than every peer: no peer ran") in rescue.targets(
+        alone
+    )
