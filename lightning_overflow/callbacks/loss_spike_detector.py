@@ -145,15 +145,15 @@ class LossSpikeDetector(SuiteCallback):
             signals ``weight_growth`` when the norm grew ``growth_factor`` times or more within ``growth_window`` steps
             (from the oldest sample at most that far back: a run that overshoots from its first steps, single losses
             running away, is caught at its first samples) while the median of the losses did not fall by
-            ``growth_progress`` and stands 10% above the best median since the test started (a median of at least 10
-            losses: the fit's first loss alone may be one easy batch's, no level the run reached), or a loss since
-            the window's first sample ran beyond
-            ``growth_runaway_factor`` times the anchor (the median of a run that never learned stays at its best, its
-            first losses, while it overshoots); weights that grow out of a small initialisation as the loss falls are
-            learning, not divergence. The signal names the window's start, so ``Rollback`` returns to a snapshot
-            from before the growth. Off with several optimizers (each player of a game moves its weights as the game
-            goes); it measures every parameter of the optimizer, with a gradient or not, and starts again after a
-            finding, after a rollback and when parameters join the optimizer.
+            ``growth_progress`` and stands 10% above the best median since the test started (a median of at least
+            ``growth_every_n_steps`` losses: the fit's first loss alone may be one easy batch's, no level the run
+            reached), or a loss since the window's first sample ran beyond ``growth_runaway_factor`` times the anchor
+            (the median of a run that never learned stays at its best, its first losses, while it overshoots); weights
+            that grow out of a small initialisation as the loss falls are learning, not divergence. The signal names
+            the window's start, so ``Rollback`` returns to a snapshot from before the growth. Off with several
+            optimizers (each player of a game moves its weights as the game goes); it measures every parameter of the
+            optimizer, with a gradient or not, and starts again after a finding, after a rollback and when parameters
+            join the optimizer.
         growth_window: how far back the weight sample compared with the newest may lie, in steps (default 50; at
             least ``growth_every_n_steps``).
         growth_factor: the growth of the weight norm over the window that counts as running away (default 2.0;
