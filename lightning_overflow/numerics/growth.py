@@ -56,8 +56,8 @@ class WeightGrowth:
     the loss median fell by less than ``progress`` of its value and stands ``above_best`` or more above the least
     median of the samples since the test (re)started, or a loss since that sample ran away (see :meth:`add_loss`).
     Only a median of at least half of ``losses_per_sample`` losses can be the least: the first sample of a fit rests
-    on one loss, an easy batch's maybe, no level the run reached (in 4 of 60 healthy runs measured, weights escaping a
-    small initialisation with Adam in batches of 16, the first loss stood below the median of the next 10-20 steps,
+    on one loss, an easy batch's maybe, no level the run reached (in 4 of 48 healthy runs measured whose weights escape
+    a small initialisation, all Adam in batches of 16, the first loss stood below the median of the next 10-20 steps,
     and the growth read as overshoot).
 
     Args:
