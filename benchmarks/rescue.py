@@ -447,17 +447,18 @@ def _share_and_peers(results: Results, ours: dict[tuple[str, int], Run]) -> list
     within = sum(r.within_reference for r in ours.values())
     share = within / len(ours) if ours else 0.0
     counts = {m: sum(r.within_reference for r in results.matrix_runs(m)) for m in results.methods if METHODS[m].peer}
+    share_check: Check = (
+        share >= TARGET_SHARE,
+        f"{OURS} within reference on {within}/{len(ours)} runs ({share:.0%}; target >= {TARGET_SHARE:.0%})",
+    )
+    if not counts:
+        return [share_check, (False, f"{OURS} within reference on more runs than every peer: no peer ran")]
     listed = ", ".join(f"{m} {n}" for m, n in counts.items())
-    peers: Check = (
+    return [
+        share_check,
         _where(all(n < within for n in counts.values()),
                f"{OURS} within reference on more runs ({within}) than every peer ({listed})",
-               "not more than", [m for m, n in counts.items() if n >= within])
-        if counts else (False, f"{OURS} within reference on more runs than every peer: no peer ran")
-    )  # fmt: skip
-    return [
-        (share >= TARGET_SHARE,
-         f"{OURS} within reference on {within}/{len(ours)} runs ({share:.0%}; target >= {TARGET_SHARE:.0%})"),
-        peers,
+               "not more than", [m for m, n in counts.items() if n >= within]),
     ]  # fmt: skip
 
 
