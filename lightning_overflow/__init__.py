@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from lightning_overflow.diagnosis import Diagnosis, Headroom, trace_nonfinite
     from lightning_overflow.events import Event, read_journal
     from lightning_overflow.exceptions import DivergenceError, NonFiniteError, OverflowWarning, RollbackError
+    from lightning_overflow.trial import TrialConfig
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ _SOURCES = {
     "NonFiniteError": "lightning_overflow.exceptions",
     "OverflowWarning": "lightning_overflow.exceptions",
     "RollbackError": "lightning_overflow.exceptions",
+    "TrialConfig": "lightning_overflow.trial",
 }
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "OverflowWarning",
     "Rollback",
     "RollbackError",
+    "TrialConfig",
     "__version__",
     "default_callbacks",
     "read_journal",

@@ -41,6 +41,7 @@ __all__ = [
     "should_update_logs",
     "BATCH_HOOKS",
     "mute_hooks",
+    "optimizer_steps_this_batch",
     "unmute_hooks",
 ]
 
@@ -169,3 +170,11 @@ def replicated_strategy(strategy: Any) -> bool:
     """Whether every rank holds the whole model (a known replicated strategy, and no sharded one)."""
     names = {cls.__name__ for cls in type(strategy).__mro__}
     return sharded_strategy(strategy) is None and bool(names & set(REPLICATED_STRATEGIES))
+
+
+def optimizer_steps_this_batch(trainer: pl.Trainer) -> bool:
+    """Whether the optimizer steps on the current training batch (not a batch that accumulates gradients), asked at
+    ``on_train_batch_start``: the loop counted the batch as ready before that hook (``_should_accumulate``; 2.6.6)."""
+    if not trainer.lightning_module.automatic_optimization:
+        return True
+    return not trainer.fit_loop.epoch_loop._should_accumulate()

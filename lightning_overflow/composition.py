@@ -12,6 +12,7 @@ from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
 from lightning_overflow.callbacks.lr_backoff import LRBackoff
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
+from lightning_overflow.trial import DEFAULT_TRIAL, TrialConfig
 
 __all__ = ["default_callbacks"]
 
@@ -25,38 +26,30 @@ def default_callbacks(
     dirpath: str | os.PathLike[str] | None = None,
     per_parameter_norms: bool = False,
     rollback: bool = True,
+    trial: TrialConfig | None = DEFAULT_TRIAL,
 ) -> list[Callback]:
     """The suite as we recommend it, ready for ``Trainer(callbacks=default_callbacks())``.
 
-    The escalation ladder it implements:
+    What it does (the policy in :mod:`lightning_overflow.policy`):
 
     1. every step: the gradient norm is logged (``GradNormMonitor``) and clipped when it is an outlier
        (``AutoClip``, ZClip z-score by default);
-    2. a non-finite step is skipped: nothing changes, not the weights, the moments or the schedule
-       (``NonFiniteDetector``); an isolated one (one corrupt sample) stops there;
-    3. evidence that the training state degrades (non-finite steps on clean batches, non-finite weights or
-       moments, a collapsing GradScaler, a loss that stays above its reference, settles far above its best level
-       or trends up, weights that grow 2x within 50 steps while the loss does not fall) multiplies the LR by
-       ``lr_factor`` (``LRBackoff``) and restores the last snapshot verified finite (``Rollback``; for runaway
-       weights or a loss finding, the last one from before the growth or the losses judged); a divergence again
-       at the lower LR backs off further, by ``lr_factor`` twice when it comes within two snapshot intervals of
-       the previous backoff; when the restored weights turn out as bad on the current data as the diverged ones
-       (a ``data_shift``: new data, a harder task), the backoff is undone; when one snapshot, restored twice,
-       diverges again within 10 steps each time at a lower LR, its gradients are out of scale: ``AutoClip`` bounds
-       every update to 1% of the weight norm from then on and the backoffs since that snapshot are taken back
-       (``update_bound``);
-    4. after ``max_rollbacks`` retries with nothing changed within Rollback's window (a retry at a backed-off LR
-       is progress and spends none), or the LR backed off to its floor, the run stops with
-       :class:`~lightning_overflow.DivergenceError`, which lists what was tried.
-
-    See the ladder in :mod:`lightning_overflow.policy` for every rule and the reason behind it.
+    2. a non-finite loss or gradient: the step is skipped, a true no-op (``NonFiniteDetector``);
+    3. a certain fault (inf/NaN weights or moments, steps that keep failing): the learning rate is multiplied by
+       ``lr_factor`` (``LRBackoff``) and the last snapshot verified finite is restored (``Rollback``), at once;
+    4. a suspicion (``LossSpikeDetector``: the loss settled far above its best, a trend, runaway weights; a
+       GradScaler that keeps overflowing): a trial. The last verified snapshot at ``lr_factor`` times the learning
+       rate runs against the run as it is, ``trial.steps`` optimizer steps on the same batches, each batch scored
+       by both before either trains on it; the remedy is kept only when it does better beyond the noise, and
+       otherwise the run goes on exactly as if nothing had been suspected (see :mod:`lightning_overflow.trial`);
+    5. a certain fault once nothing is left to try (the LR at its floor, ``max_rollbacks`` retries with nothing
+       changed) stops the run with :class:`~lightning_overflow.DivergenceError`, which lists what was tried.
 
     Args:
         clip: the ``AutoClip`` mode (``"zscore"``, ``"percentile"``, ``"agc"``; ``"fixed"`` needs a threshold, so
             build that ``AutoClip`` yourself), or ``None`` for no clipping (use this when the Trainer has
             ``gradient_clip_val``).
-        lr_factor: the LR multiplier on divergence (default 0.5), applied twice when a backoff comes within two
-            snapshot intervals of the previous one (build ``LRBackoff`` yourself to turn that off).
+        lr_factor: the LR multiplier of a backoff and of a trial's remedy (default 0.5).
         snapshot_every_n_steps: Rollback's snapshot interval, and the interval of the DDP replica-parity check
             (default 100). Each snapshot holds the model and
             optimizer state in host memory, ``keep=2`` of them.
@@ -66,6 +59,9 @@ def default_callbacks(
         per_parameter_norms: log ``grad_norm/<parameter>`` too.
         rollback: include ``Rollback`` (default ``True``). With ``False``, ``snapshot_every_n_steps``,
             ``max_rollbacks`` and ``dirpath`` have nothing to configure; a ``dirpath`` then is an error.
+        trial: how suspicions are tried (:class:`~lightning_overflow.TrialConfig`: 20 steps, ``"ab"`` mode, at
+            most a quarter of the steps; ``every_n_steps`` adds scheduled trials of a lower learning rate); ``None``
+            answers suspicions at once, without a trial.
 
     Example:
         >>> [type(cb).__name__ for cb in default_callbacks()]
@@ -79,6 +75,7 @@ def default_callbacks(
     per_parameter = check_bool("per_parameter_norms", per_parameter_norms)
     with_rollback = check_bool("rollback", rollback)
     check_type("dirpath", dirpath, (str, os.PathLike), "a path", optional=True)
+    check_type("trial", trial, TrialConfig, "a TrialConfig", optional=True)
     if dirpath is not None and not with_rollback:
         raise ValueError(f"'dirpath' needs rollback=True: it is where Rollback writes its snapshots (got {dirpath!r})")
     callbacks: list[Callback] = [
@@ -90,8 +87,7 @@ def default_callbacks(
     ]
     if clip is not None:
         callbacks.append(AutoClip(mode=clip))  # type: ignore[arg-type]
-    # A restored state that diverges again within two snapshot intervals: the backoff was too small, back off twice.
-    callbacks.append(LRBackoff(factor=factor, escalate_within=2 * every))
+    callbacks.append(LRBackoff(factor=factor, trial=trial))
     if with_rollback:
-        callbacks.append(Rollback(every_n_steps=every, max_rollbacks=budget, dirpath=dirpath))
+        callbacks.append(Rollback(every_n_steps=every, max_rollbacks=budget, dirpath=dirpath, trial=trial))
     return callbacks

@@ -18,17 +18,18 @@ Boards live in a ``WeakKeyDictionary`` keyed by the trainer: nothing is written 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_overflow import _compat
+from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import read_packed, sum_and_read
 from lightning_overflow.events import Event, Journal, MetricBuffer
 from lightning_overflow.loggers import journal_location, prepare_dashboards, publish_events, upload_journal
@@ -43,7 +44,7 @@ from lightning_overflow.numerics import (
 )
 from lightning_overflow.numerics._float64 import div, to_float32
 from lightning_overflow.numerics.norms import any_sharded, host_total_norm, shard_squares
-from lightning_overflow.policy import SIGNAL_KINDS, StepAction, Verdict, decide_step
+from lightning_overflow.policy import SCHEDULED, SIGNAL_KINDS, Signal, StepAction, Verdict, decide_step
 from lightning_overflow.skip import BufferCopy, HeldSchedules, skip_step
 from lightning_overflow.training_state import (
     NonFiniteConstants,
@@ -52,9 +53,13 @@ from lightning_overflow.training_state import (
     nonfinite_flags,
     optimizer_labels,
 )
+from lightning_overflow.trial import TrialConfig
+from lightning_overflow.trials import Remedy, TrialOutcome, TrialRunner
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+    from lightning_overflow.snapshot_store import Snapshot
 
 __all__ = [
     "SIGNAL_KINDS",
@@ -94,28 +99,6 @@ def board_for(trainer: pl.Trainer) -> HealthBoard:
         board = _BOARDS[trainer] = HealthBoard()
     _LAST_BOARD = weakref.ref(trainer), board
     return board
-
-
-@dataclass(frozen=True)
-class Signal:
-    """A detector's report for this training batch, identical on every rank.
-
-    Attributes:
-        kind: one of :data:`SIGNAL_KINDS`.
-        step: the ``global_step`` of the optimizer step concerned.
-        reason: a sentence for messages and the journal.
-        source: the callback that raised it.
-        optimizer_index: the optimizer concerned.
-        onset: the first step whose state the evidence implicates (``None``: the step of the signal); a rollback
-            goes to a snapshot taken at or before it.
-    """
-
-    kind: str
-    step: int
-    reason: str
-    source: str
-    optimizer_index: int = 0
-    onset: int | None = None
 
 
 class StepParticipant(Protocol):
@@ -158,6 +141,20 @@ class StepParticipant(Protocol):
 
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         """The training state was restored from a snapshot taken with ``extra`` beside it."""
+
+    def _remedy_start(self, trainer: pl.Trainer, signal: Signal) -> Snapshot | None:
+        """Turn the live state into the start of a trial's remedy (Rollback: restore a verified snapshot), quietly;
+        return the snapshot restored (``None``: nothing done)."""
+
+    def _remedy_lr(
+        self, trainer: pl.Trainer, snapshot: Snapshot | None, signal: Signal | None, power: int
+    ) -> tuple[list[float], float] | None:
+        """Scale the live learning rate for a trial's remedy (LRBackoff: its factor to the ``power``), from the state
+        ``snapshot`` left (the current state when ``None``); return the remedy's scales and the factor applied
+        (``None``: nothing done)."""
+
+    def _after_trial(self, trainer: pl.Trainer, outcome: TrialOutcome) -> None:
+        """A trial ended: its remedy was kept (it is the live state now) or discarded."""
 
 
 class StepHealth:
@@ -378,6 +375,8 @@ class HealthBoard:
         self._published: dict[str, float] = {}
         self._constants: NonFiniteConstants | None = None
         self._journal_open = False
+        self.trials = TrialRunner()
+        self._trial_config: tuple[str, TrialConfig | None] | None = None  # who set it, and the setting
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def join(self, participant: StepParticipant, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -390,6 +389,7 @@ class HealthBoard:
             # Stable: participants of one stage keep the order in which they joined (their order in the list).
             self._participants.sort(key=lambda ref: getattr(ref(), "stage", 0))
             self._ordered = None
+            self._agree_on_trials(participant)
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
         self._step_names = None
         self._published = {}
@@ -402,6 +402,30 @@ class HealthBoard:
             self._journal_open = True
             prepare_dashboards(trainer)
         self._summarised = False
+
+    def _agree_on_trials(self, participant: StepParticipant) -> None:
+        """The interventions that offer remedies (``LRBackoff``, ``Rollback``) each carry the fit's trial settings:
+        they must agree."""
+        if not hasattr(participant, "trial"):
+            return
+        config: TrialConfig | None = participant.trial  # type: ignore[attr-defined]
+        name = type(participant).__name__
+        if self._trial_config is not None and self._trial_config[1] != config:
+            other, theirs = self._trial_config
+            raise ValueError(
+                f"{other}(trial={theirs!r}) and {name}(trial={config!r}) disagree: the suite runs one kind of trial for "
+                f"both remedies. Pass the same TrialConfig to both (default_callbacks(...) does)."
+            )
+        self._trial_config = (name, config)
+
+    def start_training(self, trainer: pl.Trainer) -> None:
+        """Once the optimizers exist (``on_train_start``): whether this fit can run trials."""
+        self.trials.configure(self._trial_config[1] if self._trial_config is not None else None, trainer)
+
+    def trial_host(self) -> StepParticipant | None:
+        """The participant whose checkpoint state carries a trial under way: the last one that offers a remedy."""
+        hosts = [p for p in self.participants if hasattr(p, "trial")]
+        return hosts[-1] if hosts else None
 
     @property
     def participants(self) -> list[StepParticipant]:
@@ -431,6 +455,8 @@ class HealthBoard:
         self.signals.clear()
         self.metrics.clear()
         self._journal_open = False  # the next fit opens its own journal
+        self.trials.reset()
+        self._trial_config = None
 
     def record(self, event: Event) -> None:
         self.journal.record(event)
@@ -474,15 +500,96 @@ class HealthBoard:
         for participant in self.participants:
             participant._after_restore(trainer, extras.get(participant.state_key, {}))
 
+    # ---- trials ---------------------------------------------------------------------------------------------------
+    def prepare_remedy(self, trainer: pl.Trainer, signal: Signal | None, power: int = 1) -> Remedy | None:
+        """Turn the live state into a trial's remedy: the state a participant restores (a suspicion's: a scheduled
+        trial starts from the current state), then the learning rate a participant backs off (by its factor to the
+        ``power``). ``None`` when no participant changed anything (the live state is untouched then)."""
+        snapshot = None
+        if signal is not None:
+            for participant in self.participants:
+                snapshot = snapshot or participant._remedy_start(trainer, signal)
+        scales, factor = None, 1.0
+        for participant in self.participants:
+            lr = participant._remedy_lr(trainer, snapshot, signal, power)
+            if lr is not None:
+                scales, factor = lr
+        if snapshot is None and (scales is None or factor == 1.0):
+            return None
+        if snapshot is None:
+            return Remedy(scales=scales, factor=factor)
+        return Remedy(snapshot.step, dict(snapshot.extras), scales, factor)
+
+    def after_trial(self, trainer: pl.Trainer, outcome: TrialOutcome) -> None:
+        """Tell every participant how a trial ended."""
+        for participant in self.participants:
+            participant._after_trial(trainer, outcome)
+
+    def journal_trial(self, trainer: pl.Trainer, outcome: TrialOutcome, extra_steps: int) -> None:
+        """One ``trial`` line: what opened it, the remedies, the scores, the verdict and the cost."""
+        trial, verdict = outcome.trial, outcome.verdict
+        start = "the current state" if trial.snapshot_step is None else f"the snapshot of step {trial.snapshot_step}"
+        rates = " and ".join(f"x{f:g}" for f in trial.lr_factors)
+        if outcome.kept:
+            kept = f"kept {start} at the learning rate x{outcome.remedy.factor:g}"
+        else:
+            kept = "kept the run as it was"
+        opened = "a scheduled trial" if trial.kind == SCHEDULED else f"{trial.kind} at step {trial.step}"
+        rung = f" (rung {trial.rung} of a ladder)" if trial.rung > 1 else ""
+        message = (
+            f"lightning_overflow: the trial opened by {opened}{rung} ({start} at the learning rate {rates}, against "
+            f"the run as it was, {len(trial.incumbent)} steps on the same batches) {kept} at step {outcome.step}: "
+            f"{outcome.why}."
+        )
+        details: dict[str, Any] = {
+            "signal": trial.kind,
+            "opened_at": trial.step,
+            "rung": trial.rung,
+            "snapshot_step": trial.snapshot_step,
+            "lr_factors": list(trial.lr_factors),
+            "mode": trial.config.mode,
+            "kept": outcome.kept,
+            "kept_lr_factor": outcome.remedy.factor if outcome.kept else None,
+            "false_alarm": outcome.false_alarm,
+            "steps": len(trial.incumbent),
+            "extra_steps": extra_steps,
+            "incumbent_losses": list(trial.incumbent),
+            "remedy_losses": [list(scores) for scores in trial.remedies],
+        }
+        if verdict is not None:
+            details["comparisons"] = [
+                {"lr_factor": f, "mean": c.mean, "stderr": c.stderr, "pairs": c.pairs, "better": c.better, "wins": c.wins}
+                for f, c in zip(trial.lr_factors, verdict.comparisons)
+            ]
+        event = Event(step=outcome.step, kind="trial", rank=0, source=trial.source or "lightning_overflow",
+                      message=message, details=details, epoch=int(trainer.current_epoch))  # fmt: skip
+        self.record(event)
+        if trainer.global_rank == 0:
+            log.info(message)
+
+    def candidate_clip(self, trainer: pl.Trainer) -> Clip | None:
+        """The clip the loop's step would get, for the candidate's gradients: the Trainer's ``gradient_clip_val``,
+        or a clipper's current threshold."""
+        value = trainer.gradient_clip_val
+        if value is not None and value > 0:
+            algorithm = trainer.gradient_clip_algorithm or "norm"
+            return functools.partial(_clip_by_value if algorithm == "value" else _clip_by_norm, float(value))
+        for participant in self.participants:
+            clip = getattr(participant, "_candidate_clip", None)
+            if clip is not None:
+                return clip(0)  # type: ignore[no-any-return]
+        return None
+
     # ---- the batch --------------------------------------------------------------------------------------------
-    def begin_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """At the start of each training batch: forget the previous batch's signals, and copy the buffers when an
-        accumulation window begins."""
+    def begin_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """At the start of each training batch: forget the previous batch's signals, copy the buffers when an
+        accumulation window begins, and let a trial's candidate on the side take the batch first."""
         self.signals.clear()
         self._log_due = None
         if not self._window_open and pl_module.automatic_optimization:
             self._buffers.take(pl_module)
             self._window_open = True
+        self.trials.begin_batch(trainer, batch, batch_idx, self.candidate_clip(trainer) if self.trials.active else None)
 
     def observe_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
         """Note this backward pass's loss (no host read).
@@ -516,7 +623,9 @@ class HealthBoard:
     def end_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         """At the end of each training batch: put held schedules back, let every participant act in pipeline
         order, then log the batch's metrics with one call per logger."""
+        self.trials.note_schedule(trainer)
         self._held.restore()
+        self.trials.end_batch(trainer, self)
         for participant in self.participants:
             participant._after_batch(trainer, pl_module, outputs)
         counters: dict[str, float] = {}
@@ -575,7 +684,7 @@ class HealthBoard:
         Lightning calls ``on_before_optimizer_step`` after each evaluation of the closure (LBFGS evaluates it several
         times per step) and once per optimizer: each call is an evaluation with its own record.
         """
-        if not any(p._wants_record() for p in self.participants):
+        if not self.trials.active and not any(p._wants_record() for p in self.participants):
             self.current = None
             self._window_open = False  # the accumulation window ends with this step all the same
             return
@@ -585,6 +694,7 @@ class HealthBoard:
         record = self._build(trainer, pl_module, optimizer)
         for participant in self.participants:
             participant._contribute(trainer, pl_module, record)
+        self.trials.contribute(record)
         record._read()
         self._interpret(record)
         self.current = record
@@ -769,6 +879,16 @@ def _refuse_a_second(participant: StepParticipant, joined: Sequence[StepParticip
                 f"{name} acts on the whole run, so two of them would act twice on every step and log into the same "
                 f"keys. Keep one {name}."
             )
+
+
+def _clip_by_norm(max_norm: float, grads: list[Tensor], total: float) -> None:
+    if total > max_norm:
+        torch._foreach_mul_(grads, max_norm / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_ scales
+
+
+def _clip_by_value(limit: float, grads: list[Tensor], total: float) -> None:
+    for grad in grads:
+        grad.clamp_(-limit, limit)
 
 
 def _index_of(items: Sequence[Any], item: Any) -> int:

@@ -1,63 +1,39 @@
-"""What the suite does about a step and about a batch, decided in one place: the escalation ladder.
+"""What the suite does about a step and about a batch, decided in one place: certain faults act at once, suspicions
+are tried.
 
-The ladder (signal -> rung), with the reason for each rule:
+The policy (signal -> action), with the reason for each rule:
 
-=========================  ==========================================  ============================================
-signal (who raises it)     rung of the default interventions           why
-=========================  ==========================================  ============================================
-``nonfinite``              skip the step (NonFiniteDetector)           one bad batch: a true no-op costs nothing
-(NonFiniteDetector)                                                    else; never the LR, never the weights
-``nonfinite_burst``        none by default                             a corrupt sample that comes back every short
-                                                                       epoch is a burst and still only data
-``nonfinite_persistent``   back off the LR and roll back               steps stay non-finite on clean batches: the
-                                                                       state, not the data, produces them
-``nonfinite_state``        back off and roll back                      inf/NaN weights or moments never heal
-``scaler_collapse``        back off and roll back                      the GradScaler cannot find a finite scale
-``loss_spike``,            none by default (journaled)                 one spike is one batch, or a clip already
-``grad_spike``                                                         neutralised it
-``loss_divergence``        back off and roll back to a snapshot from   the loss stays above its reference (its
-(LossSpikeDetector)        before the losses judged (later ones        statistics, or an absolute anchor) for
-                           dropped)                                    several steps: the state degrades
-``loss_divergence``        back off and roll back to a snapshot from   the level of the healthy losses settled far
-(level test)               before the losses its level averages        above the best level the run reached (2x it
-                           (later ones dropped)                        and half the progress given back), or at 2x
-                                                                       the first losses, beyond 3 standard errors of
-                                                                       the losses' scatter, and in most of the
-                                                                       confirming losses too: a collapsed state does
-                                                                       not come back at this LR (a state restored
-                                                                       above the bound is judged against the first
-                                                                       loss until it trained back within)
-``loss_trend``             back off and roll back to a snapshot from   a slow rise with no spike and no NaN
-                           before the window (later ones dropped)
-``weight_growth``          back off and roll back to a snapshot from   the weight norm grew 2x within 50 steps while
-(LossSpikeDetector)        before the growth (later ones dropped)      the loss did not fall and stood above its
-                                                                       best, or single losses ran beyond 10x the
-                                                                       anchor: updates that overshoot without
-                                                                       overflowing; weights that grow as the loss
-                                                                       falls (a small initialisation) are learning
-``replica_mismatch``       roll back (every rank to the same           DDP replicas whose weights differ: silent
-(NonFiniteDetector)        snapshot)                                   data corruption, no fault of the LR
-``data_shift``             undo the backoff made for the divergence;   after a rollback for a loss divergence, the
-(LossSpikeDetector)        the loss statistics start again             restored weights (kept while the loss was
-                                                                       low) are as bad on the next batches, measured
-                                                                       without a step: the data changed, not the
-                                                                       state
-``update_bound``           clip every update to 1% of the weight norm  the same snapshot, restored twice, diverged
-(AutoClip)                 (halved at each further return); take the   again within 10 steps each time, at a lower LR,
-                           backoffs since the snapshot back            after updates beyond 1% of its weight norm:
-                                                                       its gradients are out of scale (a first
-                                                                       gradient of 1e8), which no rate halving
-                                                                       reaches; the bound holds every step, so the
-                                                                       lower rate would only slow the run
-=========================  ==========================================  ============================================
+======================================  =====================================  =========================================
+what happened (signal)                  what the suite does                    why
+======================================  =====================================  =========================================
+a non-finite loss or gradient           skip the step, at once                 a skipped step changes nothing: nothing
+(``nonfinite``)                         (NonFiniteDetector)                    can be lost by it
+a gradient-norm outlier                 clip it, at once (AutoClip)            the step without the outlier is the step
+non-finite weights, moments or          restore the last verified snapshot,    inf/NaN state never heals: doing nothing
+buffers (``nonfinite_state``); DDP      at once, and back the learning rate    cannot be better (replicas that differ
+replicas that differ                    off (Rollback, LRBackoff)              are no fault of the learning rate: no
+(``replica_mismatch``)                                                         backoff)
+steps that keep failing: non-finite     back off and restore, at once; when    a state whose steps fail is not training
+on clean batches, or most of the        nothing is left to try,
+recent steps skipped                    ``DivergenceError``
+(``nonfinite_persistent``)
+a suspicion: the loss level, a trend,   a trial (:mod:`lightning_overflow.     only a measurement on unseen batches
+runaway weights, a GradScaler that      trial`): the last verified snapshot    tells a divergence from a harmless
+keeps overflowing                       at the backed-off rate against the     change (new data, a harder task, input
+(``loss_divergence``, ``loss_trend``,   run as it is, ``steps`` steps on the   spikes); a tie goes to the run as it is,
+``weight_growth``,                      same batches; the better one beyond    so a false alarm costs compute, never
+``scaler_collapse``)                    noise goes on                          the result
+none, every ``every_n_steps``           a trial of the backed-off rate from    a learning rate too high that never
+(opt-in)                                the current state                      overflows raises no suspicion
+======================================  =====================================  =========================================
 
-A divergence after a rollback is new evidence about the restored state: the rollback ends LRBackoff's cooldown,
-so it backs off again at once; in ``default_callbacks()`` a backoff within two snapshot intervals of the previous
-one applies the factor twice (the backed-off LR did not hold: half of it was not enough). A rollback whose
-settings differ from the previous rollback's (the LR backed off since) is progress and spends none of Rollback's
-budget; only retries with nothing changed do. After ``max_rollbacks`` such retries within Rollback's window, or the
-LR at LRBackoff's floor (``min_scale``, about ten halvings), the run stops with
-:class:`~lightning_overflow.DivergenceError`.
+A suspicion is acted on at once, as a certain fault is, where no trial can run: trials off (``trial=None``), or a
+fit whose steps a second candidate cannot repeat (manual optimization, several optimizers, a closure optimizer such
+as LBFGS, a sharded strategy). While a trial runs, further suspicions wait for its verdict; a false alarm makes the
+same suspicion wait twice as long as last time before it may open a trial again, and the detector re-learns the
+run's level. The remedies are bounded: ``LRBackoff`` by its floor (``min_scale``), ``Rollback`` by
+``max_rollbacks`` retries with nothing changed; a certain fault with nothing left to try stops the run with
+:class:`~lightning_overflow.DivergenceError`, a suspicion never does.
 
 Each suite callback judges the same final step record and may return a :class:`Verdict`: a reason to skip the
 step, a proposed clip, or both. :func:`decide_step` turns all of them into one :class:`StepAction`, applied once by
@@ -86,11 +62,15 @@ from typing import Any
 from torch import Tensor
 
 __all__ = [
+    "CERTAIN_SIGNALS",
     "DATA_SHIFT",
     "DEFAULT_BACKOFF_TRIGGERS",
     "DEFAULT_ROLLBACK_TRIGGERS",
     "DIVERGENCE_SIGNALS",
+    "SCHEDULED",
     "SIGNAL_KINDS",
+    "SUSPICION_SIGNALS",
+    "Signal",
     "UPDATE_BOUND",
     "ClipPlan",
     "StepAction",
@@ -108,6 +88,7 @@ SIGNAL_KINDS = (
     "grad_spike",
     "loss_divergence",
     "loss_trend",
+    "loss_plateau",
     "weight_growth",
     "replica_mismatch",
 )
@@ -123,6 +104,15 @@ DIVERGENCE_SIGNALS = (
 )
 """The signals that are evidence that the training state itself degrades."""
 
+CERTAIN_SIGNALS = ("nonfinite_persistent", "nonfinite_state", "replica_mismatch")
+"""Faults that need no verdict: the state cannot train, or is corrupt. Answered at once."""
+
+SUSPICION_SIGNALS = ("loss_divergence", "loss_trend", "loss_plateau", "weight_growth", "scaler_collapse")
+"""Evidence that the state may diverge: tried where a trial can run, answered at once where none can."""
+
+SCHEDULED = "scheduled"
+"""The kind of a trial opened without a signal (``TrialConfig(every_n_steps=...)``)."""
+
 DEFAULT_BACKOFF_TRIGGERS = DIVERGENCE_SIGNALS
 """LRBackoff's default triggers."""
 
@@ -137,6 +127,28 @@ UPDATE_BOUND = "update_bound"
 """The signal that takes the backoffs of a restored state back: that state diverged again right after each restore,
 at a lower learning rate each time, so its gradients are out of scale, not the rate; ``AutoClip`` bounds every
 update from now on. No trigger: ``LRBackoff`` returns to the learning rate of the snapshot."""
+
+
+@dataclass(frozen=True)
+class Signal:
+    """A detector's report for this training batch, identical on every rank.
+
+    Attributes:
+        kind: one of :data:`SIGNAL_KINDS`.
+        step: the ``global_step`` of the optimizer step concerned.
+        reason: a sentence for messages and the journal.
+        source: the callback that raised it.
+        optimizer_index: the optimizer concerned.
+        onset: the first step whose state the evidence implicates (``None``: the step of the signal); a rollback
+            goes to a snapshot taken at or before it.
+    """
+
+    kind: str
+    step: int
+    reason: str
+    source: str
+    optimizer_index: int = 0
+    onset: int | None = None
 
 
 @dataclass

@@ -31,6 +31,11 @@ WIRING = (
     f"{P}.snapshot_store",
     f"{P}.loggers",
     f"{P}.replicas",
+    f"{P}.preserve",
+    f"{P}.training_step",
+    f"{P}.candidate",
+    f"{P}.trial",
+    f"{P}.trials",
     *LEAVES,
 )
 ABOVE_WIRING = tuple(f"{P}.{m}" for m in ("callbacks", "diagnosis", "cli", "report", "demo", "composition"))

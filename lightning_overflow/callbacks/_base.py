@@ -13,8 +13,10 @@ from typing_extensions import override
 from lightning_overflow import _compat
 from lightning_overflow._compat import Callback
 from lightning_overflow.events import Event
-from lightning_overflow.health import HealthBoard, Signal, StepHealth, board_for
-from lightning_overflow.policy import StepAction, Verdict
+from lightning_overflow.health import HealthBoard, StepHealth, board_for
+from lightning_overflow.policy import Signal, StepAction, Verdict
+from lightning_overflow.snapshot_store import Snapshot
+from lightning_overflow.trials import TrialOutcome
 
 __all__ = ["MONITOR", "DETECTOR", "CLIPPER", "BACKOFF", "ROLLBACK", "SuiteCallback"]
 
@@ -45,8 +47,17 @@ class SuiteCallback(Callback):
 
     stage: ClassVar[int] = MONITOR
 
+    _board: HealthBoard | None = None
+
     def board(self, trainer: pl.Trainer) -> HealthBoard:
-        return board_for(trainer)
+        """The board of ``trainer``: held from ``setup`` to ``teardown``."""
+        board = self._board
+        return board if board is not None else board_for(trainer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_board", None)  # one trainer's, in one process
+        return state
 
     # ---- Lightning's hooks ------------------------------------------------------------------------------------
     @override
@@ -54,15 +65,21 @@ class SuiteCallback(Callback):
         self._unmute()
         if stage == "fit":
             _compat.check_strategy(trainer.strategy, type(self).__name__)
-            board = self.board(trainer)
+            board = self._board = board_for(trainer)
             board.join(self, trainer, pl_module)
             self._muted = _compat.mute_hooks(self, self._idle_hooks(board))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        board = self.board(trainer)
+        if board.leads(self):
+            board.start_training(trainer)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
         board = self.board(trainer)
         if board.leads(self):
-            board.begin_batch(trainer, pl_module)
+            board.begin_batch(trainer, pl_module, batch, int(args[0]) if args else 0)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -85,6 +102,13 @@ class SuiteCallback(Callback):
             board.end_batch(trainer, pl_module, outputs)
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        board = self.board(trainer)
+        if board.leads(self):
+            board.trials.end_fit(trainer, board)
+            board.flush(trainer)
+
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         board = self.board(trainer)
         board.flush(trainer)
@@ -101,6 +125,7 @@ class SuiteCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.board(trainer).release()
+        self._board = None
         self._unmute()
 
     def _unmute(self) -> None:
@@ -150,6 +175,36 @@ class SuiteCallback(Callback):
 
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         """The training state was just restored from a snapshot taken with ``extra`` beside it (default: nothing)."""
+
+    def _remedy_start(self, trainer: pl.Trainer, signal: Signal) -> Snapshot | None:
+        """Turn the live state into the start of a trial's remedy; return the snapshot restored (default: nothing
+        done, ``None``)."""
+        return None
+
+    def _remedy_lr(
+        self, trainer: pl.Trainer, snapshot: Snapshot | None, signal: Signal | None, power: int
+    ) -> tuple[list[float], float] | None:
+        """Scale the live learning rate for a trial's remedy (by a factor to the ``power``); return its scales and the
+        factor (default: ``None``)."""
+        return None
+
+    def _after_trial(self, trainer: pl.Trainer, outcome: TrialOutcome) -> None:
+        """A trial ended. By default a kept remedy that started from a snapshot is what a rollback to it is: the
+        callback hears of the restore (``_after_restore``) with what it kept beside that snapshot."""
+        remedy = outcome.remedy
+        if outcome.kept and remedy.snapshot_step is not None:
+            self._after_restore(trainer, remedy.extras.get(self.state_key, {}))
+
+    def _trial_state(self) -> dict[str, Any] | None:
+        """The board's trial state, for the one callback that carries it in checkpoints (``None`` for the others)."""
+        board = self._board
+        if board is None or board.trial_host() is not self:
+            return None
+        return board.trials.state_dict()
+
+    def _load_trial_state(self, state: dict[str, Any] | None) -> None:
+        if state is not None and self._board is not None:
+            self._board.trials.load_state_dict(state)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _log(self, trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:

@@ -15,9 +15,10 @@ from typing_extensions import override
 from lightning_overflow import _compat
 from lightning_overflow._validation import check_choice, check_float, check_int, check_names
 from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
+from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import sum_and_read
 from lightning_overflow.health import StepHealth, metric_key
-from lightning_overflow.numerics import parameters_of
+from lightning_overflow.numerics import parameters_of, scale_grads_
 from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
 from lightning_overflow.numerics.clipping import HostPercentile, HostZScore, host_clip_coefficient
 from lightning_overflow.numerics.norms import FP32_MAX, squared_norm_share
@@ -348,20 +349,7 @@ class AutoClip(SuiteCallback):
         """Fixed, percentile and z-score modes: one coefficient for all gradients, from the shared total norm (a host
         float, so the statistics are host floats too: no tensor op)."""
         total = record.total_norm
-        stats: Stats | None = None
-        threshold = math.inf  # "fixed": no statistics, only the cap below
-        if self.mode != "fixed":
-            stats = self._stats.get(record.optimizer_index)
-            if stats is None:
-                stats = self._new_stats()
-            threshold = stats.threshold(total)
-        learned = total
-        if isinstance(stats, HostZScore) and stats.count >= self.warmup_steps:
-            threshold = max(threshold, self.min_ratio * stats.mean)
-        cap = self._warmup_cap(record.optimizer_index, stats)
-        if cap is not None:
-            threshold = cap
-            learned = min(total, cap)
+        threshold, learned, stats = self._threshold(record.optimizer_index, total)
         bound = self._update_bound(record)
         if bound is not None:
             threshold = min(threshold, bound)
@@ -372,6 +360,39 @@ class AutoClip(SuiteCallback):
         grads = [p.grad for p in record.params]
         plan = ClipPlan([(grads, coef)] if coef < 1.0 else [], coef, threshold)  # type: ignore[list-item]
         return _Clip(record.step, total, threshold, coef, stats, plan, learned)
+
+    def _threshold(self, index: int, total: float) -> tuple[float, float, Stats | None]:
+        """The threshold for a total norm of ``total`` from optimizer ``index``'s statistics, the value they would
+        learn, and the statistics (nothing learned yet)."""
+        stats: Stats | None = None
+        threshold = math.inf  # "fixed": no statistics, only the caps
+        if self.mode != "fixed":
+            stats = self._stats.get(index)
+            if stats is None:
+                stats = self._new_stats()
+            threshold = stats.threshold(total)
+        learned = total
+        if isinstance(stats, HostZScore) and stats.count >= self.warmup_steps:
+            threshold = max(threshold, self.min_ratio * stats.mean)
+        cap = self._warmup_cap(index, stats)
+        if cap is not None:
+            threshold = cap
+            learned = min(total, cap)
+        return threshold, learned, stats
+
+    def _candidate_clip(self, index: int) -> Clip | None:
+        """How the loop's step of optimizer ``index`` is clipped now, for a trial's candidate on the side: the same
+        threshold from the same statistics, which the candidate's norms do not teach (``"agc"``: ``max_norm`` only)."""
+
+        def clip(grads: list[Tensor], total: float) -> None:
+            threshold = self.max_norm if self.mode == "agc" else self._threshold(index, total)[0]
+            if threshold is not None and self.max_norm is not None:
+                threshold = min(threshold, self.max_norm)
+            coef = host_clip_coefficient(total, threshold) if threshold is not None else 1.0
+            if coef < 1.0:
+                scale_grads_(grads, coef)
+
+        return clip
 
     def _warmup_cap(self, index: int, stats: Stats | None) -> float | None:
         """The z-score warm-up's cap, ``anchor_factor`` times the median of the first norms (``None``: none)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytorch_lightning as pl
@@ -18,13 +17,13 @@ from lightning_overflow.numerics.growth import WeightGrowth
 from lightning_overflow.numerics.norms import squared_norm_share
 from lightning_overflow.numerics.running_stats import HostRunningStats
 from lightning_overflow.numerics.trend import loss_scatter, slope_probability
-from lightning_overflow.policy import DATA_SHIFT, StepAction, Verdict
+from lightning_overflow.policy import StepAction
+from lightning_overflow.trials import TrialOutcome
 
 __all__ = ["LossSpikeDetector"]
 
 _CHANNELS = ("loss", "grad_norm")
 _SCATTER_WINDOWS = 5  # the level test's scatter is measured over this many of its windows of losses
-_RECENT = 5  # the last losses before a snapshot: what its weights gave, for the probe after a rollback to it
 _NEUTRALISED = 0.1  # a clip coefficient below this neutralised its batch (AutoClip journals such clips by default)
 _SIGNALS = {"loss": "loss_spike", "grad_norm": "grad_spike"}
 _WHAT = {"loss": "the training loss", "grad_norm": "the gradient norm"}
@@ -125,19 +124,11 @@ class LossSpikeDetector(SuiteCallback):
             ``level_sigmas * s / sqrt(anchor_steps)``. So a run whose losses scatter widely (a small batch, a
             heavy-tailed loss) but whose mean does not move never stands far above its best, while a loss that
             scatters little is judged as if the allowance were 0 (0 turns it off).
-        probe_steps: after a rollback made for this detector's ``loss_divergence`` or ``loss_trend``, up to this
-            many batches measure the restored weights on the current data (default 3; ``None``: no probe). A batch
-            points at the data when its loss stands above every one of the last losses the same weights gave before
-            their snapshot, above ``level_factor`` times their median, and at half the loss judged divergent or
-            more (for a streak of spikes, the least loss of the streak). Such a batch is taken without an
-            optimizer step; the first batch that does not point at the data ends the probe and trains, so a
-            rollback for a true divergence (or to a snapshot that itself held it) changes nothing. Each snapshot is
-            probed on its first restore only: one restored again was retried and diverged on its own. When all
-            ``probe_steps`` batches point at the data (for exchangeable losses "above all 5 before" alone has a
-            chance of 1 in 56 over 3 batches), the same weights are as bad on this data
-            as the diverged ones were: the data changed (a new data mixture, a harder task), not the training
-            state. That is journaled as ``data_shift`` and signalled (``LRBackoff`` undoes the backoff it made
-            for the divergence), and the loss statistics start again from the new data.
+        plateau_steps: healthy steps without a new low of the loss's level (the moving average of ``level_window``
+            losses) after which the run is suspected of sitting on a plateau its learning rate keeps it on
+            (``loss_plateau``; default 100; ``None`` disables it). Only a suspicion: it opens a trial of the last
+            verified snapshot at a lower rate, which a healthy plateau (a converged run) wins back; the same
+            suspicion then waits twice as long before its next trial. Off with several optimizers.
         growth_every_n_steps: how often the weight-growth test samples the norm of the weights (default 10; ``None``
             disables the test). The sample joins the step's one read (one norm of the weights every 10 steps). A
             learning rate far too high can overshoot without overflowing or spiking: the weights grow step after step
@@ -220,7 +211,7 @@ class LossSpikeDetector(SuiteCallback):
         level_factor: float = 2.0,
         level_fraction: float = 0.5,
         level_sigmas: float = 3.0,
-        probe_steps: int | None = 3,
+        plateau_steps: int | None = 100,
         growth_every_n_steps: int | None = 10,
         growth_window: int = 50,
         growth_factor: float = 2.0,
@@ -247,7 +238,7 @@ class LossSpikeDetector(SuiteCallback):
         self.level_factor = check_float("level_factor", level_factor, low=1.0, low_open=True)
         self.level_fraction = check_float("level_fraction", level_fraction, low=0.0, high=1.0, low_open=True)
         self.level_sigmas = check_float("level_sigmas", level_sigmas, low=0.0)
-        self.probe_steps = check_int("probe_steps", probe_steps, minimum=1, optional=True)
+        self.plateau_steps = check_int("plateau_steps", plateau_steps, minimum=1, optional=True)
         self.growth_every_n_steps = check_int("growth_every_n_steps", growth_every_n_steps, minimum=1, optional=True)
         self.growth_window = check_int("growth_window", growth_window, minimum=1)
         self.growth_factor = check_float("growth_factor", growth_factor, low=1.0, low_open=True)
@@ -260,12 +251,6 @@ class LossSpikeDetector(SuiteCallback):
                 f"compares two weight samples (got {self.growth_window})"
             )
         self._growth: dict[int, WeightGrowth] = {}
-        self._judged: dict[int, tuple[int, float]] = {}  # the last loss finding: (step, loss judged divergent)
-        self._probes: dict[int, _Probe] = {}
-        self._snapshots = 0  # snapshots taken so far: each one's serial number, kept beside it
-        self._probed: set[int] = set()  # the serials of the snapshots already probed
-        self.probe_skips = 0
-        self.data_shifts = 0
         self._evidence: dict[int, DivergenceEvidence] = {}
         self._ratios = [self.loss_ratio, self.grad_ratio]
         self._stats: dict[int, HostRunningStats] = {}
@@ -295,12 +280,8 @@ class LossSpikeDetector(SuiteCallback):
             self._streaks.clear()
             self._peaks.clear()
             self._evidence.clear()
-            self._judged.clear()
-            self._probes.clear()
-            self._snapshots = 0
-            self._probed.clear()
             self._growth.clear()
-            self.loss_spikes = self.grad_spikes = self.probe_skips = self.data_shifts = 0
+            self.loss_spikes = self.grad_spikes = 0
 
     # ---- the decision -----------------------------------------------------------------------------------------
     def _tests_growth(self, record: StepHealth) -> bool:
@@ -319,18 +300,8 @@ class LossSpikeDetector(SuiteCallback):
         record.add("weight_squares", squares, summed=True)
 
     @override
-    def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
-        probe = self._probes.get(record.optimizer_index)
-        if probe is None or not probe.explained_by_data(record.loss_mean, self.level_factor):
-            return None
-        return Verdict(skip="the restored weights measured on the current data")
-
-    @override
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
         """Test this step's loss and gradient norm (host values identical on every rank), then learn from them."""
-        probe = self._probes.get(record.optimizer_index)
-        if probe is not None and self._probe(trainer, record, action, probe):
-            return  # the restored weights' losses on this data: not yet the run's statistics
         grad = record.total_norm if self.check_grad_norm and record.grads_finite else math.nan
         values = [record.loss_mean, grad]
         stats = self._stats_for(record.optimizer_index)
@@ -365,11 +336,11 @@ class LossSpikeDetector(SuiteCallback):
             level_factor=self.level_factor,
             level_fraction=self.level_fraction,
             level_sigmas=self.level_sigmas,
+            plateau_steps=self.plateau_steps if record.n_optimizers == 1 else None,
         )
         if finding is None:
             return
         kind, reason = finding
-        self._judged[record.optimizer_index] = (record.step, evidence.judged)
         suffix = f" of optimizer {record.optimizer_index}" if record.n_optimizers > 1 else ""
         message = f"LossSpikeDetector: the training loss{suffix} {reason} at step {record.step}."
         # The losses judged came from the states of the last ``span`` steps (or more, with spikes between them). The
@@ -421,47 +392,6 @@ class LossSpikeDetector(SuiteCallback):
         # The loss median beside each weight sample: the losses of the two sampling intervals before it.
         every = self.growth_every_n_steps or 1
         return WeightGrowth(self.growth_window, self.growth_factor, self.growth_progress, losses_per_sample=2 * every)
-
-    # ---- the probe after a rollback ---------------------------------------------------------------------------
-    def _probe(self, trainer: pl.Trainer, record: StepHealth, action: StepAction, probe: _Probe) -> bool:
-        """One step of the probe; return whether it was a probe step (skipped, measured), or the probe ended."""
-        index = record.optimizer_index
-        if action.skipped_by is not self:
-            del self._probes[index]  # a loss within the old range (or a step skipped for another reason): no shift
-            return False
-        self.probe_skips += 1
-        probe.losses.append(record.loss_mean)
-        message = (
-            f"LossSpikeDetector: skipped optimizer step {record.step} ({action.skip_reason}: loss "
-            f"{record.loss_mean:.4g}, above the {len(probe.before)} losses before the snapshot and near the diverged "
-            f"one; batch {len(probe.losses)} of {self.probe_steps})"
-        )
-        self._event(trainer, "skip", message, reason="probe", optimizer=index)
-        if len(probe.losses) < self.probe_steps:  # type: ignore[operator]
-            return True
-        del self._probes[index]
-        self._data_shift(trainer, record, probe)  # every probe batch pointed at the data
-        return True
-
-    def _data_shift(self, trainer: pl.Trainer, record: StepHealth, probe: _Probe) -> None:
-        """The restored weights are as bad on the current data as the diverged ones: start the loss series again."""
-        index = record.optimizer_index
-        self.data_shifts += 1
-        suffix = f" of optimizer {index}" if record.n_optimizers > 1 else ""
-        message = (
-            f"LossSpikeDetector: the restored weights gave losses of median {statistics.median(probe.before):.4g} "
-            f"(at most {max(probe.before):.4g}) before their snapshot, and of median "
-            f"{statistics.median(probe.losses):.4g} (at least {min(probe.losses):.4g}) on the {len(probe.losses)} "
-            f"batches up to step {record.step}, as high as the loss{suffix} judged divergent at step "
-            f"{probe.finding_step} ({probe.judged:.4g}): the data changed, not the training state. The loss "
-            "statistics start again from this data."
-        )
-        self._event(trainer, DATA_SHIFT, message, before=list(probe.before), losses=list(probe.losses),
-                    judged=probe.judged, finding_step=probe.finding_step, optimizer=index)  # fmt: skip
-        self._signal(trainer, DATA_SHIFT, message, index)
-        self._evidence[index] = DivergenceEvidence()
-        self._stats_for(index).reset()
-        self._end_spikes(index)
 
     def _stats_for(self, index: int) -> HostRunningStats:
         stats = self._stats.get(index)
@@ -539,18 +469,7 @@ class LossSpikeDetector(SuiteCallback):
     # ---- counters and state -----------------------------------------------------------------------------------
     @override
     def _counters(self) -> dict[str, float]:
-        counters = {"overflow/spikes": float(self.spikes)}
-        if self.probe_skips:
-            counters["overflow/skipped_steps"] = float(self.probe_skips)
-        return counters
-
-    @override
-    def _snapshot_extra(self) -> dict[str, Any]:
-        """The last finite losses of each series when the snapshot is taken (weights next to the snapshot's): what
-        the probe compares the restored weights' losses with (for the snapshot the fit starts from, its first
-        losses stand for them)."""
-        self._snapshots += 1
-        return {"recent": {str(i): list(e.recent) for i, e in self._evidence.items()}, "serial": self._snapshots}
+        return {"overflow/spikes": float(self.spikes)}
 
     @override
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
@@ -562,22 +481,23 @@ class LossSpikeDetector(SuiteCallback):
             evidence.after_restore()
         for growth in self._growth.values():
             growth.restart()  # the growth of the state just undone
-        self._start_probes(trainer, extra)
 
-    def _start_probes(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        """A rollback for a loss finding of this batch: measure the restored weights on the next batches."""
-        judged, self._judged = self._judged, {}
-        serial = extra.get("serial")
-        if self.probe_steps is None or serial in self._probed:
-            return  # a snapshot restored once already was retried after a divergence of its own: no data to blame
-        self._probed.add(serial)
-        recent = extra.get("recent", {})
-        for index, (step, value) in judged.items():
-            evidence = self._evidence.get(index)
-            before = [float(v) for v in recent.get(str(index), [])] or (list(evidence.first) if evidence else [])
-            # A loss that goes negative (a log-likelihood) has no scale for "times its median": no probe.
-            if step >= trainer.global_step - 1 and before and statistics.median(before) > 0:
-                self._probes[index] = _Probe(before, value, step)
+    @override
+    def _after_trial(self, trainer: pl.Trainer, outcome: TrialOutcome) -> None:
+        """A kept remedy is a restore. A false alarm accepts the run as it is: the series whose evidence raised it
+        start again from the current losses (the anchor, the best level, the trend and the spike statistics),
+        instead of raising it again against a level the run has left for good (new data, a harder task)."""
+        if outcome.kept:
+            super()._after_trial(trainer, outcome)
+            return
+        if not outcome.false_alarm:
+            return
+        for index in list(self._evidence):
+            self._evidence[index] = DivergenceEvidence()
+            self._stats_for(index).reset()
+            self._end_spikes(index)
+        for growth in self._growth.values():
+            growth.restart()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -588,11 +508,6 @@ class LossSpikeDetector(SuiteCallback):
             "loss_spikes": self.loss_spikes,
             "grad_spikes": self.grad_spikes,
             "evidence": {str(i): e.state_dict() for i, e in self._evidence.items()},
-            "probes": {str(i): p.state_dict() for i, p in self._probes.items()},
-            "snapshots": self._snapshots,
-            "probed": sorted(s for s in self._probed if s is not None),
-            "probe_skips": self.probe_skips,
-            "data_shifts": self.data_shifts,
             "growth": {str(i): g.state_dict() for i, g in self._growth.items()},
         }
 
@@ -612,11 +527,6 @@ class LossSpikeDetector(SuiteCallback):
         self.loss_spikes = int(state_dict.get("loss_spikes", 0))
         self.grad_spikes = int(state_dict.get("grad_spikes", 0))
         self._evidence = {int(k): DivergenceEvidence.from_state(v) for k, v in state_dict.get("evidence", {}).items()}
-        self._probes = {int(k): _Probe.from_state(v) for k, v in state_dict.get("probes", {}).items()}
-        self._snapshots = int(state_dict.get("snapshots", 0))
-        self._probed = {int(s) for s in state_dict.get("probed", [])}
-        self.probe_skips = int(state_dict.get("probe_skips", 0))
-        self.data_shifts = int(state_dict.get("data_shifts", 0))
         self._growth = {}
         for key, growth_state in state_dict.get("growth", {}).items():
             growth = self._growth[int(key)] = self._new_growth()
@@ -638,6 +548,8 @@ class DivergenceEvidence:
         self.level = 0.0
         self.level_count = 0
         self.best_level = math.inf
+        self.lowest_level = math.inf  # the lowest level itself (no allowance), and the healthy steps since
+        self.since_lowest = 0
         self.level_streak = 0
         self.level_armed = True  # the level has been within its bound since the last restore
         # The last healthy losses since the level started: over a few of its windows for their scatter, and at least
@@ -647,7 +559,6 @@ class DivergenceEvidence:
         self.best_scatter = 0.0  # the scatter when the best level was reached
         self.judged = 0.0  # what the last finding judged divergent: the least loss of its streak, a level or a mean
         self.span = 0  # how many of the last finite losses the last finding rests on
-        self.recent: list[float] = []  # the last finite losses
 
     def runaway(self, loss: float, runaway_factor: float) -> bool:
         """Whether ``loss`` is beyond ``runaway_factor`` times the anchor (never while there is no anchor)."""
@@ -669,13 +580,12 @@ class DivergenceEvidence:
         level_factor: float = 2.0,
         level_fraction: float = 0.5,
         level_sigmas: float = 0.0,
+        plateau_steps: int | None = None,
     ) -> tuple[str, str] | None:
         """Take one step's loss; return ``(signal kind, reason)`` when it is evidence of divergence."""
         if not math.isfinite(loss):
             return None  # the detector's business; neither breaks nor extends the streak
         runaway = self.runaway(loss, runaway_factor)
-        # Spikes included: the weights a snapshot keeps are measured by every loss they gave, not the quiet ones.
-        self.recent = [*self.recent[-(_RECENT - 1) :], loss]
         if len(self.first) < anchor_steps and not runaway:
             self.first.append(abs(loss))
             # The median, but never above the very first loss: a run whose loss climbs from its first steps on
@@ -684,8 +594,7 @@ class DivergenceEvidence:
         self.streak = self.streak + 1 if (spike or runaway) else 0
         self.streak_low = min(self.streak_low, loss) if self.streak else math.inf
         if self.streak == confirm_steps:
-            # The least of the streak: what the diverged state gave on every one of its batches, however the
-            # batches' losses scatter (a probe compares the restored weights' losses with it).
+            # The least of the streak: what the diverged state gave on every one of its batches.
             self.judged, self.span = self.streak_low, confirm_steps
             where = (
                 f"is {loss:.4g}, {loss / self.anchor:.3g}x its anchor {self.anchor:.4g}"
@@ -695,11 +604,12 @@ class DivergenceEvidence:
             return "loss_divergence", f"{where}, for {confirm_steps} consecutive steps"
         if spike or runaway:
             return None  # a spike's losses stay out of the trend window and the level
-        level = self._level(loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas)
+        level = self._level(loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas, plateau_steps)
         return level or self._trend(loss, trend_window, trend_probability, trend_margin, min_rise)
 
     def _level(
-        self, loss: float, window: int | None, factor: float, fraction: float, confirm_steps: int, sigmas: float
+        self, loss: float, window: int | None, factor: float, fraction: float, confirm_steps: int, sigmas: float,
+        plateau: int | None = None,
     ) -> tuple[str, str] | None:
         """The level test: the moving level of the healthy losses far above the best level the run reached.
 
@@ -728,6 +638,17 @@ class DivergenceEvidence:
         error = sigmas * self.scatter / math.sqrt(window)
         if self.level + error < self.best_level:
             self.best_level, self.best_scatter = self.level + error, self.scatter
+        if self.level < self.lowest_level:
+            self.lowest_level, self.since_lowest = self.level, 0
+        else:
+            self.since_lowest += 1
+        if plateau is not None and self.since_lowest >= plateau:
+            self.since_lowest = 0
+            self.judged, self.span = self.level, plateau
+            return "loss_plateau", (
+                f"has reached no new low in {plateau} healthy steps: its level over about {window} steps is "
+                f"{self.level:.4g}, its lowest {self.lowest_level:.4g}"
+            )
         best = self.best_level
         allowance = sigmas * self.best_scatter / math.sqrt(window)
         if self.anchor <= 0.0 or best < 0.0:
@@ -793,7 +714,6 @@ class DivergenceEvidence:
         self.streak = 0
         self.streak_low = math.inf
         self.window = []
-        self.recent = []
         self._restart_level()  # the level of the state just undone; the best level stays
         self.level_armed = False
 
@@ -801,7 +721,7 @@ class DivergenceEvidence:
         return {"first": list(self.first), "anchor": self.anchor, "streak": self.streak, "window": list(self.window),
                 "best_mean": self.best_mean, "level": self.level, "level_count": self.level_count,
                 "best_level": self.best_level, "level_streak": self.level_streak, "judged": self.judged,
-                "recent": list(self.recent), "streak_low": self.streak_low, "level_armed": self.level_armed,
+                "streak_low": self.streak_low, "level_armed": self.level_armed,
                 "level_losses": list(self.level_losses), "scatter": self.scatter,
                 "best_scatter": self.best_scatter}  # fmt: skip
 
@@ -818,41 +738,9 @@ class DivergenceEvidence:
         evidence.best_level = float(state.get("best_level", math.inf))
         evidence.level_streak = int(state.get("level_streak", 0))
         evidence.judged = float(state.get("judged", 0.0))
-        evidence.recent = [float(v) for v in state.get("recent", [])]
         evidence.streak_low = float(state.get("streak_low", math.inf))
         evidence.level_armed = bool(state.get("level_armed", True))
         evidence.level_losses = [float(v) for v in state.get("level_losses", [])]
         evidence.scatter = float(state.get("scatter", 0.0))
         evidence.best_scatter = float(state.get("best_scatter", 0.0))
         return evidence
-
-
-@dataclass
-class _Probe:
-    """The restored weights measured on the current data, against the losses they gave before their snapshot."""
-
-    before: list[float]
-    judged: float
-    finding_step: int
-    losses: list[float] = field(default_factory=list)
-
-    def explained_by_data(self, loss: float, factor: float) -> bool:
-        """Whether the restored weights' ``loss`` on this batch points at the data: above every loss they gave
-        before their snapshot, above ``factor`` times the median of those, and at half the loss judged divergent or
-        more (the same weights, as bad as the diverged ones; a snapshot that itself held the divergence is far
-        below that)."""
-        return (
-            math.isfinite(loss)
-            and loss > max(self.before)
-            and loss > factor * statistics.median(self.before)
-            and loss >= 0.5 * self.judged
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"before": list(self.before), "judged": self.judged, "finding_step": self.finding_step,
-                "losses": list(self.losses)}  # fmt: skip
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> _Probe:
-        return cls([float(v) for v in state["before"]], float(state["judged"]), int(state["finding_step"]),
-                   [float(v) for v in state.get("losses", [])])  # fmt: skip

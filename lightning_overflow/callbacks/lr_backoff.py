@@ -10,12 +10,14 @@ from typing import Any
 import pytorch_lightning as pl
 from typing_extensions import override
 
-from lightning_overflow._validation import check_bool, check_choices, check_float, check_int
+from lightning_overflow._validation import check_bool, check_choices, check_float, check_int, check_type
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.exceptions import DivergenceError
-from lightning_overflow.health import Signal
-from lightning_overflow.policy import DATA_SHIFT, DEFAULT_BACKOFF_TRIGGERS, SIGNAL_KINDS, UPDATE_BOUND
 from lightning_overflow.numerics.lr_scaling import scale_lr
+from lightning_overflow.policy import DATA_SHIFT, DEFAULT_BACKOFF_TRIGGERS, SIGNAL_KINDS, UPDATE_BOUND, Signal
+from lightning_overflow.snapshot_store import Snapshot
+from lightning_overflow.trial import DEFAULT_TRIAL, TrialConfig
+from lightning_overflow.trials import TrialOutcome
 
 __all__ = ["DEFAULT_TRIGGERS", "LRBackoff"]
 
@@ -129,6 +131,7 @@ class LRBackoff(SuiteCallback):
         regrow_after: int | None = 1000,
         window_growth: float = 2.0,
         per_optimizer: bool = True,
+        trial: TrialConfig | None = DEFAULT_TRIAL,
     ) -> None:
         self.factor = check_float("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
         self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
@@ -139,6 +142,7 @@ class LRBackoff(SuiteCallback):
         self.regrow_after = check_int("regrow_after", regrow_after, minimum=1, optional=True)
         self.window_growth = check_float("window_growth", window_growth, low=1.0)
         self.per_optimizer = check_bool("per_optimizer", per_optimizer)
+        self.trial = check_type("trial", trial, TrialConfig, "a TrialConfig", optional=True)
         self._reset()
 
     def _reset(self) -> None:
@@ -180,6 +184,8 @@ class LRBackoff(SuiteCallback):
                 due[index] = signals
         if due:
             self._back_off(trainer, due)
+        if self.board(trainer).trials.active:
+            return  # the learning rate under trial stays as it is until the verdict
         for index in range(len(self.scales)):
             if index not in fired and self._regrowth_due(index, step):
                 self._regrow(trainer, index, step)
@@ -384,6 +390,57 @@ class LRBackoff(SuiteCallback):
         self.history.append(entry)
         return entry
 
+    # ---- trials -----------------------------------------------------------------------------------------------
+    @override
+    def _remedy_lr(
+        self, trainer: pl.Trainer, snapshot: Snapshot | None, signal: Signal | None, power: int
+    ) -> tuple[list[float], float] | None:
+        """The remedy's learning rate: ``factor ** power`` times the current scale of the optimizer concerned (all
+        of them with ``per_optimizer=False``), never below the floor. The live state is the snapshot just restored
+        (its own scale then) or the current state."""
+        step = int(trainer.global_step)
+        self._track(len(trainer.optimizers), step)
+        concerned = range(len(self.scales))
+        if self.per_optimizer and signal is not None:
+            concerned = range(signal.optimizer_index, signal.optimizer_index + 1)
+        then = [float(s) for s in snapshot.extras.get(self.state_key, {}).get("scales", [])] if snapshot else []
+        scales = list(self.scales)
+        for index in concerned:
+            scales[index] = max(self.scales[index] * self.factor**power, self._floor(trainer, index))
+        for index, scale in enumerate(scales):
+            was = then[index] if index < len(then) else (1.0 if snapshot is not None else self.scales[index])
+            self._apply(trainer, index, scale / was)
+        changed = [index for index in concerned if scales[index] < self.scales[index]]
+        factor = scales[changed[0]] / self.scales[changed[0]] if changed else 1.0
+        return scales, factor
+
+    @override
+    def _after_trial(self, trainer: pl.Trainer, outcome: TrialOutcome) -> None:
+        """A kept remedy's learning rate is the run's now: a backoff, journaled as one. A discarded one changes
+        nothing (the incumbent kept its own)."""
+        scales = outcome.remedy.scales
+        if not outcome.kept or scales is None:
+            return
+        step = outcome.step
+        trial = outcome.trial
+        for index, (old, new) in enumerate(zip(list(self.scales), scales)):
+            if new == old:
+                continue
+            self.scales[index] = new
+            self._cooldown_until[index] = step
+            self._stable_since[index] = step
+            self._restored_at[index] = step
+            reason = f"a trial opened by {trial.kind} at step {trial.step} kept the remedy: {outcome.why}"
+            entry = self._remember("backoff", step, index, trial.kind, reason, new)
+            message = (
+                f"LRBackoff: the learning rate of optimizer {index} is now {new:.4g} x its schedule (was {old:.4g} x; "
+                f"group LRs {_lrs(trainer, index)}): {reason}."
+            )
+            self._event(trainer, "backoff", message, step=step, **_details(entry), previous_scale=old,
+                        lrs=_lrs(trainer, index), escalated=False, trial=True)  # fmt: skip
+            if trainer.global_rank == 0:
+                log.info(message)
+
     # ---- counters, rollback and state -------------------------------------------------------------------------
     @override
     def _counters(self) -> dict[str, float]:
@@ -434,6 +491,7 @@ class LRBackoff(SuiteCallback):
             "last_regrowth": list(self._last_regrowth),
             "restored_at": list(self._restored_at),
             "history": [dict(h) for h in self.history],
+            "trial": self._trial_state(),
         }
 
     @override
@@ -447,6 +505,7 @@ class LRBackoff(SuiteCallback):
         self._last_regrowth = [int(s) for s in state_dict.get("last_regrowth", [-1] * n)]
         self._restored_at = [int(s) for s in state_dict.get("restored_at", [-1] * n)]
         self.history = [dict(h) for h in state_dict.get("history", [])]
+        self._load_trial_state(state_dict.get("trial"))
 
 
 def _details(entry: dict[str, Any]) -> dict[str, Any]:

@@ -11,19 +11,19 @@ import pytorch_lightning as pl
 import torch
 from typing_extensions import override
 
+from lightning_overflow import _compat
 from lightning_overflow._validation import check_bool, check_choice, check_float, check_int
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
-from lightning_overflow import _compat
-from lightning_overflow.diagnosis.hints import HUGE_INPUT, detection_hint
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
-from lightning_overflow.diagnosis.preserve import capture_rng
+from lightning_overflow.diagnosis.hints import HUGE_INPUT, detection_hint
 from lightning_overflow.diagnosis.records import Diagnosis
 from lightning_overflow.diagnosis.replay import KeptBatch, diagnose_step
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import NonFiniteError
 from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state, state_flags
-from lightning_overflow.policy import StepAction, Verdict
 from lightning_overflow.numerics import FP32_MAX, parameters_of
+from lightning_overflow.policy import StepAction, Verdict
+from lightning_overflow.preserve import capture_rng
 from lightning_overflow.replicas import checksum, compare, differing_parameters
 
 __all__ = ["NonFiniteDetector"]

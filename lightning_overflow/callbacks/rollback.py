@@ -37,14 +37,14 @@ import torch
 from typing_extensions import override
 
 from lightning_overflow import _compat
-from lightning_overflow._validation import check_choices, check_int
+from lightning_overflow._validation import check_choices, check_int, check_type
 from lightning_overflow.callbacks._base import ROLLBACK, SuiteCallback
 from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
-from lightning_overflow.health import MAX_NAMES, Signal, StepHealth
+from lightning_overflow.health import MAX_NAMES, StepHealth
 from lightning_overflow.numerics.snapshots import without_placeholders
-from lightning_overflow.policy import DEFAULT_ROLLBACK_TRIGGERS, SIGNAL_KINDS, StepAction, Verdict
+from lightning_overflow.policy import DEFAULT_ROLLBACK_TRIGGERS, SIGNAL_KINDS, Signal, StepAction, Verdict
 from lightning_overflow.replicas import checksum
 from lightning_overflow.snapshot_store import Snapshot, SnapshotFiles, SnapshotRing, snapshot_name
 from lightning_overflow.training_state import (
@@ -58,6 +58,8 @@ from lightning_overflow.training_state import (
     restore_,
     split_snapshot,
 )
+from lightning_overflow.trial import DEFAULT_TRIAL, TrialConfig
+from lightning_overflow.trials import TrialOutcome
 
 __all__ = ["DEFAULT_TRIGGERS", "Rollback"]
 
@@ -166,6 +168,7 @@ class Rollback(SuiteCallback):
         window: int = 1000,
         skip_batches: int = 0,
         triggers: Iterable[str] = DEFAULT_TRIGGERS,
+        trial: TrialConfig | None = DEFAULT_TRIAL,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, minimum=1)
         self.keep = check_int("keep", keep, minimum=1)
@@ -178,6 +181,7 @@ class Rollback(SuiteCallback):
         self.window = check_int("window", window, minimum=1)
         self.skip_batches = check_int("skip_batches", skip_batches, minimum=0)
         self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
+        self.trial = check_type("trial", trial, TrialConfig, "a TrialConfig", optional=True)
         if "nonfinite_state" not in self.triggers:
             self.restores_state = False  # non-finite weights are not this instance's to repair
         self._files = SnapshotFiles(dirpath) if dirpath is not None else None
@@ -232,6 +236,7 @@ class Rollback(SuiteCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _refuse_sharded_optimizers(trainer.optimizers)
+        super().on_train_start(trainer, pl_module)
         self._start(trainer)
 
     @override
@@ -261,8 +266,8 @@ class Rollback(SuiteCallback):
         fired = [signal for signal in board.signals if signal.kind in self.triggers]
         if fired:
             self._roll_back(trainer, fired[0])
-        elif steps > 0 and not skipped and not board.signals:  # healthy steps only: never a snapshot inside a spike
-            self._count_healthy(trainer, steps)
+        elif steps > 0 and not skipped and not board.signals and not board.trials.active:
+            self._count_healthy(trainer, steps)  # healthy steps only: never a snapshot inside a spike or a trial
 
     @override
     def on_save_checkpoint(
@@ -500,16 +505,49 @@ class Rollback(SuiteCallback):
             return candidates[1:] + candidates[:1], candidates[0]
         return candidates, None
 
+    # ---- trials -----------------------------------------------------------------------------------------------
+    @override
+    def _remedy_start(self, trainer: pl.Trainer, signal: Signal) -> Snapshot | None:
+        """Restore the snapshot a rollback for ``signal`` would go to, quietly: the start of a trial's remedy. None
+        when there is no snapshot, or the budget is spent and nothing changed since the last rollback."""
+        settings = self.board(trainer).settings()
+        if not self._budget_left(int(trainer.global_step), settings) or not self._candidates():
+            return None
+        candidates, _ = self._targets(settings, signal.onset)
+        restored = self._restore_first(trainer, candidates, notify=False)
+        return restored[0] if restored is not None else None
+
+    @override
+    def _after_trial(self, trainer: pl.Trainer, outcome: TrialOutcome) -> None:
+        """A kept remedy that started from a snapshot is a rollback to it, counted and journaled as one; the snapshots
+        taken since belong to the run it replaced. A discarded remedy changes nothing here."""
+        remedy = outcome.remedy
+        if not outcome.kept or remedy.snapshot_step is None:
+            return
+        for newer in [c for c in self._candidates() if c.step > remedy.snapshot_step]:
+            self._forget(newer)
+        trial = outcome.trial
+        self._record_rollback(trainer, Signal(trial.kind, trial.step, trial.reason, trial.source), remedy.snapshot_step,
+                              "trial")  # fmt: skip
+
     # ---- rolling back -----------------------------------------------------------------------------------------
+    def _budget_left(self, step: int, settings: tuple[float, ...]) -> bool:
+        """Whether a rollback with ``settings`` may be made at ``step``: a retry with new settings always may."""
+        return self._progress(settings) or len(self._recent(step)) < self.max_rollbacks
+
+    def _progress(self, settings: tuple[float, ...]) -> bool:
+        """Whether a rollback with ``settings`` is progress (the LR backed off since the last rollback)."""
+        return bool(self.history) and self._rollback_settings is not None and settings != self._rollback_settings
+
+    def _recent(self, step: int) -> list[dict[str, Any]]:
+        """The counted rollbacks within the window."""
+        return [h for i, h in enumerate(self.history) if step - h["step"] < self.window and i not in self._free]
+
     def _roll_back(self, trainer: pl.Trainer, signal: Signal) -> None:
         step = int(trainer.global_step)
         settings = self.board(trainer).settings()
-        # A retry with new settings (the LR backed off since the last rollback) is progress, bounded by the backoff's
-        # floor: only the retries that changed nothing spend the budget.
-        progress = bool(self.history) and self._rollback_settings is not None and settings != self._rollback_settings
-        recent = [h for i, h in enumerate(self.history) if step - h["step"] < self.window and i not in self._free]
-        if len(recent) >= self.max_rollbacks and not progress:
-            self._stop(trainer, signal, recent)
+        if not self._budget_left(step, settings):
+            self._stop(trainer, signal, self._recent(step))
         candidates, avoided = self._targets(settings, signal.onset)
         restored = self._restore_first(trainer, candidates)
         if restored is None:
@@ -520,11 +558,21 @@ class Rollback(SuiteCallback):
         if signal.onset is not None:  # the newer snapshots were taken as the state degraded: no target any more
             for newer in [c for c in self._candidates() if c.step > target.step]:
                 self._forget(newer)
+        self._record_rollback(trainer, signal, target.step, source)
+
+    def _record_rollback(self, trainer: pl.Trainer, signal: Signal, target: int, source: str) -> None:
+        """Count and journal a rollback to the snapshot of step ``target``, made at this step."""
+        step = int(trainer.global_step)
+        settings = self.board(trainer).settings()
+        # A retry with new settings (the LR backed off since the last rollback) is progress, bounded by the backoff's
+        # floor: only the retries that changed nothing spend the budget.
+        progress = self._progress(settings)
+        recent = self._recent(step)
         entry = {
             "step": step,
             "reason": signal.kind,
             "trigger_step": signal.step,
-            "snapshot_step": target.step,
+            "snapshot_step": target,
             "source": source,
         }
         if progress:
@@ -532,17 +580,22 @@ class Rollback(SuiteCallback):
         self.history.append(entry)
         self._rollback_settings = settings
         self.rollbacks += 1
-        self._retries = self._retries + 1 if target.step == self._last_target else 0
-        self._last_target = target.step
+        self._retries = self._retries + 1 if target == self._last_target else 0
+        self._last_target = target
         self._last_settings = settings
         self._healthy = 0
         self._skip_left = self.skip_batches
-        left = self.max_rollbacks - len(recent) - (not progress)
+        left = max(0, self.max_rollbacks - len(recent) - (not progress))
         skip = f"; the next {self.skip_batches} batch(es) will be skipped" if self.skip_batches else ""
+        what = (
+            f"a trial kept the remedy that started from the snapshot of step {target}, at step {step},"
+            if source == "trial"
+            else f"restored the snapshot of step {target} ({source}) at step {step}"
+        )
         message = (
-            f"Rollback: restored the snapshot of step {target.step} ({source}) at step {step} after "
-            f"{signal.kind} at step {signal.step} ({signal.reason}){skip}. {left} rollback(s) left within "
-            f"{self.window} steps."
+            f"Rollback: {what} after {signal.kind} at step {signal.step} ({signal.reason}){skip}. {left} rollback(s) "
+            f"with nothing changed left within {self.window} steps (a rollback at a backed-off learning rate spends "
+            f"none)."
         )
         details = {key: value for key, value in entry.items() if key != "step"}  # the event's own step
         self._event(trainer, "rollback", message, **details, rollbacks=self.rollbacks, budget_left=left,
@@ -558,9 +611,12 @@ class Rollback(SuiteCallback):
             for entry in written:
                 self._writer.remove(entry["file"])
 
-    def _restore_first(self, trainer: pl.Trainer, candidates: list[Snapshot]) -> tuple[Snapshot, str] | None:
+    def _restore_first(
+        self, trainer: pl.Trainer, candidates: list[Snapshot], notify: bool = True
+    ) -> tuple[Snapshot, str] | None:
         """Restore the first usable candidate (a file is read and verified first): ``(it, "memory" or "disk")``, or
-        ``None`` when none is usable. A candidate that cannot be used is journaled and dropped for good."""
+        ``None`` when none is usable. A candidate that cannot be used is journaled and dropped for good. ``notify``:
+        tell the suite's callbacks of the restore (not for a trial's remedy, which is not the run's state yet)."""
         for candidate in candidates:
             source, state = "memory", candidate.state
             if state is None:
@@ -572,7 +628,8 @@ class Rollback(SuiteCallback):
                 self._forget(candidate)
                 continue
             restore_(trainer, state, candidate.owners)
-            self.board(trainer).after_restore(trainer, candidate.extras)
+            if notify:
+                self.board(trainer).after_restore(trainer, candidate.extras)
             return candidate, source
         return None
 
@@ -678,6 +735,7 @@ class Rollback(SuiteCallback):
             "healthy_steps": self._healthy,
             "disk": [dict(e) for e in self._disk],
             "free": sorted(self._free),  # the rollbacks of history that spent no budget (progress)
+            "trial": self._trial_state(),
         }
 
     @override
@@ -690,6 +748,7 @@ class Rollback(SuiteCallback):
         self._disk = [{"step": int(e["step"]), "file": str(e["file"])} for e in state_dict.get("disk", [])]
         self._free = {int(i) for i in state_dict.get("free", []) if 0 <= int(i) < len(self.history)}
         self._resumed = True
+        self._load_trial_state(state_dict.get("trial"))
 
 
 # ---- messages and refusals --------------------------------------------------------------------------------------

@@ -10,9 +10,9 @@
 
 from lightning_overflow.diagnosis.headroom import Headroom, decades_below_fp32
 from lightning_overflow.diagnosis.hints import find_growth, op_family
-from lightning_overflow.diagnosis.preserve import RngState, capture_rng, preserved_state
 from lightning_overflow.diagnosis.records import Diagnosis, Growth, Origin, Replay, Trace
 from lightning_overflow.diagnosis.tracer import NonFiniteTracer, trace_nonfinite
+from lightning_overflow.preserve import RngState, capture_rng, preserved_state
 
 __all__ = [
     "Diagnosis",

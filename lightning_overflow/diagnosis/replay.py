@@ -12,23 +12,20 @@ results are combined with one ``all_gather_object``.
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from lightning_overflow import _compat
 from lightning_overflow.diagnosis.hints import HUGE_INPUT, batch_hint, origin_hint
-from lightning_overflow.diagnosis.preserve import RngState, preserved_state
 from lightning_overflow.diagnosis.records import Diagnosis, Replay, Trace
 from lightning_overflow.diagnosis.tracer import NonFiniteTracer, floating_tensors
+from lightning_overflow.preserve import RngState, preserved_state
+from lightning_overflow.training_step import loss_of, signature_parameters, silenced_logging, takes_batch_idx
 
 __all__ = ["KeptBatch", "diagnose_step", "replay_batch"]
 
@@ -56,7 +53,7 @@ def not_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: Kep
             "optimizers' steps, and re-running training_step would step them again; check the loss of each "
             "manual_backward instead"
         )
-    if "dataloader_iter" in _parameters(pl_module.training_step):
+    if "dataloader_iter" in signature_parameters(pl_module.training_step):
         return "training_step takes the dataloader_iter: it consumed the batch from an iterator the callback cannot see"
     if not _compat.replicated_strategy(trainer.strategy):
         return f"{type(trainer.strategy).__name__} is not replayed (the replay needs the whole model on every rank)"
@@ -226,64 +223,19 @@ class _NoLoss(Exception):
 def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptBatch, module_hooks: bool) -> Trace:
     params = [p for p in pl_module.parameters() if p.requires_grad]
     names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
-    args = (kept.batch, kept.batch_idx) if _takes_batch_idx(pl_module) else (kept.batch,)
+    args = (kept.batch, kept.batch_idx) if takes_batch_idx(pl_module) else (kept.batch,)
     scaler = _compat.scaler_of(trainer)
-    with preserved_state(pl_module, kept.rng), _silenced_logging(pl_module), torch.enable_grad():
+    with preserved_state(pl_module, kept.rng), silenced_logging(pl_module), torch.enable_grad():
         with NonFiniteTracer(pl_module, module_backward_hooks=module_hooks) as tracer:
             with trainer.precision_plugin.train_step_context():
                 output = pl_module.training_step(*args)
-            loss = _loss_of(output)
+            loss = loss_of(output)
             if loss is None:
                 raise _NoLoss
             value = float(loss.detach().float().sum())
             # Under 16-mixed the backward ran on the scaled loss; replay it the same way (scale() changes nothing).
             tracer.backward(scaler.scale(loss) if scaler is not None else loss, params)
             return replace(tracer.trace(names), loss=value)
-
-
-def _loss_of(output: Any) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    return None
-
-
-@contextmanager
-def _silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` / ``self.log_dict`` do nothing while the replay runs (they would log the batch twice)."""
-    own = {name: vars(pl_module)[name] for name in ("log", "log_dict") if name in vars(pl_module)}
-    pl_module.log = _no_log  # type: ignore[method-assign]
-    pl_module.log_dict = _no_log  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for name in ("log", "log_dict"):
-            if name in own:
-                setattr(pl_module, name, own[name])
-            else:
-                delattr(pl_module, name)
-
-
-def _no_log(*_: Any, **__: Any) -> None:
-    return None
-
-
-def _parameters(function: Any) -> dict[str, inspect.Parameter]:
-    try:
-        return dict(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return {}
-
-
-def _takes_batch_idx(pl_module: pl.LightningModule) -> bool:
-    """As Lightning decides: a ``batch_idx`` parameter, or at least two positional parameters, or ``*args``."""
-    params = _parameters(pl_module.training_step)
-    if "batch_idx" in params:
-        return True
-    kinds = [p.kind for p in params.values()]
-    positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
-    return positional >= 2 or inspect.Parameter.VAR_POSITIONAL in kinds
 
 
 def _batch_stats(batch: Any) -> tuple[float, int]:

@@ -30,9 +30,9 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_overflow._validation import check_bool, check_type
 from lightning_overflow.diagnosis.hints import find_growth
-from lightning_overflow.diagnosis.preserve import preserved_state
 from lightning_overflow.diagnosis.records import Origin, Trace
 from lightning_overflow.numerics import grad_norm_report
+from lightning_overflow.preserve import preserved_state
 
 __all__ = ["NonFiniteTracer", "trace_nonfinite"]
 

@@ -1,4 +1,4 @@
-"""Leave no trace: a replay must not move the RNG streams, the BatchNorm statistics or any metric's state."""
+"""Leave no trace: a replay or a second candidate must not move the RNG streams, the BatchNorm statistics or any metric's state."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RngState", "capture_rng", "preserved_state", "restore_rng"]
+__all__ = ["RngState", "capture_rng", "metric_states", "preserved_state", "put_back_metric_states", "restore_rng"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def preserved_state(module: nn.Module, start_rng: RngState | None = None) -> Ite
     numpy = sys.modules.get("numpy")
     numpy_rng = numpy.random.get_state() if numpy is not None else None
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    metrics = [(m, _metric_state(m)) for m in module.modules() if _is_metric(m)]
+    metrics = metric_states(module)
     owned = [g for m in module.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
     generators = [(g, g.get_state()) for g in owned]
     if start_rng is not None:
@@ -82,9 +82,19 @@ def preserved_state(module: nn.Module, start_rng: RngState | None = None) -> Ite
         with torch.no_grad():
             for live, saved in buffers:
                 live.copy_(saved)
-        for metric, state in metrics:
-            for name, value in state.items():
-                setattr(metric, name, value)
+        put_back_metric_states(metrics)
+
+
+def metric_states(module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """A copy of the state of every torchmetrics ``Metric`` among ``module``'s submodules."""
+    return [(m, _metric_state(m)) for m in module.modules() if _is_metric(m)]
+
+
+def put_back_metric_states(states: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    """Put back the states :func:`metric_states` copied."""
+    for metric, state in states:
+        for name, value in state.items():
+            setattr(metric, name, value)
 
 
 def _is_metric(module: nn.Module) -> bool:
@@ -101,4 +111,8 @@ def _metric_state(metric: nn.Module) -> dict[str, Any]:
             state[name] = [v.detach().clone() if isinstance(v, Tensor) else v for v in value]
         else:
             state[name] = value
+    # What an update changes beside the states: its count, and the cached result of compute().
+    for name in ("_update_count", "_computed"):
+        if name in vars(metric):
+            state[name] = vars(metric)[name]
     return state

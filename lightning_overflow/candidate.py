@@ -1,0 +1,406 @@
+"""A second training state beside the live one: kept on the side, trained or scored on the loop's own batches.
+
+A trial (:mod:`lightning_overflow.trial`) runs two candidates on the same batches: the state the run would continue
+from, and a remedy (the last verified snapshot at a lower learning rate). The loop trains one of them; the other is a
+:class:`Candidate`, kept in tensors of its own on the same devices. To train or score it, :meth:`Candidate.swap`
+exchanges it with the live state *in place*: every parameter's and buffer's ``.data`` and ``.grad`` (pointer swaps:
+no copy, and the objects the optimizer, DDP's reducer and the skip's buffer copy hold stay the same objects), each
+optimizer's ``state`` and param-group hyperparameters, each LR scheduler's state and the GradScaler's. Swapped in, the
+candidate is the live state: ``training_step`` runs on it, the trainer's own optimizer steps it with the candidate's
+moments and learning rate, the trainer's schedulers step its schedule. Swapped back, the live state is exactly as it
+was, bit for bit.
+
+:meth:`Candidate.train_on` runs one batch through the candidate before the loop trains the live state on it: the
+candidate's loss before its step is its prequential score (a loss on data it has not trained on). The torch random
+streams are put back to where the batch started, so the loop draws the same dropout masks for the live state as the
+candidate drew, and a run whose candidate is discarded stays bit-identical to a run without it. ``self.log`` is
+silenced and torchmetrics states are put back while it runs. Under DDP the candidate's ``training_step`` runs on the
+plain LightningModule (not the DDP wrapper), and its gradients are averaged across ranks here, as DDP would.
+
+What it leaves alone: manual optimization and closure optimizers (LBFGS), which re-run their own steps, are not
+trained as candidates (:func:`trainable` says why).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_overflow import _compat
+from lightning_overflow.numerics import tensor_norms
+from lightning_overflow.preserve import capture_rng, metric_states, put_back_metric_states, restore_rng
+from lightning_overflow.training_step import loss_of, signature_parameters, silenced_logging, takes_batch_idx
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["Candidate", "CandidateStep", "Clip", "trainable"]
+
+Clip = Callable[[list[Tensor], float], None]
+"""Scales finite gradients in place, given them and their total norm (the loop's clip, applied to a candidate)."""
+
+_CLOSURE_OPTIMIZERS = ("LBFGS",)  # optimizers that evaluate the closure several times in one step
+
+
+def trainable(trainer: pl.Trainer) -> str:
+    """Why a candidate cannot be trained beside this fit's loop (empty when it can)."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        return "manual optimization steps its optimizers inside training_step, which a candidate cannot re-run"
+    if len(trainer.optimizers) != 1:
+        return f"{len(trainer.optimizers)} optimizers"
+    if type(trainer.optimizers[0]).__name__ in _CLOSURE_OPTIMIZERS:
+        return f"{type(trainer.optimizers[0]).__name__} evaluates its closure several times a step"
+    if "dataloader_iter" in signature_parameters(module.training_step):
+        return "training_step takes the dataloader_iter"
+    if _compat.sharded_strategy(trainer.strategy) is not None:
+        return f"{type(trainer.strategy).__name__} shards the state"
+    return ""
+
+
+@dataclass
+class CandidateStep:
+    """What one batch did to a candidate: its loss before the step (``nan`` when none was finite), whether its
+    optimizer stepped and whether that step was skipped (inf/NaN loss or gradients: nothing changed)."""
+
+    loss: float
+    stepped: bool
+    skipped: bool
+
+
+@dataclass
+class Candidate:
+    """A training state kept beside the live one (see the module docstring).
+
+    Attributes:
+        params: ``.data`` of each parameter, by name (``named_parameters()`` order).
+        grads: ``.grad`` of each parameter (``None`` where it has none).
+        buffers: ``.data`` of each buffer, by name.
+        optimizers: per optimizer, its ``state`` mapping and its param groups' hyperparameters (all but ``params``).
+        schedulers: each LR scheduler's ``state_dict()``.
+        precision: the precision plugin's ``state_dict()`` (the GradScaler's under ``16-mixed``).
+        pending_schedule: scheduler steps the loop made since the candidate last stepped its own schedule.
+        losses: this optimizer step's finite micro-batch losses (under gradient accumulation).
+    """
+
+    params: dict[str, Tensor]
+    grads: dict[str, Tensor | None]
+    buffers: dict[str, Tensor]
+    optimizers: list[tuple[Any, list[dict[str, Any]]]]
+    schedulers: list[dict[str, Any]]
+    precision: dict[str, Any]
+    pending_schedule: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    nonfinite: bool = False
+    window_buffers: dict[str, Tensor] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)  # parameter ``id`` -> name, for the optimizer state
+
+    # ---- building and swapping -----------------------------------------------------------------------------------
+    @classmethod
+    def capture(cls, trainer: pl.Trainer) -> Candidate:
+        """A copy of the live training state, on its own devices (one more copy of the weights, buffers and
+        optimizer state in device memory)."""
+        module = trainer.lightning_module
+        with torch.no_grad():
+            params = {name: p.data.clone() for name, p in module.named_parameters()}
+            buffers = {name: b.data.clone() for name, b in module.named_buffers()}
+        optimizers = [(_clone_optimizer_state(o.state), _hyperparameters(o)) for o in trainer.optimizers]
+        return cls(
+            params=params,
+            grads=dict.fromkeys(params),
+            buffers=buffers,
+            optimizers=optimizers,
+            schedulers=[copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
+            precision=copy.deepcopy(trainer.precision_plugin.state_dict()),
+            pending_schedule=[0] * len(trainer.lr_scheduler_configs),
+            names={id(p): name for name, p in module.named_parameters()},
+        )
+
+    def swap(self, trainer: pl.Trainer) -> None:
+        """Exchange this candidate with the live training state, in place (its own inverse)."""
+        module = trainer.lightning_module
+        for name, param in module.named_parameters():
+            side = self.params[name]
+            self.params[name], param.data = param.data, side
+            self.grads[name], param.grad = param.grad, self.grads[name]
+        for name, buffer in module.named_buffers():
+            side = self.buffers[name]
+            self.buffers[name], buffer.data = buffer.data, side
+        for index, optimizer in enumerate(trainer.optimizers):
+            state, groups = self.optimizers[index]
+            live = (optimizer.state, _hyperparameters(optimizer))
+            optimizer.state = state
+            for group, values in zip(optimizer.param_groups, groups):
+                group.update(values)
+            self.optimizers[index] = live
+        for index, config in enumerate(trainer.lr_scheduler_configs):
+            live_schedule = copy.deepcopy(config.scheduler.state_dict())
+            config.scheduler.load_state_dict(self.schedulers[index])
+            self.schedulers[index] = live_schedule
+        live_precision = copy.deepcopy(trainer.precision_plugin.state_dict())
+        if self.precision:
+            trainer.precision_plugin.load_state_dict(self.precision)
+        self.precision = live_precision
+
+    def copy_to_live(self, trainer: pl.Trainer) -> None:
+        """Copy this candidate into the live training state, in place (the candidate stays as it is); the live
+        gradients are cleared."""
+        module = trainer.lightning_module
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                param.data.copy_(self.params[name])
+                param.grad = None
+            for name, buffer in module.named_buffers():
+                buffer.data.copy_(self.buffers[name])
+        for index, optimizer in enumerate(trainer.optimizers):
+            state, groups = self.optimizers[index]
+            optimizer.state = _clone_optimizer_state(state)
+            for group, values in zip(optimizer.param_groups, groups):
+                group.update(copy.deepcopy(values))
+        for index, config in enumerate(trainer.lr_scheduler_configs):
+            config.scheduler.load_state_dict(copy.deepcopy(self.schedulers[index]))
+        if self.precision:
+            trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
+
+    @contextmanager
+    def swapped_in(self, trainer: pl.Trainer) -> Iterator[None]:
+        """The candidate is the live state inside the body; the live state is back, exactly, after it."""
+        self.swap(trainer)
+        try:
+            yield
+        finally:
+            self.swap(trainer)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the candidate holds (weights, buffers, optimizer state)."""
+        tensors = [*self.params.values(), *self.buffers.values()]
+        for state, _ in self.optimizers:
+            tensors += [v for values in state.values() for v in values.values() if isinstance(v, Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ---- training and scoring ------------------------------------------------------------------------------------
+    def train_on(self, trainer: pl.Trainer, batch: Any, batch_idx: int, steps: bool, clip: Clip | None) -> CandidateStep:
+        """Train the candidate on the loop's ``batch`` (before the loop trains the live state on it).
+
+        Args:
+            steps: whether this batch ends an accumulation window (the loop's optimizer steps on it).
+            clip: scales the candidate's finite gradients in place, given them and their total norm (``None``: no
+                clip).
+        """
+        module = trainer.lightning_module
+        rng = capture_rng()
+        try:
+            with self.swapped_in(trainer), _kept_streams(module), silenced_logging(module), torch.enable_grad():
+                self._catch_up_schedule(trainer)
+                if not self.window_buffers:  # the buffers as the window began: a skipped step puts them back
+                    self.window_buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+                args = (batch, batch_idx) if takes_batch_idx(module) else (batch,)
+                with trainer.precision_plugin.train_step_context():
+                    loss = loss_of(module.training_step(*args))
+                value = float(loss.detach().float().sum()) if loss is not None else math.nan
+                if math.isfinite(value):
+                    self.losses.append(value)
+                    scaler = _compat.scaler_of(trainer)
+                    scaled = loss / trainer.accumulate_grad_batches  # type: ignore[operator]
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                else:
+                    self.nonfinite = True
+                if not steps:
+                    return CandidateStep(value, stepped=False, skipped=False)
+                nonfinite = self.nonfinite
+                skipped = self._step(trainer, trainer.optimizers[0], clip)
+        finally:
+            restore_rng(rng)
+        mean = math.nan if nonfinite or not self.losses else sum(self.losses) / len(self.losses)
+        self.losses = []
+        return CandidateStep(mean, stepped=True, skipped=skipped)
+
+    def score_on(self, trainer: pl.Trainer, batch: Any, batch_idx: int, steps: bool) -> CandidateStep:
+        """Score the candidate, frozen, on the loop's ``batch``: its loss without a gradient, its buffers (BatchNorm
+        statistics) and the random streams as they were. ``steps``: whether this batch ends the optimizer step
+        (the score is the mean over the step's batches)."""
+        module = trainer.lightning_module
+        rng = capture_rng()
+        try:
+            with self.swapped_in(trainer), _kept_streams(module), silenced_logging(module), torch.no_grad():
+                buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+                args = (batch, batch_idx) if takes_batch_idx(module) else (batch,)
+                with trainer.precision_plugin.train_step_context():
+                    loss = loss_of(module.training_step(*args))
+                for name, buffer in module.named_buffers():
+                    if name in buffers:
+                        buffer.copy_(buffers[name])
+        finally:
+            restore_rng(rng)
+        value = float(loss.detach().float().sum()) if loss is not None else math.nan
+        if math.isfinite(value):
+            self.losses.append(value)
+        else:
+            self.nonfinite = True
+        if not steps:
+            return CandidateStep(value, stepped=False, skipped=False)
+        mean = math.nan if self.nonfinite or not self.losses else sum(self.losses) / len(self.losses)
+        self.losses, self.nonfinite = [], False
+        return CandidateStep(mean, stepped=True, skipped=True)
+
+    def _step(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, clip: Clip | None) -> bool:
+        """Step the swapped-in candidate; return whether the step was skipped (nothing changed)."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        _average_across_ranks(grads)
+        scaler = _compat.scaler_of(trainer)
+        if scaler is not None and grads:
+            scaler.unscale_(optimizer)
+        total = math.sqrt(float(tensor_norms(grads).double().pow(2).sum())) if grads else 0.0
+        window_start, self.window_buffers = self.window_buffers, {}
+        skip, self.nonfinite = self.nonfinite or not math.isfinite(total), False
+        if skip:  # the true no-op, as the loop's skip: no update, the buffers as the window found them
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for name, buffer in trainer.lightning_module.named_buffers():
+                    if name in window_start:
+                        buffer.copy_(window_start[name])
+            if scaler is not None:
+                scaler.update()  # the scaler lowers its scale on the overflow, as it does for the loop
+            return True
+        if clip is not None:
+            clip(grads, total)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return False
+
+    def note_schedule(self, steps_by_scheduler: list[int], skipped: bool) -> None:
+        """The loop stepped its schedulers ``steps_by_scheduler`` times this batch: the candidate steps its own the
+        same number of times before its next step, unless its own step was skipped (its schedule holds then)."""
+        if skipped:
+            return
+        for index, steps in enumerate(steps_by_scheduler):
+            self.pending_schedule[index] += steps
+
+    def _catch_up_schedule(self, trainer: pl.Trainer) -> None:
+        for index, config in enumerate(trainer.lr_scheduler_configs):
+            for _ in range(self.pending_schedule[index]):
+                config.scheduler.step()
+            self.pending_schedule[index] = 0
+
+    def catch_up(self, trainer: pl.Trainer) -> None:
+        """Apply the schedule steps still pending (before the candidate becomes the live state)."""
+        with self.swapped_in(trainer):
+            self._catch_up_schedule(trainer)
+
+
+    # ---- checkpoints ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The candidate as primitives and host tensors (loadable with ``torch.load(weights_only=True)``); its
+        optimizer state keyed by parameter name."""
+        optimizers = [
+            ({self.names[id(p)]: _to_host(values) for p, values in state.items()}, copy.deepcopy(groups))
+            for state, groups in self.optimizers
+        ]
+        return {
+            "params": _to_host(self.params),
+            "grads": _to_host(self.grads),
+            "buffers": _to_host(self.buffers),
+            "optimizers": [{"state": state, "groups": groups} for state, groups in optimizers],
+            "schedulers": copy.deepcopy(self.schedulers),
+            "precision": copy.deepcopy(self.precision),
+            "pending_schedule": list(self.pending_schedule),
+            "losses": list(self.losses),
+            "nonfinite": self.nonfinite,
+            "window_buffers": _to_host(self.window_buffers),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], trainer: pl.Trainer) -> Candidate:
+        """The candidate :meth:`state_dict` wrote, on the devices of the live state."""
+        module = trainer.lightning_module
+        params = dict(module.named_parameters())
+        buffers = dict(module.named_buffers())
+
+        def on(values: dict[str, Any], live: dict[str, Tensor]) -> dict[str, Any]:
+            return {k: (v.to(live[k].device) if isinstance(v, Tensor) and k in live else v) for k, v in values.items()}
+
+        optimizers = []
+        for saved in state["optimizers"]:
+            by_param: Any = defaultdict(dict)
+            for name, values in saved["state"].items():
+                device = params[name].device
+                by_param[params[name]] = {k: (v.to(device) if isinstance(v, Tensor) and v.dim() else v)
+                                          for k, v in values.items()}  # fmt: skip
+            optimizers.append((by_param, copy.deepcopy(saved["groups"])))
+        return cls(
+            params=on(state["params"], params),
+            grads=on(state["grads"], params),
+            buffers=on(state["buffers"], buffers),
+            optimizers=optimizers,
+            schedulers=copy.deepcopy(state["schedulers"]),
+            precision=copy.deepcopy(state["precision"]),
+            pending_schedule=[int(n) for n in state["pending_schedule"]],
+            losses=[float(v) for v in state["losses"]],
+            nonfinite=bool(state["nonfinite"]),
+            window_buffers=on(state["window_buffers"], buffers),
+            names={id(p): name for name, p in params.items()},
+        )
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _to_host(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else copy.deepcopy(v)) for k, v in values.items()}
+
+
+def _clone_optimizer_state(state: Any) -> Any:
+    cloned: Any = defaultdict(dict)
+    for param, values in state.items():
+        cloned[param] = {k: (v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)) for k, v in values.items()}
+    return cloned
+
+
+def _average_across_ranks(grads: list[Tensor]) -> None:
+    """Average the candidate's gradients across ranks, as DDP does for the loop (one all-reduce per tensor)."""
+    if not grads or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    world = dist.get_world_size()
+    for grad in grads:
+        dist.all_reduce(grad)
+        grad.div_(world)
+
+
+@contextmanager
+def _kept_streams(module: torch.nn.Module) -> Iterator[None]:
+    """Python's and NumPy's random streams, the generators the modules own and every torchmetrics state are put
+    back after the body (torch's own streams are the caller's)."""
+    python_rng = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_rng = numpy.random.get_state() if numpy is not None else None
+    owned = [g for m in module.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
+    generators = [(g, g.get_state()) for g in owned]
+    metrics = metric_states(module)
+    try:
+        yield
+    finally:
+        for generator, state in generators:
+            generator.set_state(state)
+        random.setstate(python_rng)
+        if numpy is not None:
+            numpy.random.set_state(numpy_rng)
+        put_back_metric_states(metrics)

@@ -1,0 +1,62 @@
+"""Run a LightningModule's ``training_step`` outside the loop (a replay, a second candidate), as Lightning calls it."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["loss_of", "signature_parameters", "silenced_logging", "takes_batch_idx"]
+
+
+def loss_of(output: Any) -> Tensor | None:
+    """The loss ``training_step`` returned: the tensor itself, or the ``"loss"`` of a dict (``None`` otherwise)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
+@contextmanager
+def silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` / ``self.log_dict`` do nothing inside the body (they would log the batch twice)."""
+    own = {name: vars(pl_module)[name] for name in ("log", "log_dict") if name in vars(pl_module)}
+    pl_module.log = _no_log  # type: ignore[method-assign]
+    pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name in ("log", "log_dict"):
+            if name in own:
+                setattr(pl_module, name, own[name])
+            else:
+                delattr(pl_module, name)
+
+
+def _no_log(*_: Any, **__: Any) -> None:
+    return None
+
+
+def signature_parameters(function: Any) -> dict[str, inspect.Parameter]:
+    """The parameters of ``function``'s signature (empty when it has none that ``inspect`` can read)."""
+    try:
+        return dict(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def takes_batch_idx(pl_module: pl.LightningModule) -> bool:
+    """As Lightning decides: a ``batch_idx`` parameter, or at least two positional parameters, or ``*args``."""
+    params = signature_parameters(pl_module.training_step)
+    if "batch_idx" in params:
+        return True
+    kinds = [p.kind for p in params.values()]
+    positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+    return positional >= 2 or inspect.Parameter.VAR_POSITIONAL in kinds

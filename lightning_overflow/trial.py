@@ -1,0 +1,246 @@
+"""A trial: the remedy against doing nothing, judged on the same unseen batches.
+
+A suspicion (the loss settled far above its best, a trend, runaway weights, a GradScaler that keeps overflowing) does
+not decide what the run needs. It opens a trial: the suspect state (the *incumbent*) and the *remedy* (the last
+verified snapshot at a lower learning rate) train side by side for ``steps`` optimizer steps on the same batches.
+Each batch is scored by both before either trains on it (prequential: every score is a loss on data neither has
+seen), and the scores are compared pair by pair, so that how hard a batch is cancels out.
+
+The comparison of one pair is the relative difference of the two losses,
+
+    r = (incumbent - remedy) / (|incumbent| + |remedy|)        (0 when both are 0)
+
+in [-1, 1]: positive where the remedy did better. It is free of the loss's scale (a run diverging geometrically does
+not drown the other pairs), bounded, and defined where a loss is inf/NaN: a pair where only the incumbent's loss is
+non-finite counts +1, where only the remedy's is, -1 (where both are, the batch itself is bad: no pair). The remedy
+wins when the mean of ``r`` stands more than ``sigmas`` standard errors above 0 **and** above ``min_gain``; anything
+less is a tie, and a tie goes to the incumbent: the run goes on as if nothing had been suspected.
+
+This module is pure: host floats in, a verdict out. :mod:`lightning_overflow.trials` runs trials in a Lightning fit.
+
+Example:
+    >>> trial = Trial(kind="loss_divergence", step=40, config=TrialConfig(steps=4, judged_share=1.0))
+    >>> for incumbent, remedy in [(2.0, 1.0), (2.2, 1.1), (1.9, 1.0), (2.4, 1.2)]:
+    ...     trial.add(incumbent, remedy)
+    >>> verdict = trial.verdict()
+    >>> verdict.winner, round(verdict.comparisons[0].mean, 3)
+    (0, 0.328)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from lightning_overflow._validation import check_choice, check_float, check_int
+
+__all__ = ["DEFAULT_TRIAL", "MODES", "Comparison", "Trial", "TrialConfig", "TrialVerdict", "paired_score"]
+
+MODES = ("ab", "frozen")
+"""How the two candidates run: ``"ab"`` trains both on every batch (the loop trains the incumbent, the suite trains
+the remedy beside it); ``"frozen"`` trains the remedy and only scores the incumbent, frozen (half the extra compute;
+an incumbent that wins has missed the trial's batches)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrialConfig:
+    """How suspicions are tried. Every field is checked when the config is built.
+
+    Attributes:
+        steps: optimizer steps a trial runs (default 20): its batches are scored by every candidate.
+        remedies: how many remedies run against the incumbent (default 2): the learning rate times ``factor``,
+            ``factor**3``, ``factor**5``... (``LRBackoff``'s factor; 0.5 and 0.125 by default), each from the same
+            start. One rate may be too little where a run diverges at many times its stable rate; the trial then
+            measures a stronger one at once instead of waiting for the next suspicion. ``"frozen"`` mode runs one.
+        sigmas: how many standard errors of the paired differences a remedy must win by (default 2).
+        min_gain: the least mean relative difference a remedy must win by (default 0.02: a loss about 4% lower);
+            below it a remedy is not worth the batches the incumbent trained on since its snapshot.
+        judged_share: the share of the trial's steps, its last ones, whose pairs are judged (default 0.5). A remedy
+            restarts from an older state: its first batches measure where it starts from, behind the incumbent by
+            the steps since its snapshot; the last ones, where each candidate is going.
+        mode: ``"ab"`` (default) or ``"frozen"`` (see :data:`MODES`).
+        max_share: trials opened by suspicions may take at most this share of the fit's optimizer steps so far
+            (default 0.25; the first is always allowed, and so is the next rung of a ladder, see
+            :mod:`lightning_overflow.trials`).
+        every_n_steps: also open a trial every this many optimizer steps without a suspicion, testing whether a
+            lower learning rate does better from the current state (default ``None``: off; needs ``LRBackoff``).
+
+    What a trial costs, in ``"ab"`` mode: ``steps`` optimizer steps of compute per remedy (a forward, a backward and
+    an optimizer step on the same batches), and one more copy of the weights, buffers and optimizer state per remedy
+    in device memory while it runs; ``"frozen"`` mode: ``steps`` forward passes and one copy.
+    """
+
+    steps: int = 20
+    remedies: int = 2
+    sigmas: float = 2.0
+    min_gain: float = 0.02
+    judged_share: float = 0.5
+    mode: Literal["ab", "frozen"] = "ab"
+    max_share: float = 0.25
+    every_n_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("steps", self.steps, minimum=2)
+        check_int("remedies", self.remedies, minimum=1)
+        check_float("sigmas", self.sigmas, low=0.0)
+        check_float("min_gain", self.min_gain, low=0.0, high=1.0, high_open=True)
+        check_float("judged_share", self.judged_share, low=0.0, high=1.0, low_open=True)
+        check_choice("mode", self.mode, MODES)
+        check_float("max_share", self.max_share, low=0.0, high=1.0, low_open=True)
+        check_int("every_n_steps", self.every_n_steps, minimum=1, optional=True)
+
+    @property
+    def remedy_count(self) -> int:
+        """The remedies a trial runs: ``remedies``, or one in ``"frozen"`` mode."""
+        return 1 if self.mode == "frozen" else self.remedies
+
+
+DEFAULT_TRIAL = TrialConfig()
+"""The trial settings of ``LRBackoff``, ``Rollback`` and ``default_callbacks()`` unless given."""
+
+
+def paired_score(incumbent: float, remedy: float) -> float | None:
+    """The relative difference of one pair, positive where the remedy's loss is lower; ``None`` when both losses
+    are inf/NaN (the batch itself is bad).
+
+    Example:
+        >>> paired_score(3.0, 1.0), paired_score(float("nan"), 1.0), paired_score(0.0, 0.0)
+        (0.5, 1.0, 0.0)
+    """
+    good_incumbent, good_remedy = math.isfinite(incumbent), math.isfinite(remedy)
+    if not (good_incumbent or good_remedy):
+        return None
+    if not good_incumbent:
+        return 1.0
+    if not good_remedy:
+        return -1.0
+    scale = abs(incumbent) + abs(remedy)
+    return (incumbent - remedy) / scale if scale > 0.0 else 0.0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One remedy against the incumbent, on the judged batches.
+
+    Attributes:
+        mean: the mean relative difference (positive: the remedy did better).
+        stderr: its standard error (``inf`` with fewer than two pairs).
+        pairs: the pairs compared.
+        better: on how many of them the remedy's loss was lower.
+        wins: whether the remedy did better beyond ``sigmas`` standard errors and ``min_gain``.
+    """
+
+    mean: float
+    stderr: float
+    pairs: int
+    better: int
+    wins: bool
+
+
+@dataclass(frozen=True)
+class TrialVerdict:
+    """The outcome of a trial.
+
+    Attributes:
+        winner: the index of the remedy kept (``None``: the incumbent stays).
+        comparisons: each remedy against the incumbent.
+        reason: a sentence for messages and the journal.
+    """
+
+    winner: int | None
+    comparisons: tuple[Comparison, ...]
+    reason: str
+
+    @property
+    def remedy_wins(self) -> bool:
+        return self.winner is not None
+
+
+@dataclass
+class Trial:
+    """One trial under way: what opened it, and the scores so far.
+
+    Attributes:
+        kind: the signal that opened it (``"scheduled"`` for a trial opened without one).
+        step: the optimizer step at which it opened.
+        config: how it is judged.
+        reason: the signal's sentence.
+        source: who raised the signal.
+        snapshot_step: the step of the snapshot the remedies start from (``None``: the current state).
+        lr_factors: the factor each remedy's learning rate was multiplied by (1.0: unchanged).
+        rung: 1 for a trial a signal opened; ``n + 1`` for the one a kept remedy of rung ``n`` opened at once, one
+            rate lower.
+        incumbent: the incumbent's score on each batch (its loss before the step; ``nan`` when non-finite).
+        remedies: each remedy's scores on the same batches.
+    """
+
+    kind: str
+    step: int
+    config: TrialConfig
+    reason: str = ""
+    source: str = ""
+    snapshot_step: int | None = None
+    lr_factors: list[float] = field(default_factory=lambda: [1.0])
+    rung: int = 1
+    incumbent: list[float] = field(default_factory=list)
+    remedies: list[list[float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.remedies:
+            self.remedies = [[] for _ in self.lr_factors]
+
+    def add(self, incumbent: float, *remedies: float) -> None:
+        """Score one optimizer step's batch: each candidate's loss before it trained on it."""
+        self.incumbent.append(float(incumbent))
+        for scores, value in zip(self.remedies, remedies):
+            scores.append(float(value))
+
+    @property
+    def done(self) -> bool:
+        return len(self.incumbent) >= self.config.steps
+
+    def compare(self, remedy: int) -> Comparison:
+        """Remedy ``remedy`` against the incumbent on the judged (last) batches."""
+        judged = max(2, math.ceil(self.config.judged_share * len(self.incumbent)))
+        pairs = list(zip(self.incumbent, self.remedies[remedy]))[-judged:]
+        scores = [s for s in (paired_score(i, r) for i, r in pairs) if s is not None]
+        n = len(scores)
+        if n < 2:
+            return Comparison(0.0, math.inf, n, 0, False)
+        mean = sum(scores) / n
+        stderr = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1) / n)
+        wins = mean > max(self.config.sigmas * stderr, self.config.min_gain)
+        return Comparison(mean, stderr, n, sum(s > 0 for s in scores), wins)
+
+    def verdict(self) -> TrialVerdict:
+        """The remedy that did best among those that did better beyond the noise of the paired differences and by
+        ``min_gain``; none of them: the incumbent stays (ties go to the incumbent)."""
+        comparisons = tuple(self.compare(j) for j in range(len(self.remedies)))
+        winners = [j for j, c in enumerate(comparisons) if c.wins]
+        winner = max(winners, key=lambda j: comparisons[j].mean) if winners else None
+        parts = [
+            f"the learning rate x{factor:g} did better on {c.better} of the last {c.pairs} batches, by {c.mean:+.3f} "
+            f"on average (relative; standard error {c.stderr:.3f})"
+            for factor, c in zip(self.lr_factors, comparisons)
+        ]
+        bound = f"{self.config.sigmas:g} standard errors and {self.config.min_gain:g}"
+        if winner is None:
+            reason = f"{'; '.join(parts)}: none beyond {bound}, so the run goes on as it was"
+        else:
+            reason = f"{'; '.join(parts)}: x{self.lr_factors[winner]:g} beyond {bound}, so it is kept"
+        return TrialVerdict(winner, comparisons, reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = asdict(self)
+        state["config"] = asdict(self.config)
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Trial:
+        values = dict(state)
+        values["config"] = TrialConfig(**values["config"])
+        values["lr_factors"] = [float(v) for v in values["lr_factors"]]
+        values["incumbent"] = [float(v) for v in values["incumbent"]]
+        values["remedies"] = [[float(v) for v in scores] for scores in values["remedies"]]
+        return cls(**values)
