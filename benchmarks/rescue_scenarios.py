@@ -15,6 +15,14 @@ bad initialisation, an expansive recurrent matrix), of the loss as written (a ra
 learning rate too high, or a warm-up to too high a peak), or a NaN written into a weight or a gradient by
 :class:`lightning_overflow.testing.FaultInjector` at an exact step. None is provoked by an absurd learning rate
 except where the scenario is the learning rate.
+
+Harmless scenarios (``Scenario.harmless``) carry no fault at all: a change of task, a stretch of noise labels, a
+restarting schedule, loss that rises for good reasons. Nothing needed doing there, and the protection must leave them
+alone; each is its own reference.
+
+:data:`SCENARIOS` is the benchmark's matrix; :data:`HELD_OUT` holds the same families at other magnitudes (other
+learning rates, spike and poison factors, fault steps, epoch lengths), to check that what passes the matrix was not
+tuned to its exact numbers.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 
 from lightning_overflow.testing import Fault
 
-__all__ = ["SCENARIOS", "Scenario", "scenario"]
+__all__ = ["HELD_OUT", "SCENARIOS", "Scenario", "scenario"]
 
 DATA_SEED = 1234  # the data of every family; the run's seed never changes them
 
@@ -65,6 +73,11 @@ def regression_set(samples: int, in_features: int = 16, offset: int = 0, task: i
     return TensorDataset(x, teacher_targets(x, task, scale) + 0.1 * torch.randn(samples, 1, generator=gen))
 
 
+def step_noise(step: int, shape: torch.Size) -> Tensor:
+    """Standard Gaussian noise for the batch of ``step``: a property of the data, the same for every seed."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(DATA_SEED * 1000 + step))
+
+
 # ---- models ---------------------------------------------------------------------------------------------------------
 class Benchmarked(pl.LightningModule):
     """What every scenario's module offers the benchmark.
@@ -93,10 +106,18 @@ class Regression(Benchmarked):
         spike_every: every ``spike_every`` steps, starting at ``spike_every // 2``, the batch's inputs are multiplied
             by ``spike_factor``.
         poison_step: the step whose batch is multiplied by ``poison_factor``, once.
-        schedule: ``"constant"``; ``"warmup"``, a linear rise from 1x to ``peak`` x the LR over ``total_steps``; or
-            ``"onecycle"``, PyTorch's ``OneCycleLR`` peaking at ``lr`` over ``total_steps``.
+        schedule: ``"constant"``; ``"warmup"``, a linear rise from 1x to ``peak`` x the LR over ``total_steps``;
+            ``"onecycle"``, PyTorch's ``OneCycleLR`` peaking at ``lr`` over ``total_steps``; or ``"restarts"``,
+            PyTorch's ``CosineAnnealingWarmRestarts`` from ``lr`` down and back every ``total_steps`` steps.
         shift_step: from this step on the targets are another teacher's, ``shift_scale`` times larger (new data, a
             harder task: a legitimate rise of the loss); the evaluation is on that task.
+        noise_step: for ``noise_steps`` steps from this one the batch's targets are replaced by Gaussian noise of
+            ``noise_scale`` x the training targets' standard deviation (:func:`step_noise`: the same for every
+            seed); the evaluation stays on clean data.
+        label_noise: ``(first, last)``: the training targets' noise is drawn afresh at every step
+            (:func:`step_noise`), its standard deviation growing linearly from ``first`` to ``last`` x the training
+            targets' standard deviation over ``total_steps`` (in place of the data's own noise of 0.1); the
+            evaluation stays on the usual held-out data.
     """
 
     def __init__(
@@ -119,6 +140,10 @@ class Regression(Benchmarked):
         total_steps: int = 1,
         shift_step: int | None = None,
         shift_scale: float = 2.0,
+        noise_step: int | None = None,
+        noise_steps: int = 20,
+        noise_scale: float = 3.0,
+        label_noise: tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
         torch.manual_seed(seed)
@@ -137,7 +162,10 @@ class Regression(Benchmarked):
         self.poison_step, self.poison_factor = poison_step, poison_factor
         self.schedule, self.peak, self.total_steps = schedule, peak, total_steps
         self.shift_step, self.shift_scale = shift_step, shift_scale
+        self.noise_step, self.noise_steps, self.noise_scale = noise_step, noise_steps, noise_scale
+        self.label_noise = label_noise
         self.data = regression_set(samples)
+        self.target_std = float(self.data.tensors[1].std())
         if corrupt_index is not None:
             x, y = self.data.tensors
             x = x.clone()
@@ -151,6 +179,12 @@ class Regression(Benchmarked):
         step = self.trainer.global_step
         if self.shift_step is not None and step >= self.shift_step:
             y = teacher_targets(x, task=1, scale=self.shift_scale) + (y - teacher_targets(x))  # the same noise
+        if self.label_noise is not None:
+            first, last = self.label_noise
+            std = first + (last - first) * min(step, self.total_steps) / self.total_steps
+            y = teacher_targets(x) + std * self.target_std * step_noise(step, y.shape)
+        if self.noise_step is not None and 0 <= step - self.noise_step < self.noise_steps:
+            y = self.noise_scale * self.target_std * step_noise(step, y.shape)
         if self.spike_every is not None and step % self.spike_every == self.spike_every // 2:
             x = x * self.spike_factor
         if step == self.poison_step:
@@ -167,6 +201,8 @@ class Regression(Benchmarked):
         steps = self.total_steps
         if self.schedule == "onecycle":
             schedule: Any = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr, total_steps=steps + 1)
+        elif self.schedule == "restarts":
+            schedule = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=steps)
         else:
             rise = self.peak - 1.0
             schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 + rise * min(s, steps) / steps)
@@ -442,6 +478,7 @@ class Scenario:
         reference: the scenario whose best unprotected final evaluation over the seeds is the family's reference.
         faults: injected by ``FaultInjector`` at their exact steps.
         stable: a healthy run at a stable LR, which the suite must leave unchanged.
+        harmless: a run where nothing needed doing (no fault), which the suite must leave alone.
         quick: part of the ``--quick`` subset.
         in_matrix: ``False`` for a reference that only serves as one (trained unprotected, no row of its own).
     """
@@ -454,6 +491,7 @@ class Scenario:
     reference: str
     faults: tuple[Fault, ...] = ()
     stable: bool = False
+    harmless: bool = False
     quick: bool = False
     in_matrix: bool = True
 
@@ -464,9 +502,15 @@ STEPS = 400  # the budget of the MLP regressions
 FAULT_STEP = 150  # where the one-off faults of the SGD regression strike
 EARLY_FAULT_STEP = 77  # before default_callbacks()' first scheduled snapshot (every 100 steps)
 
+# The regressions the catalogues share.
+_SGD = functools.partial(Regression, optimizer="sgd", lr=SGD_LR)
+_ADAM = functools.partial(Regression, optimizer="adam")
+_DEEP = functools.partial(Regression, depth=8, lr=SGD_LR / 4)
+_LARGE = functools.partial(Regression, samples=4096, batch_size=256)
 
-def _sweep(prefix: str, what: str, build: Callable[..., Benchmarked], lr: float, steps: int, quick: tuple[int, ...]
-           ) -> list[Scenario]:  # fmt: skip
+
+def _sweep(prefix: str, what: str, build: Callable[..., Benchmarked], lr: float, steps: int, quick: tuple[int, ...],
+           multiples: tuple[int, ...] = SWEEP) -> list[Scenario]:  # fmt: skip
     return [
         Scenario(
             name=f"{prefix}_lr{multiple}x",
@@ -478,7 +522,7 @@ def _sweep(prefix: str, what: str, build: Callable[..., Benchmarked], lr: float,
             stable=multiple == 1,
             quick=multiple in quick,
         )
-        for multiple in SWEEP
+        for multiple in multiples
     ]
 
 
@@ -492,37 +536,42 @@ def _fault_and_reference(name: str, family: str, description: str, build: Callab
     ]
 
 
+def _corrupt_sample(epoch: str, samples: int, quick: bool = False) -> list[Scenario]:
+    """One NaN sample among ``samples`` (an epoch of ``samples // 16`` batches), and the same data without it."""
+    return _fault_and_reference(
+        f"corrupt_sample_{epoch}_epoch", f"corrupt_{epoch}",
+        f"one sample of {samples} has NaN features; it is back once an epoch of {samples // 16} batches",
+        functools.partial(_SGD, samples=samples, corrupt_index=samples // 3), STEPS,
+        f"clean_{epoch}_epoch", f"the same {samples} samples without the corrupt one",
+        functools.partial(_SGD, samples=samples), quick=quick,
+    )  # fmt: skip
+
+
+def _harmless(name: str, description: str, build: Callable[[int], Benchmarked], steps: int = STEPS,
+              quick: bool = False, stable: bool = False) -> Scenario:  # fmt: skip
+    """A run where nothing needs doing: its own family and its own reference."""
+    return Scenario(name, name, description, build, steps, name, stable=stable, harmless=True, quick=quick)
+
+
 def _catalogue() -> list[Scenario]:
-    sgd = functools.partial(Regression, optimizer="sgd", lr=SGD_LR)
-    adam = functools.partial(Regression, optimizer="adam")
-    deep = functools.partial(Regression, depth=8, lr=SGD_LR / 4)
-    large = functools.partial(Regression, samples=4096, batch_size=256)
     scenarios = [
         *_sweep("mlp_sgd", "MLP regression, SGD + momentum 0.9", Regression, SGD_LR, STEPS, quick=(1, 8)),
-        *_sweep("mlp_adam", "MLP regression, Adam", adam, ADAM_LR, STEPS, quick=()),
+        *_sweep("mlp_adam", "MLP regression, Adam", _ADAM, ADAM_LR, STEPS, quick=()),
         *_sweep("transformer", "character transformer (post-norm), AdamW", CharTransformer, ADAMW_LR, 300, quick=()),
         *_fault_and_reference(
             "deep_mlp_bad_init", "deep_mlp",
             "8 ReLU layers of width 64 drawn from N(0, 0.25) (Kaiming: 0.18): the activations grow 1.4x a layer",
-            functools.partial(deep, init_std=0.25), STEPS,
-            "deep_mlp_kaiming", "the same deep MLP drawn with Kaiming's std", functools.partial(deep, init_std=0.177),
+            functools.partial(_DEEP, init_std=0.25), STEPS,
+            "deep_mlp_kaiming", "the same deep MLP drawn with Kaiming's std", functools.partial(_DEEP, init_std=0.177),
         ),
         *_fault_and_reference(
             "large_batch_high_lr", "large_batch",
             f"batches of 256 with the LR scaled up 8x for the batch ({8 * SGD_LR:g}), past the stability limit",
-            functools.partial(large, lr=8 * SGD_LR), 200,
-            "large_batch_stable", "the same large batches at the stable LR", functools.partial(large, lr=SGD_LR),
+            functools.partial(_LARGE, lr=8 * SGD_LR), 200,
+            "large_batch_stable", "the same large batches at the stable LR", functools.partial(_LARGE, lr=SGD_LR),
         ),
-    ]
-    for epoch, samples in (("short", 96), ("long", 640)):
-        scenarios += _fault_and_reference(
-            f"corrupt_sample_{epoch}_epoch", f"corrupt_{epoch}",
-            f"one sample of {samples} has NaN features; it is back once an epoch of {samples // 16} batches",
-            functools.partial(sgd, samples=samples, corrupt_index=samples // 3), STEPS,
-            f"clean_{epoch}_epoch", f"the same {samples} samples without the corrupt one",
-            functools.partial(sgd, samples=samples), quick=epoch == "short",
-        )
-    scenarios += [
+        *_corrupt_sample("short", 96, quick=True),
+        *_corrupt_sample("long", 640),
         *_fault_and_reference(
             "infonce_raw_exp", "infonce",
             "InfoNCE at temperature 0.1 written with a raw exp() on unnormalised similarities: inf once they pass 8.9",
@@ -565,49 +614,148 @@ def _catalogue() -> list[Scenario]:
             "nan_weight_before_snapshot", "mlp_adam",
             f"Adam; FaultInjector writes NaN into net.0.weight before step {EARLY_FAULT_STEP}, before the first "
             "scheduled snapshot: the one to return to is the fit's first",
-            functools.partial(adam, lr=ADAM_LR), STEPS, "mlp_adam_lr1x",
+            functools.partial(_ADAM, lr=ADAM_LR), STEPS, "mlp_adam_lr1x",
             faults=(Fault(step=EARLY_FAULT_STEP, kind="nan_weight", parameter="net.0.weight"),), quick=True,
         ),
         Scenario(
             "slow_drift", "mlp_adam",
             "Adam warmed up linearly over the whole run to 40x the stable LR: the loss creeps up, no spike, no NaN",
-            functools.partial(adam, lr=ADAM_LR, schedule="warmup", peak=40.0, total_steps=STEPS), STEPS,
+            functools.partial(_ADAM, lr=ADAM_LR, schedule="warmup", peak=40.0, total_steps=STEPS), STEPS,
             "mlp_adam_lr1x",
         ),
-        Scenario(
-            "data_shift", "data_shift",
-            "MLP regression, Adam, whose targets switch at step 100 to another teacher's, 2x larger (healthy: new "
-            "data, a harder task)",
-            functools.partial(adam, lr=ADAM_LR, shift_step=100), STEPS, "data_shift", quick=True,
+        _harmless(
+            "data_shift",
+            "MLP regression, Adam, whose targets switch at step 100 to another teacher's, 2x larger: new data, a "
+            "harder task (harmless)",
+            functools.partial(_ADAM, lr=ADAM_LR, shift_step=100), quick=True,
         ),
-        Scenario(
-            "hinge_at_zero", "hinge",
-            "a hinge loss that sits at exactly 0 for stretches, then rises a little (healthy)",
-            Hinge, 300, "hinge_at_zero", stable=True, quick=True,
+        _harmless(
+            "hinge_at_zero", "a hinge loss that sits at exactly 0 for stretches, then rises a little (harmless)",
+            Hinge, 300, stable=True, quick=True,
         ),
-        Scenario(
-            "healthy", "healthy", "MLP regression, Adam under OneCycleLR at the stable LR (healthy)",
-            functools.partial(adam, lr=ADAM_LR, schedule="onecycle", total_steps=STEPS), STEPS, "healthy",
-            stable=True,
+        _harmless(
+            "healthy", "MLP regression, Adam under OneCycleLR at the stable LR (harmless)",
+            functools.partial(_ADAM, lr=ADAM_LR, schedule="onecycle", total_steps=STEPS), stable=True,
         ),
-        Scenario(
-            "small_batch", "small_batch",
-            "MLP regression, Adam in batches of 2 at a stable LR: losses that scatter as much as they weigh (healthy)",
-            functools.partial(adam, lr=ADAM_LR / 4, batch_size=2), STEPS, "small_batch", stable=True,
+        _harmless(
+            "small_batch",
+            "MLP regression, Adam in batches of 2 at a stable LR: losses that scatter as much as they weigh (harmless)",
+            functools.partial(_ADAM, lr=ADAM_LR / 4, batch_size=2), stable=True,
         ),
+        *_harmless_regressions(),
     ]
     return scenarios
 
 
+def _harmless_regressions() -> list[Scenario]:
+    """The harmless MLP regressions: a change of task, a stretch of noise labels, input spikes under Adam, warm
+    restarts and rising label noise."""
+    return [
+        _harmless(
+            "task_switch_3x",
+            f"MLP regression, SGD + momentum 0.9, whose targets switch at step {FAULT_STEP} to another teacher's, 3x "
+            "larger: the loss jumps and stays higher on a harder task, evaluated on the new one (harmless)",
+            functools.partial(_SGD, shift_step=FAULT_STEP, shift_scale=3.0),
+        ),
+        _harmless(
+            "noise_labels",
+            f"MLP regression, SGD + momentum 0.9: for 20 steps from step {FAULT_STEP} the targets are pure Gaussian "
+            "noise (3x their std), then clean again; evaluated on clean data (harmless)",
+            functools.partial(_SGD, noise_step=FAULT_STEP), quick=True,
+        ),
+        _harmless(
+            "input_spikes_adam",
+            "MLP regression, Adam: one batch in 50 has its inputs multiplied by 10 (steps 25, 75, ...), which Adam's "
+            "normalised steps take in (harmless)",
+            functools.partial(_ADAM, lr=ADAM_LR, spike_every=50, spike_factor=10.0),
+        ),
+        _harmless(
+            "warm_restarts",
+            "MLP regression, Adam at the stable LR under cosine annealing with warm restarts every 100 steps: the "
+            "loss bumps up at each restart (harmless)",
+            functools.partial(_ADAM, lr=ADAM_LR, schedule="restarts", total_steps=100),
+        ),
+        _harmless(
+            "rising_noise",
+            "MLP regression, SGD + momentum 0.9, whose training label noise grows linearly from 0.1 to 0.5x the "
+            "targets' std over the run: the training loss rises from its lows, evaluated on clean data (harmless)",
+            functools.partial(_SGD, label_noise=(0.1, 0.5), total_steps=STEPS),
+        ),
+    ]
+
+
+def _held_out() -> list[Scenario]:
+    """The families of :func:`_catalogue` at other magnitudes, each scored against its family's reference."""
+    def one(name: str, family: str, reference: str, description: str, build: Callable[[int], Benchmarked],
+            steps: int = STEPS, faults: tuple[Fault, ...] = (), quick: bool = False) -> Scenario:  # fmt: skip
+        return Scenario(name, family, description, build, steps, reference, faults=faults, quick=quick)
+
+    def nan_weight(step: int) -> Scenario:
+        return one(f"nan_weight_step{step}", "mlp_sgd", "mlp_sgd_lr1x",
+                   f"FaultInjector writes NaN into net.0.weight before step {step}", Regression,
+                   faults=(Fault(step=step, kind="nan_weight", parameter="net.0.weight"),), quick=step < 100)  # fmt: skip
+
+    sgd, adam = "MLP regression, SGD + momentum 0.9", "MLP regression, Adam"
+    return [
+        *_sweep("mlp_sgd", sgd, Regression, SGD_LR, STEPS, quick=(6,), multiples=(2, 3, 6, 12)),
+        *_sweep("mlp_adam", adam, _ADAM, ADAM_LR, STEPS, quick=(), multiples=(2, 5, 12)),
+        *_sweep("transformer", "character transformer (post-norm), AdamW", CharTransformer, ADAMW_LR, 300, quick=(),
+                multiples=(2,)),  # fmt: skip
+        *_corrupt_sample("3_batch", 48, quick=True),
+        *_corrupt_sample("10_batch", 160),
+        *[
+            one(f"periodic_spikes_x{factor:g}", "mlp_sgd", "mlp_sgd_lr1x",
+                f"one batch in 50 has its inputs multiplied by {factor:g} (steps 25, 75, ...)",
+                functools.partial(Regression, spike_every=50, spike_factor=factor), quick=factor < 100)
+            for factor in (30.0, 1000.0)
+        ],  # fmt: skip
+        *[
+            one(f"poison_batch_x{label}", "mlp_sgd", "mlp_sgd_lr1x",
+                f"the batch of step {FAULT_STEP} has its inputs multiplied by {label}, once",
+                functools.partial(Regression, poison_step=FAULT_STEP, poison_factor=float(label)), quick=label == "1e6")
+            for label in ("1e2", "1e6")
+        ],  # fmt: skip
+        nan_weight(30),
+        nan_weight(250),
+        one("slow_drift_20x", "mlp_adam", "mlp_adam_lr1x",
+            "Adam warmed up linearly over the whole run to 20x the stable LR: the loss creeps up, no spike, no NaN",
+            functools.partial(_ADAM, lr=ADAM_LR, schedule="warmup", peak=20.0, total_steps=STEPS)),  # fmt: skip
+        one("large_batch_lr4x", "large_batch", "large_batch_stable",
+            f"batches of 256 with the LR scaled up 4x for the batch ({4 * SGD_LR:g})",
+            functools.partial(_LARGE, lr=4 * SGD_LR), steps=200),  # fmt: skip
+        one("deep_mlp_init_std0.3", "deep_mlp", "deep_mlp_kaiming",
+            "8 ReLU layers of width 64 drawn from N(0, 0.3) (Kaiming: 0.18): the activations grow 1.7x a layer",
+            functools.partial(_DEEP, init_std=0.3)),  # fmt: skip
+        one("rnn_gain1.3", "rnn", "rnn_orthogonal",
+            "a ReLU RNN over 48 steps, recurrent matrix orthogonal x 1.3: the BPTT gradients explode",
+            functools.partial(SequenceRNN, gain=1.3), steps=250),  # fmt: skip
+        _harmless(
+            "task_switch_2.5x",
+            "MLP regression, SGD + momentum 0.9, whose targets switch at step 200 to another teacher's, 2.5x larger: "
+            "the loss jumps and stays higher on a harder task, evaluated on the new one (harmless)",
+            functools.partial(_SGD, shift_step=200, shift_scale=2.5), quick=True,
+        ),
+        Scenario(
+            "noise_labels_40_steps", "noise_labels",
+            f"MLP regression, SGD + momentum 0.9: for 40 steps from step {FAULT_STEP} the targets are pure Gaussian "
+            "noise (3x their std), then clean again; evaluated on clean data (harmless)",
+            functools.partial(_SGD, noise_step=FAULT_STEP, noise_steps=40), STEPS, "noise_labels", harmless=True,
+            quick=True,
+        ),
+    ]
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _catalogue()}
+HELD_OUT: dict[str, Scenario] = {s.name: s for s in _held_out()}  # the references it names are in SCENARIOS or here
+_EVERY: dict[str, Scenario] = {**SCENARIOS, **HELD_OUT}
 
 
 def scenario(name: str) -> Scenario:
-    """The scenario called ``name``.
+    """The scenario called ``name``, in :data:`SCENARIOS` or :data:`HELD_OUT`.
 
     Raises:
         ValueError: no scenario has that name.
     """
-    if name not in SCENARIOS:
-        raise ValueError(f"'scenario' must be one of {', '.join(map(repr, SCENARIOS))} (got {name!r})")
-    return SCENARIOS[name]
+    if name not in _EVERY:
+        raise ValueError(f"'scenario' must be one of {', '.join(map(repr, _EVERY))} (got {name!r})")
+    return _EVERY[name]

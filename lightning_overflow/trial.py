@@ -43,7 +43,7 @@ the remedy beside it); ``"frozen"`` trains the remedy and only scores the incumb
 an incumbent that wins has missed the trial's batches)."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True)  # no slots: LightningCLI reads the defaults of a config through vars()
 class TrialConfig:
     """How suspicions are tried. Every field is checked when the config is built.
 

@@ -287,7 +287,7 @@ class TrialRunner:
         self.remedies, self.sides = remedies, sides
         self.trial = Trial(
             kind=kind,
-            step=step,
+            step=signal.step if signal is not None else step,
             config=self.config,
             reason=signal.reason if signal is not None else "a scheduled test of a lower learning rate",
             source=signal.source if signal is not None else "",

@@ -1,5 +1,6 @@
-"""The escalation ladder of default_callbacks(), rung by rung: data faults cost nothing but the skip or the clip;
-evidence that the state degrades backs off and rolls back. Faults at exact steps; the journal says what fired."""
+"""The policy of default_callbacks(), row by row: data faults cost nothing but the skip or the clip; certain faults of
+the state back off and roll back at once; suspicions open trials. Faults at exact steps; the journal says what fired.
+The trial mechanism itself is tested in test_trials.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from torch.utils.data import TensorDataset
 from conftest import assert_bit_identical, fit, weights
 
 from lightning_overflow import AutoClip, LossSpikeDetector, default_callbacks, read_journal
-from lightning_overflow.policy import DEFAULT_BACKOFF_TRIGGERS, DEFAULT_ROLLBACK_TRIGGERS, decide_step, Verdict
+from lightning_overflow.policy import (
+    CERTAIN_SIGNALS,
+    DEFAULT_BACKOFF_TRIGGERS,
+    DEFAULT_ROLLBACK_TRIGGERS,
+    DIVERGENCE_SIGNALS,
+    SUSPICION_SIGNALS,
+    Verdict,
+    decide_step,
+)
 from lightning_overflow.snapshot_store import snapshot_name
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 
@@ -57,20 +66,20 @@ def test_periodic_input_spikes_are_journaled_and_cost_nothing_else(tmp_path: Pat
     assert trainer.optimizers[0].param_groups[0]["lr"] == model.lr
 
 
-def test_a_loss_that_stays_above_its_reference_backs_off_and_rolls_back(tmp_path: Path) -> None:
+def test_a_loss_that_stays_above_its_reference_opens_a_trial_from_before_the_streak(tmp_path: Path) -> None:
     suite = default_callbacks(snapshot_every_n_steps=4)
     suite[2] = LossSpikeDetector(warmup=10)
     faults = FaultInjector(*(Fault(step, "loss_spike", factor=1e3) for step in (30, 31, 32)))
-    trainer = fit(TinyRegressor(), [*suite, faults], max_steps=40, default_root_dir=str(tmp_path))
+    fit(TinyRegressor(), [*suite, faults], max_steps=60, default_root_dir=str(tmp_path))
     events = _journal(tmp_path)
     assert _kinds(events, "loss_divergence") == [(32, "loss_divergence")]
     (finding,) = [e for e in events if e["kind"] == "loss_divergence"]
     assert finding["details"]["since"] == 30  # the first of the streak's losses: the state before it is sound
-    (backoff,) = [e for e in events if e["kind"] == "backoff"]
-    assert backoff["step"] == 32 and backoff["details"]["kinds"] == "loss_divergence"
-    (rollback,) = [e for e in events if e["kind"] == "rollback"]
-    assert rollback["details"]["snapshot_step"] <= 30
-    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.5 * 0.01
+    trial = next(e for e in events if e["kind"] == "trial")
+    assert (trial["step"], trial["details"]["opened_at"], trial["details"]["snapshot_step"]) == (53, 32, 28)
+    assert [(e["step"], e["kind"]) for e in events if e["kind"] in ("backoff", "rollback")][:2] in (
+        [], [(53, "backoff"), (53, "rollback")]
+    )  # whatever the verdict, nothing acts before it
 
 
 def test_a_run_that_diverges_inside_the_warm_up_is_caught_by_the_anchor(tmp_path: Path) -> None:
@@ -96,6 +105,9 @@ def test_a_loss_that_sat_at_zero_and_rises_a_little_is_no_spike(tmp_path: Path) 
 def test_default_triggers_are_the_evidence_of_divergence() -> None:
     assert set(DEFAULT_ROLLBACK_TRIGGERS) == {*DEFAULT_BACKOFF_TRIGGERS, "replica_mismatch"}
     assert not {"nonfinite", "nonfinite_burst", "loss_spike", "grad_spike"} & set(DEFAULT_BACKOFF_TRIGGERS)
+    # Every divergence signal is either certain (acted on at once) or a suspicion (tried), never both.
+    assert set(DIVERGENCE_SIGNALS) <= {*CERTAIN_SIGNALS, *SUSPICION_SIGNALS}
+    assert not set(CERTAIN_SIGNALS) & set(SUSPICION_SIGNALS)
 
 
 def test_a_skip_request_wins_over_every_clip() -> None:
@@ -150,7 +162,10 @@ def test_retries_that_back_off_further_spend_no_rollback_budget(tmp_path: Path) 
 
 
 def test_a_restored_state_that_trains_then_diverges_again_soon_backs_off_twice_as_far(tmp_path: Path) -> None:
-    suite = default_callbacks(snapshot_every_n_steps=20)  # escalation within 40 steps of the last backoff
+    from lightning_overflow import LRBackoff
+
+    suite = default_callbacks(snapshot_every_n_steps=20)
+    suite[-2] = LRBackoff(escalate_within=40)  # escalation within 40 steps of the last backoff
     # Step 25: diverged (NaN weights), back off and restore step 20. Step 45: the restored state trained healthily
     # for 19 steps at half the LR and diverged again, within 40 steps of the backoff: the factor twice. Step 100:
     # long after the last backoff, one factor again.
@@ -242,102 +257,56 @@ class WeightsAtBatchEnd(pl.Callback):
         self.at[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
 
-def test_a_rise_that_the_data_explains_is_measured_after_the_rollback_and_taken_back(tmp_path: Path) -> None:
-    model, weights = NewTask(at=60), WeightsAtBatchEnd()
-    trainer = fit(model, [*default_callbacks(snapshot_every_n_steps=10), weights], max_steps=100,
+def test_a_new_task_is_suspected_tried_and_left_alone(tmp_path: Path) -> None:
+    """The loss jumps at the new task and the level test suspects the state; the trial's remedies, the snapshot
+    from before the switch at lower rates, do no better on the new data than the run as it is: the run ends
+    bit-identical to the bare run, at its configured rate (the old ladder backed off, rolled back, and had to take
+    the backoff back after a probe)."""
+    torch.manual_seed(0)
+    bare = NewTask(at=60)
+    fit(bare, [], max_steps=120)
+    torch.manual_seed(0)
+    model = NewTask(at=60)
+    trainer = fit(model, default_callbacks(clip=None, snapshot_every_n_steps=10), max_steps=120,
                   default_root_dir=str(tmp_path))  # fmt: skip
     events = _journal(tmp_path)
-    assert _kinds(events, "loss_divergence", "backoff", "rollback", "skip", "data_shift", "undo", "abort") == [
-        (62, "loss_divergence"), (62, "backoff"), (63, "rollback"),
-        (63, "skip"), (64, "skip"), (65, "skip"), (65, "data_shift"), (65, "undo"),
-    ]  # fmt: skip
-    (rollback,) = [e for e in events if e["kind"] == "rollback"]
-    assert rollback["details"]["snapshot_step"] == 60
-    probe = [e for e in events if e["kind"] == "skip"]
-    assert [e["details"]["reason"] for e in probe] == ["probe"] * 3
-    # The three probe batches change nothing: the weights are the snapshot's, bit for bit.
-    for step in (64, 65, 66):
-        assert all(torch.equal(weights.at[step][k], weights.at[63][k]) for k in weights.at[63])
-    (shift,) = [e for e in events if e["kind"] == "data_shift"]
-    assert shift["details"]["finding_step"] == 62 and len(shift["details"]["losses"]) == 3
-    assert min(shift["details"]["losses"]) > max(shift["details"]["before"])
-    (undo,) = [e for e in events if e["kind"] == "undo"]
-    assert undo["details"]["undone_step"] == 62 and undo["details"]["scale"] == 1.0
-    assert trainer.optimizers[0].param_groups[0]["lr"] == model.lr  # exactly the configured LR again
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-
-
-def test_an_undone_backoff_counts_for_no_escalation(tmp_path: Path) -> None:
-    """A true divergence 15 steps after the backoff that the data shift took back: one factor, not two."""
-    faults = FaultInjector(*(Fault(step, "loss_spike", factor=1e3) for step in (75, 76, 77)))
-    trainer = fit(NewTask(at=60), [*default_callbacks(snapshot_every_n_steps=10), faults], max_steps=100,
-                  default_root_dir=str(tmp_path))  # fmt: skip
-    events = _journal(tmp_path)
-    assert [(e["step"], e["details"]["scale"], e["details"].get("escalated")) for e in events
-            if e["kind"] in ("backoff", "undo")] == [(62, 0.5, False), (65, 1.0, None), (77, 0.5, False)]  # fmt: skip
-    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.5 * 0.01
-
-
-def test_without_the_probe_the_same_new_task_is_fought_down_to_the_lr_floor(tmp_path: Path) -> None:
-    from lightning_overflow.exceptions import DivergenceError
-
-    suite = default_callbacks(snapshot_every_n_steps=10)
-    suite[2] = LossSpikeDetector(probe_steps=None)
-    try:
-        fit(NewTask(at=60), suite, max_steps=200, default_root_dir=str(tmp_path))
-    except DivergenceError as error:
-        assert "already at its floor" in str(error)
-    else:
-        raise AssertionError("a rise that no backoff can bring down ends at the floor")
-    assert _kinds(_journal(tmp_path), "data_shift", "undo") == []
-
-
-def test_a_true_divergence_is_not_probed_and_runs_as_without_the_probe(tmp_path: Path) -> None:
-    """After the rollback the restored weights' first loss is within their old range: the probe ends there, and
-    that batch trains as any."""
-    runs = []
-    for probe_steps in (3, None):
-        suite = default_callbacks(snapshot_every_n_steps=4)
-        suite[2] = LossSpikeDetector(warmup=10, probe_steps=probe_steps)
-        faults = FaultInjector(*(Fault(step, "loss_spike", factor=1e3) for step in (30, 31, 32)))
-        root = tmp_path / str(probe_steps)
-        torch.manual_seed(0)
-        model = TinyRegressor()
-        fit(model, [*suite, faults], max_steps=40, default_root_dir=str(root))
-        runs.append((model, [(e["step"], e["kind"]) for e in _journal(root)]))
-    (probed, journal), (plain, plain_journal) = runs
-    assert journal == plain_journal and (33, "rollback") in journal and all(k != "skip" for _, k in journal)
-    assert all(torch.equal(a, b) for a, b in zip(probed.state_dict().values(), plain.state_dict().values()))
+    trials = [e for e in events if e["kind"] == "trial"]
+    assert trials and all(not e["details"]["kept"] and e["details"]["false_alarm"] for e in trials)
+    assert trials[0]["details"]["signal"] == "loss_divergence" and trials[0]["details"]["snapshot_step"] == 60
+    assert _kinds(events, "backoff", "rollback", "abort") == []
+    assert_bit_identical(weights(model), weights(bare))
+    assert trainer.optimizers[0].param_groups[0]["lr"] == model.lr
 
 
 @pytest.mark.ddp
 @pytest.mark.timeout(180)
-def test_under_ddp_both_ranks_probe_and_take_the_backoff_back_at_the_same_steps(tmp_path: Path) -> None:
+def test_under_ddp_both_ranks_try_the_new_task_and_leave_it_alone_at_the_same_steps(tmp_path: Path) -> None:
     from ddp_utils import run_ddp
 
-    reports = run_ddp(NewTask(at=30), default_callbacks(snapshot_every_n_steps=10), tmp_path, max_steps=50)
+    reports = run_ddp(NewTask(at=30), default_callbacks(snapshot_every_n_steps=10), tmp_path, max_steps=60)
     assert [r["error"] for r in reports] == [None, None]
     assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]
-    assert reports[0]["lrs"] == reports[1]["lrs"] and reports[0]["lrs"][-1] == 0.01
-    kinds = _kinds(_journal(tmp_path), "rollback", "data_shift", "undo", "abort")
-    assert [k for _, k in kinds] == ["rollback", "data_shift", "undo"]
+    assert reports[0]["lrs"] == reports[1]["lrs"] and set(reports[0]["lrs"]) == {0.01}
+    trials = [e for e in _journal(tmp_path) if e["kind"] == "trial"]
+    assert trials and not any(e["details"]["kept"] for e in trials)
 
 
 # ---- weights that run away -----------------------------------------------------------------------------------------
 RUNAWAY = [Fault(step, "scale_weight", parameter="net.0.weight", factor=1.15) for step in range(60, 70)]  # 4.05x
 
 
-def test_weights_that_run_away_while_the_loss_climbs_back_roll_back_to_before_the_growth(tmp_path: Path) -> None:
+def test_weights_that_run_away_while_the_loss_climbs_back_are_tried_from_before_the_growth(tmp_path: Path) -> None:
     """The first layer grows 1.15x a step over steps 60-69, its units saturate and the loss climbs back: at the
     weight sample of step 80 the norm stands 2x or more above the sample of step 30 with the loss above its best.
-    The snapshots of steps 50 and 75 are kept: 75 holds the runaway weights, so the rollback goes to 50 and drops 75."""
-    model, after = TinyRegressor(), WeightsAtBatchEnd()
+    The snapshots of steps 50 and 75 are kept: 75 holds the runaway weights, so the trial's remedies start from 50;
+    they win, and 75 is dropped with the run they replace."""
+    model, before, after = TinyRegressor(), WeightsAtBatchEnd(), WeightsAtBatchEnd()
     suite = default_callbacks(snapshot_every_n_steps=25)
-    trainer = fit(model, [*suite, FaultInjector(*RUNAWAY), after], max_steps=120,
+    trainer = fit(model, [before, *suite, FaultInjector(*RUNAWAY), after], max_steps=120,
                   default_root_dir=str(tmp_path))  # fmt: skip
     events = _journal(tmp_path)
-    assert _kinds(events, "weight_growth", "loss_divergence", "backoff", "rollback", "abort") == [
-        (80, "weight_growth"), (80, "backoff"), (81, "rollback")
+    assert _kinds(events, "weight_growth", "loss_divergence", "trial", "backoff", "rollback", "abort") == [
+        (80, "weight_growth"), (101, "trial"), (101, "backoff"), (101, "rollback"), (120, "trial")
     ]  # fmt: skip
     (growth,) = [e for e in events if e["kind"] == "weight_growth"]
     details = growth["details"]
@@ -346,20 +315,25 @@ def test_weights_that_run_away_while_the_loss_climbs_back_roll_back_to_before_th
     assert details["at_best"] is False
     assert re.match(r"LossSpikeDetector: the weight norm grew [\d.]+x in 50 steps \(from [\d.]+ at step 30 to "
                     r"[\d.]+ at step 80\) while the training loss did not fall", growth["message"])
+    trial, ladder = [e for e in events if e["kind"] == "trial"]
+    assert (trial["details"]["opened_at"], trial["details"]["snapshot_step"]) == (80, 50)
+    assert trial["details"]["kept"] and trial["details"]["kept_lr_factor"] == 0.125
     (backoff,) = [e for e in events if e["kind"] == "backoff"]
-    assert backoff["details"]["kinds"] == "weight_growth"
+    assert backoff["details"]["kinds"] == "weight_growth" and backoff["details"]["scale"] == 0.125
     (rollback,) = [e for e in events if e["kind"] == "rollback"]
     assert rollback["details"]["snapshot_step"] == 50
-    assert_bit_identical(after.at[81], after.at[50])  # the state the snapshot of step 50 took
-    assert suite[-1].snapshot_steps[0] == 50 and 75 not in suite[-1].snapshot_steps
-    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.5 * model.lr
+    assert suite[-1].snapshot_steps == [50]  # 75 held the runaway weights
+    # The next rung (the kept remedy at lower rates against itself) ran until the fit ended, and changed nothing.
+    assert (ladder["details"]["rung"], ladder["details"]["steps"], ladder["details"]["kept"]) == (2, 19, False)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.125 * model.lr
+    assert_bit_identical(after.at[81], before.at[81])  # opening the trial left the run as it was
 
 
 def test_the_snapshot_taken_during_the_growth_is_dropped_from_disk_too(tmp_path: Path) -> None:
     """A resumed run must not find the runaway weights either: the file of step 75 goes with its memory copy."""
     suite = default_callbacks(snapshot_every_n_steps=25, dirpath=tmp_path / "snaps")
-    fit(TinyRegressor(), [*suite, FaultInjector(*RUNAWAY)], max_steps=100, default_root_dir=str(tmp_path))
-    assert _kinds(_journal(tmp_path), "rollback") == [(81, "rollback")]
+    fit(TinyRegressor(), [*suite, FaultInjector(*RUNAWAY)], max_steps=110, default_root_dir=str(tmp_path))
+    assert _kinds(_journal(tmp_path), "rollback") == [(101, "rollback")]
     assert sorted(p.name for p in (tmp_path / "snaps").glob("*.pt")) == [snapshot_name(50)]
     assert [entry["step"] for entry in suite[-1].state_dict()["disk"]] == [50]
 
@@ -440,20 +414,25 @@ def test_weights_that_run_away_while_the_loss_stays_at_its_first_level_count_onc
     tmp_path: Path, times: float
 ) -> None:
     """The first layer grows 6.2x over steps 1-10 while the loss median stays where it started, its best: a run that
-    never learned. With one loss at step 5 beyond 10x the anchor (``growth_runaway_factor``) that is overshoot (the
-    sample of step 10 against step 0's: back off, roll back to step 0); with one at 5x, or none, growth at the loss's
-    best is learning, and nothing fires."""
-    torch.manual_seed(0)
-    model, after = LossBurstAt(times), WeightsAtBatchEnd()
-    initial = weights(model)
-    trainer = fit(model, [*default_callbacks(clip=None), FaultInjector(*OVERSHOOT), after], max_steps=20,
-                  default_root_dir=str(tmp_path))  # fmt: skip
-    events, lr = _journal(tmp_path), trainer.optimizers[0].param_groups[0]["lr"]
+    never learned. With one loss at step 5 beyond 10x the anchor (``growth_runaway_factor``) that is suspected as
+    overshoot (the sample of step 10 against step 0's); with one at 5x, or none, growth at the loss's best is
+    learning, and nothing fires. A BatchNorm follows the layer, so its scale changes no output: the trial's remedies
+    (the fit's first state at lower rates) do no better than the run as it is, and the run goes on untouched."""
+    runs = []
+    for suite in ([], default_callbacks(clip=None)):
+        torch.manual_seed(0)
+        model = LossBurstAt(times)
+        root = tmp_path / str(len(runs))
+        trainer = fit(model, [*suite, FaultInjector(*OVERSHOOT)], max_steps=40, default_root_dir=str(root))
+        runs.append(weights(model))
+    events, lr = _journal(tmp_path / "1"), trainer.optimizers[0].param_groups[0]["lr"]
+    assert_bit_identical(runs[0], runs[1])
+    assert lr == 1e-4
     if times < 10.0:
-        assert events == [] and lr == 1e-4
+        assert events == []
         return
-    assert _kinds(events, "weight_growth", "loss_divergence", "backoff", "rollback", "abort") == [
-        (10, "weight_growth"), (10, "backoff"), (11, "rollback")
+    assert _kinds(events, "weight_growth", "loss_divergence", "trial", "backoff", "rollback", "abort") == [
+        (10, "weight_growth"), (31, "trial")
     ]  # fmt: skip
     (growth,) = [e for e in events if e["kind"] == "weight_growth"]
     details = growth["details"]
@@ -462,24 +441,22 @@ def test_weights_that_run_away_while_the_loss_stays_at_its_first_level_count_onc
     assert details["at_best"] is True
     assert re.search(r"did not fall \(median [\d.]+ then, [\d.]+ now\) and single losses ran beyond 10x its anchor "
                      r"[\d.]+: the updates overshoot", growth["message"])
-    (rollback,) = [e for e in events if e["kind"] == "rollback"]
-    assert rollback["details"]["snapshot_step"] == 0
-    assert_bit_identical(after.at[11], initial)  # the snapshot the fit started from
-    assert lr == 0.5 * 1e-4
+    (trial,) = [e for e in events if e["kind"] == "trial"]
+    assert (trial["details"]["snapshot_step"], trial["details"]["false_alarm"]) == (0, True)
 
 
 @pytest.mark.parametrize("clipped", [True, False])
 def test_a_loss_that_ran_away_on_a_batch_a_clip_neutralised_tells_of_the_batch(tmp_path: Path, clipped: bool) -> None:
     """The same growth at the loss's best, and at step 5 a loss 1000x with its gradients 1000x (a poison batch). A
     fixed clip at 10 scales that step by about 0.003: the clip neutralised the batch, whose loss then says nothing of
-    the weights, and nothing fires. Unclipped, that loss counts as one that ran away, and the growth is found."""
+    the weights, and nothing fires. Unclipped, that loss counts as one that ran away, and the growth is suspected."""
     torch.manual_seed(0)
     suite = [*default_callbacks(clip=None), *([AutoClip(mode="fixed", max_norm=10.0)] if clipped else [])]
     faults = FaultInjector(*OVERSHOOT, Fault(5, "loss_spike", factor=1e3))
     fit(LossBurstAt(1.0), [*suite, faults], max_steps=20, default_root_dir=str(tmp_path))
     events = _journal(tmp_path)
-    found = [(10, "weight_growth"), (10, "backoff"), (11, "rollback")]
-    assert _kinds(events, "weight_growth", "loss_divergence", "backoff", "rollback") == ([] if clipped else found)
+    found = [(10, "weight_growth"), (20, "trial")]  # the fit ends inside the trial: judged on its 9 steps
+    assert _kinds(events, "weight_growth", "loss_divergence", "trial") == ([] if clipped else found)
     clips = [e for e in events if e["kind"] == "clip"]
     assert [(e["step"], e["details"]["coef"] < 0.01) for e in clips] == ([(5, True)] if clipped else [])
 
@@ -490,10 +467,10 @@ def test_under_ddp_both_ranks_find_the_runaway_weights_and_roll_back_together(tm
     from ddp_utils import run_ddp
 
     suite = default_callbacks(snapshot_every_n_steps=25)
-    reports = run_ddp(TinyRegressor(), [*suite, FaultInjector(*RUNAWAY)], tmp_path, max_steps=100)
+    reports = run_ddp(TinyRegressor(), [*suite, FaultInjector(*RUNAWAY)], tmp_path, max_steps=110)
     assert [r["error"] for r in reports] == [None, None]
     assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]
-    assert reports[0]["lrs"] == reports[1]["lrs"] and reports[0]["lrs"][-1] == 0.005
-    assert _kinds(_journal(tmp_path), "weight_growth", "backoff", "rollback") == [
-        (80, "weight_growth"), (80, "backoff"), (81, "rollback")
+    assert reports[0]["lrs"] == reports[1]["lrs"] and reports[0]["lrs"][-1] < 0.01
+    assert _kinds(_journal(tmp_path), "weight_growth", "trial", "backoff", "rollback")[:4] == [
+        (80, "weight_growth"), (101, "trial"), (101, "backoff"), (101, "rollback")
     ]  # fmt: skip

@@ -1,0 +1,346 @@
+"""Trials: a suspicion runs the remedies against the run as it is on the same batches, and only a measured win acts.
+
+The suspicion is raised at an exact step by a test detector (:class:`Suspect`), so that each test controls what the
+trial is about; the remedies are those of ``LRBackoff`` and ``Rollback`` (the last verified snapshot at lower rates).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, fit, make_trainer, weights
+
+from lightning_overflow import LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback, TrialConfig, read_journal
+from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
+from lightning_overflow.health import StepHealth
+from lightning_overflow.policy import StepAction
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+from lightning_overflow.trial import Trial
+
+BATCHES_PER_EPOCH = 8  # TinyRegressor: 64 samples, batch size 8, no shuffling
+
+
+class Suspect(SuiteCallback):
+    """A detector that suspects the state at exact steps (``kind``, onset the step itself)."""
+
+    stage = DETECTOR
+
+    def __init__(self, *steps: int, kind: str = "loss_divergence") -> None:
+        self.steps = set(steps)
+        self.kind = kind
+
+    @property
+    def state_key(self) -> str:
+        return "Suspect"
+
+    def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
+        if record.step in self.steps:
+            self._signal(trainer, self.kind, f"suspected at step {record.step}", onset=record.step)
+
+
+class WeightsAtBatchEnd(pl.Callback):
+    """The weights at the end of every batch (after the suite acted), by ``global_step``."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.at[trainer.global_step] = weights(pl_module)
+
+
+def _journal(root: Path) -> list[dict[str, Any]]:
+    path = root / "overflow_events.jsonl"
+    return list(read_journal(path)) if path.exists() else []
+
+
+def _trials(root: Path) -> list[dict[str, Any]]:
+    return [e for e in _journal(root) if e["kind"] == "trial"]
+
+
+def _lr(trainer: pl.Trainer) -> float:
+    return float(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+# ---- the verdict ---------------------------------------------------------------------------------------------------
+def test_a_tie_goes_to_the_incumbent() -> None:
+    trial = Trial(kind="loss_divergence", step=10, config=TrialConfig(steps=4), lr_factors=[0.5])
+    for loss in (1.0, 2.0, 3.0, 4.0):
+        trial.add(loss, loss)
+    verdict = trial.verdict()
+    assert verdict.winner is None and verdict.comparisons[0].mean == 0.0
+    assert verdict.reason.endswith("none beyond 2 standard errors and 0.02, so the run goes on as it was")
+
+
+def test_a_remedy_wins_only_beyond_the_noise_and_the_least_gain() -> None:
+    config = TrialConfig(steps=6, judged_share=1.0)
+    noisy = Trial(kind="loss_trend", step=0, config=config, lr_factors=[0.5])
+    for incumbent, remedy in [(2.0, 1.0), (1.0, 2.0), (2.0, 1.0), (1.0, 1.9), (2.0, 1.0), (1.0, 1.8)]:
+        noisy.add(incumbent, remedy)
+    assert noisy.verdict().winner is None  # better on half the batches, worse on the others: noise
+    small = Trial(kind="loss_trend", step=0, config=config, lr_factors=[0.5])
+    for i in range(6):
+        small.add(1.0 + 0.01 * i, 0.99 + 0.01 * i)  # better every time, by half a percent: not worth it
+    comparison = small.verdict().comparisons[0]
+    assert comparison.better == 6 and comparison.mean < 0.02 and small.verdict().winner is None
+
+
+def test_the_remedy_that_does_best_is_kept_and_only_the_last_batches_are_judged() -> None:
+    trial = Trial(kind="weight_growth", step=0, config=TrialConfig(steps=8), lr_factors=[0.5, 0.125])
+    # Both remedies start far behind (their snapshot is older); only the last half of the batches are judged.
+    for incumbent, half, eighth in [(1.0, 9.0, 9.0)] * 4 + [(4.0, 2.0, 1.0), (4.2, 2.1, 1.1), (3.9, 2.0, 0.9),
+                                                            (4.1, 1.9, 1.0)]:  # fmt: skip
+        trial.add(incumbent, half, eighth)
+    verdict = trial.verdict()
+    assert [c.pairs for c in verdict.comparisons] == [4, 4] and verdict.winner == 1
+    assert all(c.wins for c in verdict.comparisons)
+
+
+def test_a_non_finite_loss_counts_fully_against_its_candidate() -> None:
+    trial = Trial(kind="loss_divergence", step=0, config=TrialConfig(steps=4, judged_share=1.0), lr_factors=[0.5])
+    for _ in range(4):
+        trial.add(math.nan, 3.0)
+    assert trial.verdict().winner == 0 and trial.verdict().comparisons[0].mean == 1.0
+    both = Trial(kind="loss_divergence", step=0, config=TrialConfig(steps=4), lr_factors=[0.5])
+    for _ in range(4):
+        both.add(math.nan, math.nan)  # the batch itself is bad: no pair
+    assert both.verdict().comparisons[0].pairs == 0 and both.verdict().winner is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"steps": 1}, ValueError, "'steps' must be >= 2 (got 1)"),
+        ({"remedies": 0}, ValueError, "'remedies' must be >= 1 (got 0)"),
+        ({"mode": "sideways"}, ValueError, "'mode' must be one of 'ab', 'frozen' (got 'sideways')"),
+        ({"judged_share": 0.0}, ValueError, "'judged_share' must be in (0, 1] (got 0)"),
+        ({"every_n_steps": 2.5}, TypeError, "'every_n_steps' must be an int or None (got 2.5)"),
+    ],
+)
+def test_settings_are_checked_when_built(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as caught:
+        TrialConfig(**kwargs)
+    assert str(caught.value) == message
+
+
+# ---- in a fit -------------------------------------------------------------------------------------------------------
+def test_a_false_alarm_is_reverted_and_the_run_goes_on_bit_identical(tmp_path: Path) -> None:
+    """A healthy run suspected at step 30: the remedies (the snapshot of step 20 at half and an eighth of the rate)
+    lose to the run as it is, which trained on every batch: the run ends bit-identical to the run without the
+    suite, at the configured rate, and the trial is journaled as a false alarm."""
+    torch.manual_seed(0)
+    bare = TinyRegressor(dropout=0.2)
+    fit(bare, [], max_steps=80)
+    torch.manual_seed(0)
+    model = TinyRegressor(dropout=0.2)
+    suite = [Suspect(30), LRBackoff(), Rollback(every_n_steps=10)]
+    trainer = fit(model, suite, max_steps=80, default_root_dir=str(tmp_path))
+    assert_bit_identical(weights(model), weights(bare))
+    assert _lr(trainer) == model.lr
+    (trial,) = _trials(tmp_path)
+    assert trial["step"] == 51  # opened at the end of step 30's batch, 20 optimizer steps
+    details = trial["details"]
+    assert (details["signal"], details["opened_at"], details["snapshot_step"]) == ("loss_divergence", 30, 30)
+    assert (details["lr_factors"], details["kept"], details["false_alarm"]) == ([0.5, 0.125], False, True)
+    assert (details["steps"], details["extra_steps"], details["mode"]) == (20, 40, "ab")
+    assert len(details["incumbent_losses"]) == 20 and [len(r) for r in details["remedy_losses"]] == [20, 20]
+    assert [k for k in (e["kind"] for e in _journal(tmp_path)) if k in ("backoff", "rollback")] == []
+    assert "kept the run as it was at step 51" in trial["message"]
+
+
+class Sabotaged(TinyRegressor):
+    """At step 30 the first layer's weights are multiplied by 30: its units saturate and the loss stays high."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == 30:
+            with torch.no_grad():
+                self.net[0].weight.mul_(30.0)
+
+
+def test_a_true_divergence_keeps_the_remedy_exactly_as_an_immediate_rollback_would_have_trained() -> None:
+    """The sabotaged state is suspected at step 31; the remedy (the snapshot of step 30, taken before the sabotage,
+    at half the rate) wins its trial. The run that keeps it ends bit-identical to the same run that rolled back and
+    backed off at once, at the end of step 31's batch, without a trial: the remedy trained on exactly those batches,
+    at that rate."""
+    finals, lrs = [], []
+    for trial in (TrialConfig(remedies=1), None):
+        torch.manual_seed(0)
+        model = Sabotaged()
+        suite = [Suspect(31), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial)]
+        trainer = fit(model, suite, max_steps=80)
+        finals.append(weights(model))
+        lrs.append(_lr(trainer))
+        assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == ([(52, 30)] if trial else [(32, 30)])
+    assert_bit_identical(finals[0], finals[1])
+    assert lrs == [0.5 * 0.01, 0.5 * 0.01]
+
+
+def test_a_kept_remedy_is_journaled_as_the_backoff_and_the_rollback_it_is(tmp_path: Path) -> None:
+    model = Sabotaged()
+    suite = [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)]
+    trainer = fit(model, suite, max_steps=80, default_root_dir=str(tmp_path))
+    events = _journal(tmp_path)
+    first, *ladder = [e for e in events if e["kind"] == "trial"]
+    assert first["step"] == 52 and first["details"]["kept"] and first["details"]["false_alarm"] is False
+    factor = first["details"]["kept_lr_factor"]
+    assert factor in (0.5, 0.125)
+    backoff = next(e for e in events if e["kind"] == "backoff")
+    rollback = next(e for e in events if e["kind"] == "rollback")
+    assert (backoff["step"], backoff["details"]["scale"], backoff["details"]["trial"]) == (52, factor, True)
+    assert (rollback["step"], rollback["details"]["snapshot_step"]) == (52, 30)
+    assert rollback["message"].startswith(
+        "Rollback: a trial kept the remedy that started from the snapshot of step 30, at step 52, after "
+        "loss_divergence at step 31"
+    )
+    # The next rung starts at once from the remedy kept: a lower rate against it, on the next batches.
+    assert ladder and ladder[0]["details"]["rung"] == 2 and ladder[0]["details"]["opened_at"] == 52
+    assert ladder[0]["details"]["snapshot_step"] is None
+    kept = [e["details"]["kept_lr_factor"] for e in (first, *ladder) if e["details"]["kept"]]
+    assert _lr(trainer) == pytest.approx(0.01 * math.prod(kept), rel=0, abs=1e-15)
+    assert trainer.lightning_module is model and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_frozen_mode_brings_the_incumbent_back_as_it_was_when_the_trial_opened(tmp_path: Path) -> None:
+    """In ``"frozen"`` mode the loop trains the remedy and the incumbent is only scored: a false alarm brings the
+    incumbent back exactly as it was at the trial's opening (it missed the trial's batches)."""
+    torch.manual_seed(0)
+    model, before, after = TinyRegressor(), WeightsAtBatchEnd(), WeightsAtBatchEnd()
+    trial = TrialConfig(mode="frozen", steps=10)
+    suite = [before, Suspect(30), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial), after]
+    trainer = fit(model, suite, max_steps=60, default_root_dir=str(tmp_path))
+    (event,) = _trials(tmp_path)
+    assert (event["step"], event["details"]["kept"], event["details"]["lr_factors"]) == (41, False, [0.5])
+    assert_bit_identical(after.at[41], before.at[31])  # as it was when the trial opened, before the suite acted
+    assert _lr(trainer) == model.lr
+
+
+def test_without_trials_a_suspicion_acts_at_once() -> None:
+    model = TinyRegressor()
+    suite = [Suspect(31), LRBackoff(trial=None), Rollback(every_n_steps=10, trial=None)]
+    trainer = fit(model, suite, max_steps=40)
+    assert [(h["step"], h["action"]) for h in suite[1].history] == [(31, "backoff")]
+    assert [(h["step"], h["snapshot_step"]) for h in suite[2].history] == [(32, 30)]
+    assert _lr(trainer) == 0.5 * model.lr
+
+
+class ManualTiny(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def test_a_fit_whose_steps_cannot_be_repeated_acts_at_once(tmp_path: Path) -> None:
+    """Manual optimization steps inside ``training_step``: no second candidate can repeat it, so a suspicion is
+    answered at once, as without trials."""
+    suite = [Suspect(21), LRBackoff(), Rollback(every_n_steps=10)]
+    trainer = fit(ManualTiny(), suite, max_steps=30, default_root_dir=str(tmp_path))
+    assert _trials(tmp_path) == []
+    assert [(h["step"], h["snapshot_step"]) for h in suite[2].history] == [(22, 20)]
+    assert _lr(trainer) == 0.5 * 0.01
+
+
+def test_a_certain_fault_during_a_trial_hands_the_run_to_a_healthy_remedy(tmp_path: Path) -> None:
+    """NaN weights at step 35, inside the trial opened at step 30: the remedies, which trained on the same batches
+    from the snapshot of step 30, are finite: the better of them takes over at once, no further rollback needed."""
+    model = TinyRegressor()
+    suite = [NonFiniteDetector(), Suspect(30), LRBackoff(), Rollback(every_n_steps=10)]
+    trainer = fit(model, [*suite, FaultInjector(Fault(35, "nan_weight"))], max_steps=60, default_root_dir=str(tmp_path))
+    first = _trials(tmp_path)[0]
+    assert first["step"] == 36 and first["details"]["kept"] and first["details"]["steps"] == 5
+    assert "nonfinite_state at step 35 ended the trial: the remedy at the learning rate x" in first["message"]
+    assert first["message"].endswith("which trained on the same batches with finite losses, takes over.")
+    assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == [(36, 30)]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert _lr(trainer) < model.lr
+
+
+class Hinge(pl.LightningModule):
+    """A linear classifier under a hinge loss: separable batches give a loss of exactly 0 (no gradient), then from
+    step 40 on harder, overlapping ones give about 0.1. A healthy run whose loss rises from 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(2, 1)
+        gen = torch.Generator().manual_seed(1)
+        y = torch.randint(0, 2, (64,), generator=gen).float() * 2 - 1
+        self.easy = (torch.randn(64, 2, generator=gen) * 0.1 + y[:, None] * 3.0, y)
+        self.hard = (torch.randn(64, 2, generator=gen) * 0.6 + y[:, None] * 0.7, y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = self.hard if self.trainer.global_step >= 40 else self.easy
+        rows = slice(8 * (batch_idx % 8), 8 * (batch_idx % 8) + 8)
+        return torch.relu(1.0 - y[rows] * self.linear(x[rows]).squeeze(1)).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.arange(64), batch_size=8)
+
+
+def test_a_hinge_loss_rising_from_zero_is_left_alone_by_every_composition(tmp_path: Path) -> None:
+    """Issue: ``[LossSpikeDetector(), LRBackoff(), Rollback()]`` backed off and rolled back on this healthy run.
+    Whatever the suspicions, their trials revert: the run is bit-identical to the bare one."""
+    bare = Hinge()
+    fit(bare, [], max_steps=120)
+    for index, suite in enumerate(([LossSpikeDetector(), LRBackoff(), Rollback()],
+                                   [LossSpikeDetector(warmup=5), LRBackoff(), Rollback(every_n_steps=10)])):  # fmt: skip
+        model = Hinge()
+        fit(model, suite, max_steps=120, default_root_dir=str(tmp_path / str(index)))
+        assert_bit_identical(weights(model), weights(bare))
+        assert all(not e["details"]["kept"] for e in _trials(tmp_path / str(index)))
+
+
+def test_a_checkpoint_saved_during_a_trial_resumes_it_exactly(tmp_path: Path) -> None:
+    """A checkpoint at step 40, inside the trial opened at the end of step 35's batch (10 steps), holds the run as it
+    is and the trial: the remedies' state and their scores so far. Resumed, the run reaches the same verdict at step
+    46 and ends bit-identical to the uninterrupted one."""
+    trial = TrialConfig(steps=10)
+
+    def suite() -> list[Any]:
+        return [Suspect(35), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial)]
+
+    torch.manual_seed(0)
+    whole = Sabotaged()
+    fit(whole, suite(), max_steps=64, default_root_dir=str(tmp_path / "whole"))
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=BATCHES_PER_EPOCH,
+                                               save_top_k=-1)  # fmt: skip
+    torch.manual_seed(0)
+    fit(Sabotaged(), [*suite(), checkpoints], max_steps=40, default_root_dir=str(tmp_path / "first"),
+        enable_checkpointing=True)  # fmt: skip
+    (path,) = [p for p in (tmp_path / "ckpt").glob("*.ckpt") if "step=40" in p.name]
+    saved = torch.load(path, weights_only=True)
+    state = next(v for k, v in saved["callbacks"].items() if k.startswith("Rollback"))
+    assert state["trial"]["trial"]["step"] == 35 and len(state["trial"]["sides"]) == 2
+    resumed = Sabotaged()
+    make_trainer(suite(), max_steps=64, default_root_dir=str(tmp_path / "resumed")).fit(resumed, ckpt_path=str(path))
+    assert_bit_identical(weights(resumed), weights(whole))
+    whole_trials = [(e["step"], e["details"]["kept_lr_factor"]) for e in _trials(tmp_path / "whole")]
+    resumed_trials = [(e["step"], e["details"]["kept_lr_factor"]) for e in _trials(tmp_path / "resumed")]
+    assert resumed_trials == [t for t in whole_trials if t[0] > 40] and whole_trials[0][0] == 46
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_under_ddp_both_ranks_run_the_same_trial_and_reach_the_same_verdict(tmp_path: Path) -> None:
+    from ddp_utils import run_ddp
+
+    reports = run_ddp(Sabotaged(), [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)], tmp_path, max_steps=60)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]
+    assert reports[0]["lrs"] == reports[1]["lrs"] and reports[0]["lrs"][-1] < 0.01
+    (first, *_) = _trials(tmp_path)
+    assert (first["step"], first["details"]["kept"]) == (52, True)
