@@ -418,6 +418,10 @@ class HealthBoard:
             )
         self._trial_config = (name, config)
 
+    def answers(self, kind: str) -> bool:
+        """Whether a participant acts on signals of ``kind`` (it lists it among its ``triggers``)."""
+        return any(kind in getattr(p, "triggers", ()) for p in self.participants)
+
     def start_training(self, trainer: pl.Trainer) -> None:
         """Once the optimizers exist (``on_train_start``): whether this fit can run trials."""
         self.trials.configure(self._trial_config[1] if self._trial_config is not None else None, trainer)

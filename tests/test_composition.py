@@ -15,6 +15,7 @@ from lightning_overflow import (
     LRBackoff,
     NonFiniteDetector,
     Rollback,
+    TrialConfig,
     default_callbacks,
     read_journal,
 )
@@ -35,10 +36,13 @@ def test_composition_and_options() -> None:
     assert clip.mode == "agc"
     rollback = next(c for c in default_callbacks(snapshot_every_n_steps=7, max_rollbacks=2) if isinstance(c, Rollback))
     assert (rollback.every_n_steps, rollback.max_rollbacks) == (7, 2)
-    # A restored state that diverges again within two snapshot intervals backs off twice as far.
+    # A remedy is measured in a trial, rung by rung, instead of backed off twice on a guess.
     backoff = next(c for c in default_callbacks(snapshot_every_n_steps=7) if isinstance(c, LRBackoff))
-    assert backoff.escalate_within == 14
-    assert LRBackoff().escalate_within is None
+    assert backoff.escalate_within is None
+    # The two remedy providers share one trial setting; None answers suspicions at once.
+    trial = TrialConfig(steps=12, remedies=1)
+    assert {c.trial for c in default_callbacks(trial=trial) if isinstance(c, (LRBackoff, Rollback))} == {trial}
+    assert {c.trial for c in default_callbacks(trial=None) if isinstance(c, (LRBackoff, Rollback))} == {None}
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,8 @@ CASES: dict[type, Case] = {
                 {"triggers": ("boom",)},
                 ValueError,
                 "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', "
-                "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend', 'weight_growth', "
+                "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend', 'loss_plateau', "
+                "'weight_growth', "
                 "'replica_mismatch' (got 'boom')",
             ),
         ],

@@ -453,6 +453,7 @@ def test_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> No
         "last_regrowth": [-1],
         "restored_at": [-1],
         "history": backoff.history,
+        "trial": None,  # no trial under way (and none carried once the fit's board is released)
     }
 
 
@@ -512,7 +513,8 @@ def test_a_run_10x_above_its_stable_lr_completes_near_the_stable_runs_loss(tmp_p
             ValueError,
             (
                 "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', "
-                "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend', 'weight_growth', "
+                "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend', 'loss_plateau', "
+                "'weight_growth', "
                 "'replica_mismatch' (got 'typo')"
             ),
         ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,14 @@ import torch
 from conftest import MemoryLogger, assert_bit_identical, assert_optimizer_state_equal, fit, optimizer_state, weights
 from pytorch_lightning.plugins import MixedPrecision
 
-from lightning_overflow import NonFiniteDetector, NonFiniteError, OverflowWarning, read_journal
+from lightning_overflow import (
+    DivergenceError,
+    LRBackoff,
+    NonFiniteDetector,
+    NonFiniteError,
+    OverflowWarning,
+    read_journal,
+)
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 
 
@@ -260,3 +268,52 @@ def test_journal_lines_are_valid_json(tmp_path: Any) -> None:
     lines = (tmp_path / "overflow_events.jsonl").read_text().splitlines()
     parsed = [json.loads(line) for line in lines]
     assert parsed[0]["details"]["grad_norm"] in ("nan", "inf") or math.isnan(float(parsed[0]["details"]["grad_norm"]))
+
+
+def _events(root: Path) -> list[dict[str, Any]]:
+    return list(read_journal(root / "overflow_events.jsonl"))
+
+
+# ---- the skip budget ------------------------------------------------------------------------------------------------
+def test_a_run_that_only_skips_is_stopped_by_the_skip_budget_when_nothing_can_restore_it(tmp_path: Path) -> None:
+    """The loss is NaN on every step from step 5 and ``max_consecutive_skips`` is out of reach: the 11th skipped step
+    of the last 20, step 15, stops the run with what happened, where, and what to try."""
+    faults = FaultInjector(*(Fault(step, "nan_loss") for step in range(5, 100)))
+    detector = NonFiniteDetector(max_consecutive_skips=1000, burst_count=2)
+    with pytest.raises(DivergenceError) as caught:
+        fit(TinyRegressor(), [detector, faults], max_steps=100, default_root_dir=str(tmp_path))
+    assert caught.value.step == 15
+    assert str(caught.value) == (
+        "NonFiniteDetector: 11 of the last 20 optimizer steps were skipped, the last at step 15 (non-finite loss): the "
+        "run is not training on rank(s) 0, and no callback in the list can restore the state or lower the learning "
+        "rate: skipping each step was all that was tried. HINT: add LRBackoff and Rollback (default_callbacks()) to "
+        "restore the last finite state at a lower learning rate; otherwise lower the learning rate, clip the gradients "
+        "(AutoClip), and look at the data and the loss of the steps journaled."
+    )
+    assert caught.value.history == [{"step": 15, "reason": "skip_budget", "skipped": 11, "window": 20}]
+    assert detector.skipped_steps == 11
+
+
+def test_skips_that_are_not_consecutive_count_against_the_budget_too(tmp_path: Path) -> None:
+    """Two steps of every three from step 3 are NaN: never more than two in a row, yet most of the run skipped."""
+    steps = [step for step in range(3, 100) if step % 3 != 0]
+    faults = FaultInjector(*(Fault(step, "nan_loss") for step in steps))
+    with pytest.raises(DivergenceError) as caught:
+        fit(TinyRegressor(), [NonFiniteDetector(), faults], max_steps=100, default_root_dir=str(tmp_path))
+    assert caught.value.step == 19  # skipped: 4, 5, 7, 8, 10, 11, 13, 14, 16, 17, 19
+    assert "11 of the last 20 optimizer steps were skipped" in str(caught.value)
+
+
+def test_the_skip_budget_escalates_to_the_remedies_present_and_stops_when_they_are_spent(tmp_path: Path) -> None:
+    """The issue's composition: one backoff on the first three skips, then one for each budget spent, and at
+    LRBackoff's floor the run stops, with every backoff listed."""
+    faults = FaultInjector(*(Fault(step, "nan_loss") for step in range(5, 100)))
+    suite = [NonFiniteDetector(max_consecutive_skips=1000, burst_count=2), LRBackoff(min_scale=0.25, cooldown=2)]
+    with pytest.raises(DivergenceError) as caught:
+        fit(TinyRegressor(), [*suite, faults], max_steps=100, default_root_dir=str(tmp_path))
+    assert caught.value.step == 26
+    assert "Backoffs so far: step 7 (nonfinite_persistent) -> 0.5; step 15 (nonfinite_persistent) -> 0.25." in str(
+        caught.value
+    )
+    budget = [(e["step"], e["details"]["skipped"]) for e in _events(tmp_path) if e["kind"] == "skip_budget"]
+    assert budget == [(15, 11), (26, 11)]

@@ -165,11 +165,21 @@ def test_missing_and_empty_directories_are_clear_errors(tmp_path: Path, capsys: 
         load_run(tmp_path / "empty")
 
 
-def test_a_run_without_our_metrics_is_named(tmp_path: Path) -> None:
+def test_a_run_without_our_metrics_is_drawn_from_its_own_loss_and_one_without_a_loss_is_named(tmp_path: Path) -> None:
     logger = CSVLogger(str(tmp_path), name="plain")
     fit(TinyRegressor(), [], max_steps=-1, max_epochs=1, logger=logger, log_every_n_steps=1, limit_val_batches=1)
-    with pytest.raises(ReportError, match=r"none of lightning_overflow's .* add GradNormMonitor"):
-        load_run(logger.log_dir)
+    baseline = load_run(logger.log_dir)  # a user's unprotected run, to draw beside the protected one
+    assert (baseline.panels["loss"], baseline.panels["validation loss"], baseline.events) == (None, "val_loss", [])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.csv").write_text("step,accuracy\n0,0.5\n")
+    with pytest.raises(ReportError) as caught:
+        load_run(other)
+    assert str(caught.value) == (
+        f"run directory '{other}' has metrics but no training loss and none of lightning_overflow's (keys found: "
+        "accuracy): pass --loss-key KEY, or add GradNormMonitor (and the other callbacks) to the Trainer's "
+        "callbacks"
+    )
 
 
 def test_a_corrupt_journal_line_is_skipped_with_a_warning(tmp_path: Path) -> None:

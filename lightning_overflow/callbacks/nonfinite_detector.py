@@ -19,7 +19,7 @@ from lightning_overflow.diagnosis.hints import HUGE_INPUT, detection_hint
 from lightning_overflow.diagnosis.records import Diagnosis
 from lightning_overflow.diagnosis.replay import KeptBatch, diagnose_step
 from lightning_overflow.events import WarningCache
-from lightning_overflow.exceptions import NonFiniteError
+from lightning_overflow.exceptions import DivergenceError, NonFiniteError
 from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state, state_flags
 from lightning_overflow.numerics import FP32_MAX, parameters_of
 from lightning_overflow.policy import StepAction, Verdict
@@ -91,6 +91,13 @@ class NonFiniteDetector(SuiteCallback):
             interventions treat as divergence (default 3). Batches that do hold them are data faults: skipped,
             journaled with ``data_fault``, and never held against the state, however often they recur (this needs
             ``diagnose=True``, which measures the batch).
+        max_skipped_share, skip_window: the skip budget. When more than ``max_skipped_share`` of the last
+            ``skip_window`` optimizer steps were skipped (by any suite callback, data faults included; defaults half
+            of the last 20), the run is not training, whether its skips come in a row or not: signal
+            ``nonfinite_persistent`` (so ``LRBackoff`` and ``Rollback`` back off and restore at once, and raise
+            :class:`~lightning_overflow.DivergenceError` once nothing is left to try), and count afresh. With no
+            callback that answers that signal, raise :class:`~lightning_overflow.DivergenceError` here, naming the
+            step, the ranks, the counts and what to try.
         diagnose: on a non-finite loss or gradient, replay the step's batch with hooks on every module and op
             (the idea of fairseq's ``NanDetector``) and ask whether it reproduces (the idea of Megatron-LM's rerun
             machinery): the first module and op whose output (forward) or gradient (backward) became inf/NaN, its
@@ -158,6 +165,8 @@ class NonFiniteDetector(SuiteCallback):
         burst_count: int = 3,
         burst_window: int = 50,
         persist_after: int = 3,
+        max_skipped_share: float = 0.5,
+        skip_window: int = 20,
         diagnose: bool = True,
         headroom_every_n_steps: int | None = 100,
         headroom_warn_decades: float = 20.0,
@@ -175,6 +184,9 @@ class NonFiniteDetector(SuiteCallback):
         self.burst_count = check_int("burst_count", burst_count, minimum=1)
         self.burst_window = check_int("burst_window", burst_window, minimum=1)
         self.persist_after = check_int("persist_after", persist_after, minimum=1)
+        self.max_skipped_share = check_float("max_skipped_share", max_skipped_share, low=0.0, high=1.0,
+                                             low_open=True, high_open=True)  # fmt: skip
+        self.skip_window = check_int("skip_window", skip_window, minimum=2)
         self.diagnose = check_bool("diagnose", diagnose)
         self.headroom_every_n_steps = (
             check_int("headroom_every_n_steps", headroom_every_n_steps, minimum=0, optional=True) or None
@@ -190,6 +202,7 @@ class NonFiniteDetector(SuiteCallback):
         self._headroom = HeadroomProbe(every, f"{type(self).__name__}.{id(self)}.headroom") if every else None
         self._headroom_warned = False
         self._recent: list[int] = []
+        self._skips: list[bool] = []  # whether each of the last ``skip_window`` optimizer steps was skipped
         self.skipped_steps = 0
         self.nonfinite_events = 0
         self._consecutive = 0
@@ -215,6 +228,7 @@ class NonFiniteDetector(SuiteCallback):
             self.skipped_steps = self.nonfinite_events = self._consecutive = self._scaler_overflows = 0
             self._persistent = 0
             self._recent = []
+            self._skips = []
             self._warnings.clear()
             _warn_about_early_stopping(trainer, self._warnings)
         if self._headroom is not None:
@@ -390,8 +404,12 @@ class NonFiniteDetector(SuiteCallback):
     @override
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
         finding, self._finding = self._finding, None
-        if finding is None or self.action != "skip":
-            return
+        if finding is not None and self.action == "skip":
+            self._account(trainer, record, action, finding)
+        self._weigh_skips(trainer, record, action)
+
+    def _account(self, trainer: pl.Trainer, record: StepHealth, action: StepAction, finding: Finding) -> None:
+        """Count and journal a skip of this detector's; stop after ``max_consecutive_skips``."""
         if action.skipped_by is self:
             self.skipped_steps += 1
             self._event(
@@ -405,6 +423,35 @@ class NonFiniteDetector(SuiteCallback):
             finding.hint_key = "consecutive"
             self._event(trainer, "abort", message, **finding.details)
             raise self._error(trainer, message, record, finding, finding.diagnosis)
+
+    def _weigh_skips(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
+        """The skip budget: a run whose recent steps were mostly skipped is not training (see ``max_skipped_share``)."""
+        self._skips = [*self._skips[-(self.skip_window - 1) :], action.skipped]
+        skipped = sum(self._skips)
+        if skipped <= self.max_skipped_share * self.skip_window:
+            return
+        self._skips = []
+        message = (
+            f"NonFiniteDetector: {skipped} of the last {self.skip_window} optimizer steps were skipped, the last at "
+            f"step {record.step} ({action.skip_reason}): the run is not training."
+        )
+        if self.board(trainer).answers("nonfinite_persistent"):
+            self._event(trainer, "skip_budget", f"{message} Answered as steps that keep failing (nonfinite_persistent).",
+                        skipped=skipped, window=self.skip_window, optimizer=record.optimizer_index)  # fmt: skip
+            self._signal(trainer, "nonfinite_persistent", message, record.optimizer_index)
+            return
+        hint = (
+            "add LRBackoff and Rollback (default_callbacks()) to restore the last finite state at a lower learning "
+            "rate; otherwise lower the learning rate, clip the gradients (AutoClip), and look at the data and the "
+            "loss of the steps journaled"
+        )
+        error = (
+            f"{message[:-1]} on rank(s) {', '.join(map(str, range(record.world_size)))}, and no callback in the list "
+            f"can restore the state or lower the learning rate: skipping each step was all that was tried. HINT: {hint}."
+        )
+        self._event(trainer, "abort", error, skipped=skipped, window=self.skip_window)
+        raise DivergenceError(error, step=record.step, history=[{"step": record.step, "reason": "skip_budget",
+                                                                 "skipped": skipped, "window": self.skip_window}])
 
     def _raise_signals(self, trainer: pl.Trainer, record: StepHealth, finding: Finding, message: str) -> None:
         index = record.optimizer_index
@@ -515,6 +562,7 @@ class NonFiniteDetector(SuiteCallback):
             "persistent": self._persistent,
             "scaler_overflows": self._scaler_overflows,
             "recent": list(self._recent),
+            "skips": list(self._skips),
         }
 
     @override
@@ -525,12 +573,14 @@ class NonFiniteDetector(SuiteCallback):
         self._persistent = int(state_dict.get("persistent", 0))
         self._scaler_overflows = int(state_dict.get("scaler_overflows", 0))
         self._recent = [int(s) for s in state_dict.get("recent", [])]
+        self._skips = [bool(s) for s in state_dict.get("skips", [])]
 
     @override
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         # The state that produced the streak is gone; count afresh from the restored one.
         self._consecutive = self._persistent = 0
         self._scaler_overflows = 0
+        self._skips = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -100,7 +100,7 @@ def _run(label: str, protected: bool, steps: int, seed: int, out: Path, accelera
     stopped_by = ""
     try:
         trainer.fit(model)
-    except Exception as error:  # the suite's own verdict (DivergenceError...) is part of the comparison
+    except Exception as error:  # noqa: BLE001  # the suite's own verdict (DivergenceError...) is part of the comparison
         stopped_by = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
     wall = time.perf_counter() - start
     if not stopped_by:
@@ -125,10 +125,12 @@ def _run(label: str, protected: bool, steps: int, seed: int, out: Path, accelera
 
 
 def _ending(result: RunResult, steps: int) -> str:
-    """How a run ended, in a table cell: ``finished``, ``NaN, stopped``, ``NaN at the end`` or the error's class."""
+    """How a run ended, in a table cell: ``finished``, ``NaN, stopped``, ``NaN at the end`` or the error's class.
+    The verdict is the validation loss after the run, NaN once the weights are: not the last 20 training losses, NaN
+    also where they hold the losses of steps a protected run skipped before it recovered."""
     if result.stopped_by:
         return result.stopped_by.split(":", 1)[0]
-    if math.isnan(result.train_loss):
+    if not math.isfinite(result.val_loss):
         return "NaN, stopped" if result.steps < steps else "NaN at the end"
     return "finished"
 

@@ -164,6 +164,9 @@ def _loss_panel(ax: Axes, looks: list[_Look]) -> None:
         finite += _finite(series)[1]
         _nonfinite_on_top(ax, series, colour)
         _mark(ax, series, look.markers)
+        for marker in look.markers:  # the steps a trial ran, shaded in its verdict's colour
+            if marker.since is not None:
+                ax.axvspan(marker.since, marker.step, color=marker.spec.colour, alpha=0.08, lw=0)
         val_key, val = run.panels["validation loss"], run.panel("validation loss")
         if val_key is not None:
             ax.plot(*_finite(val), color=colour, lw=1.3, ls="--", marker="o", ms=6,

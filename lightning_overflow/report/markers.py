@@ -9,7 +9,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EVENT_MARKERS", "HIDDEN_KINDS", "OTHER_MARKER", "RUN_COLOURS", "Marker", "MarkerSpec", "event_markers"]
+__all__ = [
+    "EVENT_MARKERS",
+    "HIDDEN_KINDS",
+    "OTHER_MARKER",
+    "RUN_COLOURS",
+    "SUSPICION_KINDS",
+    "Marker",
+    "MarkerSpec",
+    "event_markers",
+]
 
 RUN_COLOURS = ("tab:blue", "tab:green", "tab:gray", "tab:cyan", "tab:olive", "navy")
 
@@ -33,11 +42,13 @@ class MarkerSpec:
 
 @dataclass(frozen=True)
 class Marker:
-    """One event to draw: where (``step``), what (``kind``) and how (``spec``)."""
+    """One event to draw: where (``step``), what (``kind``) and how (``spec``); a trial also spans the steps it ran
+    (``since``: the step it opened at)."""
 
     step: int
     kind: str
     spec: MarkerSpec
+    since: int | None = None
 
 
 EVENT_MARKERS: dict[str, MarkerSpec] = {
@@ -47,7 +58,9 @@ EVENT_MARKERS: dict[str, MarkerSpec] = {
     "backoff": MarkerSpec("LR backoff", "s", "tab:brown"),
     "regrowth": MarkerSpec("LR regrowth", "P", "goldenrod"),
     "rollback": MarkerSpec("rollback", "D", "deeppink"),
-    "data_shift": MarkerSpec("data shift (backoff undone)", "*", "tab:green", 11.0),
+    "suspicion": MarkerSpec("suspicion (opens a trial)", "o", "tab:olive", 7.0),
+    "trial_kept": MarkerSpec("trial: remedy kept", "*", "tab:red", 12.0),
+    "trial_reverted": MarkerSpec("trial: run kept as it was", "H", "tab:green", 9.0),
     "update_bound": MarkerSpec("updates bounded (backoffs undone)", "p", "tab:cyan", 10.0),
     "abort": MarkerSpec("abort (run stopped)", "X", "red", 12.0),
 }
@@ -55,13 +68,16 @@ OTHER_MARKER = MarkerSpec("other event (see the journal)", "h", "silver", 7.0)
 # Routine kinds: clipping shows in the gradient-norm panel, a re-baseline only restarts statistics, an undo is the
 # data shift's or the update bound's own marker.
 HIDDEN_KINDS = frozenset({"clip", "rebaseline", "undo"})
+SUSPICION_KINDS = frozenset({"loss_divergence", "loss_trend", "loss_plateau", "weight_growth"})
+"""The detectors' findings that open trials, drawn with one marker (the journal tells them apart)."""
 
 
 def event_markers(events: Iterable[Mapping[str, Any]]) -> list[Marker]:
     """The markers of a journal's ``events``, in journal order.
 
     A ``nonfinite`` detection at a step that was skipped is drawn once, as the skip; a detection that was not
-    skipped (the run went on, or raised) keeps its own marker. Clips and re-baselines are not drawn.
+    skipped (the run went on, or raised) keeps its own marker. Clips and re-baselines are not drawn. A trial is drawn
+    at its verdict as kept (a remedy replaced the run) or reverted (the run went on as it was).
 
     Example:
         >>> [(m.step, m.kind, m.spec.marker) for m in event_markers(
@@ -75,5 +91,12 @@ def event_markers(events: Iterable[Mapping[str, Any]]) -> list[Marker]:
         kind, step = str(event["kind"]), int(event["step"])
         if kind in HIDDEN_KINDS or (kind == "nonfinite" and step in skipped):
             continue
-        markers.append(Marker(step, kind, EVENT_MARKERS.get(kind, OTHER_MARKER)))
+        since = None
+        if kind in SUSPICION_KINDS:
+            kind = "suspicion"
+        elif kind == "trial":
+            details = event.get("details", {})
+            kind = "trial_kept" if details.get("kept") else "trial_reverted"
+            since = int(details.get("opened_at", step))
+        markers.append(Marker(step, kind, EVENT_MARKERS.get(kind, OTHER_MARKER), since))
     return markers

@@ -109,10 +109,14 @@ def load_run(path: str | Path, label: str | None = None, loss_key: str | None = 
         )
     if not run.metrics:
         raise ReportError(f"'{run.source}' holds no metric values (the run logged nothing yet)")
-    if not any(key.startswith(SUITE_PREFIXES) for key in run.metrics):
+    ours = any(key.startswith(SUITE_PREFIXES) for key in run.metrics)
+    keys = run.metrics.keys()
+    if not ours and loss_key is None and val_key is None and choose_loss_key(keys) is choose_val_key(keys) is None:
+        # A run without the suite (a baseline) is drawn from its own loss; one without any loss draws nothing.
         raise ReportError(
-            f"run directory '{root}' has metrics but none of lightning_overflow's (grad_norm/total, overflow/...): "
-            "add GradNormMonitor (and the other callbacks) to the Trainer's callbacks"
+            f"run directory '{root}' has metrics but no training loss and none of lightning_overflow's "
+            f"(keys found: {', '.join(sorted(run.metrics))}): pass --loss-key KEY, or add GradNormMonitor (and the "
+            "other callbacks) to the Trainer's callbacks"
         )
     journals = sorted(root.rglob(JOURNAL_NAME), key=lambda p: p.stat().st_mtime)
     if journals:
