@@ -9,7 +9,14 @@ every seed, and judged by its final evaluation on clean held-out data:
   reference run). A run that raised is judged on the model it left;
 - **raised**: ``trainer.fit`` raised (type and the first line of the message are kept);
 - steps completed, and the counts of skip / backoff / rollback / abort events from the suite's journal
-  (``overflow_events.jsonl`` in the run's log directory).
+  (``overflow_events.jsonl`` in the run's log directory);
+- the trials: a suspicion of divergence opens a trial, where the run as it is and remedies (the last verified
+  snapshot at lower learning rates) train side by side on the same batches. From the journal's ``trial`` events: how
+  many ran, how many kept a remedy, how many were false alarms, and the extra optimizer steps they cost.
+
+Some scenarios are harmless: nothing needed doing (a change of task, a stretch of noise labels, input spikes that
+Adam takes in, warm restarts, rising label noise, a hinge loss at 0, a healthy schedule, small batches). Each is its
+own reference, and each method's run is also compared with the unprotected run of the same seed.
 
 Methods: ``unprotected``; ``Trainer(gradient_clip_val=1.0)`` (under manual optimization, where Lightning refuses
 that argument, the module calls ``self.clip_gradients`` with the same value before each step); ZClip's Lightning
@@ -18,15 +25,24 @@ callback (PyPI ``zclip``, defaults); ARC's Lightning callback (PyPI ``arc-traini
 ``default_callbacks()``. ``default_callbacks(clip=None)`` also runs on the stable scenarios, for the check that
 the detectors, backoff and rollback leave a healthy run bit-identical.
 
-It prints a markdown table per scenario, the summary (method | ended finite | within reference | raised) and the
-targets as PASS/FAIL lines:
+It prints a markdown table per scenario, the summary (method | ended finite | within reference | raised), the
+trials (method | trials | kept | false alarms | extra steps, and their share of the steps), the harmless runs (per
+scenario and seed, each method's final evaluation over the unprotected run's) and the targets as PASS/FAIL lines:
 
-1. ``default_callbacks()`` is within reference on at least 85% of the runs, and on more runs than every peer;
+1. ``default_callbacks()`` is within reference on at least 90% of the runs (85% on the held-out matrix), and on more
+   runs than every peer;
 2. it never raises on a (scenario, seed) that some peer finishes within reference;
 3. it is never worse than ``NonFiniteDetector()`` or ``AutoClip()`` alone (where either is within reference on a
    run, so is the composition);
 4. a stable LR is unchanged: ``default_callbacks(clip=None)`` ends bit-identical to the unprotected run on every
-   stable scenario and seed, and ``default_callbacks()`` and ``AutoClip()`` end within 1.02x of its evaluation.
+   stable scenario and seed where it kept no trial's remedy (a kept remedy changes the run on purpose: those runs
+   are listed, not failed), and ``default_callbacks()`` and ``AutoClip()`` end within 1.02x of its evaluation;
+5. harmless runs are left alone: on every harmless scenario, seed by seed, ``default_callbacks()`` ends within 1.05x
+   of the unprotected run's final evaluation (a pair whose unprotected run ended non-finite is skipped, saying so).
+
+``--held-out`` runs the held-out matrix (``HELD_OUT`` of ``rescue_scenarios.py``) instead: the same families at
+other magnitudes (other learning rates, spike and poison factors, fault steps, epoch lengths), each scored against
+its family's reference, to check that what passes the matrix was not tuned to its exact numbers.
 
 The peers are optional, listed in the ``bench`` extra and installed with
 ``pip install --no-deps zclip arc-training scipy`` (``--no-deps`` keeps their own pins out of the environment; they
@@ -34,11 +50,14 @@ are never dependencies of the package). A peer that is not installed is skipped 
 
 Run (from the repository root; the package must be importable, e.g. ``pip install -e .`` or ``PYTHONPATH=.``):
 
-    python benchmarks/rescue.py --quick --workers 2    # one seed, nine scenarios, half the steps: 67 runs, ~45 s
-                                                       # of CPU (32 s wall on 2 idle cores)
+    python benchmarks/rescue.py --quick --workers 2    # one seed, ten scenarios, half the steps: 74 runs, ~20 s
+                                                       # of CPU (40 s wall on 2 idle cores)
     python benchmarks/rescue.py --workers 2 --json rescue.json --png rescue.png
-                                                       # 29 scenarios x 7 methods x 3 seeds + references: 648 runs,
-                                                       # ~17 min of CPU (10 min wall on 2 idle cores)
+                                                       # 34 scenarios x 7 methods x 3 seeds + references: 753 runs,
+                                                       # ~7 min of CPU (8 min wall on 2 idle cores)
+    python benchmarks/rescue.py --held-out --workers 2  # the held-out matrix, 22 scenarios x 7 methods x 3 seeds +
+                                                       # references: 489 runs, ~4.5 min of CPU (7 min wall on 2 idle
+                                                       # cores); with --quick: 52 runs, 35 s wall
     python benchmarks/rescue.py --scenarios nan_weight,hinge_at_zero --methods "unprotected,default_callbacks()"
     python benchmarks/rescue.py --workers 2 --first-seed 3 --methods "default_callbacks()"   # seeds 3-5, ours only
     python benchmarks/rescue.py --report rescue.json --png rescue.png    # print and draw saved results again
@@ -59,25 +78,27 @@ import tempfile
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytorch_lightning as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # rescue_scenarios beside this file, however it is run
 
-from rescue_scenarios import SCENARIOS, Benchmarked, Scenario, scenario  # noqa: E402
+from rescue_scenarios import HELD_OUT, SCENARIOS, Benchmarked, Scenario, scenario  # noqa: E402
 
 from lightning_overflow import AutoClip, NonFiniteDetector, default_callbacks, read_journal  # noqa: E402
 from lightning_overflow.testing import FaultInjector  # noqa: E402
 
 WITHIN = 1.5  # "within reference": final evaluation at most this many times the reference
 STABLE_TOLERANCE = 1.02  # AutoClip may move a stable run's final evaluation by at most this factor
-TARGET_SHARE = 0.85  # default_callbacks() within reference on at least this share of the runs
+HARMLESS_TOLERANCE = 1.05  # default_callbacks() may move a harmless run's final evaluation by at most this factor
+TARGET_SHARE = 0.90  # default_callbacks() within reference on at least this share of the runs
+HELD_OUT_SHARE = 0.85  # the same on the held-out matrix, whose magnitudes nothing was tuned on
 SEEDS = (0, 1, 2)
 JOURNAL_KINDS = ("skip", "backoff", "rollback", "abort")
 OURS = "default_callbacks()"
@@ -144,7 +165,8 @@ def missing(method: Method) -> list[str]:
 @dataclass
 class Run:
     """What one (scenario, method, seed) run did. ``ratio`` and ``within_reference`` are set once the family's
-    reference is known."""
+    reference is known. ``trials``, ``remedies_kept``, ``false_alarms`` and ``extra_steps`` sum up the journal's
+    trials (:func:`trial_counts`)."""
 
     scenario: str
     family: str
@@ -157,6 +179,10 @@ class Run:
     raised: str | None = None
     journal: dict[str, int] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
+    trials: int = 0
+    remedies_kept: int = 0
+    false_alarms: int = 0
+    extra_steps: int = 0
     digest: str = ""
     wall_s: float = 0.0
     cpu_s: float = 0.0
@@ -189,18 +215,42 @@ def weights_digest(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _journal(log_dir: Path) -> tuple[dict[str, int], list[dict[str, Any]]]:
+class TrialCounts(NamedTuple):
+    """What a run's trials did: how many ran, how many kept a remedy, how many were false alarms (the suspicion
+    was not confirmed), and the extra optimizer steps of compute they cost."""
+
+    trials: int
+    remedies_kept: int
+    false_alarms: int
+    extra_steps: int
+
+
+def trial_counts(events: Iterable[Mapping[str, Any]]) -> TrialCounts:
+    """Sum up the ``trial`` events of a journal; the other events are ignored."""
+    details = [e.get("details") or {} for e in events if e["kind"] == "trial"]
+    return TrialCounts(
+        len(details),
+        sum(bool(d.get("kept")) for d in details),
+        sum(bool(d.get("false_alarm")) for d in details),
+        sum(int(d.get("extra_steps", 0)) for d in details),
+    )
+
+
+def _journal(log_dir: Path) -> list[dict[str, Any]]:
     path = log_dir / "overflow_events.jsonl"
-    if not path.exists():
-        return {}, []
-    events = list(read_journal(path))
-    counts = Counter(str(e["kind"]) for e in events)
-    kept = [
+    return list(read_journal(path)) if path.exists() else []
+
+
+def _record_journal(run: Run, events: Sequence[dict[str, Any]]) -> None:
+    """Keep what the journal says: the count of each kind, the events worth reading (skips are only counted), and
+    the trials' sums."""
+    run.journal = dict(Counter(str(e["kind"]) for e in events))
+    run.events = [
         {"step": e["step"], "kind": e["kind"], "source": e.get("source", ""), "message": str(e.get("message"))[:400]}
         for e in events
         if e["kind"] != "skip"
-    ]
-    return dict(counts), kept[:MAX_EVENTS]
+    ][:MAX_EVENTS]
+    run.trials, run.remedies_kept, run.false_alarms, run.extra_steps = trial_counts(events)
 
 
 def run_one(scenario_name: str, method_name: str, seed: int, steps: int | None = None) -> Run:
@@ -234,7 +284,7 @@ def run_one(scenario_name: str, method_name: str, seed: int, steps: int | None =
         except Exception as error:  # a run that raises is a result, whatever the error
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             run.raised = f"{type(error).__name__}: {first_line}"[:300]
-        run.journal, run.events = _journal(Path(trainer.log_dir or root))
+        _record_journal(run, _journal(Path(trainer.log_dir or root)))
     run.wall_s, run.cpu_s = time.perf_counter() - start_wall, time.process_time() - start_cpu
     run.steps = int(trainer.global_step)
     run.final_eval = model.evaluation_loss()
@@ -282,19 +332,21 @@ class Results:
 
 def plan(scenarios: Sequence[Scenario], methods: Sequence[str], seeds: Sequence[int], steps: Callable[[Scenario], int]
          ) -> list[tuple[str, str, int, int | None]]:  # fmt: skip
-    """Every run the matrix needs, each once: the cells, the references, and the bit-identity runs."""
+    """Every run the matrix needs, each once: the cells, the references, the bit-identity runs, and the unprotected
+    runs that harmless scenarios compare with."""
     tasks: dict[tuple[str, str, int], int] = {}
     for spec in scenarios:
         for seed in seeds:
             for method in methods:
                 tasks[(spec.name, method, seed)] = steps(spec)
-            reference = SCENARIOS[spec.reference]
+            reference = scenario(spec.reference)
             tasks.setdefault((reference.name, "unprotected", seed), steps(reference))
-            if spec.stable:
+            if spec.stable or spec.harmless:
                 tasks[(spec.name, "unprotected", seed)] = steps(spec)
+            if spec.stable:
                 tasks[(spec.name, BIT_IDENTICAL, seed)] = steps(spec)
     # Longest first, so that the last worker to finish does not start a long run alone.
-    ordered = sorted(tasks.items(), key=lambda item: -SCENARIOS[item[0][0]].steps)
+    ordered = sorted(tasks.items(), key=lambda item: -scenario(item[0][0]).steps)
     return [(name, method, seed, budget) for (name, method, seed), budget in ordered]
 
 
@@ -352,8 +404,7 @@ def _progress_line(run: Run, done: int, total: int) -> str:
 def score(results: Results) -> None:
     """Fill in the references and every run's ratio to its family's reference."""
     for run in results.runs:
-        reference = SCENARIOS[SCENARIOS[run.scenario].reference]
-        results.reference_runs[run.family] = reference.name
+        results.reference_runs[run.family] = scenario(run.scenario).reference
     for family, name in results.reference_runs.items():
         values = [r.final_eval for r in results.runs if r.scenario == name and r.method == "unprotected"]
         finite = [v for v in values if math.isfinite(v)]
@@ -371,6 +422,8 @@ def _cell(run: Run | None) -> str:
     mark = "✓" if run.within_reference else "✗"
     text = f"{run.final_eval:.3g} ({run.ratio:.2f}x) {mark}" if run.ended_finite else f"{run.final_eval} {mark}"
     counts = [f"{kind} {run.journal[kind]}" for kind in JOURNAL_KINDS if run.journal.get(kind)]
+    if run.trials:
+        counts.append(f"trial {run.trials}" + (f" ({run.remedies_kept} kept)" if run.remedies_kept else ""))
     if counts:
         text += f" · {', '.join(counts)}"
     if run.raised:
@@ -380,7 +433,7 @@ def _cell(run: Run | None) -> str:
 
 def scenario_table(results: Results, name: str) -> str:
     """The markdown table of one scenario: a row per method, a column per seed."""
-    spec = SCENARIOS[name]
+    spec = scenario(name)
     reference, reference_run = results.references.get(spec.family, math.nan), results.reference_runs.get(spec.family)
     seeds = [results.get(str(reference_run), "unprotected", seed) for seed in results.seeds]
     values = ", ".join(f"{r.final_eval:.4g}" for r in seeds if r is not None)
@@ -418,8 +471,69 @@ def summary_rows(results: Results) -> list[tuple[str, int, int, int, int]]:
 def summary_table(results: Results) -> str:
     lines = ["| method | ended finite | within reference | raised |", "| --- | --- | --- | --- |"]
     for method, finite, within, raised, total in summary_rows(results):
-        label = method if method in ("unprotected", "ZClip", "ARC") else f"`{method}`"
-        lines.append(f"| {label} | {finite}/{total} | {within}/{total} | {raised} |")
+        lines.append(f"| {_label(method)} | {finite}/{total} | {within}/{total} | {raised} |")
+    return "\n".join(lines)
+
+
+def _label(method: str) -> str:
+    return method if method in ("unprotected", "ZClip", "ARC") else f"`{method}`"
+
+
+def trial_rows(results: Results) -> list[tuple[str, int, int, int, int, int]]:
+    """``(method, trials, remedies kept, false alarms, extra steps, steps)`` per method of the matrix."""
+    rows = []
+    for method in results.methods:
+        runs = results.matrix_runs(method)
+        rows.append((
+            method,
+            sum(r.trials for r in runs),
+            sum(r.remedies_kept for r in runs),
+            sum(r.false_alarms for r in runs),
+            sum(r.extra_steps for r in runs),
+            sum(r.steps for r in runs),
+        ))  # fmt: skip
+    return rows
+
+
+def trial_table(results: Results) -> str:
+    lines = [
+        "| method | trials | kept | false alarms | extra steps (share of steps) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for method, trials, kept, false_alarms, extra, steps in trial_rows(results):
+        share = f"{extra / steps:.1%}" if steps else "-"
+        lines.append(f"| {_label(method)} | {trials} | {kept} | {false_alarms} | {extra} ({share}) |")
+    return "\n".join(lines)
+
+
+def _harmless(results: Results) -> list[str]:
+    return [name for name in results.scenarios if scenario(name).harmless]
+
+
+def _ratio_text(run: Run | None, bare: Run) -> str:
+    """``run``'s final evaluation as a ratio to the unprotected run's, as printed."""
+    if run is None:
+        return "-"
+    if not (run.ended_finite and bare.ended_finite and bare.final_eval > 0):
+        return f"{run.final_eval:.4g}"  # no ratio: the value itself (nan, inf, or over a non-finite reference)
+    return f"{run.final_eval / bare.final_eval:.3f}x"
+
+
+def harmless_table(results: Results) -> str:
+    """Per harmless scenario and seed: the unprotected final evaluation, and each method's as a ratio to it."""
+    stable = any(scenario(name).stable for name in _harmless(results))
+    methods = [m for m in results.methods if m != "unprotected"] + ([BIT_IDENTICAL] if stable else [])
+    lines = [
+        "| scenario | seed | unprotected | " + " | ".join(map(_label, methods)) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in methods) + " |",
+    ]
+    for name in _harmless(results):
+        for seed in results.seeds:
+            bare = results.get(name, "unprotected", seed)
+            if bare is None:
+                continue
+            cells = [_ratio_text(results.get(name, method, seed), bare) for method in methods]
+            lines.append(f"| {name} | {seed} | {bare.final_eval:.4g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -440,16 +554,24 @@ def targets(results: Results) -> list[Check]:
         _raises_where_a_peer_rescues(results, ours),
         *[_never_worse_than(results, ours, part) for part in PARTS],
         *_stable_checks(results),
+        harmless_target(results),
     ]
+
+
+def target_share(results: Results) -> float:
+    """The share target of the matrix: the held-out one's is lower (see :data:`HELD_OUT_SHARE`)."""
+    held_out = bool(results.scenarios) and all(name in HELD_OUT for name in results.scenarios)
+    return HELD_OUT_SHARE if held_out else TARGET_SHARE
 
 
 def _share_and_peers(results: Results, ours: dict[tuple[str, int], Run]) -> list[Check]:
     within = sum(r.within_reference for r in ours.values())
     share = within / len(ours) if ours else 0.0
     counts = {m: sum(r.within_reference for r in results.matrix_runs(m)) for m in results.methods if METHODS[m].peer}
+    goal = target_share(results)
     share_check: Check = (
-        share >= TARGET_SHARE,
-        f"{OURS} within reference on {within}/{len(ours)} runs ({share:.0%}; target >= {TARGET_SHARE:.0%})",
+        share >= goal,
+        f"{OURS} within reference on {within}/{len(ours)} runs ({share:.0%}; target >= {goal:.0%})",
     )
     if not counts:
         return [share_check, (False, f"{OURS} within reference on more runs than every peer: no peer ran")]
@@ -478,39 +600,87 @@ def _never_worse_than(results: Results, ours: dict[tuple[str, int], Run], part: 
     return _where(not worse, f"{OURS} never worse than {part} alone", "worse on", worse)
 
 
+StablePair = tuple[str, int, Run, Run]  # (scenario, seed, the unprotected run, the default_callbacks(clip=None) run)
+
+
 def _stable_checks(results: Results) -> list[Check]:
-    stable = [name for name in results.scenarios if SCENARIOS[name].stable]
+    stable = [name for name in results.scenarios if scenario(name).stable]
     if not stable:
         return [(False, "a stable LR is unchanged: no stable scenario ran")]
-    differ, compared = [], 0
-    moved: dict[str, list[str]] = {m: [] for m in (OURS, "AutoClip()") if m in results.methods}
+    pairs: list[StablePair] = []
     for name in stable:
         for seed in results.seeds:
             bare, lean = results.get(name, "unprotected", seed), results.get(name, BIT_IDENTICAL, seed)
-            if bare is None or lean is None:
-                continue
-            compared += 1
-            if bare.digest != lean.digest:
-                differ.append(f"{name} seed {seed}")
-            for method, where in moved.items():
-                run = results.get(name, method, seed)
-                if run is None or not (run.ended_finite and run.final_eval <= STABLE_TOLERANCE * bare.final_eval):
-                    ratio = run.final_eval / bare.final_eval if run else math.nan
-                    where.append(f"{name} seed {seed} ({ratio:.3f}x)")
-    identical = (f"stable LR bit-identical: {BIT_IDENTICAL} vs unprotected on {compared - len(differ)}/{compared} "
-                 f"(scenario, seed) of {', '.join(stable)}")  # fmt: skip
-    checks = [_where(compared > 0 and not differ, identical, "differ", differ)]
-    for method, where in moved.items():
-        checks.append(_where(not where, f"stable LR within {STABLE_TOLERANCE}x final eval with {method}", "beyond on",
-                             where))  # fmt: skip
+            if bare is not None and lean is not None:
+                pairs.append((name, seed, bare, lean))
+    return [_bit_identical(pairs, stable), *_within_stable_tolerance(results, pairs)]
+
+
+def _bit_identical(pairs: Sequence[StablePair], stable: Sequence[str]) -> Check:
+    """Bit-identical where no trial's remedy was kept: a kept remedy changes the run on purpose (listed, not
+    failed)."""
+    kept = [f"{name} seed {seed}" for name, seed, _, lean in pairs if lean.remedies_kept]
+    compared = [(name, seed, bare, lean) for name, seed, bare, lean in pairs if not lean.remedies_kept]
+    differ = [f"{name} seed {seed}" for name, seed, bare, lean in compared if bare.digest != lean.digest]
+    line = (f"stable LR bit-identical: {BIT_IDENTICAL} vs unprotected on {len(compared) - len(differ)}/"
+            f"{len(compared)} (scenario, seed) of {', '.join(stable)} where it kept no trial's remedy")  # fmt: skip
+    if kept:
+        line += f"; kept a remedy (not compared): {', '.join(kept)}"
+    return _where(bool(compared) and not differ, line, "differ", differ)
+
+
+def _within_stable_tolerance(results: Results, pairs: Sequence[StablePair]) -> list[Check]:
+    checks = []
+    for method in (OURS, "AutoClip()"):
+        if method not in results.methods:
+            continue
+        beyond = []
+        for name, seed, bare, _ in pairs:
+            run = results.get(name, method, seed)
+            if run is None or not (run.ended_finite and run.final_eval <= STABLE_TOLERANCE * bare.final_eval):
+                ratio = run.final_eval / bare.final_eval if run else math.nan
+                beyond.append(f"{name} seed {seed} ({ratio:.3f}x)")
+        checks.append(_where(not beyond, f"stable LR within {STABLE_TOLERANCE}x final eval with {method}",
+                             "beyond on", beyond))  # fmt: skip
     return checks
 
 
+def harmless_target(results: Results) -> Check:
+    """``default_callbacks()`` leaves harmless runs alone: on every harmless scenario, seed by seed, it ends within
+    :data:`HARMLESS_TOLERANCE` x of the unprotected run's final evaluation. A pair whose unprotected run ended
+    non-finite has nothing to compare with: it is skipped, saying so."""
+    harmless = _harmless(results)
+    if not harmless:
+        return False, "harmless runs left alone: no harmless scenario ran"
+    beyond, skipped, compared = [], [], 0
+    for name in harmless:
+        for seed in results.seeds:
+            bare, ours = results.get(name, "unprotected", seed), results.get(name, OURS, seed)
+            if bare is None or ours is None:
+                continue
+            if not bare.ended_finite:
+                skipped.append(f"{name} seed {seed}")
+                continue
+            compared += 1
+            if not (ours.ended_finite and ours.final_eval <= HARMLESS_TOLERANCE * bare.final_eval):
+                beyond.append(f"{name} seed {seed} ({_ratio_text(ours, bare)})")
+    line = (f"harmless runs left alone: {OURS} within {HARMLESS_TOLERANCE}x of the unprotected final eval on "
+            f"{compared - len(beyond)}/{compared} (scenario, seed) of {', '.join(harmless)}")  # fmt: skip
+    ok, line = _where(compared > 0 and not beyond, line, "beyond on", beyond)
+    if skipped:
+        line += f"; skipped, the unprotected run ended non-finite: {', '.join(skipped)}"
+    return ok, line
+
+
 def report(results: Results) -> str:
-    """The whole printed report: skipped peers, the tables, the summary and the targets."""
+    """The whole printed report: skipped peers, the tables, the summaries and the targets."""
     parts = [*results.skipped, ""] if results.skipped else []
     parts += [scenario_table(results, name) + "\n" for name in results.scenarios]
-    parts += ["## Summary", "", summary_table(results), "", "## Targets", ""]
+    parts += ["## Summary", "", summary_table(results), "", "## Trials", "", trial_table(results), ""]
+    if _harmless(results):
+        legend = f"final eval / the unprotected one (same scenario and seed); target: {OURS} <= {HARMLESS_TOLERANCE}x"
+        parts += ["## Harmless runs", "", legend, "", harmless_table(results), ""]
+    parts += ["## Targets", ""]
     parts += [f"{'PASS' if ok else 'FAIL'}: {line}" for ok, line in targets(results)]
     return "\n".join(parts)
 
@@ -530,6 +700,8 @@ def to_json(results: Results, meta: dict[str, Any]) -> dict[str, Any]:
         "references": {f: {"scenario": results.reference_runs[f], "value": v} for f, v in results.references.items()},
         "summary": [dict(zip(("method", "ended_finite", "within_reference", "raised", "runs"), row))
                     for row in summary_rows(results)],
+        "trials": [dict(zip(("method", "trials", "remedies_kept", "false_alarms", "extra_steps", "steps"), row))
+                   for row in trial_rows(results)],
         "targets": [{"passed": ok, "line": line} for ok, line in targets(results)],
         "skipped": results.skipped,
         "runs": [asdict(r) for r in results.runs],
@@ -546,7 +718,7 @@ def load(path: str | os.PathLike[str]) -> tuple[Results, dict[str, Any]]:
         runs.append(run)
     meta = saved["meta"]
     ran = {r.scenario for r in runs if r.method != "unprotected"}  # a reference-only scenario runs unprotected only
-    scenarios = [name for name in SCENARIOS if name in ran]
+    scenarios = [name for name in [*SCENARIOS, *HELD_OUT] if name in ran]
     methods = [m for m in MATRIX_METHODS if any(r.method == m for r in runs)]
     seeds = sorted({r.seed for r in runs})
     results = Results(runs, {}, {}, scenarios, methods, seeds, list(saved.get("skipped", [])))
@@ -612,11 +784,13 @@ def plot(results: Results, path: str | os.PathLike[str]) -> None:
 
 
 # ---- command line ---------------------------------------------------------------------------------------------------
-def select(names: str | None, quick: bool) -> list[Scenario]:
-    """The scenarios of the matrix: ``names`` (comma-separated), the quick subset, or all of them."""
+def select(names: str | None, quick: bool, held_out: bool = False) -> list[Scenario]:
+    """The scenarios of the matrix: ``names`` (comma-separated, from either catalogue), or else the quick subset or
+    all of the catalogue, :data:`HELD_OUT` with ``held_out`` and :data:`SCENARIOS` otherwise."""
     if names:
         return [scenario(n.strip()) for n in names.split(",") if n.strip()]
-    return [s for s in SCENARIOS.values() if s.in_matrix and (s.quick or not quick)]
+    catalogue = HELD_OUT if held_out else SCENARIOS
+    return [s for s in catalogue.values() if s.in_matrix and (s.quick or not quick)]
 
 
 def _methods(names: str | None) -> list[str]:
@@ -631,6 +805,8 @@ def _methods(names: str | None) -> list[str]:
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one seed, the quick scenarios, half the steps")
+    parser.add_argument("--held-out", action="store_true",
+                        help="the held-out matrix: the same families at other magnitudes (share target 85%%)")
     parser.add_argument("--workers", type=int, default=1, help="runs in parallel processes (default 1)")
     parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, 1 with --quick)")
     parser.add_argument("--first-seed", type=int, default=0, help="the first seed; the others follow it (default 0)")
@@ -655,7 +831,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     configure_process()
     count = args.seeds or (1 if args.quick else len(SEEDS))
     seeds = list(range(args.first_seed, args.first_seed + count))
-    scenarios, methods = select(args.scenarios, args.quick), _methods(args.methods)
+    scenarios, methods = select(args.scenarios, args.quick, args.held_out), _methods(args.methods)
     start = time.perf_counter()
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None
     results = run_matrix(scenarios, methods, seeds, quick=args.quick, workers=args.workers, steps=args.steps,
@@ -663,6 +839,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     meta = {
         "command": "python benchmarks/rescue.py " + " ".join(sys.argv[1:] if argv is None else list(argv)),
         "quick": args.quick,
+        "held_out": args.held_out,
         "workers": args.workers,
         "wall_s": round(time.perf_counter() - start, 1),
         "run_cpu_s": round(sum(r.cpu_s for r in results.runs), 1),

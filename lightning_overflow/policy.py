@@ -67,6 +67,7 @@ __all__ = [
     "DEFAULT_BACKOFF_TRIGGERS",
     "DEFAULT_ROLLBACK_TRIGGERS",
     "DIVERGENCE_SIGNALS",
+    "REGROWTH",
     "SCHEDULED",
     "SIGNAL_KINDS",
     "SUSPICION_SIGNALS",
@@ -112,6 +113,9 @@ SUSPICION_SIGNALS = ("loss_divergence", "loss_trend", "loss_plateau", "weight_gr
 
 SCHEDULED = "scheduled"
 """The kind of a trial opened without a signal (``TrialConfig(every_n_steps=...)``)."""
+
+REGROWTH = "regrowth"
+"""The kind of a trial of a higher learning rate, opened by ``LRBackoff`` once a backed-off rate has held."""
 
 DEFAULT_BACKOFF_TRIGGERS = DIVERGENCE_SIGNALS
 """LRBackoff's default triggers."""

@@ -39,7 +39,7 @@ import torch
 
 from lightning_overflow import _compat
 from lightning_overflow.candidate import Candidate, CandidateStep, Clip, trainable
-from lightning_overflow.policy import CERTAIN_SIGNALS, SCHEDULED, SUSPICION_SIGNALS, Signal
+from lightning_overflow.policy import CERTAIN_SIGNALS, REGROWTH, SCHEDULED, SUSPICION_SIGNALS, Signal
 from lightning_overflow.trial import Trial, TrialConfig, TrialVerdict
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class TrialOutcome:
     def false_alarm(self) -> bool:
         """A suspicion the trial did not confirm (a scheduled trial that keeps the current rate is none, nor a lower
         rung of a ladder whose first rung confirmed it)."""
-        return not self.kept and self.trial.kind != SCHEDULED and self.trial.rung == 1
+        return not self.kept and self.trial.kind not in (SCHEDULED, REGROWTH) and self.trial.rung == 1
 
 
 class TrialRunner:
@@ -258,12 +258,20 @@ class TrialRunner:
         assert self.config is not None
         return self._spent <= self.config.max_share * step
 
+    def open_regrowth(self, trainer: pl.Trainer, board: _Board) -> None:
+        """A backed-off learning rate that held for a while: try it one factor higher against itself (``LRBackoff``
+        asks, instead of growing it back blind)."""
+        if self.runs and self.trial is None:
+            self._open(trainer, board, REGROWTH, int(trainer.global_step), None, powers=(-1,))
+
     def _open(
-        self, trainer: pl.Trainer, board: _Board, kind: str, step: int, signal: Signal | None, rung: int = 1
+        self, trainer: pl.Trainer, board: _Board, kind: str, step: int, signal: Signal | None, rung: int = 1,
+        powers: tuple[int, ...] | None = None,
     ) -> None:
-        """Build the remedies from the live state and set them beside it (see the module docstring)."""
+        """Build the remedies from the live state and set them beside it (see the module docstring). ``powers``: of
+        the backoff factor, one remedy each (default ``1, 3, ...``, one per ``remedies``)."""
         assert self.config is not None
-        if rung == 1 and kind != SCHEDULED and not self._affordable(step):
+        if rung == 1 and kind not in (SCHEDULED, REGROWTH) and not self._affordable(step):
             return
         incumbent = Candidate.capture(trainer)
         remedies: list[Remedy] = []
@@ -271,7 +279,7 @@ class TrialRunner:
         # The first rung starts from the verified snapshot a rollback would go to; a lower rung, from the remedy just
         # kept (the question is then only whether a lower rate does better still).
         start = signal if rung == 1 else None
-        for power in range(1, 2 * self.config.remedy_count, 2):  # factor, factor**3, ...
+        for power in powers or range(1, 2 * self.config.remedy_count, 2):  # factor, factor**3, ...
             remedy = board.prepare_remedy(trainer, start, power)  # the live state is the remedy now
             if remedy is None or any(r.factor == remedy.factor for r in remedies):
                 incumbent.copy_to_live(trainer)
@@ -289,7 +297,7 @@ class TrialRunner:
             kind=kind,
             step=signal.step if signal is not None else step,
             config=self.config,
-            reason=signal.reason if signal is not None else "a scheduled test of a lower learning rate",
+            reason=signal.reason if signal is not None else _REASONS[kind],
             source=signal.source if signal is not None else "",
             snapshot_step=remedies[0].snapshot_step,
             lr_factors=[r.factor for r in remedies],
@@ -368,7 +376,7 @@ class TrialRunner:
             self._barred_until[trial.kind] = step + trial.config.steps * 2**alarms
         board.journal_trial(trainer, outcome, extra_steps=len(trial.incumbent) * len(trial.remedies))
         board.after_trial(trainer, outcome)
-        if outcome.kept and trial.kind != SCHEDULED and remedy.factor < 1.0:
+        if outcome.kept and trial.kind not in (SCHEDULED, REGROWTH) and remedy.factor < 1.0:
             # A remedy was better; is a lower rate better still? The next rung: the remedy just kept at the next lower
             # rates against itself. The ladder stops at the first rung the run as it is wins.
             follow = Signal(trial.kind, step, f"the remedy kept at step {step}, tried one rung lower", trial.source)
@@ -405,6 +413,12 @@ class TrialRunner:
         self._last_end = int(state["last_end"])
         self.trials = int(state["trials"])
         self.kept = int(state["kept"])
+
+
+_REASONS = {
+    SCHEDULED: "a scheduled test of a lower learning rate",
+    REGROWTH: "the backed-off learning rate held: a test of a higher one",
+}
 
 
 def _count(config: Any) -> int:

@@ -14,7 +14,7 @@ from lightning_overflow._validation import check_bool, check_choices, check_floa
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.numerics.lr_scaling import scale_lr
-from lightning_overflow.policy import DATA_SHIFT, DEFAULT_BACKOFF_TRIGGERS, SIGNAL_KINDS, UPDATE_BOUND, Signal
+from lightning_overflow.policy import DATA_SHIFT, DEFAULT_BACKOFF_TRIGGERS, REGROWTH, SIGNAL_KINDS, UPDATE_BOUND, Signal
 from lightning_overflow.snapshot_store import Snapshot
 from lightning_overflow.trial import DEFAULT_TRIAL, TrialConfig
 from lightning_overflow.trials import TrialOutcome
@@ -187,7 +187,13 @@ class LRBackoff(SuiteCallback):
         if self.board(trainer).trials.active:
             return  # the learning rate under trial stays as it is until the verdict
         for index in range(len(self.scales)):
-            if index not in fired and self._regrowth_due(index, step):
+            if index in fired or not self._regrowth_due(index, step):
+                continue
+            trials = self.board(trainer).trials
+            if trials.runs:  # measured, not blind: a trial of the higher rate against the rate that held
+                self._stable_since[index] = step
+                trials.open_regrowth(trainer, self.board(trainer))
+            else:
                 self._regrow(trainer, index, step)
 
     def _fired(self, signals: Sequence[Signal], n_optimizers: int) -> dict[int, list[Signal]]:
@@ -405,12 +411,12 @@ class LRBackoff(SuiteCallback):
             concerned = range(signal.optimizer_index, signal.optimizer_index + 1)
         then = [float(s) for s in snapshot.extras.get(self.state_key, {}).get("scales", [])] if snapshot else []
         scales = list(self.scales)
-        for index in concerned:
-            scales[index] = max(self.scales[index] * self.factor**power, self._floor(trainer, index))
+        for index in concerned:  # a negative power grows the rate back, never above the schedule
+            scales[index] = min(1.0, max(self.scales[index] * self.factor**power, self._floor(trainer, index)))
         for index, scale in enumerate(scales):
             was = then[index] if index < len(then) else (1.0 if snapshot is not None else self.scales[index])
             self._apply(trainer, index, scale / was)
-        changed = [index for index in concerned if scales[index] < self.scales[index]]
+        changed = [index for index in concerned if scales[index] != self.scales[index]]
         factor = scales[changed[0]] / self.scales[changed[0]] if changed else 1.0
         return scales, factor
 
@@ -419,24 +425,31 @@ class LRBackoff(SuiteCallback):
         """A kept remedy's learning rate is the run's now: a backoff, journaled as one. A discarded one changes
         nothing (the incumbent kept its own)."""
         scales = outcome.remedy.scales
-        if not outcome.kept or scales is None:
-            return
         step = outcome.step
         trial = outcome.trial
+        if not outcome.kept and trial.kind == REGROWTH:  # the higher rate did no better: wait twice as long
+            for index in range(len(self.scales)):
+                self._windows[index] = math.ceil(self._windows[index] * self.window_growth)
+                self._stable_since[index] = step
+        if not outcome.kept or scales is None:
+            return
         for index, (old, new) in enumerate(zip(list(self.scales), scales)):
             if new == old:
                 continue
             self.scales[index] = new
-            self._cooldown_until[index] = step
             self._stable_since[index] = step
-            self._restored_at[index] = step
+            if new > old:
+                self._last_regrowth[index] = step
+            else:
+                self._cooldown_until[index] = step
+                self._restored_at[index] = step
             reason = f"a trial opened by {trial.kind} at step {trial.step} kept the remedy: {outcome.why}"
-            entry = self._remember("backoff", step, index, trial.kind, reason, new)
+            entry = self._remember("regrowth" if new > old else "backoff", step, index, trial.kind, reason, new)
             message = (
                 f"LRBackoff: the learning rate of optimizer {index} is now {new:.4g} x its schedule (was {old:.4g} x; "
                 f"group LRs {_lrs(trainer, index)}): {reason}."
             )
-            self._event(trainer, "backoff", message, step=step, **_details(entry), previous_scale=old,
+            self._event(trainer, entry["action"], message, step=step, **_details(entry), previous_scale=old,
                         lrs=_lrs(trainer, index), escalated=False, trial=True)  # fmt: skip
             if trainer.global_rank == 0:
                 log.info(message)
