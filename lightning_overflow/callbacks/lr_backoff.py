@@ -453,6 +453,20 @@ class LRBackoff(SuiteCallback):
                         lrs=_lrs(trainer, index), escalated=False, trial=True)  # fmt: skip
             if trainer.global_rank == 0:
                 log.info(message)
+        self._unless_bounded(trainer, outcome.remedy.extras.get(self.state_key, {}))
+
+    def _unless_bounded(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        """The remedy kept returned to its snapshot once more and AutoClip (which heard of it first) now bounds
+        every update (``update_bound``): the backoffs since that snapshot answered gradients out of scale, not the
+        rate, and are taken back, as after a rollback."""
+        bounds = [s for s in self.board(trainer).signals if s.kind == UPDATE_BOUND]
+        snapshot = [float(s) for s in extra.get("scales", [])]
+        for index, scale in enumerate(list(self.scales)):
+            then = snapshot[index] if index < len(snapshot) else 1.0
+            bound = [s for s in bounds if s.optimizer_index == index or not self.per_optimizer]
+            if bound and then > scale:
+                self._apply(trainer, index, then / scale)
+                self._take_back(trainer, index, then, bound[0])
 
     # ---- counters, rollback and state -------------------------------------------------------------------------
     @override
