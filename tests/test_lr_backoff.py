@@ -36,7 +36,9 @@ SPIKES_AND_BURSTS = ("nonfinite_burst", "nonfinite_state", "scaler_collapse", "l
 
 
 def backoff_on_spikes(**kwargs: Any) -> LRBackoff:
-    return LRBackoff(triggers=SPIKES_AND_BURSTS, **kwargs)
+    """LRBackoff acting at once on spikes and bursts, its regrowth blind: the mechanics of the rate itself (trials of
+    a suspicion or of a regrowth are tested in test_trials.py)."""
+    return LRBackoff(triggers=SPIKES_AND_BURSTS, **{"trial": None, **kwargs})
 
 
 class LRRecorder(pl.Callback):

@@ -344,3 +344,19 @@ def test_under_ddp_both_ranks_run_the_same_trial_and_reach_the_same_verdict(tmp_
     assert reports[0]["lrs"] == reports[1]["lrs"] and reports[0]["lrs"][-1] < 0.01
     (first, *_) = _trials(tmp_path)
     assert (first["step"], first["details"]["kept"]) == (52, True)
+
+
+def test_a_backed_off_rate_that_held_is_grown_back_only_when_a_trial_finds_the_higher_one_better(tmp_path: Path) -> None:
+    """After the remedy kept at step 52 (half the rate), 30 steps without a suspicion make the regrowth due: a trial
+    of twice the rate against the rate that held opens at step 82. The higher rate does no better: the rate stays,
+    and the next regrowth waits twice as long (``window_growth``)."""
+    torch.manual_seed(0)
+    suite = [Suspect(31), LRBackoff(regrow_after=30), Rollback(every_n_steps=10)]
+    trainer = fit(Sabotaged(), suite, max_steps=150, default_root_dir=str(tmp_path))
+    regrowth = [e["details"] for e in _trials(tmp_path) if e["details"]["signal"] == "regrowth"]
+    assert [(d["opened_at"], d["lr_factors"], d["kept"], d["false_alarm"]) for d in regrowth] == [
+        (82, [2.0], False, False)
+    ]
+    assert [h["action"] for h in suite[1].history] == ["backoff"]
+    assert suite[1].state_dict()["windows"] == [60]
+    assert _lr(trainer) == 0.5 * 0.01
