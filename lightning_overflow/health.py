@@ -669,10 +669,14 @@ class HealthBoard:
             _compat.progress_bar_metrics(trainer).update(shown)
 
     def flush(self, trainer: pl.Trainer) -> None:
-        """Send every queued metric: one ``log_metrics`` call per logger and step."""
+        """Send every queued metric: one ``log_metrics`` call per logger and step; the same values go into
+        ``trainer.callback_metrics``, where Lightning keeps its users' ``self.log(on_step=True)`` values (so that
+        ``EarlyStopping(monitor="grad_norm/total")`` or a callback of the user's reads them)."""
         for step, metrics in self.metrics.drain():
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+            held = {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}  # the logged float, exactly
+            _compat.callback_metrics(trainer).update(held)
         publish_events(trainer, self.journal.unpublished())  # TensorBoard text; nothing to do on most steps
 
     def upload_journal(self, trainer: pl.Trainer) -> None:

@@ -167,3 +167,26 @@ def test_epoch_aggregates_combine_the_ranks_as_torchmetrics_sync_does(tmp_path: 
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     expected = [torch.tensor(13.875 / 5, dtype=torch.float32).item(), 7.0]
     assert [r["ours"] for r in results] == [r["torchmetrics"] for r in results] == [expected, expected]
+
+
+class ReadsTheNorm(pl.Callback):
+    """A user's callback after the suite in the list: what ``trainer.callback_metrics`` holds at each batch's end."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        value = trainer.callback_metrics.get("grad_norm/total")
+        if value is not None:
+            self.seen.append((trainer.global_step, float(value)))
+
+
+def test_the_logged_step_value_is_in_callback_metrics_as_the_logger_receives_it() -> None:
+    """Where Lightning users look for a step value (``EarlyStopping(monitor=...)``, their own callbacks, the progress
+    bar): the same value the logger receives, on the steps it is logged."""
+    logger, reader = MemoryLogger(), ReadsTheNorm()
+    fit(TinyRegressor(), [GradNormMonitor(), reader], logger=logger, log_every_n_steps=2, max_steps=8)
+    logged = logger.metrics["grad_norm/total"]
+    assert [step for step, _ in logged] == [1, 3, 5, 7]
+    fresh = [(step - 1, value) for step, value in reader.seen if step % 2 == 0]  # global_step moved on by one
+    assert fresh == logged  # bit for bit: the callback metric holds the logged float

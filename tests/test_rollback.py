@@ -491,10 +491,10 @@ def test_resume_rolls_back_to_a_disk_snapshot_taken_before_the_restart(tmp_path:
     probe = Probe()
     trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(4, 5)], max_steps=6)
     trainer.fit(TinyRegressor(), ckpt_path=ckpt)
-    # First back to the state the resumed fit started from (step 4), then, diverging again from there, one snapshot
-    # further back: the file written at step 2, before the restart.
+    # First back to the state the resumed fit started from (step 4: its file, as the uninterrupted run's snapshot of
+    # step 4), then, diverging again from there, one snapshot further back: the file written at step 2.
     history = [(h["step"], h["snapshot_step"], h["source"]) for h in rollback.history]
-    assert history == [(5, 4, "memory"), (6, 2, "disk")]
+    assert history == [(5, 4, "disk"), (6, 2, "disk")]
     assert_bit_identical(probe.at[6]["weights"], dict(payload["state"]["model"]))
     saved_optimizer = payload["state"]["optimizers"][0]
     assert_optimizer_state_equal(probe.at[6]["optimizers"][0], saved_optimizer)
@@ -528,7 +528,7 @@ def test_crash_between_write_and_rename_leaves_no_usable_partial_file(
     stale.write_bytes((tmp_path / "snaps" / SNAP.format(2)).read_bytes())
     rollback, _ = _resume(tmp_path, ckpt, nan_at(2, 3), max_steps=6)
     assert not stale.exists()
-    assert [(h["snapshot_step"], h["source"]) for h in rollback.history] == [(2, "memory"), (0, "disk")]
+    assert [(h["snapshot_step"], h["source"]) for h in rollback.history] == [(2, "disk"), (0, "disk")]
 
 
 @RESUME
@@ -553,11 +553,16 @@ def test_a_corrupt_snapshot_file_is_never_used(tmp_path: Path, damage: str, prob
         else:
             payload["state"]["optimizers"] = [torch.zeros(1)]
         save_snapshot(payload, path, step=2)
-    rollback, trainer = _resume(tmp_path, ckpt, nan_at(4, 5), max_steps=8)
+    with pytest.warns(OverflowWarning, match=r"rollback-step=2.pt cannot be used on rank\(s\) \[0\]: ") as warned:
+        rollback, trainer = _resume(tmp_path, ckpt, nan_at(4, 5), max_steps=8)
+    assert [str(w.message) for w in warned if "cannot be used" in str(w.message)][0].endswith(
+        "; it is dropped and the next snapshot is tried."
+    )
     # The second rollback tries one snapshot further back, cannot use the file, and uses step 4 again.
-    assert [(h["snapshot_step"], h["source"]) for h in rollback.history] == [(4, "memory"), (4, "memory")]
+    assert [(h["snapshot_step"], h["source"]) for h in rollback.history] == [(4, "disk"), (4, "disk")]
     unusable = [e for e in rollback.board(trainer).journal.events if e.kind == "snapshot_unusable"]
     assert len(unusable) == 1 and unusable[0].details["file"] == SNAP.format(2)
+    assert problem in unusable[0].details["problem"]  # which check refused it
     assert problem in unusable[0].message
     assert all_finite(weights(trainer.lightning_module))
 
@@ -822,9 +827,9 @@ def test_ddp_resume_rolls_back_to_the_parts_each_rank_wrote_before_the_restart(t
                            strategy="ddp_fork", devices=2)
     trainer.fit(TinyRegressor(), ckpt_path=ckpt)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for seen in reports:  # back to step 4 (memory), then one further back: the parts written at step 2 (disk)
+    for seen in reports:  # back to step 4 (its parts on disk), then one further back: the parts written at step 2
         assert [(h["step"], h["snapshot_step"], h["source"]) for h in seen["history"]] == [
-            (5, 4, "memory"), (6, 2, "disk")
+            (5, 4, "disk"), (6, 2, "disk")
         ]
         assert seen["digests"]["6"] == _digest(expected)
     assert reports[0]["digests"] == reports[1]["digests"]
@@ -870,3 +875,37 @@ def test_ddp_a_split_snapshot_of_another_optimizer_shape_is_rebuilt_on_every_ran
         assert report["global_step"] == 8 and report["finite"]
     assert reports[0]["digests"] == reports[1]["digests"]
     assert reports[0]["moments"] == reports[1]["moments"]
+
+
+# ---- resuming with rollbacks after the restart ------------------------------------------------------------------------
+def test_a_resumed_run_rolls_back_exactly_as_the_uninterrupted_one(tmp_path: Path) -> None:
+    """NaN weights at steps 8 and 23, snapshots every 5 healthy steps on disk, a checkpoint at step 16 (an epoch's end).
+    Resumed from it, the run counts the healthy steps it had counted, keeps its decision state and goes on with the
+    snapshot files the checkpoint lists: the rollbacks after the restart, the learning rate and the weights are the
+    uninterrupted run's, bit for bit."""
+    from lightning_overflow import LRBackoff
+
+    def suite(root: Path) -> list[Any]:
+        return [NonFiniteDetector(), LRBackoff(), Rollback(every_n_steps=5, dirpath=root / "snaps")]
+
+    faults = (Fault(8, "nan_weight"), Fault(23, "nan_weight"))
+    torch.manual_seed(0)
+    whole, whole_suite = TinyRegressor(), suite(tmp_path / "whole")
+    trainer = fit(whole, [*whole_suite, FaultInjector(*faults)], max_steps=32, default_root_dir=str(tmp_path / "whole"))
+    whole_lr = trainer.optimizers[0].param_groups[0]["lr"]
+
+    torch.manual_seed(0)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=16, save_top_k=-1)
+    first = suite(tmp_path / "resumed")
+    fit(TinyRegressor(), [*first, FaultInjector(*faults), checkpoints], max_steps=16, enable_checkpointing=True,
+        default_root_dir=str(tmp_path / "resumed"))  # fmt: skip
+    (path,) = (tmp_path / "ckpt").glob("*step=16*.ckpt")
+    resumed, resumed_suite = TinyRegressor(), suite(tmp_path / "resumed")
+    trainer = make_trainer([*resumed_suite, FaultInjector(Fault(23, "nan_weight"))], max_steps=32,
+                           default_root_dir=str(tmp_path / "resumed"))  # fmt: skip
+    trainer.fit(resumed, ckpt_path=str(path))
+    history = [(h["step"], h["snapshot_step"]) for h in whole_suite[-1].history]
+    assert history[0][0] == 9 and len(history) == 2  # one rollback before the restart, one after
+    assert [(h["step"], h["snapshot_step"]) for h in resumed_suite[-1].history] == history
+    assert trainer.optimizers[0].param_groups[0]["lr"] == whole_lr
+    assert_bit_identical(weights(resumed), weights(whole))

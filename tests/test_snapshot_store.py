@@ -292,7 +292,7 @@ def test_memory_dirpath_serves_a_restart(memory_fs: Any, tmp_path: Path, monkeyp
     trainer = make_trainer([NonFiniteDetector(), rollback, probe, faults], max_steps=6)
     trainer.fit(TinyRegressor(), ckpt_path=ckpt)
     history = [(h["step"], h["snapshot_step"], h["source"]) for h in rollback.history]
-    assert history == [(5, 4, "memory"), (6, 2, "disk")]
+    assert history == [(5, 4, "disk"), (6, 2, "disk")]  # the files the uninterrupted run's snapshots were
     assert_bit_identical(probe.at[6], dict(payload["state"]["model"]))
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "overflow_events.jsonl"]  # the journal; no "memory:" folder
 
@@ -313,7 +313,7 @@ def test_a_file_whose_bytes_changed_is_journaled_and_never_restored(tmp_path: Pa
     trainer = make_trainer([NonFiniteDetector(), rollback, faults], max_steps=8)
     trainer.fit(TinyRegressor(), ckpt_path=ckpt)
     # The second rollback would go one snapshot further back, to the file; it is refused and step 4 is used again.
-    assert [(h["snapshot_step"], h["source"]) for h in rollback.history] == [(4, "memory"), (4, "memory")]
+    assert [(h["snapshot_step"], h["source"]) for h in rollback.history] == [(4, "disk"), (4, "disk")]
     unusable = [e for e in rollback.board(trainer).journal.events if e.kind == "snapshot_unusable"]
     assert len(unusable) == 1 and unusable[0].details["file"] == snapshot_name(2)
     assert unusable[0].message.startswith(f"Rollback: the snapshot file {path} cannot be used on rank(s) [0]: {path} ")

@@ -305,16 +305,20 @@ class Rollback(SuiteCallback):
         self._guard = CheckpointGuard(trainer, self._before_save)
 
     def _start(self, trainer: pl.Trainer) -> None:
-        """Take the first snapshot: the state the fit starts from (its check records the buffers' constants)."""
+        """Take the first snapshot: the state the fit starts from (its check records the buffers' constants).
+
+        A resumed fit whose checkpoint lists snapshot files goes on with those: the rollback targets, the healthy
+        steps counted towards the next snapshot and the decision state are those the uninterrupted run had, so it
+        rolls back exactly as that run would. Its live state is still checked; a snapshot of it is taken only when
+        no file is listed (the memory snapshots of the interrupted process are gone)."""
         self._last_step = int(trainer.global_step)
-        self._last_target = None
-        self._last_settings = ()
-        self._retries = 0
+        resumed, self._resumed = self._resumed, False
+        if not resumed:
+            self._last_target, self._last_settings, self._retries = None, (), 0
         self._disk = [entry for entry in self._disk if entry["step"] <= trainer.global_step]
         listed = [Snapshot(entry["step"], None, file=entry["file"]) for entry in self._disk]
-        self._before_restart = listed if self._files is not None and self._resumed else []
-        self._resumed = False
-        refused = self._take(trainer, start=True)
+        self._before_restart = listed if self._files is not None and resumed else []
+        refused = self._take(trainer, start=True, keep=bool(self._before_restart), counting=resumed)
         if refused is not None:
             self._warnings.warn("start", refused.reason)
 
@@ -406,10 +410,18 @@ class Rollback(SuiteCallback):
         )
 
     # ---- snapshots --------------------------------------------------------------------------------------------
-    def _take(self, trainer: pl.Trainer, start: bool = False) -> Signal | None:
+    def _take(self, trainer: pl.Trainer, start: bool = False, keep: bool = False, counting: bool = False
+              ) -> Signal | None:  # fmt: skip
         """Snapshot the live state if it is finite on every rank and, for replicas, the same on every rank. When
-        it is not: journal it, return it as a signal (``nonfinite_state`` or ``replica_mismatch``)."""
-        self._healthy = 0
+        it is not: journal it, return it as a signal (``nonfinite_state`` or ``replica_mismatch``).
+
+        Args:
+            start: the state the fit starts from.
+            keep: only check it (a resumed fit that goes on with its snapshot files).
+            counting: leave the healthy steps counted so far as they are (a resumed fit).
+        """
+        if not counting:
+            self._healthy = 0
         state = live_state(trainer)
         replicas = trainer.world_size > 1 and _compat.replicated_strategy(trainer.strategy)
         parity = checksum(list(trainer.lightning_module.parameters())) if replicas else None
@@ -432,12 +444,13 @@ class Rollback(SuiteCallback):
             self._event(trainer, "snapshot_refused", message, rank=min(check.replica_ranks),
                         ranks=list(check.replica_ranks))  # fmt: skip
             return Signal("replica_mismatch", step, message, "Rollback")
+        if keep:
+            return None
         extras = copy.deepcopy(self.board(trainer).snapshot_extras(trainer))
         held, owners = split_snapshot(trainer, state)
         snapshot = self._memory.take(step, state, extras, held, owners)
-        self._last_target = None
-        self._last_settings = ()
-        self._retries = 0
+        if not counting:  # a new target: no retry of it yet
+            self._last_target, self._last_settings, self._retries = None, (), 0
         if self._files is not None:
             self._write(trainer, snapshot)
         return None
@@ -668,7 +681,10 @@ class Rollback(SuiteCallback):
     ) -> None:
         on = f" on rank(s) {list(ranks)}" if ranks else ""
         message = f"Rollback: {where} cannot be used{on}" + (f": {problem}" if problem else "")
-        self._event(trainer, "snapshot_unusable", message, file=candidate.file, snapshot_step=candidate.step)
+        message += "; it is dropped and the next snapshot is tried."
+        self._event(trainer, "snapshot_unusable", message, file=candidate.file, snapshot_step=candidate.step,
+                    problem=problem, ranks=list(ranks))  # fmt: skip
+        self._warnings.warn(f"unusable:{candidate.file}:{candidate.step}", message)
 
     def _restore_for_exit(self, trainer: pl.Trainer, check: StateCheck, cause: str) -> bool:
         """On the way out of a failed fit: restore the last verified snapshot, without counting a rollback (the
@@ -735,6 +751,11 @@ class Rollback(SuiteCallback):
             "healthy_steps": self._healthy,
             "disk": [dict(e) for e in self._disk],
             "free": sorted(self._free),  # the rollbacks of history that spent no budget (progress)
+            # What the choice of the next target rests on: the last target, the settings then, the retries of it.
+            "last_target": self._last_target,
+            "last_settings": list(self._last_settings),
+            "retries": self._retries,
+            "rollback_settings": None if self._rollback_settings is None else list(self._rollback_settings),
             "trial": self._trial_state(),
         }
 
@@ -747,6 +768,12 @@ class Rollback(SuiteCallback):
         self._healthy = int(state_dict.get("healthy_steps", 0))
         self._disk = [{"step": int(e["step"]), "file": str(e["file"])} for e in state_dict.get("disk", [])]
         self._free = {int(i) for i in state_dict.get("free", []) if 0 <= int(i) < len(self.history)}
+        last = state_dict.get("last_target")
+        self._last_target = None if last is None else int(last)
+        self._last_settings = tuple(float(v) for v in state_dict.get("last_settings", []))
+        self._retries = int(state_dict.get("retries", 0))
+        settings = state_dict.get("rollback_settings")
+        self._rollback_settings = None if settings is None else tuple(float(v) for v in settings)
         self._resumed = True
         self._load_trial_state(state_dict.get("trial"))
 
