@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_overflow import _compat
 from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import read_packed, sum_and_read
-from lightning_overflow.events import Event, Journal, MetricBuffer
+from lightning_overflow.events import Event, Journal, MetricBuffer, WarningCache
 from lightning_overflow.loggers import journal_location, prepare_dashboards, publish_events, upload_journal
 from lightning_overflow.numerics import (
     FP32_MAX,
@@ -50,6 +50,7 @@ from lightning_overflow.training_state import (
     NonFiniteConstants,
     StateCheck,
     check_state,
+    live_state,
     nonfinite_flags,
     optimizer_labels,
 )
@@ -155,6 +156,9 @@ class StepParticipant(Protocol):
 
     def _after_trial(self, trainer: pl.Trainer, outcome: TrialOutcome) -> None:
         """A trial ended: its remedy was kept (it is the live state now) or discarded."""
+
+    def _answer_at_end(self, trainer: pl.Trainer, check: StateCheck) -> bool:
+        """The fit ends with inf/NaN in its state: restore it, or say so; return whether it was answered."""
 
 
 class StepHealth:
@@ -344,6 +348,17 @@ def loss_facts(losses: Sequence[float], scale: float | None, factor: int) -> tup
     return nonfinite, total, len(losses)
 
 
+def nonfinite_at_end(trainer: pl.Trainer, check: StateCheck) -> str:
+    """What to say of a fit that ends with inf/NaN in its state, nothing restored."""
+    more = f" (+{len(check.names) - MAX_NAMES} more)" if len(check.names) > MAX_NAMES else ""
+    return (
+        f"lightning_overflow: the fit ended at step {trainer.global_step} with inf/NaN in its {check.what} on rank(s) "
+        f"{', '.join(map(str, check.ranks))} (in {', '.join(check.names[:MAX_NAMES]) or 'no named tensor'}{more}); "
+        "nothing restored them. HINT: add Rollback (default_callbacks()) to restore the last state verified finite, "
+        "and look at what wrote them (a BatchNorm statistic fed a NaN sample, a buffer updated outside the step)."
+    )
+
+
 def metric_key(key: str, optimizer_index: int, n_optimizers: int) -> str:
     """The suite's one rule for per-optimizer metric names, the way ``LearningRateMonitor`` names them."""
     return f"{key}_opt{optimizer_index}" if n_optimizers > 1 else key
@@ -376,6 +391,7 @@ class HealthBoard:
         self._constants: NonFiniteConstants | None = None
         self._journal_open = False
         self.trials = TrialRunner()
+        self._end_warnings = WarningCache()
         self._trial_config: tuple[str, TrialConfig | None] | None = None  # who set it, and the setting
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
@@ -417,6 +433,25 @@ class HealthBoard:
                 f"both remedies. Pass the same TrialConfig to both (default_callbacks(...) does)."
             )
         self._trial_config = (name, config)
+
+    def check_at_end(self, trainer: pl.Trainer) -> None:
+        """No fit leaves the suite's hands with inf/NaN in its weights, buffers or optimizer state unsaid: the state is
+        checked when training ends (one all-reduce, every rank together), by the rule of every other check (a buffer
+        holding from the start the infs it holds now, a causal mask, is legitimate). The participants are asked
+        in reverse pipeline order to answer it (``Rollback`` restores the last verified snapshot, ``NonFiniteDetector``
+        raises or warns); with none that does, the board warns itself and journals it."""
+        state = live_state(trainer)
+        check = check_state(state["model"], state["optimizers"], self.constants(trainer), trainer.strategy.root_device,
+                            lambda: optimizer_labels(trainer.lightning_module, trainer.optimizers))  # fmt: skip
+        if check.finite:
+            return
+        for participant in reversed(self.participants):
+            if participant._answer_at_end(trainer, check):
+                return
+        message = nonfinite_at_end(trainer, check)
+        self.record(Event(step=int(trainer.global_step), kind="nonfinite_at_end", rank=min(check.ranks), source=
+                          "lightning_overflow", message=message, details={"parameters": check.names[:MAX_NAMES]}))  # fmt: skip
+        self._end_warnings.warn("nonfinite_at_end", message)
 
     def answers(self, kind: str) -> bool:
         """Whether a participant acts on signals of ``kind`` (it lists it among its ``triggers``)."""

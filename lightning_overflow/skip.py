@@ -44,31 +44,43 @@ class BufferCopy:
     """The buffers of a module as they were when an accumulation window began.
 
     Copies go into tensors allocated once per fit on the buffers' own devices (a few kilobytes for BatchNorm; a
-    causal mask costs one copy of itself per step). The buffers are listed once per fit: a buffer that the module
-    replaces by a new tensor during the fit is not put back.
+    causal mask costs one copy of itself per step). The buffers are listed once per fit and the list is checked at
+    each copy, one dictionary look-up a buffer: a buffer the module replaces by a new tensor (``self.ema = 0.9 *
+    self.ema + ...``) is listed again, so it is put back on a skip and checked as it is now.
     """
 
     def __init__(self) -> None:
         self._module: nn.Module | None = None
         self._names: list[str] = []
+        self._owners: list[tuple[nn.Module, str]] = []  # each buffer's module and its name there
         self._live: list[Tensor] = []
         self._saved: list[Tensor] = []
 
     def take(self, module: nn.Module) -> None:
-        if self._module is not module:  # walked once per fit: a module tree walk per batch costs tens of us
+        if self._module is not module or self._replaced():  # a module tree walk per batch costs tens of us
             named = list(module.named_buffers())
             self._module = module
             self._names = [name for name, _ in named]
+            self._owners = [_owner(module, name) for name in self._names]
             self._live = [b for _, b in named]
             self._saved = [torch.empty_like(b) for b in self._live]
         if self._live:
             with torch.no_grad():
                 torch._foreach_copy_(self._saved, self._live)
 
+    def _replaced(self) -> bool:
+        """Whether a listed buffer is no longer its module's (re-assigned, or removed)."""
+        return any(owner._buffers.get(name) is not live for (owner, name), live in zip(self._owners, self._live))
+
     def put_back(self) -> None:
-        if self._live:
-            with torch.no_grad():
-                torch._foreach_copy_(self._live, self._saved)
+        """The buffers as the window found them; one the step's forward re-assigned gets the copy back in its place."""
+        if not self._live:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_(self._live, self._saved)
+            for (owner, name), live, saved in zip(self._owners, self._live, self._saved):
+                if owner._buffers.get(name) is not live:
+                    owner._buffers[name] = saved.clone()
 
     def saved(self) -> dict[str, Tensor]:
         """The copies by buffer name: the buffers as the current step found them, before its forward passes."""
@@ -76,7 +88,13 @@ class BufferCopy:
 
     def release(self) -> None:
         self._module = None
-        self._names, self._live, self._saved = [], [], []
+        self._names, self._owners, self._live, self._saved = [], [], [], []
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The submodule holding the buffer called ``name`` in ``module``'s ``named_buffers()``, and its own name."""
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
 
 
 def skip_step(

@@ -295,6 +295,13 @@ def save_snapshot(payload: Any, path: str | os.PathLike[str], *, step: int) -> s
         ``path`` as a string.
     """
     path = os.fspath(path)
+    unloadable = _not_weights_only(payload)
+    if unloadable:
+        raise SnapshotError(
+            f"the snapshot of step {step} holds {unloadable}, which torch.load(weights_only=True) refuses: written, "
+            f"it could never be read back. HINT: return tensors, numbers, strings and lists or dicts of them from "
+            f"get_extra_state (e.g. torch.from_numpy(array) instead of a NumPy array)"
+        )
     fs = get_filesystem(path)
     tmp = temporary_path(path)
     synchronize()  # the host reads the buffers now: pending device-to-host copies must be done
@@ -355,6 +362,32 @@ def load_snapshot(path: str | os.PathLike[str]) -> tuple[int, Any]:
             f"its bytes changed after it was written"
         )
     return step, record["payload"]
+
+
+_LOADABLE = (Tensor, int, float, bool, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
+
+
+def _not_weights_only(node: Any, path: str = "payload") -> str:
+    """What in ``node`` ``torch.load(weights_only=True)`` would refuse, as ``"a numpy.ndarray at payload[...]"``
+    (``""`` when nothing): checked before a snapshot is written, so that a file is never written that no restart can
+    read."""
+    if isinstance(node, _LOADABLE):
+        return ""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                return f"a key of type {type(key).__module__}.{type(key).__qualname__} in {path}"
+            found = _not_weights_only(value, f"{path}[{key!r}]")
+            if found:
+                return found
+        return ""
+    if isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            found = _not_weights_only(value, f"{path}[{index}]")
+            if found:
+                return found
+        return ""
+    return f"a {type(node).__module__}.{type(node).__qualname__} at {path}"
 
 
 def content_digest(step: int, payload: Any) -> str:

@@ -50,3 +50,28 @@ def test_a_nan_ignoring_epoch_mean_keeps_the_rescued_run_going() -> None:
 @pytest.mark.filterwarnings("ignore::lightning_overflow.OverflowWarning")
 def test_a_plain_epoch_mean_lets_early_stopping_end_it() -> None:
     assert _fit(ignore_nan=False).global_step == 8
+
+
+@pytest.mark.parametrize("monitor", ["val_loss", "val/acc", "validation_loss"])
+def test_early_stopping_on_a_validation_metric_is_not_warned_about(monitor: str) -> None:
+    """A validation metric never holds a skipped training step's NaN: nothing to warn about."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(TinyRegressor(), [NonFiniteDetector(), EarlyStopping(monitor=monitor, strict=False)], max_steps=2,
+            limit_val_batches=0)  # fmt: skip
+    assert not [w for w in caught if issubclass(w.category, OverflowWarning)]
+
+
+def test_lightnings_spike_detection_beside_the_suite_is_warned_about_at_setup(tmp_path: Any) -> None:
+    from pytorch_lightning.callbacks import SpikeDetection
+
+    with pytest.warns(OverflowWarning) as caught:
+        fit(TinyRegressor(), [NonFiniteDetector(), SpikeDetection(exclude_batches_path=str(tmp_path))], max_steps=2)
+    assert [str(w.message) for w in caught if "SpikeDetection" in str(w.message)] == [
+        "NonFiniteDetector: Lightning's SpikeDetection is in the callbacks. It raises TrainingSpikeException at the "
+        "first step whose loss is NaN (or spikes), the very step this detector skips: a run the suite would rescue is "
+        "stopped there. Remove SpikeDetection: LossSpikeDetector finds the spikes, and the suite skips the non-finite "
+        "steps and tries the remedies of the rest."
+    ]

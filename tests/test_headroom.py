@@ -133,7 +133,7 @@ def test_decades_below_fp32() -> None:
 def test_sampled_steps_stay_within_the_one_host_read(count_reads: Counter[str]) -> None:
     detector = NonFiniteDetector(check_weights_every_n_steps=None, headroom_every_n_steps=1)
     fit(TinyRegressor(), [detector], max_steps=5, logger=MemoryLogger(), log_every_n_steps=1)
-    assert count_reads == Counter({"lightning_overflow.distributed": 5})
+    assert count_reads == Counter({"lightning_overflow.distributed": 5 + 1})  # and the state check at the end
     assert detector.last_headroom.step == 4
 
 

@@ -75,7 +75,8 @@ def test_one_norm_kernel_per_step_on_one_cpu_thread(threads: int, expected: Any,
 @pytest.mark.parametrize("callbacks", suites(), ids=["monitor", "detector", "three"])
 def test_one_host_read_per_optimizer_step(callbacks: list[Any], count_reads: Counter[str]) -> None:
     fit(TinyRegressor(), callbacks, max_steps=STEPS, logger=MemoryLogger(), log_every_n_steps=1)
-    assert count_reads == Counter({"lightning_overflow.distributed": STEPS})
+    # One a step, and one for the state check when training ends.
+    assert count_reads == Counter({"lightning_overflow.distributed": STEPS + 1})
 
 
 def test_every_callback_sees_the_same_record() -> None:

@@ -409,7 +409,7 @@ def test_the_level_starts_again_after_a_signal_and_a_restore_and_keeps_its_best(
     evidence.after_restore()
     assert (evidence.level_count, evidence.level_streak) == (0, 0)
     assert evidence.best_level == pytest.approx(1.0, abs=1e-6)
-    assert DivergenceEvidence.from_state(evidence.state_dict()).state_dict() == evidence.state_dict()
+    assert DivergenceEvidence.from_state(evidence.state_dict(), 2).state_dict() == evidence.state_dict()
 
 
 def test_one_outlier_that_the_spike_test_let_through_settles_no_level() -> None:
@@ -445,7 +445,7 @@ def test_a_restored_state_above_the_bound_is_judged_against_the_first_loss_until
     # A settled rise to 3 fires as on a run never restored: the third step above 2.5, at k = 5.
     findings = [evidence.observe(3.0, spike=False, **LEVEL) for _ in range(5)]
     assert [f is not None for f in findings] == [False] * 4 + [True]
-    restored = DivergenceEvidence.from_state(evidence.state_dict())
+    restored = DivergenceEvidence.from_state(evidence.state_dict(), 2)
     assert restored.state_dict() == evidence.state_dict() and restored.level_armed
 
 

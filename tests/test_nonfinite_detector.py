@@ -123,10 +123,12 @@ def test_action_warn_warns_once_and_changes_nothing() -> None:
         detector = NonFiniteDetector(action="warn")
         fit(model, [detector, faults], max_steps=6)
     ours = [w for w in caught if issubclass(w.category, OverflowWarning)]
-    # Once per kind of finding: the NaN loss at step 2, then the weights it poisoned (not once per step).
-    assert len(ours) == 2
+    # Once per kind of finding: the NaN loss at step 2, then the weights it poisoned (not once per step); and, when
+    # the fit ends, that the model it returns holds them.
+    assert len(ours) == 3
     assert "the loss was inf/NaN at step 2" in str(ours[0].message)
     assert "the weights contained inf/NaN" in str(ours[1].message) and "at step 3" in str(ours[1].message)
+    assert str(ours[2].message).startswith("NonFiniteDetector: the fit ended at step 6 with inf/NaN in its weights")
     assert detector.nonfinite_events >= 2 and detector.skipped_steps == 0
     assert not all(torch.isfinite(p).all() for p in model.parameters())  # a monitor does not protect
 

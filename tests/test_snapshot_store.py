@@ -319,3 +319,20 @@ def test_a_file_whose_bytes_changed_is_journaled_and_never_restored(tmp_path: Pa
     assert unusable[0].message.startswith(f"Rollback: the snapshot file {path} cannot be used on rank(s) [0]: {path} ")
     assert "does not match its checksum" in unusable[0].message
     assert all(bool(torch.isfinite(t).all()) for t in weights(trainer.lightning_module).values())
+
+
+def test_a_snapshot_that_no_weights_only_load_could_read_is_refused_when_written(tmp_path: Path) -> None:
+    """A NumPy array in ``get_extra_state``: refused at once, naming where it is, instead of written and refused by
+    the load after a restart, when it is needed."""
+    import numpy as np
+
+    payload = {"state": {"model": {"_extra_state": {"counts": np.arange(3)}}}}
+    with pytest.raises(SnapshotError) as error:
+        save_snapshot(payload, tmp_path / "s.pt", step=7)
+    assert str(error.value) == (
+        "the snapshot of step 7 holds a numpy.ndarray at payload['state']['model']['_extra_state']['counts'], which "
+        "torch.load(weights_only=True) refuses: written, it could never be read back. HINT: return tensors, numbers, "
+        "strings and lists or dicts of them from get_extra_state (e.g. torch.from_numpy(array) instead of a NumPy "
+        "array)"
+    )
+    assert not list(tmp_path.iterdir())

@@ -435,8 +435,9 @@ def test_a_snapshot_of_another_layout_is_journaled_and_a_newer_one_used() -> Non
     # (step 2, before the split): refused with its reason, and step 4 serves again.
     assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(6, 4), (8, 4)]
     unusable = [e for e in rollback.board(trainer).journal.events if e.kind == "snapshot_unusable"]
+    problem = "optimizer 0 has param groups of [3, 1] parameters, the snapshot [4]: it belongs to another model or optimizer"
     assert [e.message for e in unusable] == [
-        "Rollback: the snapshot of step 2 in memory cannot be used: optimizer 0 has param groups of [3, 1] "
-        "parameters, the snapshot [4]: it belongs to another model or optimizer"
+        f"Rollback: the snapshot of step 2 in memory cannot be used: {problem}; it is dropped and the next snapshot "
+        "is tried."
     ]
-    assert unusable[0].details == {"file": None, "snapshot_step": 2}
+    assert unusable[0].details == {"file": None, "snapshot_step": 2, "problem": problem, "ranks": []}

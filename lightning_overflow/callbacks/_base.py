@@ -16,6 +16,7 @@ from lightning_overflow.events import Event
 from lightning_overflow.health import HealthBoard, StepHealth, board_for
 from lightning_overflow.policy import Signal, StepAction, Verdict
 from lightning_overflow.snapshot_store import Snapshot
+from lightning_overflow.training_state import StateCheck
 from lightning_overflow.trials import TrialOutcome
 
 __all__ = ["MONITOR", "DETECTOR", "CLIPPER", "BACKOFF", "ROLLBACK", "SuiteCallback"]
@@ -106,6 +107,7 @@ class SuiteCallback(Callback):
         board = self.board(trainer)
         if board.leads(self):
             board.trials.end_fit(trainer, board)
+            board.check_at_end(trainer)
             board.flush(trainer)
 
     @override
@@ -194,6 +196,10 @@ class SuiteCallback(Callback):
         remedy = outcome.remedy
         if outcome.kept and remedy.snapshot_step is not None:
             self._after_restore(trainer, remedy.extras.get(self.state_key, {}))
+
+    def _answer_at_end(self, trainer: pl.Trainer, check: StateCheck) -> bool:
+        """The fit ends with inf/NaN in its state: restore it, or say so (default: not this callback's business)."""
+        return False
 
     def _trial_state(self) -> dict[str, Any] | None:
         """The board's trial state, for the one callback that carries it in checkpoints (``None`` for the others)."""

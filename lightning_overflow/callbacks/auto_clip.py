@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_overflow import _compat
 from lightning_overflow._validation import check_choice, check_float, check_int, check_names
+from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
 from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import sum_and_read
@@ -526,7 +527,7 @@ class AutoClip(SuiteCallback):
     # ---- state ------------------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
+        return versioned({
             "mode": self.mode,
             "stats": {index: stats.to_dict() for index, stats in self._stats.items()},
             "steps": self.steps,
@@ -534,16 +535,22 @@ class AutoClip(SuiteCallback):
             "epoch": {index: list(counts) for index, counts in self._epoch.items()},
             "first": {index: list(norms) for index, norms in self._first.items()},
             "bounds": {index: list(bound) for index, bound in self._bounds.items()},
-        }
+            "streaks": dict(self._streaks),
+        })  # fmt: skip
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps = int(state_dict.get("steps", 0))
-        self.clipped_steps = int(state_dict.get("clipped_steps", 0))
-        self._epoch = {int(i): [int(c) for c in counts] for i, counts in state_dict.get("epoch", {}).items()}
-        self._first = {int(i): [float(n) for n in norms] for i, norms in state_dict.get("first", {}).items()}
-        self._bounds = {int(i): (float(r), float(w)) for i, (r, w) in state_dict.get("bounds", {}).items()}
+        state = StateReader("AutoClip", state_dict, since={"streaks": 2})
+        self.steps = state.get("steps", int)
+        self.clipped_steps = state.get("clipped_steps", int)
+        self._epoch = state.get("epoch", lambda v: {int(i): [int(c) for c in counts] for i, counts in v.items()})
+        self._first = state.get("first", lambda v: {int(i): [float(n) for n in norms] for i, norms in v.items()})
+        self._bounds = state.get("bounds", lambda v: {int(i): (float(r), float(w)) for i, (r, w) in v.items()})
+        self._streaks = state.get("streaks", lambda v: {int(i): int(n) for i, n in v.items()}, old={})
+        state.get("mode", str)
+        state.get("stats", dict)
         self._load_stats(state_dict)
+        state.finish()
 
     def _load_stats(self, state_dict: dict[str, Any]) -> None:
         self._stats = {}

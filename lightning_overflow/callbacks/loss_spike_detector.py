@@ -10,6 +10,7 @@ import pytorch_lightning as pl
 from typing_extensions import override
 
 from lightning_overflow._validation import check_bool, check_float, check_int
+from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
 from lightning_overflow.numerics import parameters_of
@@ -505,7 +506,7 @@ class LossSpikeDetector(SuiteCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
+        return versioned({
             "stats": {str(i): stats.state_dict() for i, stats in self._stats.items()},
             "streaks": {str(i): list(streaks) for i, streaks in self._streaks.items()},
             "peaks": {str(i): list(peaks) for i, peaks in self._peaks.items()},
@@ -513,28 +514,32 @@ class LossSpikeDetector(SuiteCallback):
             "grad_spikes": self.grad_spikes,
             "evidence": {str(i): e.state_dict() for i, e in self._evidence.items()},
             "growth": {str(i): g.state_dict() for i, g in self._growth.items()},
-        }
+        })  # fmt: skip
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = StateReader("LossSpikeDetector", state_dict)
         self._stats.clear()
         self._streaks.clear()
         self._peaks.clear()
-        for key, stats_state in state_dict.get("stats", {}).items():
+        for key, stats_state in state.get("stats", dict).items():
             self._stats_for(int(key)).load_state_dict(stats_state)
-        for key, streaks in state_dict.get("streaks", {}).items():
+        for key, streaks in state.get("streaks", dict).items():
             self._stats_for(int(key))
             self._streaks[int(key)] = [int(s) for s in streaks]
-        for key, peaks in state_dict.get("peaks", {}).items():
+        for key, peaks in state.get("peaks", dict).items():
             self._stats_for(int(key))
             self._peaks[int(key)] = [float(p) for p in peaks]
-        self.loss_spikes = int(state_dict.get("loss_spikes", 0))
-        self.grad_spikes = int(state_dict.get("grad_spikes", 0))
-        self._evidence = {int(k): DivergenceEvidence.from_state(v) for k, v in state_dict.get("evidence", {}).items()}
+        self.loss_spikes = state.get("loss_spikes", int)
+        self.grad_spikes = state.get("grad_spikes", int)
+        self._evidence = state.get("evidence", lambda v: {int(k): DivergenceEvidence.from_state(e, state.version)
+                                                          for k, e in v.items()})  # fmt: skip
         self._growth = {}
-        for key, growth_state in state_dict.get("growth", {}).items():
+        for key, growth_state in state.get("growth", dict).items():
             growth = self._growth[int(key)] = self._new_growth()
             growth.load_state_dict(growth_state)
+        # 0.2's probe after a rollback is gone (trials measure the restored weights): its entries are dropped.
+        state.finish(ignored=("probes", "snapshots", "probed", "probe_skips", "data_shifts"))
 
 
 class DivergenceEvidence:
@@ -727,24 +732,36 @@ class DivergenceEvidence:
                 "best_level": self.best_level, "level_streak": self.level_streak, "judged": self.judged,
                 "streak_low": self.streak_low, "level_armed": self.level_armed,
                 "level_losses": list(self.level_losses), "scatter": self.scatter,
-                "best_scatter": self.best_scatter}  # fmt: skip
+                "best_scatter": self.best_scatter, "lowest_level": self.lowest_level,
+                "since_lowest": self.since_lowest}  # fmt: skip
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> DivergenceEvidence:
+    def from_state(cls, saved: dict[str, Any], version: int) -> DivergenceEvidence:
+        """The evidence :meth:`state_dict` wrote, in a state of ``version`` (0.2's: without the plateau count, which
+        starts afresh)."""
+        state = StateReader("LossSpikeDetector's evidence", saved, since={"lowest_level": 2, "since_lowest": 2},
+                            version=version)  # fmt: skip
         evidence = cls()
-        evidence.first = [float(v) for v in state.get("first", [])]
-        evidence.anchor = float(state.get("anchor", 0.0))
-        evidence.streak = int(state.get("streak", 0))
-        evidence.window = [float(v) for v in state.get("window", [])]
-        evidence.best_mean = float(state.get("best_mean", math.inf))
-        evidence.level = float(state.get("level", 0.0))
-        evidence.level_count = int(state.get("level_count", 0))
-        evidence.best_level = float(state.get("best_level", math.inf))
-        evidence.level_streak = int(state.get("level_streak", 0))
-        evidence.judged = float(state.get("judged", 0.0))
-        evidence.streak_low = float(state.get("streak_low", math.inf))
-        evidence.level_armed = bool(state.get("level_armed", True))
-        evidence.level_losses = [float(v) for v in state.get("level_losses", [])]
-        evidence.scatter = float(state.get("scatter", 0.0))
-        evidence.best_scatter = float(state.get("best_scatter", 0.0))
+        evidence.first = state.get("first", _floats)
+        evidence.anchor = state.get("anchor", float)
+        evidence.streak = state.get("streak", int)
+        evidence.window = state.get("window", _floats)
+        evidence.best_mean = state.get("best_mean", float)
+        evidence.level = state.get("level", float)
+        evidence.level_count = state.get("level_count", int)
+        evidence.best_level = state.get("best_level", float)
+        evidence.level_streak = state.get("level_streak", int)
+        evidence.judged = state.get("judged", float)
+        evidence.streak_low = state.get("streak_low", float)
+        evidence.level_armed = state.get("level_armed", bool)
+        evidence.level_losses = state.get("level_losses", _floats)
+        evidence.scatter = state.get("scatter", float)
+        evidence.best_scatter = state.get("best_scatter", float)
+        evidence.lowest_level = state.get("lowest_level", float, old=math.inf)
+        evidence.since_lowest = state.get("since_lowest", int, old=0)
+        state.finish(ignored=("recent",))  # 0.2 kept the last losses for its probe
         return evidence
+
+
+def _floats(values: Any) -> list[float]:
+    return [float(v) for v in values]

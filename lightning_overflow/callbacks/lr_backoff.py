@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 from typing_extensions import override
 
 from lightning_overflow._validation import check_bool, check_choices, check_float, check_int, check_type
+from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.numerics.lr_scaling import scale_lr
@@ -510,7 +511,7 @@ class LRBackoff(SuiteCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
+        return versioned({
             "scales": list(self.scales),
             "cooldown_until": list(self._cooldown_until),
             "stable_since": list(self._stable_since),
@@ -519,20 +520,29 @@ class LRBackoff(SuiteCallback):
             "restored_at": list(self._restored_at),
             "history": [dict(h) for h in self.history],
             "trial": self._trial_state(),
-        }
+        })  # fmt: skip
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Only the bookkeeping: the optimizer and scheduler state restored beside it already carry the scale.
-        self.scales = [float(s) for s in state_dict.get("scales", [])]
+        state = StateReader("LRBackoff", state_dict, since={"trial": 2})
+        self.scales = state.get("scales", lambda v: [float(s) for s in v])
         n = len(self.scales)
-        self._cooldown_until = [int(s) for s in state_dict.get("cooldown_until", [-1] * n)]
-        self._stable_since = [int(s) for s in state_dict.get("stable_since", [0] * n)]
-        self._windows = [int(s) for s in state_dict.get("windows", [self.regrow_after or 0] * n)]
-        self._last_regrowth = [int(s) for s in state_dict.get("last_regrowth", [-1] * n)]
-        self._restored_at = [int(s) for s in state_dict.get("restored_at", [-1] * n)]
-        self.history = [dict(h) for h in state_dict.get("history", [])]
-        self._load_trial_state(state_dict.get("trial"))
+
+        def per_optimizer(values: Any) -> list[int]:
+            counts = [int(v) for v in values]
+            if len(counts) != n:
+                raise ValueError(f"{len(counts)} values for the {n} optimizers of 'scales'")
+            return counts
+
+        self._cooldown_until = state.get("cooldown_until", per_optimizer)
+        self._stable_since = state.get("stable_since", per_optimizer)
+        self._windows = state.get("windows", per_optimizer)
+        self._last_regrowth = state.get("last_regrowth", per_optimizer)
+        self._restored_at = state.get("restored_at", per_optimizer)
+        self.history = state.get("history", lambda v: [dict(h) for h in v])
+        self._load_trial_state(state.get("trial", lambda v: v, old=None))
+        state.finish()
 
 
 def _details(entry: dict[str, Any]) -> dict[str, Any]:

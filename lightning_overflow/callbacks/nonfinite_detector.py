@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_overflow import _compat
 from lightning_overflow._validation import check_bool, check_choice, check_float, check_int
+from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.hints import HUGE_INPUT, detection_hint
@@ -20,11 +21,12 @@ from lightning_overflow.diagnosis.records import Diagnosis
 from lightning_overflow.diagnosis.replay import KeptBatch, diagnose_step
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError
-from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state, state_flags
+from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state, nonfinite_at_end, state_flags
 from lightning_overflow.numerics import FP32_MAX, parameters_of
 from lightning_overflow.policy import StepAction, Verdict
 from lightning_overflow.preserve import capture_rng
 from lightning_overflow.replicas import checksum, compare, differing_parameters
+from lightning_overflow.training_state import StateCheck
 
 __all__ = ["NonFiniteDetector"]
 
@@ -231,6 +233,7 @@ class NonFiniteDetector(SuiteCallback):
             self._skips = []
             self._warnings.clear()
             _warn_about_early_stopping(trainer, self._warnings)
+            _warn_about_spike_detection(trainer, self._warnings)
         if self._headroom is not None:
             self._headroom.reset()
 
@@ -260,6 +263,19 @@ class NonFiniteDetector(SuiteCallback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
         self._release()
+
+    @override
+    def _answer_at_end(self, trainer: pl.Trainer, check: StateCheck) -> bool:
+        """No callback restored the state the fit ends with: raise (``action="raise"``) or warn once, naming the
+        tensors and the step."""
+        message = nonfinite_at_end(trainer, check).replace("lightning_overflow:", "NonFiniteDetector:", 1)
+        self._event(trainer, "nonfinite_at_end", message, rank=min(check.ranks), parameters=check.names[:MAX_NAMES])
+        if self.action == "raise":
+            raise NonFiniteError(message, kind="weight" if check.weight_ranks else "optimizer_state",
+                                 step=int(trainer.global_step), ranks=check.ranks, parameters=check.names[:MAX_NAMES],
+                                 hint="add Rollback (default_callbacks()) to restore the last state verified finite")  # fmt: skip
+        self._warnings.warn("end", message)
+        return True
 
     def _release(self) -> None:
         self._kept = None
@@ -555,7 +571,7 @@ class NonFiniteDetector(SuiteCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
+        return versioned({
             "skipped_steps": self.skipped_steps,
             "nonfinite_events": self.nonfinite_events,
             "consecutive": self._consecutive,
@@ -563,17 +579,19 @@ class NonFiniteDetector(SuiteCallback):
             "scaler_overflows": self._scaler_overflows,
             "recent": list(self._recent),
             "skips": list(self._skips),
-        }
+        })  # fmt: skip
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.nonfinite_events = int(state_dict.get("nonfinite_events", 0))
-        self._consecutive = int(state_dict.get("consecutive", 0))
-        self._persistent = int(state_dict.get("persistent", 0))
-        self._scaler_overflows = int(state_dict.get("scaler_overflows", 0))
-        self._recent = [int(s) for s in state_dict.get("recent", [])]
-        self._skips = [bool(s) for s in state_dict.get("skips", [])]
+        state = StateReader("NonFiniteDetector", state_dict, since={"skips": 2})
+        self.skipped_steps = state.get("skipped_steps", int)
+        self.nonfinite_events = state.get("nonfinite_events", int)
+        self._consecutive = state.get("consecutive", int)
+        self._persistent = state.get("persistent", int)
+        self._scaler_overflows = state.get("scaler_overflows", int)
+        self._recent = state.get("recent", lambda v: [int(s) for s in v])
+        self._skips = state.get("skips", lambda v: [bool(s) for s in v], old=[])  # 0.2 had no skip budget
+        state.finish()
 
     @override
     def _after_restore(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
@@ -607,6 +625,8 @@ def _warn_about_early_stopping(trainer: pl.Trainer, warnings: WarningCache) -> N
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if type(callback).__name__ != "EarlyStopping" or not getattr(callback, "check_finite", False):
             continue
+        if _validation_metric(str(getattr(callback, "monitor", ""))):
+            continue  # a validation metric never holds a skipped training step's NaN
         warnings.warn(
             "early_stopping",
             f"NonFiniteDetector: EarlyStopping(monitor={callback.monitor!r}, check_finite=True) stops the fit when "
@@ -614,6 +634,28 @@ def _warn_about_early_stopping(trainer: pl.Trainer, warnings: WarningCache) -> N
             "loss with self.log(..., on_epoch=True), that epoch's mean is NaN and the run is stopped although it was "
             "rescued. Log the loss through torchmetrics.MeanMetric(nan_strategy='ignore') (see the README), monitor "
             "a validation metric, or pass EarlyStopping(check_finite=False).",
+        )
+
+
+def _validation_metric(key: str) -> bool:
+    """Whether ``key`` names a validation metric by Lightning's conventions (``val_loss``, ``val/acc``,
+    ``validation_loss``)."""
+    name = key.lower()
+    return name.startswith(("val_", "val/", "val-", "valid", "validation")) or name in ("val", "val_loss")
+
+
+def _warn_about_spike_detection(trainer: pl.Trainer, warnings: WarningCache) -> None:
+    """Lightning's ``SpikeDetection`` raises on the first step whose loss is NaN, which is a step this detector
+    skips: the run it rescues is stopped anyway."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if type(callback).__name__ != "SpikeDetection":
+            continue
+        warnings.warn(
+            "spike_detection",
+            "NonFiniteDetector: Lightning's SpikeDetection is in the callbacks. It raises TrainingSpikeException at "
+            "the first step whose loss is NaN (or spikes), the very step this detector skips: a run the suite would "
+            "rescue is stopped there. Remove SpikeDetection: LossSpikeDetector finds the spikes, and the suite skips "
+            "the non-finite steps and tries the remedies of the rest.",
         )
 
 

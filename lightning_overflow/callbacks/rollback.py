@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_overflow import _compat
 from lightning_overflow._validation import check_choices, check_int, check_type
+from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import ROLLBACK, SuiteCallback
 from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
@@ -686,6 +687,30 @@ class Rollback(SuiteCallback):
                     problem=problem, ranks=list(ranks))  # fmt: skip
         self._warnings.warn(f"unusable:{candidate.file}:{candidate.step}", message)
 
+    @override
+    def _answer_at_end(self, trainer: pl.Trainer, check: StateCheck) -> bool:
+        """The fit ends with inf/NaN in its state (a final update that wrote NaN, a buffer poisoned between checks):
+        restore the last verified snapshot, without counting a rollback; journal and warn once."""
+        if not self.restores_state:
+            return False
+        restored = self._restore_first(trainer, self._candidates())
+        ended = (
+            f"Rollback: the fit ended at step {trainer.global_step} with inf/NaN in its {check.what} on rank(s) "
+            f"{_ranks(check.ranks)}{_quote(check.names)}"
+        )
+        if restored is None:
+            message = f"{ended}, and no snapshot verified finite could be restored: the model returned holds them."
+            self._event(trainer, "exit_restore", message, error="end of fit", snapshot_step=None)
+        else:
+            target, source = restored
+            message = (
+                f"{ended}; restored the snapshot of step {target.step} ({source}): the model returned holds finite "
+                f"values, and the steps since that snapshot are lost."
+            )
+            self._event(trainer, "exit_restore", message, error="end of fit", snapshot_step=target.step, source=source)
+        self._warnings.warn("end", message)
+        return True
+
     def _restore_for_exit(self, trainer: pl.Trainer, check: StateCheck, cause: str) -> bool:
         """On the way out of a failed fit: restore the last verified snapshot, without counting a rollback (the
         budget and ``history`` stay). Whether one was restored."""
@@ -743,7 +768,7 @@ class Rollback(SuiteCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
+        return versioned({
             "rollbacks": self.rollbacks,
             "history": [dict(h) for h in self.history],
             "skipped_steps": self.skipped_steps,
@@ -757,25 +782,45 @@ class Rollback(SuiteCallback):
             "retries": self._retries,
             "rollback_settings": None if self._rollback_settings is None else list(self._rollback_settings),
             "trial": self._trial_state(),
-        }
+        })  # fmt: skip
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.rollbacks = int(state_dict.get("rollbacks", 0))
-        self.history = [dict(h) for h in state_dict.get("history", [])]
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self._skip_left = int(state_dict.get("skip_left", 0))
-        self._healthy = int(state_dict.get("healthy_steps", 0))
-        self._disk = [{"step": int(e["step"]), "file": str(e["file"])} for e in state_dict.get("disk", [])]
-        self._free = {int(i) for i in state_dict.get("free", []) if 0 <= int(i) < len(self.history)}
-        last = state_dict.get("last_target")
-        self._last_target = None if last is None else int(last)
-        self._last_settings = tuple(float(v) for v in state_dict.get("last_settings", []))
-        self._retries = int(state_dict.get("retries", 0))
-        settings = state_dict.get("rollback_settings")
-        self._rollback_settings = None if settings is None else tuple(float(v) for v in settings)
+        # Version 1 (0.2) knew no decision state: a resumed run of it chooses its next target afresh.
+        state = StateReader(
+            "Rollback", state_dict,
+            since={"last_target": 2, "last_settings": 2, "retries": 2, "rollback_settings": 2, "trial": 2},
+        )  # fmt: skip
+        self.rollbacks = state.get("rollbacks", int)
+        self.history = state.get("history", lambda v: [dict(h) for h in v])
+        self.skipped_steps = state.get("skipped_steps", int)
+        self._skip_left = state.get("skip_left", int)
+        self._healthy = state.get("healthy_steps", int)
+        self._disk = state.get("disk", lambda v: [{"step": int(e["step"]), "file": str(e["file"])} for e in v])
+        self._free = state.get("free", lambda v: _indices(v, len(self.history)))
+        self._last_target = state.get("last_target", _optional_int, old=None)
+        self._last_settings = state.get("last_settings", _floats, old=())
+        self._retries = state.get("retries", int, old=0)
+        self._rollback_settings = state.get("rollback_settings", lambda v: None if v is None else _floats(v), old=None)
         self._resumed = True
-        self._load_trial_state(state_dict.get("trial"))
+        self._load_trial_state(state.get("trial", lambda v: v, old=None))
+        state.finish()
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _floats(values: Any) -> tuple[float, ...]:
+    return tuple(float(v) for v in values)
+
+
+def _indices(values: Any, size: int) -> set[int]:
+    """History indices, each within the history."""
+    indices = {int(i) for i in values}
+    if any(not 0 <= i < size for i in indices):
+        raise ValueError(f"an index lies outside the {size} rollbacks of 'history'")
+    return indices
 
 
 # ---- messages and refusals --------------------------------------------------------------------------------------
