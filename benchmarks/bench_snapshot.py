@@ -1,7 +1,8 @@
 """Time to take and to restore a rollback snapshot, relative to one training step.
 
-A snapshot is what ``Rollback`` does every ``every_n_steps`` steps: check the model and AdamW state for inf/NaN (one
-max-abs pass over every tensor, step counters left out, one host read) and copy them into reused host buffers. A
+A snapshot is what ``Rollback`` does every ``every_n_steps`` steps: check the model and AdamW state for inf/NaN (a sum
+of every tensor, step counters left out, one host read; the max-abs pass only for a suspect) and copy them into the
+ring's host buffers, allocated with the first snapshot. A
 restore copies them back in place. Both are compared with one full training step (forward, backward, AdamW update)
 of the same model; medians over repeated runs, one process. A disk snapshot (temporary file, fsync, rename) is timed
 once.
@@ -30,15 +31,13 @@ from torch import nn
 from lightning_overflow.numerics.snapshots import (
     held_nbytes,
     named_state_tensors,
-    nonfinite_flag,
     restore_optimizer_,
     restore_state_,
     state_nbytes,
-    state_tensors,
     take_snapshot,
 )
 from lightning_overflow.snapshot_store import save_snapshot
-from lightning_overflow.training_state import snapshot_owners
+from lightning_overflow.training_state import check_state, snapshot_owners
 
 
 def build(quick: bool) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
@@ -91,9 +90,7 @@ def main() -> None:
 
     def check(state: dict[str, object]) -> None:
         """Rollback's verification before a state becomes a rollback target."""
-        weights = nonfinite_flag(state_tensors(state["model"]))
-        moments = nonfinite_flag(state_tensors(state["optimizers"]), scalars=False)
-        if any(torch.stack([weights, moments]).tolist()):
+        if not check_state(state["model"], state["optimizers"], None, "cpu").finite:  # type: ignore[arg-type]
             raise FloatingPointError("the benchmark state is not finite")
 
     def take() -> None:

@@ -9,9 +9,18 @@ every hook, and Lightning's logging into a ``CSVLogger`` (``log_every_n_steps=50
 windows log once per window, which only makes logging weigh more). The model logs its loss every step, as real
 training does.
 
-Measured in the same run: one read of all gradient bytes (``g.sum()`` of every gradient, one host read) against the
-suite's norm and finiteness check as a step runs it (``tensor_norms``, one host read, the total taken on the host),
-and the host memory a ``Rollback`` snapshot holds (``keep=2``).
+Also measured: the host memory a ``Rollback`` snapshot holds (``keep=2``).
+
+Inside the hooks (``--hooks``; after the whole-step table unless ``--no-hooks``): on a shared machine a step's wall
+time measures the scheduler as much as the work, so the suite's own cost is taken as CPU time too. With one torch
+thread every kernel runs on the calling thread, and ``time.thread_time`` around the suite's Lightning hooks (the
+outermost call only, so that ``super()`` and the board's forwarding count once; muted hooks are never called) is the
+CPU time the suite spends in a step, whatever else loads the machine. Its share of a bare step (the bare fit's
+``thread_time`` per step, in the same round) is printed per round, with the median and spread over rounds. The window
+holds 100 steps, so the work done every 10, 50 or 100 steps (the weight-growth sample, logging, the weights check,
+Rollback's snapshot, whose own time is printed beside its amortised cost) weighs as in a run. The same rounds time,
+on one thread, one read of all gradient bytes (``g.sum()`` of every gradient, one host read) against the suite's norm
+and finiteness check as a step runs it (the per-tensor norms, one host read, the total taken on the host).
 
 Models: ``mlp`` (about 1M parameters), ``gpt`` (a GPT-like transformer, about 25M parameters), ``gpt11m`` (11M).
 On the GPTs the default rows are the peers and ``default_callbacks()`` (``--all-rows`` adds every single callback).
@@ -30,6 +39,7 @@ Usage::
     python benchmarks/overhead.py --model gpt11m --rounds 9
     python benchmarks/overhead.py --accelerator gpu  # the same on one GPU (synchronised at every step boundary)
     python benchmarks/overhead.py --threads 1 --clock cpu   # on a shared, busy machine
+    python benchmarks/overhead.py --hooks            # only the CPU time inside the hooks, the norm check, snapshots
 """
 
 from __future__ import annotations
@@ -75,7 +85,11 @@ LOG_EVERY = 50  # Lightning's default log_every_n_steps
 SUITE = "default_callbacks()"
 SUITE_TARGET = {"mlp": 1.05, "gpt": 1.02, "gpt11m": 1.02}
 SINGLE_TARGET = 1.03  # every single callback of ours, on the MLP
-NORM_TARGET = 1.5  # norm + finiteness check against one read of the gradient bytes
+NORM_TARGET = 1.2  # norm + finiteness check against one read of the gradient bytes
+HOOK_TARGET = {"mlp": 0.05, "gpt": 0.01, "gpt11m": 0.01}  # CPU time inside the suite's hooks / a bare step's
+SNAPSHOT_TARGET_US = 50.0  # a Rollback snapshot's cost per step at its default interval, on the MLP
+SNAPSHOT_EVERY = 100  # Rollback's default every_n_steps
+HOOK_WINDOW = 100  # steps timed inside the hooks: the work done every 10, 50 and 100 steps weighs as in a run
 PEERS_TO_BEAT = ("detect_anomaly=True", "ZClip callback", "ARC callback")
 
 
@@ -132,7 +146,7 @@ class GPT(pl.LightningModule):
     def __init__(
         self, dim: int, layers: int, heads: int = 8, vocab: int = 512, context: int = 64, batch_size: int = 4,
         samples: int = 512,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__()
         self.tokens = nn.Embedding(vocab, dim)
         self.positions = nn.Parameter(torch.zeros(context, dim))
@@ -173,14 +187,17 @@ class ModelSpec:
     timed_steps: int
     quick_timed_steps: int
     norm_repeats: int  # calls of each norm row per round
+    hook_rounds: int = 5  # rounds of the CPU time inside the hooks
 
 
 MODELS = {
     # 100 steps: the window holds two logging steps and, once each, the work done every 100 steps (Rollback's
     # snapshot, NonFiniteDetector's weights check and headroom sample), so the mean amortises them exactly.
     "mlp": ModelSpec("mlp", lambda n: MLP(samples=64 * n), 5, 100, 100, norm_repeats=30),
-    "gpt": ModelSpec("gpt", lambda n: GPT(dim=512, layers=8, samples=4 * n), 2, 8, 4, norm_repeats=5),
-    "gpt11m": ModelSpec("gpt11m", lambda n: GPT(dim=384, layers=6, samples=4 * n), 2, 10, 5, norm_repeats=10),
+    "gpt": ModelSpec("gpt", lambda n: GPT(dim=512, layers=8, samples=4 * n), 2, 8, 4, norm_repeats=5, hook_rounds=3),
+    "gpt11m": ModelSpec(
+        "gpt11m", lambda n: GPT(dim=384, layers=6, samples=4 * n), 2, 10, 5, norm_repeats=10, hook_rounds=3
+    ),
 }
 
 
@@ -261,32 +278,49 @@ def configurations(all_rows: bool, model: str) -> list[Config]:
 
 
 # ---- one fit ----------------------------------------------------------------------------------------------------
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCKS: dict[str, Callable[[], float]] = {
+    "wall": time.perf_counter, "cpu": time.process_time, "thread": time.thread_time,
+}  # fmt: skip
 
 
 class StepTimer(pl.Callback):
-    """The clock at every ``on_train_batch_start`` (first in the list, so before any other callback's hook)."""
+    """The clock at every ``on_train_batch_start`` (first in the list, so before any other callback's hook), and
+    beside it the value of ``probe`` (the CPU time spent inside the suite's hooks so far)."""
 
-    def __init__(self, cuda: bool, clock: Callable[[], float]) -> None:
+    def __init__(self, cuda: bool, clock: Callable[[], float], probe: Callable[[], float] | None = None) -> None:
         self.cuda = cuda
         self.clock = clock
+        self.probe = probe
         self.starts: list[float] = []
+        self.probed: list[float] = []
 
     def on_train_batch_start(self, *_: Any) -> None:
         if self.cuda:
             torch.cuda.synchronize()
         self.starts.append(self.clock())
+        if self.probe is not None:
+            self.probed.append(self.probe())
 
 
 def fit_ms_per_step(
     spec: ModelSpec, config: Config, timed: int, accelerator: str, tmp: Path, tag: str, clock: str = "wall"
 ) -> float:
     """Mean milliseconds per step over the timed window of one fresh fit."""
+    timer = timed_fit(spec, config, timed, accelerator, tmp, tag, clock)
+    start, end = timer.starts[spec.warmup_steps], timer.starts[spec.warmup_steps + timed]
+    return 1000 * (end - start) / timed
+
+
+def timed_fit(
+    spec: ModelSpec, config: Config, timed: int, accelerator: str, tmp: Path, tag: str, clock: str = "wall",
+    probe: Callable[[], float] | None = None,
+) -> StepTimer:  # fmt: skip
+    """One fresh fit of ``spec.warmup_steps + timed + 1`` steps; its timer holds the clock at each step's start."""
     steps = spec.warmup_steps + timed + 1  # the timed window ends at the start of the last step
     torch.manual_seed(0)
     model = spec.build(steps)
     callbacks, kwargs = config.make(tmp)
-    timer = StepTimer(cuda=accelerator == "gpu", clock=CLOCKS[clock])
+    timer = StepTimer(cuda=accelerator == "gpu", clock=CLOCKS[clock], probe=probe)
     trainer = pl.Trainer(
         max_steps=steps,
         accelerator=accelerator,
@@ -302,8 +336,7 @@ def fit_ms_per_step(
         **kwargs,
     )
     trainer.fit(model)
-    start, end = timer.starts[spec.warmup_steps], timer.starts[spec.warmup_steps + timed]
-    return 1000 * (end - start) / timed
+    return timer
 
 
 # ---- the gradient read against the norm check -------------------------------------------------------------------
@@ -327,7 +360,13 @@ def read_all(grads: list[Tensor]) -> float:
 def norm_and_check(grads: list[Tensor]) -> bool:
     """The suite's check as a step runs it: per-tensor norms, one host read, the exact total taken on the host from
     the read norms, finite or not."""
-    return math.isfinite(host_total_norm(tensor_norms(grads).tolist()))
+    return math.isfinite(host_total_norm(_STEP_NORMS(grads).tolist()))
+
+
+try:  # what a step computes its gradients' norms with (tensor_norms before plain_norms existed)
+    from lightning_overflow.numerics.norms import plain_norms as _STEP_NORMS
+except ImportError:
+    _STEP_NORMS = tensor_norms
 
 
 def torch_total_norm(grads: list[Tensor]) -> float:
@@ -338,9 +377,10 @@ def isfinite_each(grads: list[Tensor]) -> bool:
     return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all().item())
 
 
+NORM_OURS = "ours: the step's norms + finiteness"
 NORM_ROWS: dict[str, Callable[[list[Tensor]], Any]] = {
     "one read of the gradient bytes (sum)": read_all,
-    "ours: tensor_norms + host total": norm_and_check,
+    NORM_OURS: norm_and_check,
     "torch get_total_norm": torch_total_norm,
     "torch isfinite(g).all() per tensor": isfinite_each,
 }
@@ -358,21 +398,11 @@ def time_norms(grads: list[Tensor], repeats: int) -> dict[str, float]:
 
 
 # ---- the snapshot's memory --------------------------------------------------------------------------------------
-def snapshot_memory(spec: ModelSpec, accelerator: str, tmp: Path) -> tuple[int, int, int, float]:
-    """``(snapshot bytes held with keep=2, parameter bytes, snapshots held, ms per snapshot)`` after a short fit."""
+def snapshot_memory(spec: ModelSpec, accelerator: str, tmp: Path) -> tuple[int, int, int]:
+    """``(snapshot bytes held with keep=2, parameter bytes, snapshots held)`` after a short fit."""
     torch.manual_seed(0)
     model = spec.build(12)
     rollback = Rollback(every_n_steps=5, keep=2)
-    taken: list[float] = []
-    take = rollback._take  # timed from outside: the snapshot with its finiteness check
-
-    def timed_take(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        result = take(*args, **kwargs)
-        taken.append(time.perf_counter() - start)
-        return result
-
-    rollback._take = timed_take  # type: ignore[method-assign]
     trainer = pl.Trainer(
         max_steps=12, accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp, callbacks=[rollback],
@@ -381,7 +411,175 @@ def snapshot_memory(spec: ModelSpec, accelerator: str, tmp: Path) -> tuple[int, 
     memory = rollback._memory.snapshots
     held = sum(state_nbytes(snapshot.state) for snapshot in memory if snapshot.state is not None)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return held, params, len(memory), 1000 * statistics.median(taken[1:] or taken)
+    return held, params, len(memory)
+
+
+# ---- CPU time inside the suite's hooks --------------------------------------------------------------------------
+_PACKAGE = "lightning_overflow"
+
+
+class HookClock:
+    """The calling thread's CPU time (``time.thread_time``) inside the suite's Lightning hooks, outermost calls only,
+    and inside each ``Rollback`` snapshot, while installed.
+
+    The hooks are wrapped on the package's classes, not on callback instances: a hook the suite mutes for a fit (set
+    to ``None`` on the instance, so that Lightning skips it) stays muted and costs nothing here, as in a run.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.snapshots: list[tuple[int, float]] = []  # (global_step after the snapshot, seconds)
+        self._depth = 0
+        self._originals: list[tuple[type, str, Any]] = []
+
+    def install(self) -> None:
+        named = ("setup", "teardown")
+        hooks = [n for n, v in vars(pl.Callback).items() if callable(v) and (n.startswith("on_") or n in named)]
+        classes = {k for c in default_callbacks() for k in type(c).__mro__ if k.__module__.startswith(_PACKAGE)}
+        for cls in sorted(classes, key=lambda c: c.__qualname__):
+            for name in hooks:
+                if name in vars(cls):
+                    self._wrap_hook(cls, name)
+        self._wrap_snapshot()
+
+    def remove(self) -> None:
+        for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+        self._originals.clear()
+
+    def __call__(self) -> float:
+        return self.seconds
+
+    def _wrap_hook(self, owner: type, name: str) -> None:
+        original = vars(owner)[name]
+        self._originals.append((owner, name, original))
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
+            start = time.thread_time() if self._depth == 1 else 0.0
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if not self._depth:
+                    self.seconds += time.thread_time() - start
+
+        setattr(owner, name, timed)
+
+    def _wrap_snapshot(self) -> None:
+        original = vars(Rollback)["_take"]  # the snapshot with its check
+        self._originals.append((Rollback, "_take", original))
+
+        def timed(callback: Any, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return original(callback, trainer, *args, **kwargs)
+            finally:
+                self.snapshots.append((int(trainer.global_step), time.thread_time() - start))
+
+        Rollback._take = timed  # type: ignore[method-assign]
+
+
+@dataclass
+class HookRun:
+    spec: ModelSpec
+    params: int
+    bare_ms: list[float] = field(default_factory=list)  # the bare fit's CPU ms per step, per round
+    hooks_us: list[float] = field(default_factory=list)  # CPU us a step inside the suite's hooks, per round
+    snapshots_ms: list[float] = field(default_factory=list)  # each snapshot inside the windows
+    snapshot_us: list[float] = field(default_factory=list)  # snapshots' CPU us per step of the window, per round
+    norm_ms: dict[str, list[float]] = field(default_factory=dict)
+    norm_ratios: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def shares(self) -> list[float]:
+        return [hooks / 1000 / bare for hooks, bare in zip(self.hooks_us, self.bare_ms)]
+
+
+def bench_hooks(spec: ModelSpec, args: argparse.Namespace, tmp: Path) -> HookRun:
+    """Rounds of a bare fit and a ``default_callbacks()`` fit on one torch thread, ``HOOK_WINDOW`` steps timed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    grads = gradients(spec, "cpu")
+    run = HookRun(spec, sum(g.numel() for g in grads))
+    run.norm_ms = {name: [] for name in NORM_ROWS}
+    run.norm_ratios = {name: [] for name in NORM_ROWS}
+    rounds = args.rounds or spec.hook_rounds
+    bare = Config("bare", lambda _: ([], {}), "bare")
+    suite = Config(SUITE, lambda _: (default_callbacks(), {}), "suite")
+    print(f"\n## {spec.key}: the suite's hooks, CPU time on one thread; {rounds} rounds of a bare fit and a {SUITE} "
+          f"fit, {spec.warmup_steps} + {HOOK_WINDOW} steps each", flush=True)  # fmt: skip
+    clock = HookClock()
+    clock.install()
+    started = time.perf_counter()
+    try:
+        for round_index in range(rounds + 1):  # round 0 warms every code path with short fits and is discarded
+            timed = HOOK_WINDOW if round_index else 2
+            first, second = (bare, suite) if round_index % 2 else (suite, bare)
+            low, high = spec.warmup_steps, spec.warmup_steps + timed
+            marks: dict[str, StepTimer] = {}
+            window: list[float] = []  # the seconds of each snapshot taken inside the suite fit's window
+            for config in (first, second):
+                clock.snapshots.clear()
+                marks[config.name] = timed_fit(spec, config, timed, "cpu", tmp, f"hooks-{spec.key}", "thread", clock)
+                if config is suite:
+                    window = [seconds for step, seconds in clock.snapshots if low < step <= high]
+            measured = time_norms(grads, spec.norm_repeats)
+            if not round_index:
+                continue
+            bare_timer, suite_timer = marks[bare.name], marks[suite.name]
+            run.bare_ms.append(1000 * (bare_timer.starts[high] - bare_timer.starts[low]) / timed)
+            run.hooks_us.append(1e6 * (suite_timer.probed[high] - suite_timer.probed[low]) / timed)
+            run.snapshots_ms += [1000 * seconds for seconds in window]
+            run.snapshot_us.append(1e6 * sum(window) / timed)
+            for name, ms in measured.items():
+                run.norm_ms[name].append(ms)
+                run.norm_ratios[name].append(ms / measured["one read of the gradient bytes (sum)"])
+            print(f"  round {round_index}/{rounds}: bare {run.bare_ms[-1]:.2f} ms CPU a step, inside the hooks "
+                  f"{run.hooks_us[-1]:.0f} us ({run.shares[-1]:.4f}), snapshots in the window "
+                  f"{[round(1000 * s, 2) for s in window]} ms ({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+    finally:
+        clock.remove()
+        torch.set_num_threads(threads)
+    return run
+
+
+def report_hooks(run: HookRun) -> list[tuple[str, bool]]:
+    """Print one model's CPU time inside the hooks, its norm check and its snapshots; return its targets."""
+    spec, checks = run.spec, []
+    share, limit = statistics.median(run.shares), HOOK_TARGET[spec.key]
+    print(f"\n### {spec.key} ({run.params / 1e6:.2f}M parameters): CPU time inside the suite's hooks, one torch "
+          f"thread, medians of {len(run.shares)} rounds x {HOOK_WINDOW} steps (min-max over rounds)")  # fmt: skip
+    print(f"bare step: {statistics.median(run.bare_ms):.2f} ms CPU ({spread(run.bare_ms)})")
+    print(f"inside the hooks of {SUITE}: {statistics.median(run.hooks_us):.0f} us a step "
+          f"({min(run.hooks_us):.0f}-{max(run.hooks_us):.0f})")  # fmt: skip
+    met = share <= limit
+    print(f"share of a bare step: {share:.4f} ({min(run.shares):.4f}-{max(run.shares):.4f})  target <= {limit} "
+          f"{verdict(met)}")  # fmt: skip
+    checks.append((f"{spec.key}: CPU inside the hooks {share:.4f} of a bare step <= {limit}", met))
+    print(f"gradients of {spec.key} ({run.params / 1e6:.2f}M fp32 values), one thread: median ms per call, ratio to "
+          "the read in the same round")  # fmt: skip
+    for name, values in run.norm_ms.items():
+        ratio = statistics.median(run.norm_ratios[name])
+        line = f"  {name:<38} {statistics.median(values):8.3f} ms  {ratio:6.3f}x  ({spread(run.norm_ratios[name])})"
+        if name == NORM_OURS:
+            met = ratio <= NORM_TARGET
+            checks.append((f"{spec.key}: norm + finiteness {ratio:.3f}x one read of the gradients <= {NORM_TARGET}x",
+                           met))  # fmt: skip
+            line += f"  target <= {NORM_TARGET}x {verdict(met)}"
+        print(line)
+    if run.snapshots_ms:
+        one, amortised = statistics.median(run.snapshots_ms), statistics.median(run.snapshot_us)
+        line = (f"Rollback snapshot (its check and copy, CPU): {one:.2f} ms each ({spread(run.snapshots_ms)}, "
+                f"{len(run.snapshots_ms)} taken); amortised over the window: {amortised:.1f} us a step "
+                f"(every_n_steps={SNAPSHOT_EVERY})")  # fmt: skip
+        if spec.key == "mlp":
+            met = amortised <= SNAPSHOT_TARGET_US
+            checks.append((f"mlp: a snapshot's amortised cost {amortised:.1f} us a step <= {SNAPSHOT_TARGET_US:g} us",
+                           met))  # fmt: skip
+            line += f"  target <= {SNAPSHOT_TARGET_US:g} us {verdict(met)}"
+        print(line)
+    return checks
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
@@ -406,8 +604,6 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, tmp: Path) -> dict[st
     n_params = sum(g.numel() for g in grads)
     print(f"\n## {spec.key}: {n_params / 1e6:.2f}M parameters; {rounds} rounds of {len(configs) + 1} fits "
           f"(bare first and last), {spec.warmup_steps} + {timed} steps each", flush=True)  # fmt: skip
-    norm_ratios: dict[str, list[float]] = {name: [] for name in NORM_ROWS}
-    norm_ms: dict[str, list[float]] = {name: [] for name in NORM_ROWS}
     started = time.perf_counter()
     bare_config, others = configs[0], configs[1:]
     for round_index in range(rounds + 1):  # round 0 warms every code path with short fits and is discarded
@@ -424,28 +620,24 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, tmp: Path) -> dict[st
             try:
                 tag = f"{spec.key}-r{round_index}"
                 ms = fit_ms_per_step(spec, config, steps, args.accelerator, tmp, tag, args.clock)
-            except Exception as err:  # a peer that breaks on this model is reported, the others go on
+            except Exception as err:  # noqa: BLE001 - a peer that breaks on this model is reported, the others go on
                 result.failed = f"{type(err).__name__}: {err}"
                 print(f"  {config.name}: failed ({result.failed}); dropped", flush=True)
                 continue
             measured_ms.setdefault(config.name, []).append(ms)
-        measured = time_norms(grads, spec.norm_repeats)
         if not round_index:
             continue
         bare = statistics.mean(measured_ms["bare"])
         for name, values in measured_ms.items():
             results[name].ms.append(statistics.mean(values))
             results[name].ratios.append(statistics.mean(values) / bare)
-        for name, ms in measured.items():
-            norm_ms[name].append(ms)
-            norm_ratios[name].append(ms / measured["one read of the gradient bytes (sum)"])
         suite = results[SUITE].ratios[-1] if results[SUITE].ratios else math.nan
         print(f"  round {round_index}/{rounds}: bare {bare:.2f} ms/step, {SUITE} {suite:.3f}x "
               f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
-    held, param_bytes, count, snap_ms = snapshot_memory(spec, args.accelerator, tmp)
+    held, param_bytes, count = snapshot_memory(spec, args.accelerator, tmp)
     return {
-        "spec": spec, "params": n_params, "results": results, "norm_ms": norm_ms, "norm_ratios": norm_ratios,
-        "snapshot": (held, param_bytes, count, snap_ms), "rounds": rounds, "timed": timed,
+        "spec": spec, "params": n_params, "results": results, "snapshot": (held, param_bytes, count), "rounds": rounds,
+        "timed": timed,
     }  # fmt: skip
 
 
@@ -485,25 +677,13 @@ def report(run: dict[str, Any]) -> list[tuple[str, bool]]:
             target = f"suite cheaper {verdict(suite < ratio)}"
         row = f"| {name} | {statistics.median(result.ms):.2f} | {ratio:.3f} | {spread(result.ratios)} | "
         print(row + f"{extra:+.3f} | {target} |")
-    print(f"\ngradients of {spec.key} ({run['params'] / 1e6:.2f}M fp32 values): median ms per call, ratio to the read "
-          "in the same round")  # fmt: skip
-    for name, values in run["norm_ms"].items():
-        ratio = statistics.median(run["norm_ratios"][name])
-        line = f"  {name:<38} {statistics.median(values):8.3f} ms  {ratio:6.3f}x  ({spread(run['norm_ratios'][name])})"
-        if name == "ours: tensor_norms + host total":
-            met = ratio <= NORM_TARGET
-            description = f"{spec.key}: norm + finiteness {ratio:.3f}x one read of the gradients <= {NORM_TARGET}x"
-            checks.append((description, met))
-            line += f"  target <= {NORM_TARGET}x {verdict(met)}"
-        print(line)
     if run["timed"] < 100:
         print(f"(a window of {run['timed']} steps holds none of the work done every 100 steps: Rollback's snapshot, "
-              "whose cost is below, NonFiniteDetector's weights check and headroom sample)")  # fmt: skip
-    held, param_bytes, count, snap_ms = run["snapshot"]
+              "NonFiniteDetector's weights check and headroom sample; the CPU time inside the hooks holds them)")  # fmt: skip
+    held, param_bytes, count = run["snapshot"]
     print(f"Rollback snapshots (keep=2): {count} held, {held / 2**20:.1f} MiB of host memory = "
           f"{held / param_bytes:.2f}x the parameter bytes ({held / max(count, 1) / 2**20:.1f} MiB each, model + "
-          f"AdamW state); taking one with its check: {snap_ms:.1f} ms, which at every_n_steps=100 adds "
-          f"{snap_ms / 100 / statistics.median(bare):.2%} to a step on average")  # fmt: skip
+          "AdamW state)")  # fmt: skip
     return checks
 
 
@@ -556,6 +736,11 @@ def main() -> int:
         "(with --threads 1 it is the work itself; CPU only)",
     )  # fmt: skip
     parser.add_argument("--timed-steps", type=int, help="steps timed per fit (default: 100 on the MLP, 8-10 on GPTs)")
+    parser.add_argument(
+        "--hooks", action="store_true",
+        help="only the CPU time inside the suite's hooks, the norm check and the snapshots (default models: mlp gpt11m)",
+    )  # fmt: skip
+    parser.add_argument("--no-hooks", action="store_true", help="only the whole-step ratios")
     args = parser.parse_args()
     for name in ("rounds", "threads", "timed_steps"):
         value = getattr(args, name)
@@ -565,21 +750,29 @@ def main() -> int:
         parser.error("--accelerator gpu needs CUDA, and torch.cuda.is_available() is False here")
     if args.accelerator == "gpu" and args.clock == "cpu":
         parser.error("--clock cpu measures host CPU time, which says nothing of GPU work: use --clock wall")
+    if args.hooks and args.no_hooks:
+        parser.error("--hooks and --no-hooks exclude each other")
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     quiet()
-    models = args.model or (["mlp", "gpt11m"] if args.quick else ["mlp", "gpt"])
+    models = args.model or (["mlp", "gpt11m"] if args.quick or args.hooks else ["mlp", "gpt"])
+    hook_models = [] if args.no_hooks else args.model or ["mlp", "gpt11m"]
     device = torch.cuda.get_device_name() if args.accelerator == "gpu" else f"CPU, {torch.get_num_threads()} thread(s)"
     print(f"torch {torch.__version__}, pytorch_lightning {pl.__version__}, {device}, {args.clock} clock, "
           f"Python {sys.version.split()[0]}")  # fmt: skip
-    runs = []
+    runs, hook_runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for key in models:
+        for key in [] if args.hooks else models:
             runs.append(bench_model(MODELS[key], args, Path(tmp)))
+        for key in hook_models:
+            hook_runs.append(bench_hooks(MODELS[key], args, Path(tmp)))
     checks: list[tuple[str, bool]] = []
     for run in runs:
         checks += report(run)
-    summary_table(runs)
+    if runs:
+        summary_table(runs)
+    for hook_run in hook_runs:
+        checks += report_hooks(hook_run)
     print("\ntargets:")
     for description, ok in checks:
         print(f"  {verdict(ok)}  {description}")

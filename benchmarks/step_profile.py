@@ -2,13 +2,14 @@
 
 ``overhead.py`` measures what the suite adds to a whole step against bare training; this script says where that time
 goes. One fit of ``--steps`` steps with ``default_callbacks()`` (after a short fit that warms every code path), with
-a wall clock around every Lightning hook of the suite's callbacks (the outermost call only, so that ``super()`` is not
-counted twice) and around each stage of the step pipeline. Each line is microseconds per step, averaged over the
+the thread's CPU clock (``time.thread_time``: with one torch thread every kernel runs on it, and the machine's load
+does not inflate it) around every Lightning hook of the suite's callbacks (the outermost call only, so that
+``super()`` is not counted twice) and around each stage of the step pipeline. Each line is microseconds per step, averaged over the
 fit, so the work done every 100 steps (Rollback's snapshot, NonFiniteDetector's weights check and headroom sample)
 is spread over the steps as it is in a run. The clocks themselves cost well under a microsecond a call.
 
 Before that, unclocked fits of a bare model, of six empty Lightning callbacks and of ``default_callbacks()`` give the
-wall time of Lightning's per-batch callback hooks with its dispatch (the profiler context it opens around every hook
+CPU time of Lightning's per-batch callback hooks with its dispatch (the profiler context it opens around every hook
 of every callback): what the suite costs there in all, muted hooks spared.
 
 Then, inside ``on_before_optimizer_step`` of a bare fit of the same model: the suite's norm and finiteness check
@@ -40,19 +41,17 @@ from pytorch_lightning.trainer import call
 from typing_extensions import Self
 
 from lightning_overflow import _compat, default_callbacks
-from lightning_overflow.health import HealthBoard, StepHealth
-from lightning_overflow.numerics import tensor_norms
-from lightning_overflow.numerics.norms import host_total_norm
+from lightning_overflow.health import STAGES, HealthBoard, StepHealth
+from lightning_overflow.numerics.norms import host_total_norm, plain_norms
 
 sys.path.insert(0, str(Path(__file__).parent))
 import overhead  # the models and the fit of overhead.py, shared
 
 HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
-STAGES = ("_contribute", "_judge", "_after_step", "_after_batch", "_counters")
 
 
 class Clocks:
-    """Wall time and calls per label; ``outermost`` labels count only calls not nested in another of them."""
+    """CPU time and calls per label; ``outermost`` labels count only calls not nested in another of them."""
 
     def __init__(self) -> None:
         self.seconds: Counter[str] = Counter()
@@ -66,13 +65,13 @@ class Clocks:
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             self._depth += outermost
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
                 self._depth -= outermost
                 if not outermost or self._depth == 0:
-                    self.seconds[label] += time.perf_counter() - start
+                    self.seconds[label] += time.thread_time() - start
                     self.calls[label] += 1
 
         setattr(owner, name, timed)
@@ -102,7 +101,7 @@ def instrument(clocks: Clocks) -> None:
         for stage in STAGES:
             if stage in cls.__dict__:
                 clocks.wrap(cls, stage, f"stage {cls.__name__}.{stage}")
-    clocks.wrap(StepHealth, "__init__", "board the record: gradient norms and finiteness")
+    clocks.wrap(HealthBoard, "_build", "board the record: gradient norms and finiteness")
     clocks.wrap(StepHealth, "_read", "board the step's one host read (packing, read)")
     clocks.wrap(HealthBoard, "flush", "board logging (one log_metrics per logger and step)")
 
@@ -114,7 +113,7 @@ def profile_suite(spec: overhead.ModelSpec, steps: int, tmp: Path) -> tuple[Cloc
         config = overhead.Config("suite", lambda _: (default_callbacks(), {}), "suite")
         overhead.fit_ms_per_step(spec, config, 5, "cpu", tmp, "warm")
         clocks.clear()
-        ms = overhead.fit_ms_per_step(spec, config, steps, "cpu", tmp, "profiled")
+        ms = overhead.fit_ms_per_step(spec, config, steps, "cpu", tmp, "profiled", "thread")
     finally:
         clocks.remove()
     return clocks, ms
@@ -125,23 +124,28 @@ class FirstRead(pl.Callback):
     host, their total there) and a plain sum of every gradient, read to the host, taking turns at being first."""
 
     def __init__(self) -> None:
-        self.times: dict[str, list[float]] = {"norms, first": [], "sum, first": [], "norms, second": [], "sum, second": []}
+        self.times: dict[str, list[float]] = {
+            "norms, first": [],
+            "sum, first": [],
+            "norms, second": [],
+            "sum, second": [],
+        }
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         reads: dict[str, Callable[[], Any]] = {
-            "norms": lambda: host_total_norm(tensor_norms(grads).tolist()),
+            "norms": lambda: host_total_norm(plain_norms(grads).tolist()),
             "sum": lambda: overhead.read_all(grads),
         }
         order = ("norms", "sum") if trainer.global_step % 2 else ("sum", "norms")
         for place, what in zip(("first", "second"), order):
-            start = time.perf_counter()
+            start = time.thread_time()
             reads[what]()
-            self.times[f"{what}, {place}"].append(time.perf_counter() - start)
+            self.times[f"{what}, {place}"].append(time.thread_time() - start)
 
 
 class Dispatch:
-    """Wall time of Lightning's per-batch callback hooks, its dispatch included (the profiler context it opens
+    """CPU time of Lightning's per-batch callback hooks, its dispatch included (the profiler context it opens
     around every call, for every callback), while in use."""
 
     def __init__(self) -> None:
@@ -154,11 +158,11 @@ class Dispatch:
         def timed(trainer: pl.Trainer, hook_name: str, *args: Any, **kwargs: Any) -> Any:
             if hook_name not in _compat.BATCH_HOOKS:
                 return original(trainer, hook_name, *args, **kwargs)
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return original(trainer, hook_name, *args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.seconds += time.thread_time() - start
 
         call._call_callback_hooks = timed
         return self
@@ -213,11 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     per_step = args.steps + spec.warmup_steps + 1
     n_params = sum(p.numel() for p in spec.build(1).parameters())
     print(f"torch {torch.__version__}, pytorch_lightning {pl.__version__}, CPU, {args.threads} thread(s)")
-    print(f"\n## {args.model} ({n_params / 1e6:.2f}M parameters): default_callbacks(), {args.steps} steps of "
-          f"{ms:.2f} ms (wall clock, this profiled fit)\n")
+    print(
+        f"\n## {args.model} ({n_params / 1e6:.2f}M parameters): default_callbacks(), {args.steps} steps of "
+        f"{ms:.2f} ms (CPU time, this profiled fit)\n"
+    )
     hooks = sum(v for k, v in clocks.seconds.items() if k.startswith("hook"))
-    print(f"time inside the suite's hooks: {hooks / per_step * 1e6:.0f} us a step "
-          f"({hooks / per_step * 1e3 / ms:.1%} of the step)\n")
+    print(
+        f"time inside the suite's hooks: {hooks / per_step * 1e6:.0f} us a step "
+        f"({hooks / per_step * 1e3 / ms:.1%} of the step)\n"
+    )
     print("| where | us per step | calls per step |")
     print("| --- | --- | --- |")
     for label, seconds in sorted(clocks.seconds.items(), key=lambda kv: -kv[1]):

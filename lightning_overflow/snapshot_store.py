@@ -1,9 +1,11 @@
 """Where rollback snapshots are kept: a ring of host buffers in memory, and checksummed files on any filesystem.
 
-Memory (:class:`SnapshotRing`). The last ``keep`` snapshots, each a host copy of the training state. When the ring
-is full, the next snapshot is copied into the buffers of the oldest one: after the first ``keep`` snapshots no host
-memory is allocated again, and a copy into memory already touched runs about three times as fast as into fresh
-pages. A snapshot is only taken of a state verified finite, so the buffers are overwritten by a good state only.
+Memory (:class:`SnapshotRing`). The last ``keep`` snapshots, each a host copy of the training state. The first
+snapshot allocates the buffers of all ``keep`` (the others filled with the same copy, which touches their pages), and
+every later snapshot is copied into buffers already there: the oldest snapshot's once the ring is full. So no
+snapshot after the first allocates host memory, and a copy into memory already touched runs about three times as fast
+as into fresh pages. A snapshot is only taken of a state verified finite, so the buffers are overwritten by a good
+state only.
 
 Files (:class:`SnapshotFiles`, :func:`save_snapshot`, :func:`load_snapshot`). Each file is one ``torch.save`` record,
 readable with ``torch.load(weights_only=True)``::
@@ -105,6 +107,7 @@ class SnapshotRing:
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self.snapshots: list[Snapshot] = []
+        self._spares: list[Any] = []  # buffers that hold no snapshot (yet, or any more), for the next ones
 
     @property
     def steps(self) -> list[int]:
@@ -112,8 +115,10 @@ class SnapshotRing:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held by the snapshots in the ring (placeholders cost none)."""
-        return sum(held_nbytes(s.state) for s in self.snapshots if s.state is not None)
+        """Host bytes held by the ring: its snapshots and the buffers ready for the next ones (placeholders cost
+        none)."""
+        held = [s.state for s in self.snapshots if s.state is not None] + self._spares
+        return sum(held_nbytes(state) for state in held)
 
     def take(
         self,
@@ -130,16 +135,28 @@ class SnapshotRing:
             held: which tensors this rank keeps (the others become placeholders); default all.
             owners: who keeps each split tensor (stored on the snapshot for the restore).
         """
-        reuse = self.snapshots.pop(0).state if len(self.snapshots) >= self.keep else None
+        if len(self.snapshots) >= self.keep:
+            reuse = self.snapshots.pop(0).state
+        else:
+            reuse = self._spares.pop() if self._spares else None
         snapshot = Snapshot(step, take_snapshot(state, reuse, held), extras, owners=dict(owners or {}))
-        self.snapshots = [s for s in self.snapshots if s.step != step] + [snapshot]
+        for replaced in [s for s in self.snapshots if s.step == step]:
+            self.discard(replaced)
+        self.snapshots.append(snapshot)
+        while len(self.snapshots) + len(self._spares) < self.keep:  # the first snapshot: the ring's other buffers
+            self._spares.append(take_snapshot(state, None, held))
         return snapshot
 
     def discard(self, snapshot: Snapshot) -> None:
-        self.snapshots = [s for s in self.snapshots if s is not snapshot]
+        """Drop ``snapshot``; its buffers hold the next one."""
+        kept = [s for s in self.snapshots if s is not snapshot]
+        if len(kept) < len(self.snapshots) and snapshot.state is not None:
+            self._spares.append(snapshot.state)
+        self.snapshots = kept
 
     def clear(self) -> None:
         self.snapshots = []
+        self._spares = []
 
 
 # ---- files ------------------------------------------------------------------------------------------------------

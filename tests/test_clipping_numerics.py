@@ -586,6 +586,37 @@ def test_host_zscore_is_bit_identical_to_the_tensor_form(
 @settings(max_examples=150, deadline=None)
 @given(
     norms=norm_series,
+    alpha=st.floats(min_value=0.01, max_value=0.99),
+    z_threshold=st.floats(min_value=0.1, max_value=10.0),
+    warmup_steps=st.integers(min_value=2, max_value=30),
+    eps=st.sampled_from([0.0, 1e-6, 1e-3]),
+)
+def test_host_zscore_update_and_inliers_agree_with_the_tensor_form(
+    norms: list[float], alpha: float, z_threshold: float, warmup_steps: int, eps: float
+) -> None:
+    """``update`` takes an inlier in without a root: the same statistics as the tensor form; and an inlier's threshold,
+    whatever it is, is never below the norm (no clip)."""
+    kwargs = {"alpha": alpha, "z_threshold": z_threshold, "warmup_steps": warmup_steps, "eps": eps}
+    state, host = ZScoreState.empty(), HostZScore(**kwargs)  # type: ignore[arg-type]
+    for norm in norms:
+        threshold, state = zscore_threshold(state, torch.tensor(norm, dtype=torch.float64), **kwargs)  # type: ignore[arg-type]
+        if host.inlier(norm):
+            assert threshold.item() >= norm and host_clip_coefficient(norm, threshold.item()) == 1.0
+        host.update(norm)
+        assert (host.mean, host.var, host.count) == (state.mean.item(), state.var.item(), int(state.count))
+
+
+def test_host_zscore_inliers_are_told_from_outliers_without_a_root() -> None:
+    host = HostZScore(warmup_steps=2)
+    for norm in (1.0, 3.0):
+        host.update(norm)  # mean 2, standard deviation 1
+    assert not host.inlier(2.5 * 1.0 + 2.0 + 1e-3) and host.inlier(2.0)
+    assert not HostZScore(warmup_steps=2).inlier(1.0)  # in the warm-up: no statistics yet
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    norms=norm_series,
     window=st.integers(min_value=1, max_value=40),
     percentile=st.one_of(st.floats(min_value=0.0, max_value=100.0), st.sampled_from([0.0, 10.0, 50.0, 100.0])),
 )
@@ -734,6 +765,17 @@ def test_sqrt_rounds_as_torch_does(x: float) -> None:
     expected = torch.tensor(x, dtype=torch.float64).sqrt().item()
     assert same(_float64.sqrt(x), expected)
     assert all(same(root, expected) for root in _float64.sqrt_each([x, x]))
+
+
+def test_the_bracket_of_a_root_holds_the_kernels_root() -> None:
+    gen = torch.Generator().manual_seed(5)
+    xs = torch.exp(torch.rand(20000, dtype=torch.float64, generator=gen) * 1290.0 - 600.0)
+    for x, kernel in zip(xs.tolist(), xs.sqrt().tolist()):
+        low, high = _float64.sqrt_bracket(x)  # type: ignore[misc]
+        assert low < kernel < high
+    assert _float64.sqrt_bracket(0.0) == (0.0, 0.0)
+    assert _float64.sqrt_bracket(5e-324) is None and _float64.sqrt_bracket(1e308) is None
+    assert _float64.sqrt_bracket(NAN) is None and _float64.sqrt_bracket(INF) is None
 
 
 def check_sqrt_host_path() -> bool:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from torchmetrics.aggregation import MaxMetric, MeanMetric
 
 from lightning_overflow import GradNormMonitor
-from lightning_overflow.callbacks.grad_norm_monitor import _epoch_aggregates, _EpochTotals
+from lightning_overflow.callbacks import grad_norm_monitor
+from lightning_overflow.callbacks.grad_norm_monitor import EpochAggregates
 from lightning_overflow.testing import TinyGAN, TinyRegressor
 
 
@@ -89,6 +90,19 @@ def test_epoch_aggregates_are_mean_and_max_of_the_step_totals() -> None:
     assert metrics["grad_norm/total_epoch_max"].item() == pytest.approx(max(reference.totals), rel=1e-5)
 
 
+def test_epoch_aggregates_are_torchmetrics_fed_every_step_total() -> None:
+    """The logged epoch values are those of MeanMetric and MaxMetric updated with each step's logged total."""
+    logger = MemoryLogger()
+    trainer = fit(
+        TinyRegressor(n_samples=48), [GradNormMonitor()], max_epochs=1, max_steps=-1, logger=logger, log_every_n_steps=1
+    )
+    totals = [v for _, v in logger.metrics["grad_norm/total"]]
+    assert len(totals) == 6
+    metrics = trainer.callback_metrics
+    logged = metrics["grad_norm/total_epoch_mean"].item(), metrics["grad_norm/total_epoch_max"].item()
+    assert logged == torchmetrics_reference(totals)
+
+
 def test_several_optimizers_are_suffixed() -> None:
     logger = MemoryLogger()
     fit(TinyGAN(), [GradNormMonitor()], max_steps=4, logger=logger, log_every_n_steps=1)
@@ -118,7 +132,7 @@ def test_works_without_any_logger() -> None:
     assert trainer.callback_metrics["grad_norm/total_epoch_max"] > 0
 
 
-# ---- the epoch aggregates: host floats, rounded and synced as torchmetrics' metrics were ----------------------------
+# ---- the epoch aggregates: torchmetrics' metrics, fed the step totals in order, synced across ranks ----------------
 def torchmetrics_reference(norms: list[float]) -> tuple[float, float]:
     mean, maximum = MeanMetric(nan_strategy="disable"), MaxMetric(nan_strategy="disable")
     for norm in norms:
@@ -128,10 +142,10 @@ def torchmetrics_reference(norms: list[float]) -> tuple[float, float]:
 
 
 def aggregates(norms: list[float]) -> tuple[float, float]:
-    totals = _EpochTotals()
+    totals = EpochAggregates()
     for norm in norms:
         totals.add(norm)
-    mean, maximum = _epoch_aggregates({0: totals}, torch.device("cpu"))[0]
+    mean, maximum = totals.compute(torch.device("cpu"))
     assert mean.dtype == maximum.dtype == torch.float32
     return mean.item(), maximum.item()
 
@@ -141,6 +155,23 @@ def aggregates(norms: list[float]) -> tuple[float, float]:
                 min_size=1, max_size=200))
 def test_epoch_mean_and_max_are_bit_identical_to_torchmetrics(norms: list[float]) -> None:
     assert aggregates(norms) == torchmetrics_reference(norms)  # float32 rounding, inf past the float32 range
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=1e3), min_size=1, max_size=40))
+def test_totals_kept_on_the_host_and_folded_a_few_at_a_time_round_as_one_update_per_step(norms: list[float]) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grad_norm_monitor, "FOLD_EVERY", 3)
+        assert aggregates(norms) == torchmetrics_reference(norms)
+
+
+def test_the_metrics_start_again_after_an_epoch() -> None:
+    totals = EpochAggregates()
+    for norm in (1.0, 3.0):
+        totals.add(norm)
+    totals.compute(torch.device("cpu"))
+    totals.add(0.5)
+    assert [v.item() for v in totals.compute(torch.device("cpu"))] == [0.5, 0.5]
 
 
 def test_epoch_aggregates_round_as_float32_by_hand() -> None:

@@ -16,6 +16,7 @@ from lightning_overflow.numerics import (
     tensor_norms,
     total_norm,
 )
+from lightning_overflow.numerics.norms import plain_cpu, plain_norms
 
 INF = math.inf
 
@@ -174,3 +175,17 @@ def test_one_cpu_thread_and_several_give_the_same_norms_to_fp32_accuracy(threads
     assert norms.dtype == torch.float32
     assert norms.tolist() == pytest.approx([reference([t]) for t in tensors], rel=1e-6)
     assert bad[0].item() == pytest.approx(math.sqrt(3)) and math.isnan(bad[1].item()) and math.isinf(bad[2].item())
+
+
+def test_the_plain_path_gives_the_norms_of_the_general_one_bit_for_bit() -> None:
+    """A step's fp32 CPU gradients take :func:`plain_norms` (their kinds checked once): the same floats, NaN, inf and
+    empty tensors included; any other kind is left to :func:`tensor_norms`."""
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(n, generator=gen) * s for n, s in [(7, 1.0), (4096, 1e-3), (300, 1e20), (0, 1.0)]]
+    tensors += [torch.tensor([1.0, math.nan]), torch.tensor([-INF, 2.0]), torch.randn(3, 5, generator=gen).t()]
+    assert plain_cpu(tensors)
+    assert torch.equal(plain_norms(tensors).view(torch.int32), tensor_norms(tensors).view(torch.int32))
+    assert plain_norms([]).tolist() == []
+    assert not plain_cpu([torch.ones(2), torch.ones(2, dtype=torch.float64)])
+    assert not plain_cpu([torch.ones(2, dtype=torch.complex64)])
+    assert not plain_cpu([torch.ones(2).to_sparse()])

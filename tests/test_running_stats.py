@@ -290,6 +290,27 @@ def test_host_running_stats_are_bit_identical_to_the_tensor_form(
     assert_same_state(host.state_dict(), tensor.state_dict())
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(min_value=-1e6, max_value=1e6), min_size=3, max_size=30),
+    sigmas=st.floats(min_value=0.1, max_value=10.0),
+    ratio=st.floats(min_value=1.0, max_value=3.0),
+)
+def test_a_value_at_the_threshold_is_judged_with_the_root_rounded_as_torch_rounds_it(
+    values: list[float], sigmas: float, ratio: float
+) -> None:
+    """Spikes are decided from a bracket of the root where they can be: values on and one unit either side of the
+    exact threshold fall inside it, and get the verdict of the exact threshold (and of the tensor form)."""
+    host, tensor = HostRunningStats(1, 16, 2), RunningStats(1, 16, 2)
+    for value in values:
+        host.update([value])
+        tensor.update(torch.tensor([value], dtype=torch.float64))
+    (threshold,) = host.threshold(sigmas, ratio)
+    for value in (threshold, math.nextafter(threshold, math.inf), math.nextafter(threshold, -math.inf)):
+        expected = tensor.spikes(torch.tensor([value], dtype=torch.float64), sigmas, ratio).tolist()
+        assert host.spikes([value], sigmas, ratio) == expected == [value > threshold]
+
+
 def assert_same_state(host: dict[str, list[float]], tensor: dict[str, list[float]]) -> None:
     # NaN included: a value of 1e300 squares past the float64 range, in both forms alike
     assert host.keys() == tensor.keys() and all(same(host[k], tensor[k]) for k in host)

@@ -71,6 +71,24 @@ def test_ring_keeps_the_last_snapshots_and_reuses_the_oldest_buffers() -> None:
     assert ring.steps == []
 
 
+def test_the_first_snapshot_takes_the_rings_memory_and_no_later_one_allocates() -> None:
+    ring = SnapshotRing(keep=3)
+    state = {"w": torch.zeros(1000), "b": torch.zeros(10)}
+    ring.take(0, state, extras={})
+    assert ring.steps == [0] and ring.nbytes == 3 * 4 * 1010  # the buffers of all three, touched once
+    states = [*ring._spares, ring.snapshots[0].state]
+    buffers = {t.data_ptr() for state in states for t in state.values()}  # type: ignore[union-attr]
+    for step in range(1, 8):
+        state["w"].fill_(float(step))
+        taken = ring.take(step, state, extras={})
+        assert {t.data_ptr() for t in taken.state.values()} <= buffers  # type: ignore[union-attr]
+        assert torch.equal(taken.state["w"], torch.full((1000,), float(step)))  # type: ignore[index]
+    assert ring.steps == [5, 6, 7] and ring.nbytes == 3 * 4 * 1010
+    ring.discard(ring.snapshots[0])  # its buffers hold the next snapshot
+    assert ring.nbytes == 3 * 4 * 1010
+    assert {t.data_ptr() for t in ring.take(8, state, {}).state.values()} <= buffers  # type: ignore[union-attr]
+
+
 # ---- files ------------------------------------------------------------------------------------------------------
 def test_saved_snapshot_loads_with_weights_only(tmp_path: Path) -> None:
     model, optimizer = _adam_after_steps()

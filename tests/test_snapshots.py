@@ -12,7 +12,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_overflow.training_state import nonfinite_parts
 from lightning_overflow.numerics.norms import tensor_norms
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
@@ -25,6 +24,7 @@ from lightning_overflow.numerics.snapshots import (
     nonfinite_flag,
     nonfinite_indices,
     nonfinite_paths,
+    nonfinite_suspect,
     partition_by_size,
     restore_optimizer_,
     restore_state_,
@@ -35,6 +35,7 @@ from lightning_overflow.numerics.snapshots import (
     take_snapshot,
     without_placeholders,
 )
+from lightning_overflow.training_state import nonfinite_parts
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -549,3 +550,24 @@ def test_a_sharded_optimizer_restored_from_a_snapshot_of_another_shape_keeps_dte
         p.grad = torch.ones_like(p)
     optimizer.step()  # DTensor parameters with DTensor moments: the optimizer runs on
     assert optimizer.state[first]["step"].item() == 2.0
+
+
+# ---- the first look of a state check ----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_first_look_never_misses_inf_or_nan(dtype: torch.dtype, bad: float) -> None:
+    tensors = [torch.ones(5, dtype=dtype), torch.ones(3, dtype=dtype)]
+    tensors[1][2] = bad
+    assert nonfinite_suspect(tensors).item() == nonfinite_flag(tensors).item() == 1.0
+
+
+def test_the_first_look_is_raised_by_finite_values_only_past_the_range_of_their_sum() -> None:
+    assert nonfinite_suspect([torch.full((1000,), 1e30), torch.full((3,), -1e30)]).item() == 0.0
+    assert nonfinite_suspect([torch.full((3,), 6e4, dtype=torch.float16)]).item() == 0.0  # summed in float32
+    huge = [torch.full((1000,), 1e36)]  # sums to 1e39: a suspect that the max-abs check clears
+    assert (nonfinite_suspect(huge).item(), nonfinite_flag(huge).item()) == (1.0, 0.0)
+    # Integer tensors and (with scalars=False) step counters are not looked at, as by nonfinite_flag.
+    assert nonfinite_suspect([torch.tensor(float("nan"))], scalars=False).item() == 0.0
+    assert nonfinite_suspect([torch.tensor([1, 2])]).item() == 0.0
+    meta = nonfinite_suspect([torch.empty(4, device="meta")])  # no host read: meta tensors have no values
+    assert meta.device.type == "meta"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,18 +33,39 @@ MODES = ("fixed", "percentile", "zscore", "agc")
 Stats = HostPercentile | HostZScore
 
 
-@dataclass
 class _Clip:
-    """What AutoClip proposes for one optimizer step; committed once the step is known not to have been skipped."""
+    """What AutoClip proposes for one optimizer step; committed once the step is known not to have been skipped.
 
-    step: int
-    total: float
-    threshold: float
-    coef: float
-    stats: Stats | None  # the statistics that take ``learned`` in once the step went ahead
-    plan: ClipPlan
-    learned: float  # what the statistics take in: the norm, or the anchor's cap during the z-score warm-up
-    adaptive: bool = False  # the statistics set the threshold (not max_norm, not the update bound)
+    Attributes:
+        stats: the statistics that take ``learned`` in once the step went ahead.
+        learned: what the statistics take in: the norm, or the anchor's cap during the z-score warm-up.
+        threshold: the threshold applied.
+        adaptive: whether the statistics set the threshold (not ``max_norm``, not the update bound).
+
+    A step that no threshold could clip, whatever the last bits of the z-score's root (rounded as torch rounds it,
+    a tensor op), gets ``threshold`` and ``adaptive`` from ``exact`` when first asked: only a logged step asks.
+    """
+
+    __slots__ = ("_adaptive", "_exact", "_threshold", "coef", "learned", "plan", "stats", "step", "total")
+
+    def __init__(
+        self, step: int, total: float, threshold: float, coef: float, stats: Stats | None, plan: ClipPlan,
+        learned: float, adaptive: bool = False, exact: Callable[[], tuple[float, bool]] | None = None,
+    ) -> None:  # fmt: skip
+        self.step, self.total, self.coef, self.stats, self.plan, self.learned = step, total, coef, stats, plan, learned
+        self._threshold, self._adaptive, self._exact = threshold, adaptive, exact
+
+    @property
+    def threshold(self) -> float:
+        if self._exact is not None:
+            (self._threshold, self._adaptive), self._exact = self._exact(), None
+            self.plan.threshold = self._threshold
+        return self._threshold
+
+    @property
+    def adaptive(self) -> bool:
+        _ = self.threshold  # resolved with it
+        return self._adaptive
 
 
 @dataclass
@@ -310,6 +331,8 @@ class AutoClip(SuiteCallback):
         clip, self._proposal = self._proposal, None
         if clip is None or action.clip_of(self) is None:
             return  # skipped: the step never happened, so nothing is learned or counted
+        if record.log_due:
+            _ = clip.threshold  # logged below: from the statistics as the step found them, before they learn from it
         index = record.optimizer_index
         # A step with no gradient at all (a hinge loss at exactly 0) tells nothing of the norms' scale: statistics fed
         # zeros fall to a mean and spread of 0, to which every later gradient is an outlier, clipped to nothing.
@@ -343,7 +366,7 @@ class AutoClip(SuiteCallback):
         new level of the norms (new data, a harder task): the statistics start again from it, with a new warm-up,
         rather than clip the run for as long as they take to creep up (measured: a task whose targets grow 3x was
         clipped for 160 steps, and ended 1.11x the unclipped run). ``"percentile"`` mode clips most steps by design."""
-        by_statistics = isinstance(clip.stats, HostZScore) and clip.adaptive and clip.coef < 1.0
+        by_statistics = clip.coef < 1.0 and isinstance(clip.stats, HostZScore) and clip.adaptive
         self._streaks[index] = self._streaks.get(index, 0) + 1 if by_statistics else 0
         if self.rebaseline_after is None or self._streaks[index] < self.rebaseline_after:
             return
@@ -380,19 +403,32 @@ class AutoClip(SuiteCallback):
     def _propose_total(self, record: StepHealth) -> _Clip:
         """Fixed, percentile and z-score modes: one coefficient for all gradients, from the shared total norm (a host
         float, so the statistics are host floats too: no tensor op)."""
-        total = record.total_norm
-        adaptive, learned, stats = self._threshold(record.optimizer_index, total)
-        threshold = adaptive
+        total, index = record.total_norm, record.optimizer_index
         bound = self._update_bound(record)
+        stats = self._stats.get(index)
+        caps = min(bound if bound is not None else math.inf, self.max_norm if self.max_norm is not None else math.inf)
+        if isinstance(stats, HostZScore) and stats.count >= self.warmup_steps and total <= caps and stats.inlier(total):
+            # An inlier's threshold is at least the norm itself, the caps too: no clip, whatever the threshold's value,
+            # which waits until a logged step asks for it (see _Clip).
+            return _Clip(record.step, total, math.nan, 1.0, stats, ClipPlan([], 1.0, math.nan), total,
+                         exact=lambda: self._capped(index, total, bound)[:2])  # fmt: skip
+        threshold, adaptive, learned, stats = self._capped(index, total, bound)
+        coef = host_clip_coefficient(total, threshold)
+        grads = [p.grad for p in record.params]
+        plan = ClipPlan([(grads, coef)] if coef < 1.0 else [], coef, threshold)  # type: ignore[list-item]
+        return _Clip(record.step, total, threshold, coef, stats, plan, learned, adaptive=adaptive)
+
+    def _capped(self, index: int, total: float, bound: float | None) -> tuple[float, bool, float, Stats | None]:
+        """``(threshold, whether the statistics set it, what they would learn, the statistics)``: the statistics'
+        threshold for ``total``, capped by the update bound and ``max_norm`` (nothing learned yet)."""
+        adaptive, learned, stats = self._threshold(index, total)
+        threshold = adaptive
         if bound is not None:
             threshold = min(threshold, bound)
             learned = min(learned, bound)
         if self.max_norm is not None:
             threshold = min(threshold, self.max_norm)
-        coef = host_clip_coefficient(total, threshold)
-        grads = [p.grad for p in record.params]
-        plan = ClipPlan([(grads, coef)] if coef < 1.0 else [], coef, threshold)  # type: ignore[list-item]
-        return _Clip(record.step, total, threshold, coef, stats, plan, learned, adaptive=threshold == adaptive)
+        return threshold, threshold == adaptive, learned, stats
 
     def _threshold(self, index: int, total: float) -> tuple[float, float, Stats | None]:
         """The threshold for a total norm of ``total`` from optimizer ``index``'s statistics, the value they would

@@ -80,6 +80,28 @@ def sqrt_each(xs: list[float]) -> list[float]:
 
 _SQRT_BUFFERS = threading.local()
 
+
+def sqrt_bracket(x: float) -> tuple[float, float] | None:
+    """Two floats between which :func:`sqrt` of ``x`` lies, from ``math.sqrt`` alone (no tensor op): the correctly
+    rounded root two units in the last place down and up (the CPU kernel is at most one unit from it). ``None``
+    outside the normal range, where the kernel may flush (a subnormal ``x``) or the bound may not hold.
+
+    A decision that is the same at both ends (a threshold compared with a value, monotone in the root) needs no exact
+    root: statistics take one only when a value falls inside the bracket, or when the root itself is reported.
+
+    Example:
+        >>> sqrt_bracket(4.0)[0] < 2.0 < sqrt_bracket(4.0)[1]
+        True
+    """
+    if x == 0.0:
+        return 0.0, 0.0
+    if not (_SQRT_RANGE[0] <= x <= _SQRT_RANGE[1]):
+        return None
+    root = math.sqrt(x)
+    low = math.nextafter(math.nextafter(root, 0.0), 0.0)
+    return low, math.nextafter(math.nextafter(root, math.inf), math.inf)
+
+
 # Where the exact root lies within this many units in the last place of the correctly rounded one, the kernel returns
 # that float too: its result is off only near the midpoint between two floats, beyond 0.47 units (measured on 300,000
 # roots across 35 decades). That holds for MKL's vdSqrt on AVX2 and SSE4.2, not on AVX-512, where the root is one unit

@@ -548,13 +548,36 @@ class HostZScore:
         self.var = 0.0
         self.count = 0
         self._rooted = (0.0, 0.0)  # (var, sqrt(var)): one root per new variance, not per query
+        self._bracketed: tuple[float, tuple[float, float] | None] = (math.nan, None)  # (var, its root's bracket)
 
     def threshold(self, total: float) -> float:
         """This step's threshold (``inf`` during the warm-up), without taking ``total`` in."""
         return self._step(total)[0]
 
+    def inlier(self, total: float) -> bool:
+        """Whether ``total`` is accepted and no outlier after the warm-up, whatever the last bit of the root of the
+        variance (see :func:`~lightning_overflow.numerics._float64.sqrt_bracket`), decided without taking that root:
+        its threshold is then at least ``total`` itself, and :meth:`update` takes it in unclipped."""
+        if self.count < self.warmup_steps or not _accepted_host(total):
+            return False
+        if self._bracketed[0] != self.var:  # asked twice a step (the threshold, the update) for one variance
+            self._bracketed = (self.var, _float64.sqrt_bracket(self.var))
+        bracket = self._bracketed[1]
+        if bracket is None:
+            return False
+        # The smallest root gives the largest z-score (the division is monotone in its divisor).
+        return not _float64.div(total - self.mean, bracket[0] + self.eps) > self.z_threshold
+
     def update(self, total: float) -> None:
-        """Take ``total`` into the statistics (clipped, as the paper does), where accepted."""
+        """Take ``total`` into the statistics (clipped, as the paper does), where accepted. An inlier needs no root
+        (:meth:`inlier`): the same arithmetic as :meth:`observe`, which clips nothing then."""
+        if self.inlier(total):
+            mean, var = self.mean, self.var
+            ema_mean = self.alpha * mean + (1.0 - self.alpha) * total
+            deviation = total - ema_mean
+            self.mean, self.var = ema_mean, self.alpha * var + (1.0 - self.alpha) * (deviation * deviation)
+            self.count += 1
+            return
         self.observe(total)
 
     def observe(self, total: float) -> float:

@@ -285,11 +285,28 @@ class HostRunningStats:
         ]
 
     def spikes(self, values: Sequence[float], sigmas: float, ratio: float | Sequence[float]) -> list[bool]:
-        """Which channels of ``values`` are spikes against the current statistics (no update)."""
-        thresholds = self.threshold(sigmas, ratio)
-        return [
-            math.isfinite(v) and n >= self.warmup and v > t for v, n, t in zip(values, self.count, thresholds)
-        ]
+        """Which channels of ``values`` are spikes against the current statistics (no update).
+
+        The threshold grows with the standard deviation: a value above it at the largest root the CPU kernel could
+        return, or below it at the smallest (:func:`~lightning_overflow.numerics._float64.sqrt_bracket`), is decided
+        without the root rounded as torch rounds it (a tensor op); only a value in between takes it."""
+        ratios = [ratio] * self.channels if isinstance(ratio, (int, float)) else list(ratio)
+        flags = []
+        for value, count, mean, var, r in zip(values, self.count, self.mean, self.var, ratios):
+            if not (math.isfinite(value) and count >= self.warmup):
+                flags.append(False)
+                continue
+            bracket = _float64.sqrt_bracket(max(var, 0.0)) if sigmas >= 0.0 and not math.isnan(var) else None
+            if bracket is not None:
+                floor = (r - 1.0) * abs(mean)
+                if value > mean + _float64.maximum(sigmas * bracket[1], floor):
+                    flags.append(True)
+                    continue
+                if value <= mean + _float64.maximum(sigmas * bracket[0], floor):
+                    flags.append(False)
+                    continue
+            flags.append(value > self.threshold(sigmas, ratio)[len(flags)])
+        return flags
 
     def update(self, values: Sequence[float], include: Sequence[bool] | None = None) -> None:
         """Take ``values`` in where they are finite (and ``include`` allows); as :func:`update_running_stats`."""
