@@ -40,6 +40,7 @@ from torch import Tensor
 from lightning_overflow import _compat
 from lightning_overflow.numerics import tensor_norms
 from lightning_overflow.preserve import capture_rng, metric_states, put_back_metric_states, restore_rng
+from lightning_overflow.skip import repeats_closure
 from lightning_overflow.training_step import loss_of, signature_parameters, silenced_logging, takes_batch_idx
 
 if TYPE_CHECKING:
@@ -50,7 +51,6 @@ __all__ = ["Candidate", "CandidateStep", "Clip", "trainable"]
 Clip = Callable[[list[Tensor], float], None]
 """Scales finite gradients in place, given them and their total norm (the loop's clip, applied to a candidate)."""
 
-_CLOSURE_OPTIMIZERS = ("LBFGS",)  # optimizers that evaluate the closure several times in one step
 
 
 def trainable(trainer: pl.Trainer) -> str:
@@ -60,7 +60,7 @@ def trainable(trainer: pl.Trainer) -> str:
         return "manual optimization steps its optimizers inside training_step, which a candidate cannot re-run"
     if len(trainer.optimizers) != 1:
         return f"{len(trainer.optimizers)} optimizers"
-    if type(trainer.optimizers[0]).__name__ in _CLOSURE_OPTIMIZERS:
+    if repeats_closure(trainer.optimizers[0]):
         return f"{type(trainer.optimizers[0]).__name__} evaluates its closure several times a step"
     if "dataloader_iter" in signature_parameters(module.training_step):
         return "training_step takes the dataloader_iter"

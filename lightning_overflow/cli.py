@@ -1,4 +1,7 @@
-"""Command line: ``python -m lightning_overflow demo`` (the main job) and ``... report RUN_DIR`` (the dashboard).
+"""lightning_overflow's command line: the demo, the dashboard of a run, and its journal for a person.
+
+``python -m lightning_overflow demo`` (the main job), ``... report RUN_DIR`` (the dashboard) and ``... journal
+RUN_DIR`` (what happened, in words).
 
 Every bad argument ends the command before any work with one line on stderr,
 ``lightning-overflow <command>: error: <what is wrong>``, and exit status 2.
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -115,10 +119,8 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[Path], list[str]]:
-    """The run directories and their labels: from ``NAME=DIR``, ``--labels``, else the folders' names."""
-    from lightning_overflow.report import default_labels
-
+def _run_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[Path], list[str | None]]:
+    """The run directories and their labels: from ``NAME=DIR`` or ``--labels``, else ``None``."""
     paths: list[Path] = []
     named: list[str | None] = []
     for text in args.run_dirs:
@@ -137,29 +139,64 @@ def _run_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tupl
         if len(args.labels) != len(paths):
             parser.error(f"argument --labels: {len(args.labels)} label(s) for {len(paths)} run directories")
         return paths, args.labels
-    return paths, [n if n is not None else d for n, d in zip(named, default_labels(paths))]
+    return paths, named
 
 
 def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from lightning_overflow.report import ReportError, load_run, render, run_outcome, summarise
+    from lightning_overflow.report import (
+        ReportError,
+        default_labels,
+        load_run,
+        render,
+        run_outcome,
+        sparse_logging_warning,
+        summarise,
+    )
 
-    paths, labels = _run_dirs(parser, args)
-    if len(set(labels)) != len(labels):
-        parser.error(f"two runs share a label ({', '.join(labels)}): name them with --labels or NAME=DIR")
+    paths, named = _run_dirs(parser, args)
     try:
-        runs = [load_run(p, label, loss_key=args.loss_key, val_key=args.val_key) for p, label in zip(paths, labels)]
+        runs = [load_run(p, label, loss_key=args.loss_key, val_key=args.val_key) for p, label in zip(paths, named)]
     except ReportError as err:
         parser.error(str(err))
+    # Named after the folder each run was read from, which may lie below the one given.
+    for run, name, label in zip(runs, named, default_labels([run.folder for run in runs])):
+        run.label = name or label
+    labels = [run.label for run in runs]
+    if len(set(labels)) != len(labels):
+        parser.error(f"two runs share a label ({', '.join(labels)}): name them with --labels or NAME=DIR")
     last_of_all = max(run.last_step for run in runs)
     for run in runs:
         print(summarise(run, run_outcome(run, last_of_all)))
+        warning = sparse_logging_warning(run, last_of_all)
+        if warning:
+            print(f"{parser.prog}: warning: {warning}", file=sys.stderr)
     out = args.out or paths[0] / "overflow_dashboard.png"
     print(f"dashboard: {render(runs, out, title=args.title)}")
     return 0
 
 
+def _journal(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import json
+
+    from lightning_overflow.events import find_journals, read_journal
+    from lightning_overflow.journal_listing import journal_lines
+
+    found = find_journals(args.run_dir)
+    if not found:
+        parser.error(f"argument RUN_DIR: no journal (overflow_events.jsonl) at or under '{args.run_dir}'")
+    for number, journal in enumerate(found):
+        events = list(read_journal(journal))
+        if args.json:
+            for event in events:
+                print(json.dumps(event))
+            continue
+        print(("\n" if number else "") + f"{journal}:")
+        print("\n".join(journal_lines(events)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``lightning-overflow`` parser with its ``demo`` and ``report`` commands."""
+    """The ``lightning-overflow`` parser with its ``demo``, ``report`` and ``journal`` commands."""
     parser = _Parser(prog="lightning-overflow", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a diverging model bare and with the suite; print the comparison")
@@ -183,14 +220,22 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default RUN_DIR/overflow_dashboard.png of the first run)")
     report.add_argument("--title", default=None, help="the picture's title (default: the run labels)")
     report.add_argument("--labels", type=_labels, default=None,
-                        help="comma-separated run labels, one per RUN_DIR (default: each folder's name, or its "
-                             "parent's for a version_N folder)")
+                        help="comma-separated run labels, one per RUN_DIR (default: each run folder's name, with "
+                             "its experiment's for a version_N folder: protected/version_0)")
     report.add_argument("--loss-key", default=None, metavar="KEY",
                         help="the training loss to draw (default: train_loss, train/loss, loss, train_loss_step... "
                              "whichever the run logged; never one of the suite's keys)")
     report.add_argument("--val-key", default=None, metavar="KEY",
                         help="the validation loss to draw (default: val_loss, val/loss... whichever was logged)")
     report.set_defaults(run=_report, parser=report)
+    journal = commands.add_parser(
+        "journal", help="what happened in a run, from its journal, for a person",
+        description="Print a run's journal: its findings in plain words, then its events grouped (what to try first).",
+    )
+    journal.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                         help="the journal, or a folder holding one or more (a logger's run folder, lightning_logs)")
+    journal.add_argument("--json", action="store_true", help="print the events as JSON lines, as written")
+    journal.set_defaults(run=_journal, parser=journal)
     return parser
 
 

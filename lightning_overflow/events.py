@@ -24,7 +24,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_overflow.exceptions import OverflowWarning
 
-__all__ = ["JOURNAL_NAME", "Event", "Journal", "MetricBuffer", "WarningCache", "read_journal"]
+__all__ = ["JOURNAL_NAME", "Event", "Journal", "MetricBuffer", "WarningCache", "find_journals", "read_journal"]
 
 JOURNAL_NAME = "overflow_events.jsonl"
 
@@ -35,10 +35,7 @@ class Event:
 
     Attributes:
         step: the ``global_step`` of the optimizer step concerned.
-        kind: ``"nonfinite"``, ``"skip"``, ``"spike"``, ``"rebaseline"``, ``"loss_divergence"``, ``"loss_trend"``,
-            ``"weight_growth"``, ``"clip"``, ``"backoff"``, ``"regrowth"``, ``"rollback"``, ``"data_shift"``,
-            ``"undo"``, ``"update_bound"``, ``"snapshot_refused"``, ``"snapshot_unusable"``,
-            ``"snapshot_write_failed"``, ``"checkpoint_refused"``, ``"exit_restore"``, ``"headroom"``, ``"abort"``.
+        kind: what happened; ``docs/journal.md`` lists every kind with its details.
         rank: the lowest rank that observed it (0 for what every rank observes, such as all-reduced gradients).
         source: the callback that recorded it.
         message: a sentence for a person.
@@ -117,19 +114,42 @@ class Journal:
         return ", ".join(f"{n} {kind}" for kind, n in self.counts.most_common())
 
 
+def find_journals(path: str | os.PathLike[str]) -> list[Path]:
+    """The journals at ``path``: the file itself, or every ``overflow_events.jsonl`` under a folder (a logger's run
+    folder, its version folder, or a tree of runs), in path order."""
+    path = Path(path)
+    if path.is_dir():
+        return sorted(path.rglob(JOURNAL_NAME))
+    return [path] if path.exists() else []
+
+
 def read_journal(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yield the events of a journal file; a corrupt line is skipped with an :class:`OverflowWarning` naming it."""
-    with open(path, encoding="utf-8") as f:
+    """Yield the events of a journal: its file, or the folder that holds it (``lightning_logs/version_0``, or any
+    folder above it with one journal in it). A corrupt line is skipped with an :class:`OverflowWarning` naming it.
+
+    Raises:
+        FileNotFoundError: no journal at ``path``.
+        ValueError: the folder holds several journals (the message lists them: pass one).
+    """
+    found = find_journals(path)
+    if not found:
+        raise FileNotFoundError(f"no journal ({JOURNAL_NAME}) at or under '{path}'")
+    if len(found) > 1:
+        listed = ", ".join(f"'{f}'" for f in found)
+        raise ValueError(f"'{path}' holds {len(found)} journals ({listed}): pass the one to read")
+    with open(found[0], encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 event = json.loads(line)
             except json.JSONDecodeError as err:
-                warnings.warn(f"{path}:{number}: skipped a corrupt journal line ({err})", OverflowWarning, stacklevel=2)
+                warnings.warn(f"{found[0]}:{number}: skipped a corrupt journal line ({err})", OverflowWarning,
+                              stacklevel=2)  # fmt: skip
                 continue
             if not isinstance(event, dict) or "step" not in event or "kind" not in event:
-                warnings.warn(f"{path}:{number}: skipped a line that is not an event", OverflowWarning, stacklevel=2)
+                warnings.warn(f"{found[0]}:{number}: skipped a line that is not an event", OverflowWarning,
+                              stacklevel=2)  # fmt: skip
                 continue
             yield event
 

@@ -13,6 +13,15 @@ the board, and Lightning skips the others' forwarding hooks for the fit. So a ca
 changes what it sees.
 The record (:class:`StepHealth`) is a plain value: it holds no reference to the board or the trainer.
 
+A healthy step that logs nothing costs the suite one norm kernel over the gradients (their finiteness comes with
+it), the one read, and a few host-float updates per participant. The board calls a participant only in the stages
+its class implements (:data:`STAGES`), keeps what stays the same from step to step (the parameters, their names, how
+their norms are taken: ``_StepPlan``), leaves the trials alone while nothing is signalled or under way, and publishes
+the ``overflow/...`` counters only when an event, a signal or a logging step may have moved them. What only a
+flagged, logged or sampled step needs waits for one: the exact clip threshold and spike thresholds (their roots,
+rounded as torch rounds them, cost a tensor op: a bracket of the root decides the rest), the weights check and the
+weight-growth sample (every ``n`` steps, in the step's one read), the epoch aggregates (folded in batches).
+
 Boards live in a ``WeakKeyDictionary`` keyed by the trainer: nothing is written onto the trainer.
 """
 
@@ -23,6 +32,7 @@ import logging
 import math
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -32,6 +42,7 @@ from lightning_overflow import _compat
 from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import read_packed, sum_and_read
 from lightning_overflow.events import Event, Journal, MetricBuffer, WarningCache
+from lightning_overflow.fit_summary import LossEnding, plain_lines
 from lightning_overflow.loggers import journal_location, prepare_dashboards, publish_events, upload_journal
 from lightning_overflow.numerics import (
     FP32_MAX,
@@ -43,9 +54,9 @@ from lightning_overflow.numerics import (
     total_norm,
 )
 from lightning_overflow.numerics._float64 import div, to_float32
-from lightning_overflow.numerics.norms import any_sharded, host_total_norm, shard_squares
+from lightning_overflow.numerics.norms import any_sharded, host_total_norm, plain_cpu, plain_norms, shard_squares
 from lightning_overflow.policy import SCHEDULED, SIGNAL_KINDS, Signal, StepAction, Verdict, decide_step
-from lightning_overflow.skip import BufferCopy, HeldSchedules, skip_step
+from lightning_overflow.skip import BufferCopy, ClosureStepStart, HeldSchedules, skip_step
 from lightning_overflow.training_state import (
     NonFiniteConstants,
     StateCheck,
@@ -82,6 +93,10 @@ MAX_NAMES = 5  # offending parameter names quoted in a message
 
 _LOCAL, _SUMMED, _PER_RANK = 0, 1, 2  # how a contribution to the step's read travels across ranks
 
+STAGES = ("_before_batch", "_contribute", "_judge", "_after_step", "_after_batch", "_counters")
+"""The per-step stages of the pipeline. Each participant names those it implements (``_stages()``): a healthy step
+calls no participant in a stage it leaves empty."""
+
 _PROGRESS_BAR = {"overflow/skipped_steps": "skips", "overflow/rollbacks": "rollbacks", "overflow/lr_scale": "lr_scale"}
 _PROGRESS_BAR_DEFAULTS = {"overflow/skipped_steps": 0.0, "overflow/rollbacks": 0.0, "overflow/lr_scale": 1.0}
 
@@ -115,6 +130,12 @@ class StepParticipant(Protocol):
 
     @property
     def state_key(self) -> str: ...
+
+    def _stages(self) -> frozenset[str]:
+        """The pipeline stages the participant implements (the board calls no other: see :data:`STAGES`)."""
+
+    def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Prepare for a training batch before its forward pass (NonFiniteDetector keeps it for a replay)."""
 
     def _wants_record(self) -> bool:
         """Whether the participant needs this step's record (the pipeline runs only if one does)."""
@@ -175,6 +196,7 @@ class StepHealth:
         all_names: names of every parameter by ``id``, for messages about weights and optimizer state.
         grad_norms: per-tensor fp32 gradient norms (device tensor, pre-clip, after unscale). Sharded gradients
             (``DTensor``): the norms of this rank's shards until the read, the norms of the full gradients after it.
+        device: where the step's device values live (that of ``grad_norms``).
         sharded: whether some gradient is a ``DTensor`` (FSDP2): the norms of the full gradients then come from the
             shards' squares, summed across ranks in the read.
         total_norm: the exact total L2 norm of the gradients (host float, pre-clip), the same on every rank.
@@ -199,10 +221,12 @@ class StepHealth:
         rank: int,
         world_size: int,
         params: list[Tensor],
-        names: list[str],
+        names: Sequence[str],
         all_names: Mapping[int, str],
         log_step: int,
         log_due: bool,
+        grad_norms: Tensor,
+        sharded: bool = False,
     ) -> None:
         self.step = step
         self.optimizer = optimizer
@@ -215,9 +239,9 @@ class StepHealth:
         self.all_names = all_names
         self.log_step = log_step
         self.log_due = log_due
-        grads = [p.grad for p in params]
-        self.sharded = any_sharded(grads)  # type: ignore[arg-type]
-        self.grad_norms = tensor_norms(grads)  # type: ignore[arg-type]
+        self.grad_norms = grad_norms
+        self.device = grad_norms.device
+        self.sharded = sharded
         self._parts: list[tuple[str, Tensor, int]] = []  # (name, device values, _LOCAL / _SUMMED / _PER_RANK)
         self._values: dict[str, list[float]] = {}
         self.total_norm = math.nan
@@ -247,7 +271,7 @@ class StepHealth:
 
     def _read(self) -> None:
         """The one host read (and the one all-reduce) of this step: every contribution in one concatenation."""
-        device = self.grad_norms.device
+        device = self.device
         world_size = self.world_size
         front: list[tuple[str, Tensor]] = []  # summed across ranks
         back: list[tuple[str, Tensor]] = []  # identical on every rank
@@ -370,7 +394,8 @@ class HealthBoard:
 
     def __init__(self) -> None:
         self.names: dict[int, str] = {}
-        self._step_names: tuple[list[int], list[str]] | None = None  # the last step's parameter ids and names
+        self._plans: dict[int, _StepPlan] = {}  # by optimizer id: what stays the same from step to step
+        self._by_stage: dict[str, list[StepParticipant]] | None = None
         self.journal = Journal(None)
         self._participants: list[weakref.ref[StepParticipant]] = []
         self._ordered: list[StepParticipant] | None = None
@@ -383,11 +408,14 @@ class HealthBoard:
         self._losses: list[Tensor] = []  # one process: this step's losses as they came
         self._held = HeldSchedules()
         self._buffers = BufferCopy()
+        self._closure_start = ClosureStepStart()
         self._window_open = False
         self._leader: StepParticipant | None = None
         self._log_due: bool | None = None  # whether Lightning logs this batch, once asked
         self._summarised = False
+        self.ending = LossEnding()
         self._published: dict[str, float] = {}
+        self._counted = -1  # the journal's length when the counters were last published (-1: not yet in this fit)
         self._constants: NonFiniteConstants | None = None
         self._journal_open = False
         self.trials = TrialRunner()
@@ -404,17 +432,19 @@ class HealthBoard:
             self._participants.append(weakref.ref(participant))
             # Stable: participants of one stage keep the order in which they joined (their order in the list).
             self._participants.sort(key=lambda ref: getattr(ref(), "stage", 0))
-            self._ordered = None
+            self._ordered = self._by_stage = None
             self._agree_on_trials(participant)
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
-        self._step_names = None
+        self._plans = {}
         self._published = {}
+        self._counted = -1
         self._constants = None
         if not self._journal_open:  # the fit's first participant opens its journal; a broadcast: every rank, in setup
             # ... and leads: Lightning calls setup in the order of trainer.callbacks, as it calls every other hook.
             self._leader = participant
             path, run = journal_location(trainer)
             self.journal = Journal(path, write=trainer.global_rank == 0, run=run)
+            self.ending = LossEnding()
             self._journal_open = True
             prepare_dashboards(trainer)
         self._summarised = False
@@ -453,6 +483,14 @@ class HealthBoard:
                           "lightning_overflow", message=message, details={"parameters": check.names[:MAX_NAMES]}))  # fmt: skip
         self._end_warnings.warn("nonfinite_at_end", message)
 
+    def note_ending(self, trainer: pl.Trainer) -> None:
+        """Journal a training loss that ended far above its best (:class:`~lightning_overflow.fit_summary.LossEnding`):
+        finite is not the same as well."""
+        details = self.ending.event_details()
+        if details is not None:
+            self.record(Event(step=int(trainer.global_step), kind="ending", rank=0, source="lightning_overflow",
+                              message=self.ending.message(), details=details))  # fmt: skip
+
     def answers(self, kind: str) -> bool:
         """Whether a participant acts on signals of ``kind`` (it lists it among its ``triggers``)."""
         return any(kind in getattr(p, "triggers", ()) for p in self.participants)
@@ -473,6 +511,13 @@ class HealthBoard:
             self._ordered = [p for ref in self._participants if (p := ref()) is not None]
         return self._ordered
 
+    def in_stage(self, stage: str) -> list[StepParticipant]:
+        """The participants that implement ``stage`` (one of :data:`STAGES`), in pipeline order (resolved once per
+        fit)."""
+        if self._by_stage is None:
+            self._by_stage = {name: [p for p in self.participants if name in p._stages()] for name in STAGES}
+        return self._by_stage[stage]
+
     def leads(self, participant: StepParticipant) -> bool:
         """Whether ``participant`` forwards Lightning's per-batch hooks to the board: the fit's first participant to
         join (Lightning calls callbacks in the order of ``trainer.callbacks``, so the first of them in that list),
@@ -482,14 +527,15 @@ class HealthBoard:
     def release(self) -> None:
         """Drop everything tied to the last fit's tensors (records, held schedules, buffers, loss flags)."""
         self.current = None
-        self._ordered = None  # strong references to the callbacks end with the fit
-        self._step_names = None
+        self._ordered = self._by_stage = None  # strong references to the callbacks end with the fit
+        self._plans = {}
         self._loss_flags = self._loss_sum = None
         self._loss_count = 0
         self._losses = []
         self._leader = None
         self._held = HeldSchedules()
         self._buffers.release()
+        self._closure_start.release()
         self._window_open = False
         self.signals.clear()
         self.metrics.clear()
@@ -574,7 +620,7 @@ class HealthBoard:
         else:
             kept = "kept the run as it was"
         opened = "a scheduled trial" if trial.kind == SCHEDULED else f"{trial.kind} at step {trial.step}"
-        rung = f" (rung {trial.rung} of a ladder)" if trial.rung > 1 else ""
+        rung = f" (trial {trial.rung} in a row: the last kept its remedy)" if trial.rung > 1 else ""
         message = (
             f"lightning_overflow: the trial opened by {opened}{rung} ({start} at the learning rate {rates}, against "
             f"the run as it was, {len(trial.incumbent)} steps on the same batches) {kept} at step {outcome.step}: "
@@ -628,7 +674,11 @@ class HealthBoard:
         if not self._window_open and pl_module.automatic_optimization:
             self._buffers.take(pl_module)
             self._window_open = True
-        self.trials.begin_batch(trainer, batch, batch_idx, self.candidate_clip(trainer) if self.trials.active else None)
+        trials = self.trials
+        if trials.sides:  # only a candidate on the side has anything to do with the batch here
+            trials.begin_batch(trainer, batch, batch_idx, self.candidate_clip(trainer) if trials.active else None)
+        for participant in self.in_stage("_before_batch"):
+            participant._before_batch(trainer, pl_module, batch, batch_idx)
 
     def observe_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
         """Note this backward pass's loss (no host read).
@@ -662,18 +712,31 @@ class HealthBoard:
     def end_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         """At the end of each training batch: put held schedules back, let every participant act in pipeline
         order, then log the batch's metrics with one call per logger."""
-        self.trials.note_schedule(trainer)
-        self._held.restore()
-        self.trials.end_batch(trainer, self)
-        for participant in self.participants:
+        trials = self.trials
+        if trials.sides:
+            trials.note_schedule(trainer)
+        if self._held.schedulers or self._held.groups:  # a skipped step's schedules
+            self._held.restore()
+        self._closure_start.put_back()
+        # Without a signal, a trial under way, a candidate or scheduled trials, the trials have nothing to do.
+        scheduled = trials.config is not None and trials.config.every_n_steps is not None
+        if self.signals or trials.active or trials.sides or scheduled:
+            trials.end_batch(trainer, self)
+        for participant in self.in_stage("_after_batch"):
             participant._after_batch(trainer, pl_module, outputs)
-        counters: dict[str, float] = {}
-        for participant in self.participants:  # several callbacks skip: their counts add up
-            for key, value in participant._counters().items():
-                counters[key] = counters.get(key, 0.0) + float(value)
-        self._publish_counters(trainer, counters)
-        if self.logs_now(trainer):
-            self.metrics.add(counters, _compat.batches_that_stepped(trainer))
+        logs = self.logs_now(trainer)
+        # The counters move only with an event (a skip, a spike, a backoff, a rollback), a signal or a trial: a quiet
+        # batch that logs nothing leaves them as they were published.
+        journaled = len(self.journal.events)
+        if logs or journaled != self._counted or self.signals or self.trials.active:
+            self._counted = journaled
+            counters: dict[str, float] = {}
+            for participant in self.in_stage("_counters"):  # several callbacks skip: their counts add up
+                for key, value in participant._counters().items():
+                    counters[key] = counters.get(key, 0.0) + float(value)
+            self._publish_counters(trainer, counters)
+            if logs:
+                self.metrics.add(counters, _compat.batches_that_stepped(trainer))
         self.flush(trainer)
 
     def logs_now(self, trainer: pl.Trainer) -> bool:
@@ -712,7 +775,9 @@ class HealthBoard:
                 logger.log_metrics(metrics, step=step)
             held = {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}  # the logged float, exactly
             _compat.callback_metrics(trainer).update(held)
-        publish_events(trainer, self.journal.unpublished())  # TensorBoard text; nothing to do on most steps
+        events = self.journal.unpublished()
+        if events:  # TensorBoard text; nothing to do on most steps
+            publish_events(trainer, events)
 
     def upload_journal(self, trainer: pl.Trainer) -> None:
         """Upload the journal to the loggers that keep artifacts (MLflow, W&B), from rank 0, if it grew since."""
@@ -734,40 +799,42 @@ class HealthBoard:
         self._run_step(trainer, pl_module, optimizer)
 
     def _run_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self._closure_start.note(int(trainer.global_step), optimizer)
         record = self._build(trainer, pl_module, optimizer)
-        for participant in self.participants:
+        for participant in self.in_stage("_contribute"):
             participant._contribute(trainer, pl_module, record)
         self.trials.contribute(record)
         record._read()
         self._interpret(record)
         self.current = record
-        verdicts = [(p, p._judge(trainer, record)) for p in self.participants]
+        verdicts = [(p, p._judge(trainer, record)) for p in self.in_stage("_judge")]
         action = decide_step(verdicts)
         self._apply(trainer, optimizer, record, action)
-        for participant in self.participants:
+        for participant in self.in_stage("_after_step"):
             participant._after_step(trainer, record, action)
+        if record.optimizer_index == 0:
+            self.ending.add(record.step, record.loss_mean)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> StepHealth:
-        params = [p for p in parameters_of(optimizer) if p.grad is not None]
-        ids = [id(p) for p in params]
-        if self._step_names is None or self._step_names[0] != ids:  # the same parameters step after step
-            if any(i not in self.names for i in ids):
-                self.names = {id(p): n for n, p in pl_module.named_parameters()}
-            self._step_names = ids, [self.names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params]
+        """The step's record with the gradients' norms (device values, read with the rest of the step's)."""
+        plan = self._plan(trainer, pl_module, optimizer)
+        grads: list[Tensor] = [p.grad for p in plan.params]  # type: ignore[misc]
         record = StepHealth(
             step=int(trainer.global_step),
             optimizer=optimizer,
-            optimizer_index=_index_of(trainer.optimizers, optimizer),
-            n_optimizers=len(trainer.optimizers),
-            rank=int(trainer.global_rank),
-            world_size=int(trainer.world_size),
-            params=params,
-            names=list(self._step_names[1]),
+            optimizer_index=plan.index,
+            n_optimizers=plan.n_optimizers,
+            rank=plan.rank,
+            world_size=plan.world_size,
+            params=plan.params,
+            names=plan.names,
             all_names=self.names,
             log_step=_compat.batches_that_stepped(trainer),
             log_due=self.logs_now(trainer),
+            grad_norms=plain_norms(grads) if plan.plain else tensor_norms(grads),
+            sharded=plan.sharded,
         )
-        device = record.grad_norms.device
+        device = record.device
         if record.world_size == 1:
             losses, self._losses = self._losses, []
             if losses:
@@ -784,17 +851,45 @@ class HealthBoard:
             self._loss_count = 0
         if record.sharded:
             # Each rank's part of the full gradients' squared norms: summed in the read, not yet a norm of anything.
-            grads = [p.grad for p in record.params]
-            record.add("grad_squares", shard_squares(record.grad_norms, grads, record.world_size), summed=True)  # type: ignore[arg-type]
+            record.add("grad_squares", shard_squares(record.grad_norms, grads, record.world_size), summed=True)
         else:
             # Replicated gradients (all-reduced by DDP, or one device): identical on every rank, so not reduced; their
             # total is taken on the host from the read norms (no kernel for it).
             record.add("grad_norms", record.grad_norms)
-        scaler = _compat.scaler_of(trainer)
-        scale = _compat.scaler_scale(scaler) if scaler is not None else None
-        if scale is not None:
-            record.add("loss_scale", scale)
+        if plan.scaler is not None:
+            scale = _compat.scaler_scale(plan.scaler)
+            if scale is not None:
+                record.add("loss_scale", scale)
         return record
+
+    def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> _StepPlan:
+        """What stays the same from one step of ``optimizer`` to the next: made again when the parameters that have
+        gradients change (or the optimizers do)."""
+        params = parameters_of(optimizer)
+        if any(p.grad is None for p in params):
+            params = [p for p in params if p.grad is not None]
+        ids = list(map(id, params))
+        plan = self._plans.get(id(optimizer))
+        n_optimizers = len(trainer.optimizers)
+        if plan is not None and plan.ids == ids and plan.n_optimizers == n_optimizers:
+            return plan
+        if any(i not in self.names for i in ids):
+            self.names = {id(p): n for n, p in pl_module.named_parameters()}
+        grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        sharded = any_sharded(grads)
+        plan = self._plans[id(optimizer)] = _StepPlan(
+            ids=ids,
+            params=params,
+            names=tuple(self.names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params),
+            index=_index_of(trainer.optimizers, optimizer),
+            n_optimizers=n_optimizers,
+            rank=int(trainer.global_rank),
+            world_size=int(trainer.world_size),
+            sharded=sharded,
+            plain=plain_cpu(grads),
+            scaler=_compat.scaler_of(trainer),
+        )
+        return plan
 
     @staticmethod
     def _interpret(record: StepHealth) -> None:
@@ -853,7 +948,7 @@ class HealthBoard:
         if bad:
             statuses = [norm_status(f, e) for f, e in zip(fast_host, exact)]
             record.grad_status = "nonfinite" if "nonfinite" in statuses else "overflow"
-        record.grad_norms = fast.to(record.grad_norms.device, non_blocking=True)
+        record.grad_norms = fast.to(record.device, non_blocking=True)
         record.exact_grad_norms = exact
         record.total_norm = math.sqrt(sum(squares))
 
@@ -863,6 +958,7 @@ class HealthBoard:
         if action.skip_reason is not None:
             record.skipped, record.skip_reason = True, action.skip_reason
             skip_step(trainer, optimizer, self._held, self._buffers)
+            self._closure_start.skipped(optimizer)
         else:
             for _, plan in action.clips:
                 for tensors, coef in plan.scales:
@@ -874,14 +970,33 @@ class HealthBoard:
 
     # ---- summary ----------------------------------------------------------------------------------------------
     def summarise(self, trainer: pl.Trainer) -> None:
-        """One line at the end of fit when anything happened (rank 0 only; once)."""
+        """The fit in plain words at its end, one line per finding, when anything happened (rank 0 only; once)."""
         if self._summarised:
             return
         self._summarised = True
-        summary = self.journal.summary()
-        if summary and trainer.global_rank == 0:
-            where = f"; journal: {self.journal.path}" if self.journal.path else ""
-            log.info(f"lightning_overflow: {summary} during this fit{where}")
+        lines = plain_lines(asdict(e) for e in self.journal.events)
+        if lines and trainer.global_rank == 0:
+            path = self.journal.path
+            where = f" (the details: python -m lightning_overflow journal {path.parent})" if path else ""
+            log.info("\n".join([f"lightning_overflow: what happened in this fit{where}:", *(f"  - {l}" for l in lines)]))
+
+
+class _StepPlan:
+    """What the board keeps from one step of an optimizer to the next: the parameters that have gradients (``ids``),
+    their names, the optimizer's index, the process's rank, and how the gradients' norms are computed.
+
+    A parameter's gradient keeps its layout, dtype and device from step to step (autograd gives it the parameter's),
+    so whether the checks of :func:`~lightning_overflow.numerics.tensor_norms` can be left out
+    (:func:`~lightning_overflow.numerics.norms.plain_cpu`) is asked when the plan is made."""
+
+    __slots__ = ("ids", "index", "n_optimizers", "names", "params", "plain", "rank", "scaler", "sharded", "world_size")
+
+    def __init__(
+        self, *, ids: list[int], params: list[Tensor], names: tuple[str, ...], index: int, n_optimizers: int,
+        rank: int, world_size: int, sharded: bool, plain: bool, scaler: Any,
+    ) -> None:  # fmt: skip
+        self.ids, self.params, self.names, self.index, self.n_optimizers = ids, params, names, index, n_optimizers
+        self.rank, self.world_size, self.sharded, self.plain, self.scaler = rank, world_size, sharded, plain, scaler
 
 
 def inspect_state(trainer: pl.Trainer, record: StepHealth) -> StateCheck:
@@ -896,17 +1011,18 @@ def inspect_state(trainer: pl.Trainer, record: StepHealth) -> StateCheck:
             board_for(trainer).state_before_step(module),
             [record.optimizer.state_dict()],
             board_for(trainer).constants(trainer),
-            record.grad_norms.device,
+            record.device,
             lambda: optimizer_labels(module, [record.optimizer]),
         )
     return record.state_check
 
 
 def state_flags(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> tuple[Tensor, Tensor]:
-    """This rank's device flags for non-finite module state and optimizer state (no read), by the same rule."""
+    """This rank's device flags for non-finite module state and optimizer state (no read), by the same rule: a first
+    look (a sum of each tensor, never missing inf/NaN), which :func:`inspect_state` decides when it is raised."""
     board = board_for(trainer)
     model_state = board.state_before_step(trainer.lightning_module)
-    return nonfinite_flags(model_state, [optimizer.state_dict()], board.constants(trainer))
+    return nonfinite_flags(model_state, [optimizer.state_dict()], board.constants(trainer), suspect=True)
 
 
 def _refuse_a_second(participant: StepParticipant, joined: Sequence[StepParticipant]) -> None:

@@ -63,7 +63,6 @@ from torch import Tensor
 
 __all__ = [
     "CERTAIN_SIGNALS",
-    "DATA_SHIFT",
     "DEFAULT_BACKOFF_TRIGGERS",
     "DEFAULT_ROLLBACK_TRIGGERS",
     "DIVERGENCE_SIGNALS",
@@ -71,9 +70,9 @@ __all__ = [
     "SCHEDULED",
     "SIGNAL_KINDS",
     "SUSPICION_SIGNALS",
-    "Signal",
     "UPDATE_BOUND",
     "ClipPlan",
+    "Signal",
     "StepAction",
     "Verdict",
     "decide_step",
@@ -122,10 +121,6 @@ DEFAULT_BACKOFF_TRIGGERS = DIVERGENCE_SIGNALS
 
 DEFAULT_ROLLBACK_TRIGGERS = (*DIVERGENCE_SIGNALS, "replica_mismatch")
 """Rollback's default triggers: divergence, and DDP replicas whose weights differ (no LR is to blame for those)."""
-
-DATA_SHIFT = "data_shift"
-"""The signal that takes a divergence back: the weights restored from before it are as bad on the current data, so
-the data changed, not the state. No trigger: ``LRBackoff`` undoes the backoff it made for the divergence."""
 
 UPDATE_BOUND = "update_bound"
 """The signal that takes the backoffs of a restored state back: that state diverged again right after each restore,

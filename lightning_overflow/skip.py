@@ -6,6 +6,10 @@ momentum and weight decay), not the module's buffers (the forward pass already m
 statistics, so they are put back from a copy taken when the accumulation window began), and not the LR schedule
 (Lightning steps the schedulers even on a skipped step, Lightning #18828: their state and the param-group
 hyperparameters are saved here and put back once Lightning has stepped them, in ``on_train_batch_end``).
+
+An optimizer that evaluates its closure several times in one step (LBFGS) moves the weights between evaluations: a
+skip decided on a later evaluation also puts back the weights and the optimizer state the step started from
+(:class:`ClosureStepStart`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,14 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["BufferCopy", "HeldSchedules", "skip_step"]
+__all__ = ["CLOSURE_OPTIMIZERS", "BufferCopy", "ClosureStepStart", "HeldSchedules", "repeats_closure", "skip_step"]
+
+CLOSURE_OPTIMIZERS = ("LBFGS",)
+"""Optimizers that evaluate the closure several times in one step, moving the weights in between."""
+
+
+def repeats_closure(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__name__ in CLOSURE_OPTIMIZERS
 
 
 @dataclass
@@ -89,6 +100,51 @@ class BufferCopy:
     def release(self) -> None:
         self._module = None
         self._names, self._owners, self._live, self._saved = [], [], [], []
+
+
+class ClosureStepStart:
+    """The weights and optimizer state a closure optimizer's step started from, to undo the whole step on a skip.
+
+    LBFGS evaluates the closure several times in one ``optimizer.step()`` and moves the weights between evaluations;
+    a skip decided on a later evaluation stops the step (no gradient left to follow) but keeps the moves already
+    made. So, for such optimizers only, the first evaluation of each step copies the parameters and the optimizer
+    state (LBFGS's history included: its cost), and a skip puts both back once the step returned.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._params: list[tuple[Tensor, Tensor]] = []
+        self._state: dict[Any, Any] = {}
+        self._undo = False
+
+    def note(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        """At each evaluation, before it is judged: copy the step's start on its first evaluation."""
+        if not repeats_closure(optimizer) or self._key == (step, id(optimizer)):
+            return
+        self._key, self._optimizer = (step, id(optimizer)), optimizer
+        with torch.no_grad():
+            self._params = [(p, p.detach().clone()) for g in optimizer.param_groups for p in g["params"]]
+        self._state = copy.deepcopy(optimizer.state_dict()["state"])
+
+    def skipped(self, optimizer: torch.optim.Optimizer) -> None:
+        self._undo = self._undo or (self._optimizer is optimizer and repeats_closure(optimizer))
+
+    def put_back(self) -> None:
+        """Once the step returned: the weights and optimizer state it started from, if an evaluation was skipped."""
+        if not self._undo or self._optimizer is None:
+            return
+        self._undo = False
+        with torch.no_grad():
+            for param, start in self._params:
+                param.copy_(start)
+        state = self._optimizer.state_dict()
+        state["state"] = self._state
+        self._optimizer.load_state_dict(state)
+        self._key = None  # the copy now is the live state: the next step copies afresh
+
+    def release(self) -> None:
+        self._key, self._optimizer, self._params, self._state, self._undo = None, None, [], {}, False
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -72,6 +72,7 @@ from lightning_overflow.numerics.snapshots import (
     named_state_tensors,
     nonfinite_flag,
     nonfinite_indices,
+    nonfinite_suspect,
     partition_by_size,
     restore_optimizer_,
     restore_state_,
@@ -362,7 +363,11 @@ class StateCheck:
 
 
 def nonfinite_flags(
-    model_state: Mapping[str, Any], optimizer_states: Sequence[Any], constants: NonFiniteConstants | None = None
+    model_state: Mapping[str, Any],
+    optimizer_states: Sequence[Any],
+    constants: NonFiniteConstants | None = None,
+    *,
+    suspect: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Two 0-d float64 device flags, ``1.0`` where the model state, and the optimizer states, hold inf/NaN by the
     rule of this module. No host read.
@@ -372,10 +377,14 @@ def nonfinite_flags(
         optimizer_states: ``optimizer.state_dict()`` of each optimizer (0-d entries, the step counters, are left
             out).
         constants: the buffers' legitimate infs (default: none, every inf is non-finite).
+        suspect: the first look (:func:`~lightning_overflow.numerics.snapshots.nonfinite_suspect`, a sum of each
+            tensor): never misses inf/NaN, and is raised by finite values only beyond about 1e32; :func:`check_state`
+            decides a raised one with the exact flags.
     """
     constants = constants or NonFiniteConstants()
+    flag = nonfinite_suspect if suspect else nonfinite_flag
     weights = [constants.without_constants(path, t) for path, t in named_state_tensors(model_state)]
-    return nonfinite_flag(weights), nonfinite_flag(state_tensors(list(optimizer_states)), scalars=False)
+    return flag(weights), flag(state_tensors(list(optimizer_states)), scalars=False)
 
 
 def nonfinite_parts(
@@ -413,7 +422,8 @@ def check_state(
     parity: Tensor | None = None,
 ) -> StateCheck:
     """Check a training state on every rank together: one all-reduce of two flags per rank, one host read; the
-    names (a second read) only when some rank holds inf/NaN.
+    exact flags (a second, where the first look raised a suspect: :func:`nonfinite_flags` ``suspect``) and the names
+    (a third) only when some rank may hold inf/NaN.
 
     Entered on every rank at the same point (the caller decides from values identical on all ranks).
 
@@ -424,11 +434,14 @@ def check_state(
         parity: this rank's :func:`~lightning_overflow.replicas.checksum` of its weights, compared with the other
             ranks' in the same all-reduce (for replicas, which must hold the same weights); ``None``: not compared.
     """
-    weights, moments = nonfinite_flags(model_state, optimizer_states, constants)
+    weights, moments = nonfinite_flags(model_state, optimizer_states, constants, suspect=True)
     world_size = world()[1]
     values = [weights, moments] if parity is None else [weights, moments, *parity.reshape(-1)]
     summed = per_rank_values(values, device)
     weight_ranks, state_ranks = ranks_where(summed[: 2 * world_size], world_size)
+    if weight_ranks or state_ranks:  # every rank knows of the suspect, so every rank enters the exact check
+        exact = per_rank_values(list(nonfinite_flags(model_state, optimizer_states, constants)), device)
+        weight_ranks, state_ranks = ranks_where(exact, world_size)
     if not weight_ranks and not state_ranks:
         mismatch = compare(summed[2 * world_size :], world_size) if parity is not None else None
         return StateCheck((), (), replica_ranks=mismatch.ranks if mismatch is not None else ())

@@ -379,7 +379,7 @@ class TrialRunner:
         if outcome.kept and trial.kind not in (SCHEDULED, REGROWTH) and remedy.factor < 1.0:
             # A remedy was better; is a lower rate better still? The next rung: the remedy just kept at the next lower
             # rates against itself. The ladder stops at the first rung the run as it is wins.
-            follow = Signal(trial.kind, step, f"the remedy kept at step {step}, tried one rung lower", trial.source)
+            follow = Signal(trial.kind, step, f"the remedy kept at step {step}, tried once more from there", trial.source)
             self._open(trainer, board, trial.kind, step, follow, rung=trial.rung + 1)
 
     # ---- state ----------------------------------------------------------------------------------------------------

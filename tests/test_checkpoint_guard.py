@@ -80,8 +80,8 @@ def test_weights_only_checkpoint_at_a_nan_step_is_rolled_back_first(tmp_path: Pa
     assert rollback.board(trainer).journal.events[0].message == (
         "Rollback: restored the snapshot of step 0 (memory) at step 6 after nonfinite_state at step 6 (Rollback: the "
         "weights held inf/NaN (in net.0.weight, net.0.bias, net.2.weight, net.2.bias, net.0.weight.exp_avg (+7 more)) "
-        "when a checkpoint was to be written). 2 rollback(s) with nothing changed left within 1000 steps (a rollback "
-        "at a backed-off learning rate spends none)."
+        "when a checkpoint was to be written). This one is counted: 2 more allowed within 1000 steps (max_rollbacks=3; "
+        "one that follows a backoff of the learning rate is not counted)."
     )
 
 

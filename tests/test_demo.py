@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from pytorch_lightning.callbacks import TQDMProgressBar
+from pytorch_lightning.loggers import CSVLogger
 
 from lightning_overflow import read_journal
 from lightning_overflow.cli import main
-from lightning_overflow.demo.run import run_demo
+from lightning_overflow.demo.run import _trainer, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two real training runs: slow on a shared machine
 
@@ -48,17 +51,31 @@ def test_demo_prints_the_comparison_and_writes_the_dashboard(tmp_path: Path, cap
     title = "byte transformer, Adam lr=0.02: unprotected vs default_callbacks()"
     redraw = (f"redraw:    python -m lightning_overflow report {tmp_path / 'unprotected'} {tmp_path / 'protected'} "
               f"--title '{title}' --out {tmp_path / 'dashboard.png'}")
-    assert printed[:2] == [intro, "A run whose loss stays NaN for 20 steps is stopped there: its weights are lost."]
-    start = max(i for i, line in enumerate(printed) if line.split() == ["unprotected", "protected"])
-    rows, tail = printed[start : start + len(table)], printed[start + len(table) :]  # after the progress bars
-    assert printed[start - 1] == ""
+    # Captured, stdout is no terminal: no progress bar between the lines.
+    assert printed[:3] == [intro, "A run whose loss stays NaN for 20 steps is stopped there: its weights are lost.", ""]
+    rows, tail = printed[3 : 3 + len(table)], printed[3 + len(table) :]
     assert [row.split() for row in rows] == [(name + " " + " ".join(cells)).split() for name, cells in table.items()]
     assert len({len(row) for row in rows}) == 1  # aligned: the values right-justified in their columns
     assert tail == ["", f"dashboard: {tmp_path / 'dashboard.png'}", redraw,  # no "... stopped: <error>" line
-                    f"journal:   {tmp_path / 'protected' / 'overflow_events.jsonl'}"]
+                    f"journal:   python -m lightning_overflow journal {tmp_path / 'protected'}"]
     assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "protected" / "overflow_events.jsonl").exists()
     assert [e["kind"] for e in read_journal(tmp_path / "unprotected" / "overflow_events.jsonl")] == ["nonfinite_at_end"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("stdout", "bar"), [(io.StringIO(), False), (_Terminal(), True)])
+def test_the_progress_bar_shows_in_a_terminal_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   stdout: io.StringIO, bar: bool) -> None:
+    """A CI log or a batch job's output file gets the demo's lines, not a redrawn bar (142 KB of it in 500 steps)."""
+    monkeypatch.setattr(sys, "stdout", stdout)
+    trainer = _trainer(5, "cpu", CSVLogger(str(tmp_path)), [])
+    assert isinstance(trainer.progress_bar_callback, TQDMProgressBar) is bar
+    assert (trainer.progress_bar_callback is None) is not bar
 
 
 def test_demo_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:

@@ -147,7 +147,7 @@ def test_the_plain_pytorch_function_finds_the_same_origin() -> None:
     x, y = regression_data()[:8]
     trace = trace_nonfinite(model, lambda: nn.functional.mse_loss(model(x), y))
     assert (trace.origin.module, trace.origin.direction) == ("layers.5", "backward")
-    assert trace.nonfinite_parameters[0] == "layers.0.linear.weight"
+    assert trace.nonfinite_gradients[0] == "layers.0.linear.weight"
     assert all(p.grad is None for p in model.parameters())  # gradients were returned, not accumulated
 
 
@@ -271,7 +271,7 @@ def test_a_nan_sample_in_the_data_is_persistent_and_blamed_on_the_batch() -> Non
     origin = diagnosis.origin
     assert (origin.source, origin.module, origin.op) == ("input", "layers.0.linear", "linear")
     assert diagnosis.replays[0].batch_nonfinite == 1
-    assert "the batch holds 1 inf/NaN values" in diagnosis.message
+    assert "batch 3 holds NaN in row 3" in diagnosis.message
     assert "the batch itself holds inf/NaN" in diagnosis.hint
 
 
@@ -284,7 +284,7 @@ def test_a_huge_sample_in_the_data_is_named_with_its_magnitude() -> None:
     diagnosis = error.diagnosis
     assert (error.step, diagnosis.verdict) == (3, "persistent")
     assert (diagnosis.origin.op, diagnosis.origin.kind) == ("mse_loss", "inf")
-    assert "the batch holds values up to 1e+30" in diagnosis.message
+    assert "batch 3 holds values up to 1e+30 in row 3" in diagnosis.message
     assert "x**2 is inf once |x| > 1.8e19" in diagnosis.hint and "up to 1e+30" in diagnosis.hint
 
 

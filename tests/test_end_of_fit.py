@@ -19,7 +19,7 @@ from lightning_overflow import (
     default_callbacks,
     read_journal,
 )
-from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+from lightning_overflow.testing import TinyRegressor
 
 
 class PoisonRunningVar(pl.Callback):

@@ -92,8 +92,8 @@ def test_one_warning_naming_the_module_and_one_journal_event(tmp_path: Path) -> 
         fit(Amplified(), [NonFiniteDetector(headroom_every_n_steps=2)], max_steps=8, default_root_dir=tmp_path)
     ours = [str(w.message) for w in caught if issubclass(w.category, OverflowWarning)]
     assert len(ours) == 1  # four sampled steps below the threshold, one warning
-    assert ours[0].startswith("NonFiniteDetector: only 13.")
-    expected = "decades of headroom left below the FP32 limit (3.4e38) at step 0: the output of net.1 (Scale) reached"
+    assert ours[0].startswith("NonFiniteDetector: the step's largest magnitude is only 13.")
+    expected = "powers of ten (decades) below the FP32 limit 3.4e38 at step 0: the output of net.1 (Scale) reached"
     assert expected in ours[0]
     events = list(read_journal(tmp_path / "overflow_events.jsonl"))
     assert [(e["kind"], e["step"], e["details"]["module"]) for e in events] == [("headroom", 0, "net.1")]

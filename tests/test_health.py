@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import MemoryLogger, fit
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import MemoryLogger, fit
 
 import lightning_overflow.health as health
 from lightning_overflow import GradNormMonitor, NonFiniteDetector
@@ -156,7 +156,7 @@ def test_the_board_hears_each_hook_once_through_the_first_suite_callback(monkeyp
 def test_lightning_calls_only_the_batch_hooks_a_suite_callback_works_in() -> None:
     """Lightning opens a profiler context around every callback hook it calls, every batch: for the fit, the suite's
     callbacks have it skip the hooks they have nothing to do in. The leader keeps the four it forwards to the board,
-    NonFiniteDetector its own batch start and end (it keeps the batch for a replay), the others none; after the fit
+    the others none (NonFiniteDetector keeps the batch for a replay in a stage the leader forwards to); after the fit
     every hook answers again."""
     from pytorch_lightning.profilers import PassThroughProfiler
 
@@ -185,11 +185,30 @@ def test_lightning_calls_only_the_batch_hooks_a_suite_callback_works_in() -> Non
         "GradNormMonitor.on_before_backward": STEPS,
         "GradNormMonitor.on_before_optimizer_step": STEPS,
         "GradNormMonitor.on_train_batch_end": STEPS,
-        "NonFiniteDetector.on_train_batch_start": STEPS,
-        "NonFiniteDetector.on_train_batch_end": STEPS,
     })
     for callback in suite:
         assert callable(callback.on_after_backward) and callable(callback.on_train_batch_start)
+
+
+def test_the_board_calls_a_callback_only_in_the_stages_its_class_implements(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A healthy step costs no call of a stage a callback leaves to the base class (six callbacks, six stages)."""
+    from lightning_overflow import LRBackoff
+    from lightning_overflow.callbacks._base import SuiteCallback
+
+    called: Counter[str] = Counter()
+    for stage in health.STAGES:
+        original = getattr(SuiteCallback, stage)
+
+        def counting(self: Any, *args: Any, _original: Any = original, _stage: str = stage) -> Any:
+            called[_stage] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(SuiteCallback, stage, counting)
+    backoff = LRBackoff()
+    assert backoff._stages() == {"_after_batch", "_counters"}  # computed before the defaults were wrapped
+    fit(TinyRegressor(), [backoff], max_steps=STEPS, logger=MemoryLogger())
+    assert called == Counter()
+    assert GradNormMonitor()._stages() == {"_contribute", "_after_step"}
 
 
 def test_the_place_of_a_callback_in_the_list_changes_nothing(tmp_path: Any) -> None:

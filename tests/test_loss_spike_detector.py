@@ -349,7 +349,7 @@ def test_a_loss_that_went_down_and_settles_back_up_is_divergence() -> None:
     index, (kind, reason) = _first_finding(losses)
     assert (index, kind) == (48 + 4, "loss_divergence")
     assert reason.startswith("settled far above its best level: its level over about 4 healthy steps is 2.844, above 2.5 ")
-    assert "the best level 1 times 2, and 0.5 of the way back up to its anchor 4" in reason
+    assert "the best level 1 times 2, and 0.5 of the way back up to its starting level 4" in reason
 
 
 def test_each_finding_names_the_losses_it_rests_on_so_the_rollback_goes_back_before_them() -> None:
@@ -380,7 +380,7 @@ def test_a_trend_must_rise_min_rise_times_the_anchor_above_the_best_window() -> 
     climbing = [1.0] * 8 + [1e-6] * 12 + [0.02 + 0.02 * i for i in range(10)]  # mean 0.11: beyond 0.1 x anchor
     index, (kind, reason) = _first_finding(climbing, **trend, min_rise=0.1)
     assert (index, kind) == (29, "loss_trend")
-    assert reason.endswith("above the best window mean 1e-06 by more than 0.5x it and 0.1x the anchor 1")
+    assert reason.endswith("above the best window mean 1e-06 by more than 0.5x it and 0.1x its starting level 1")
 
 
 def test_a_rise_of_less_than_half_the_progress_is_no_divergence() -> None:
@@ -495,7 +495,7 @@ def test_a_loss_that_settles_back_up_through_its_scatter_is_still_divergence() -
     plain, _ = _first_finding(losses, **NOISY, level_sigmas=0.0)
     # The allowance (3 standard errors of the scatter at the best) costs three steps, not the finding.
     assert kind == "loss_divergence" and (plain, index) == (308 + 15, 308 + 18)
-    assert "less the allowance for the losses' scatter), above " in reason
+    assert "once their usual scatter is allowed for), above " in reason
 
 
 def test_the_scatter_follows_the_noise_not_a_trend_or_an_outlier() -> None:

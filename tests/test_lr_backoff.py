@@ -456,6 +456,7 @@ def test_state_round_trips_through_torch_load_weights_only(tmp_path: Path) -> No
         "restored_at": [-1],
         "history": backoff.history,
         "trial": None,  # no trial under way (and none carried once the fit's board is released)
+        "version": 2,
     }
 
 

@@ -1,4 +1,4 @@
-"""The metric names are a contract (dashboards and alerts rely on them): logged as documented, listed in the README."""
+"""The metric names are a contract (dashboards and alerts rely on them): logged as documented, listed in the docs."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ CONTRACT = [
     "overflow/headroom_grad_decades",
     "overflow/headroom_activation_decades",
 ]
-README = Path(__file__).resolve().parents[1] / "README.md"
+METRICS_DOC = Path(__file__).resolve().parents[1] / "docs" / "journal.md"
 
 
 def test_default_callbacks_log_every_contract_key(tmp_path: Path) -> None:
@@ -48,8 +48,8 @@ def test_several_optimizers_are_suffixed_with_their_index(tmp_path: Path) -> Non
     assert {"grad_norm/total_opt0", "grad_norm/total_opt1", "clip/coef_opt0", "clip/coef_opt1"} <= set(logger.metrics)
 
 
-def test_the_readme_documents_every_key() -> None:
-    text = README.read_text()
+def test_the_docs_document_every_key() -> None:
+    text = METRICS_DOC.read_text()
     for key in CONTRACT:
         assert f"`{key}`" in text, key
 

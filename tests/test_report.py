@@ -26,6 +26,7 @@ from lightning_overflow.report import (
     event_markers,
     load_run,
     run_outcome,
+    sparse_logging_warning,
 )
 from lightning_overflow.report import figure as report_figure
 from lightning_overflow.report.figure import NONFINITE_LABEL
@@ -37,17 +38,26 @@ NAN = float("nan")
 class LoggingRegressor(TinyRegressor):
     """TinyRegressor that logs its training loss the way many modules do: ``train/loss``."""
 
+    key = "train/loss"
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
-        self.log("train/loss", loss)
+        self.log(self.key, loss)
         return loss
 
 
-def small_run(tmp_path: Path, logger_cls: type = CSVLogger, model: TinyRegressor | None = None) -> Path:
+class PlainRegressor(LoggingRegressor):
+    """A user's own module: logs ``train_loss`` and nothing else."""
+
+    key = "train_loss"
+
+
+def small_run(tmp_path: Path, logger_cls: type = CSVLogger, model: TinyRegressor | None = None,
+              log_every_n_steps: int = 1) -> Path:
     logger = logger_cls(str(tmp_path), name="run")
     fit(model or TinyRegressor(), [GradNormMonitor(), NonFiniteDetector(), FaultInjector(Fault(5, "nan_loss"))],
-        max_steps=20, logger=logger, log_every_n_steps=1)
+        max_steps=20, logger=logger, log_every_n_steps=log_every_n_steps)
     return Path(logger.log_dir)
 
 
@@ -98,13 +108,17 @@ def png_size(path: Path) -> tuple[int, int]:
 # ---- real runs ---------------------------------------------------------------------------------------------------
 
 
-def test_renders_a_dashboard_png_and_prints_the_events(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_renders_a_dashboard_png_and_prints_the_events(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       drawn: list[Any]) -> None:
     run_dir = small_run(tmp_path, model=LoggingRegressor())
     out = tmp_path / "dash.png"
     assert main(["report", str(run_dir), "--out", str(out)]) == 0
-    assert png_size(out) == (1300, 1150)  # one picture whatever the number of runs: they are overlaid
-    printed = capsys.readouterr().out
-    assert f"run ({run_dir / 'metrics.csv'}): finished at step 19\n" in printed
+    # No LRBackoff: no LR scale panel, and a row less: 1.2 + 1.3 * (3.2 + 1.1 + 1.8 + 1.8) inches at 100 dpi
+    assert [ax.get_label() for ax in drawn[0].axes] == ["loss", "events", "gradient norm", "skipped steps", "headroom"]
+    assert png_size(out) == (1300, 1147)
+    printed, err = capsys.readouterr()
+    assert err == ""  # logged every step: no warning
+    assert f"run/version_0 ({run_dir / 'metrics.csv'}): finished at step 19\n" in printed
     assert "  panels: loss = train/loss; gradient norm = grad_norm/total; skipped steps = overflow/skipped_steps;" \
         in printed
     assert "not logged: validation loss, clip threshold, LR scale\n" in printed
@@ -121,7 +135,7 @@ def test_a_real_run_logging_train_slash_loss_draws_that_and_not_the_headroom(tmp
     assert "overflow/headroom_loss_decades" in run.metrics and run.panels["loss"] == "train/loss"
     fig = draw([run])
     loss = panels(fig)["loss"]
-    assert [line.get_label() for line in loss.get_legend().get_lines()] == ["run: train/loss"]
+    assert [line.get_label() for line in loss.get_legend().get_lines()] == ["run/version_0: train/loss"]
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["skipped step", NONFINITE_LABEL]
     # the injected NaN reaches the gradients, not the logged loss: step 5 is a hollow marker on the top edge
     grad = panels(fig)["gradient norm"]
@@ -142,7 +156,7 @@ def test_two_runs_are_overlaid_with_their_labels(tmp_path: Path, drawn: list[Any
     second = small_run(tmp_path / "b", model=LoggingRegressor())
     out = tmp_path / "both.png"
     assert main(["report", f"bare={first}", f"suite={second}", "--out", str(out), "--title", "bare vs suite"]) == 0
-    assert png_size(out) == (1300, 1150)
+    assert png_size(out) == (1300, 1225)  # one lane more: 1.2 + 1.3 * (3.2 + 1.7 + 1.8 + 1.8) inches
     fig = drawn[0]
     assert fig.get_suptitle() == "bare vs suite"
     assert [t.get_text() for t in panels(fig)["events"].get_yticklabels()] == ["bare", "suite"]
@@ -180,6 +194,58 @@ def test_a_run_without_our_metrics_is_drawn_from_its_own_loss_and_one_without_a_
         "accuracy): pass --loss-key KEY, or add GradNormMonitor (and the other callbacks) to the Trainer's "
         "callbacks"
     )
+
+
+def test_a_plain_run_is_drawn_from_its_loss_alone_and_beside_a_protected_one(
+        tmp_path: Path, drawn: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    logger = CSVLogger(str(tmp_path / "logs"), name="plain")
+    fit(PlainRegressor(), [], max_steps=20, logger=logger, log_every_n_steps=1)  # no callback of the suite
+    plain = Path(logger.log_dir)
+    suite = small_run(tmp_path / "suite", model=LoggingRegressor())
+    # The experiment's folder is given: the run is the version read below it, and named after it.
+    assert main(["report", str(tmp_path / "logs" / "plain"), "--out", str(tmp_path / "plain.png")]) == 0
+    assert [ax.get_label() for ax in drawn[0].axes] == ["loss", "events"]  # the panels it has data for
+    assert png_size(tmp_path / "plain.png") == (1300, 679)  # 1.2 + 1.3 * (3.2 + 1.1) inches
+    summary = (f"plain/version_0 ({plain / 'metrics.csv'}): finished at step 19\n"
+               "  panels: loss = train_loss; not logged: validation loss, gradient norm, clip threshold, LR scale, "
+               "skipped steps, headroom\n"
+               "  events: none\n")
+    assert capsys.readouterr() == (summary + f"dashboard: {tmp_path / 'plain.png'}\n", "")
+
+    assert main(["report", str(plain), str(suite), "--out", str(tmp_path / "both.png")]) == 0
+    fig = drawn[1]
+    assert [ax.get_label() for ax in fig.axes] == ["loss", "events", "gradient norm", "skipped steps", "headroom"]
+    assert [t.get_text() for t in panels(fig)["loss"].get_legend().get_texts()] == [
+        "plain/version_0: train_loss", "run/version_0: train/loss"]
+    assert [t.get_text() for t in panels(fig)["events"].texts] == [
+        "finished at step 19  |  no events", "finished at step 19  |  1 skip"]
+    assert fig.get_suptitle() == "plain/version_0 vs run/version_0"
+    assert capsys.readouterr().out.startswith(summary)
+
+
+def test_a_run_logged_less_often_than_its_events_is_warned_about(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = small_run(tmp_path, model=LoggingRegressor(), log_every_n_steps=5)  # logged at 4, 9, 14, 19
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "x.png")]) == 0
+    assert capsys.readouterr().err == (
+        "lightning-overflow report: warning: run/version_0: metrics were logged every 5 steps, but its one event "
+        "happened at a step that was not logged (step 5), so the dashboard draws its effect up to 4 steps late. "
+        "Log every step with Trainer(log_every_n_steps=1).\n"
+    )
+
+
+def test_the_logging_interval_that_fits_a_long_run(tmp_path: Path) -> None:
+    events = [{"step": 57, "kind": "backoff"}, {"step": 10049, "kind": "skip"}, {"step": 10100, "kind": "skip"}]
+    every_50 = load_run(write_run(tmp_path / "a", {"train_loss": [(s, 1.0) for s in range(49, 20000, 50)]}, events))
+    assert sparse_logging_warning(every_50) == (
+        "a: metrics were logged every 50 steps, but 2 of its 3 events happened at steps that were not logged (the "
+        "first at step 57), so the dashboard draws their effect up to 49 steps late. Log every step with "
+        "Trainer(log_every_n_steps=1), or at least every 40 steps for a run of 20000 steps: "
+        "Trainer(log_every_n_steps=40)."
+    )
+    # 500 steps across the picture's width: a grid of 40 steps in 20,000 does not show
+    every_40 = load_run(write_run(tmp_path / "b", {"train_loss": [(s, 1.0) for s in range(39, 20000, 40)]}, events))
+    assert sparse_logging_warning(every_40) is None
 
 
 def test_a_corrupt_journal_line_is_skipped_with_a_warning(tmp_path: Path) -> None:
@@ -256,20 +322,22 @@ def test_a_run_without_any_loss_says_which_keys_it_has(tmp_path: Path, capsys: p
 # ---- labels ------------------------------------------------------------------------------------------------------
 
 
-def test_default_labels_skip_version_folders_and_stay_unique(tmp_path: Path) -> None:
+def test_default_labels_name_the_experiment_and_version_and_stay_unique(tmp_path: Path) -> None:
     assert default_labels([tmp_path / "baseline" / "version_0", tmp_path / "overflow_demo" / "protected"]) == [
-        "baseline", "protected"]
-    assert default_labels([tmp_path / "a" / "run" / "version_0", tmp_path / "b" / "run" / "version_0"]) == [
-        "a/run", "b/run"]
+        "baseline/version_0", "protected"]
+    assert default_labels([tmp_path / "lightning_logs" / "version_0", tmp_path / "lightning_logs" / "version_1"]) == [
+        "lightning_logs/version_0", "lightning_logs/version_1"]
+    assert default_labels([tmp_path / "a" / "run" / "version_0", tmp_path / "b" / "run" / "version_0",
+                           tmp_path / "c" / "other"]) == ["a/run/version_0", "b/run/version_0", "other"]
     assert default_labels([tmp_path / "version_3x"]) == ["version_3x"]
 
 
 def test_labels_from_the_option_and_from_name_equals_dir(tmp_path: Path, drawn: list[Any]) -> None:
     rows = {"grad_norm/total": steps([1.0, 2.0]), "train_loss": steps([2.0, 1.0])}
     first, second = write_run(tmp_path / "x" / "version_0", rows), write_run(tmp_path / "y" / "version_0", rows)
-    for argv, labels in (([str(first), str(second)], ["x", "y"]),
+    for argv, labels in (([str(first), str(second)], ["x/version_0", "y/version_0"]),
                          ([str(first), str(second), "--labels", "lr 1e-3, lr 1e-2"], ["lr 1e-3", "lr 1e-2"]),
-                         ([f"small={first}", str(second)], ["small", "y"])):
+                         ([f"small={first}", str(second)], ["small", "y/version_0"])):
         assert main(["report", *argv, "--out", str(tmp_path / "l.png")]) == 0
         assert [t.get_text() for t in panels(drawn[-1])["events"].get_yticklabels()] == labels
         assert drawn[-1].get_suptitle() == " vs ".join(labels)
@@ -332,7 +400,9 @@ def test_how_each_run_ended(tmp_path: Path) -> None:
     exited = load_run(write_run(tmp_path / "e", {"grad_norm/total": steps([1.0] * 5)}, [
         {"step": 4, "kind": "exit_restore", "source": "Rollback", "details": {"error": "KeyboardInterrupt"}}]))
     short = load_run(write_run(tmp_path / "s", {"grad_norm/total": steps([1.0] * 5), "train_loss": steps([1.0] * 5)}))
-    outcomes = [run_outcome(r, 9) for r in (finished, nan_tail, diverged, raised, exited, short)]
+    # Logged every 4 steps: its last logged step may trail its last step by 3.
+    sparse = load_run(write_run(tmp_path / "l", {"train_loss": [(3, 2.0), (7, 1.0)], "val_loss": [(8, 1.0)]}))
+    outcomes = [run_outcome(r, 9) for r in (finished, nan_tail, diverged, raised, exited, short, sparse)]
     texts = [(o.kind, o.text) for o in outcomes]
     assert texts == [
         ("finished", "finished at step 9"),
@@ -341,7 +411,9 @@ def test_how_each_run_ended(tmp_path: Path) -> None:
         ("raised", "stopped at step 4: NonFiniteError (non-finite loss, not skipped)"),
         ("raised", "stopped at step 4: KeyboardInterrupt raised"),
         ("ended", "ended at step 4, before the others (nothing journaled about why)"),
+        ("finished", "finished at step 8"),
     ]
+    assert run_outcome(sparse, 13).text == "ended at step 8, before the others (nothing journaled about why)"
     lanes = panels(draw([finished, nan_tail, diverged]))["events"]
     assert [t.get_text() for t in lanes.texts] == [
         "finished at step 9  |  no events",

@@ -13,18 +13,18 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from conftest import assert_bit_identical, assert_optimizer_state_equal, fit, make_trainer, optimizer_state, weights
+from fsspec.implementations.local import LocalFileSystem
 from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from pytorch_lightning.plugins import MixedPrecision
 from typing_extensions import override
 
+from lightning_overflow import snapshot_store
 from lightning_overflow._compat import Callback
 from lightning_overflow.callbacks._base import SuiteCallback
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
 from lightning_overflow.exceptions import DivergenceError, OverflowWarning, RollbackError
-from lightning_overflow import snapshot_store
 from lightning_overflow.numerics.snapshots import named_state_tensors
 from lightning_overflow.snapshot_store import load_snapshot, save_snapshot
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor

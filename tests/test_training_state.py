@@ -202,7 +202,7 @@ def test_a_mask_built_on_the_first_forward_is_a_constant_too() -> None:
 
 def test_corruption_of_a_mask_built_on_the_first_forward_is_found_and_rolled_back() -> None:
     rollback, probe = Rollback(every_n_steps=2), StateAt()
-    trainer = fit(LazyMaskLM(), [rollback, probe, BufferFault(3, "mask", (5, 0), float("nan"))], max_steps=6)
+    fit(LazyMaskLM(), [rollback, probe, BufferFault(3, "mask", (5, 0), float("nan"))], max_steps=6)
     assert [(h["step"], h["reason"], h["snapshot_step"]) for h in rollback.history] == [(4, "nonfinite_state", 2)]
     assert torch.equal(_bits(probe.at[4]["mask"]), _bits(probe.at[2]["mask"]))
 
@@ -248,6 +248,18 @@ def test_the_flags_are_computed_without_a_host_read() -> None:
     optimizer = torch.optim.Adam(module.parameters())
     weights_flag, moments_flag = nonfinite_flags(module.state_dict(), [optimizer.state_dict()], constants)
     assert weights_flag.device.type == "meta" and moments_flag.device.type == "cpu"  # no moments yet: a CPU zero
+    weights_flag, _ = nonfinite_flags(module.state_dict(), [optimizer.state_dict()], constants, suspect=True)
+    assert weights_flag.device.type == "meta"
+
+
+def test_huge_finite_values_are_a_suspect_that_the_exact_check_clears() -> None:
+    module = nn.Linear(100, 100)
+    with torch.no_grad():
+        module.weight.fill_(1e36)  # finite, but their sum is not
+    suspect, _ = nonfinite_flags(module.state_dict(), [], suspect=True)
+    assert suspect.item() == 1.0
+    check = check_state(module.state_dict(), [], None, "cpu", lambda: pytest.fail("nothing to name"))
+    assert check == StateCheck((), ()) and check.finite
 
 
 def test_check_state_names_weights_buffers_and_moments() -> None:

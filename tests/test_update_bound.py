@@ -129,7 +129,7 @@ def test_the_bound_arms_on_a_second_quick_return_after_updates_beyond_it_and_hal
 
 def test_the_bound_is_kept_in_checkpoints_and_agc_has_none() -> None:
     autoclip = AutoClip()
-    autoclip.load_state_dict({"mode": "zscore", "bounds": {"0": [0.005, 12.5]}})
+    autoclip.load_state_dict({**AutoClip().state_dict(), "bounds": {"0": [0.005, 12.5]}})
     assert autoclip.state_dict()["bounds"] == {0: [0.005, 12.5]}
     agc = AutoClip(mode="agc")
     trainer = fit(TinyRegressor(), [agc], max_steps=4)

@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_overflow import _compat
 from lightning_overflow._compat import Callback
 from lightning_overflow.events import Event
-from lightning_overflow.health import HealthBoard, StepHealth, board_for
+from lightning_overflow.health import STAGES, HealthBoard, StepHealth, board_for
 from lightning_overflow.policy import Signal, StepAction, Verdict
 from lightning_overflow.snapshot_store import Snapshot
 from lightning_overflow.training_state import StateCheck
@@ -35,7 +35,9 @@ class SuiteCallback(Callback):
     Lightning skip the per-batch hooks it has nothing to do in (the others' forwarding hooks, the hooks no suite
     callback uses), so six of them cost Lightning's hook dispatch about what one does.
 
-    Pipeline stages (override what the callback needs; every default does nothing):
+    Pipeline stages (override what the callback needs; every default does nothing; the board calls a callback only in
+    the stages its class overrides):
+        ``_before_batch(trainer, pl_module, batch, batch_idx)``: at ``on_train_batch_start``, before the forward pass.
         ``_contribute(trainer, pl_module, record)``: add device values to the step's one host read.
         ``_judge(trainer, record)``: from the read record, return a :class:`~lightning_overflow.policy.Verdict`
             (ask for a skip, propose a clip) or ``None``.
@@ -108,6 +110,7 @@ class SuiteCallback(Callback):
         if board.leads(self):
             board.trials.end_fit(trainer, board)
             board.check_at_end(trainer)
+            board.note_ending(trainer)
             board.flush(trainer)
 
     @override
@@ -144,6 +147,14 @@ class SuiteCallback(Callback):
         return idle
 
     # ---- pipeline stages --------------------------------------------------------------------------------------
+    def _stages(self) -> frozenset[str]:
+        """The per-step stages this callback's class implements (overrides), the only ones the board calls."""
+        cls = type(self)
+        return frozenset(name for name in STAGES if getattr(cls, name) is not getattr(SuiteCallback, name))
+
+    def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Prepare for a training batch, before its forward pass (default: nothing)."""
+
     def _wants_record(self) -> bool:
         """Whether this callback needs the step record now (default: yes). When no participant does, the step
         costs the suite no norm and no read."""

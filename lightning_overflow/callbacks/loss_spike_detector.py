@@ -132,7 +132,8 @@ class LossSpikeDetector(SuiteCallback):
             because a converged healthy run often does better at a lower rate too (annealing): measured at 100 steps,
             5 of 18 long healthy runs kept a lower rate (0.95-1.03x their final loss), where the suite must leave a
             healthy run bit-identical; on the rescue benchmark it reaches runs stuck on a plateau that nothing else
-            signals (a transformer or Adam at several times its stable rate: 88 -> 90 of 102 within reference).
+            signals (a transformer or Adam at several times its stable rate: 88 -> 90 of 102 runs end within 1.5x of a
+            fault-free run's loss).
             Off with several optimizers.
         growth_every_n_steps: how often the weight-growth test samples the norm of the weights (default 10; ``None``
             disables the test). The sample joins the step's one read (one norm of the weights every 10 steps). A
@@ -310,7 +311,9 @@ class LossSpikeDetector(SuiteCallback):
         grad = record.total_norm if self.check_grad_norm and record.grads_finite else math.nan
         values = [record.loss_mean, grad]
         stats = self._stats_for(record.optimizer_index)
-        evidence = self._evidence.setdefault(record.optimizer_index, DivergenceEvidence())
+        evidence = self._evidence.get(record.optimizer_index)
+        if evidence is None:  # not setdefault: a new DivergenceEvidence every step would cost more than its use
+            evidence = self._evidence[record.optimizer_index] = DivergenceEvidence()
         found = stats.spikes(values, self.sigmas, self._ratios)
         # A reference of zero mean and zero spread gives no threshold of its own: the anchor sets the least rise.
         found[0] = found[0] and values[0] > stats.mean[0] + self.min_rise * evidence.anchor
@@ -381,7 +384,7 @@ class LossSpikeDetector(SuiteCallback):
             f"{f.norm_before:.4g} at step {f.since} to {f.norm:.4g} at step {f.step}) while the training loss did not "
             f"fall (median {f.loss_before:.4g} then, {f.loss:.4g} now) and "
             + (
-                f"single losses ran beyond {self.growth_runaway_factor:g}x its anchor {evidence.anchor:.4g}"
+                f"single losses ran beyond {self.growth_runaway_factor:g}x its starting level {evidence.anchor:.4g}"
                 if f.at_best
                 else f"stood above the best it had reached ({f.best_loss:.4g})"
             )
@@ -606,7 +609,7 @@ class DivergenceEvidence:
             # The least of the streak: what the diverged state gave on every one of its batches.
             self.judged, self.span = self.streak_low, confirm_steps
             where = (
-                f"is {loss:.4g}, {loss / self.anchor:.3g}x its anchor {self.anchor:.4g}"
+                f"is {loss:.4g}, {loss / self.anchor:.3g}x its starting level {self.anchor:.4g}"
                 if runaway
                 else f"is {loss:.4g}, above its spike threshold"
             )
@@ -681,11 +684,11 @@ class DivergenceEvidence:
         # The level averages about a window of losses before its streak: the states that gave them are implicated.
         self.judged, self.span = self.level, self.level_streak + window
         self._restart_level()
-        within = f" ({level:.4g} less the allowance for the losses' scatter)" if allowance > 0.0 else ""
+        within = f" ({level:.4g} once their usual scatter is allowed for)" if allowance > 0.0 else ""
         return "loss_divergence", (
             f"settled far above its best level: its level over about {window} healthy steps is {self.judged:.4g}"
             f"{within}, above {bound:.4g} (the best level {best:.4g} times {factor:g}, and {fraction:g} of the way "
-            f"back up to its anchor {anchor:.4g}) for {confirm_steps} consecutive steps"
+            f"back up to its starting level {anchor:.4g}) for {confirm_steps} consecutive steps"
         )
 
     def _restart_level(self) -> None:
@@ -715,8 +718,8 @@ class DivergenceEvidence:
         self.judged, self.span = mean, window
         return "loss_trend", (
             f"trends up: P(slope > 0) = {p:.4f} over the last {window} healthy steps, whose mean {mean:.4g} stands "
-            f"above the best window mean {best:.4g} by more than {margin:g}x it and {min_rise:g}x the anchor "
-            f"{self.anchor:.4g}"
+            f"above the best window mean {best:.4g} by more than {margin:g}x it and {min_rise:g}x its "
+            f"starting level {self.anchor:.4g}"
         )
 
     def after_restore(self) -> None:

@@ -15,7 +15,7 @@ from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.numerics.lr_scaling import scale_lr
-from lightning_overflow.policy import DATA_SHIFT, DEFAULT_BACKOFF_TRIGGERS, REGROWTH, SIGNAL_KINDS, UPDATE_BOUND, Signal
+from lightning_overflow.policy import DEFAULT_BACKOFF_TRIGGERS, REGROWTH, SIGNAL_KINDS, UPDATE_BOUND, Signal
 from lightning_overflow.snapshot_store import Snapshot
 from lightning_overflow.trial import DEFAULT_TRIAL, TrialConfig
 from lightning_overflow.trials import TrialOutcome
@@ -60,9 +60,8 @@ class LRBackoff(SuiteCallback):
       above the configured schedule), as ``GradScaler`` grows its loss scale. A backoff within the growth window
       after a regrowth means the regrowth came too early: the window is multiplied by ``window_growth`` (metaseq's
       adaptive loss-scale window), so the run does not oscillate between two learning rates.
-    - **Undo**: a ``data_shift`` signal (``LossSpikeDetector``, after a rollback: the restored weights are as bad
-      on the current data as the diverged ones) takes back the last backoff that stands, exactly: the rise of the
-      loss it answered was the data's. An undone backoff counts for no escalation.
+    - **Undo**: once ``AutoClip`` bounds every update (``update_bound``) and a kept remedy returned to its snapshot,
+      the backoffs made since that snapshot are taken back: they answered gradients out of scale, not the rate.
 
     Steps are ``global_step`` steps: under manual optimization every optimizer's step counts.
 
@@ -175,8 +174,8 @@ class LRBackoff(SuiteCallback):
         step = int(trainer.global_step)
         self._track(len(trainer.optimizers), step)
         signals = self.board(trainer).signals
-        for shift in [s for s in signals if s.kind == DATA_SHIFT and s.optimizer_index < len(self.scales)]:
-            self._undo(trainer, shift)
+        if not signals and (self.regrow_after is None or all(scale >= 1.0 for scale in self.scales)):
+            return  # nothing fired, and no learning rate below its schedule to grow back
         fired = self._fired(signals, len(self.scales))
         due: dict[int, list[Signal]] = {}
         for index, signals in fired.items():
@@ -275,28 +274,6 @@ class LRBackoff(SuiteCallback):
         return entries, standing
 
     # ---- undo -------------------------------------------------------------------------------------------------
-    def _undo(self, trainer: pl.Trainer, shift: Signal) -> None:
-        """Take back the last standing backoff: the rise of the loss it answered is the data's (``data_shift``)."""
-        indices = [shift.optimizer_index] if self.per_optimizer else list(range(len(self.scales)))
-        for index in indices:
-            entries, standing = self._standing_backoffs(index)
-            if not standing:
-                continue
-            at = standing[-1]
-            previous = entries[at]["step"]
-            before = entries[at - 1]["scale"] if at > 0 else 1.0
-            old = self.scales[index]
-            new = old * before / entries[at]["scale"]
-            self._apply(trainer, index, new / old)
-            self.scales[index] = new
-            self._cooldown_until[index] = shift.step  # a divergence from here on is new evidence
-            message = (
-                f"LRBackoff: the backoff at step {previous} answered a rise of the loss that the data explains: the "
-                f"learning rate of optimizer {index} is back to {new:.4g} x its schedule (was {old:.4g} x; group LRs "
-                f"{_lrs(trainer, index)}). Cause: {shift.reason}"
-            )
-            self._journal_undo(trainer, index, shift, old, message, undone_step=previous)
-
     def _take_back(self, trainer: pl.Trainer, index: int, scale: float, bound: Signal) -> None:
         """Return to the scale of the snapshot just restored: every update is bounded now (``update_bound``), and the
         backoffs made since answered gradients out of scale, not the rate."""

@@ -16,7 +16,7 @@ from lightning_overflow._validation import check_bool, check_choice, check_float
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
-from lightning_overflow.diagnosis.hints import HUGE_INPUT, detection_hint
+from lightning_overflow.diagnosis.hints import detection_hint
 from lightning_overflow.diagnosis.records import Diagnosis
 from lightning_overflow.diagnosis.replay import KeptBatch, diagnose_step
 from lightning_overflow.events import WarningCache
@@ -91,8 +91,9 @@ class NonFiniteDetector(SuiteCallback):
         persist_after: consecutive non-finite steps on batches that hold no inf/NaN (nor values above 1e15) after
             which the state itself, not the data, produces them: signal ``nonfinite_persistent``, which the default
             interventions treat as divergence (default 3). Batches that do hold them are data faults: skipped,
-            journaled with ``data_fault``, and never held against the state, however often they recur (this needs
-            ``diagnose=True``, which measures the batch).
+            journaled as ``data_fault`` events (the batch's index in its epoch, the rows that hold them), and never
+            held against the state, however often they recur (this needs ``diagnose=True``, which measures the
+            batch).
         max_skipped_share, skip_window: the skip budget. When more than ``max_skipped_share`` of the last
             ``skip_window`` optimizer steps were skipped (by any suite callback, data faults included; defaults half
             of the last 20), the run is not training, whether its skips come in a row or not: signal
@@ -238,20 +239,17 @@ class NonFiniteDetector(SuiteCallback):
             self._headroom.reset()
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, *args)
+    def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.diagnose and pl_module.automatic_optimization:
             # A reference, not a copy: the replay, when one is needed, runs before the batch is released.
-            batch_idx = int(args[0]) if args else 0
             self._kept = KeptBatch(batch, batch_idx, capture_rng())
         if self._headroom is not None:
             self._headroom.on_batch_start(pl_module, int(trainer.global_step))
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, *args)
+    def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         self._kept = None
-        if self._headroom is not None:
+        if self._headroom is not None and self._headroom.sampler.active:  # hooked for a sampled step
             self._headroom.on_batch_end(int(trainer.global_step))
 
     @override
@@ -298,7 +296,11 @@ class NonFiniteDetector(SuiteCallback):
         record.add(self._key(), torch.maximum(weights, moments), per_rank=True)
 
     def _key(self, what: str = "state") -> str:
-        return f"{type(self).__name__}.{id(self)}.{what}"
+        keys = self.__dict__.setdefault("_keys", {})  # built once each: asked several times a step
+        key = keys.get(what)
+        if key is None:
+            key = keys[what] = f"{type(self).__name__}.{id(self)}.{what}"
+        return key
 
     def _replicas_due(self, trainer: pl.Trainer, record: StepHealth) -> bool:
         every = self.check_replicas_every_n_steps
@@ -404,10 +406,12 @@ class NonFiniteDetector(SuiteCallback):
             "optimizer": record.optimizer_index,
         }
         if diagnosis is not None:
-            finding.details["diagnosis"] = diagnosis.to_dict()
             finding.data_fault = _bad_batch(diagnosis)
-            finding.details["data_fault"] = finding.data_fault
-        self._event(trainer, "nonfinite", message, rank=min(finding.ranks, default=0), **finding.details)
+            finding.details.update(_batch_details(diagnosis) if finding.data_fault else {})
+            # The sentence is the event's message already: written once.
+            finding.details["diagnosis"] = {k: v for k, v in diagnosis.to_dict().items() if k != "message"}
+        kind = "data_fault" if finding.data_fault else "nonfinite"
+        self._event(trainer, kind, message, rank=min(finding.ranks, default=0), **finding.details)
         self._raise_signals(trainer, record, finding, message)
         state_broken = finding.kind in ("weight", "optimizer_state")
         if self.action == "warn":
@@ -428,9 +432,11 @@ class NonFiniteDetector(SuiteCallback):
         """Count and journal a skip of this detector's; stop after ``max_consecutive_skips``."""
         if action.skipped_by is self:
             self.skipped_steps += 1
-            self._event(
-                trainer, "skip", f"skipped optimizer step {record.step}: non-finite {finding.kind}", **finding.details
-            )
+            found = "data_fault" if finding.data_fault else "nonfinite"
+            # The finding's own event (same step) holds the diagnosis; the skip refers to it.
+            self._event(trainer, "skip", f"skipped optimizer step {record.step}: non-finite {finding.kind}"
+                        + (" (a data fault)" if finding.data_fault else ""), where=finding.kind, finding=found,
+                        ranks=list(finding.ranks), optimizer=record.optimizer_index)  # fmt: skip
         if self._consecutive >= self.max_consecutive_skips:
             message = (
                 f"NonFiniteDetector: {self._consecutive} consecutive optimizer steps were non-finite, the last at step "
@@ -552,7 +558,8 @@ class NonFiniteDetector(SuiteCallback):
         if reading.decades >= self.headroom_warn_decades:
             return
         message = (
-            f"NonFiniteDetector: only {reading.decades:.1f} decades of headroom left below the FP32 limit (3.4e38) "
+            f"NonFiniteDetector: the step's largest magnitude is only {reading.decades:.1f} powers of ten (decades) "
+            f"below the FP32 limit 3.4e38 "
             f"at step {reading.step}: {reading.describe(trainer.world_size > 1)}. The run is approaching overflow "
             f"(warning below {self.headroom_warn_decades:g} decades; shown once). HINT: {detection_hint('headroom', _present(trainer))}."
         )
@@ -603,6 +610,7 @@ class NonFiniteDetector(SuiteCallback):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_kept"] = None  # a batch on the device and the random state belong to one step of one fit
+        state.pop("_keys", None)  # they name this instance (a copy is another)
         return state
 
 
@@ -661,4 +669,12 @@ def _warn_about_spike_detection(trainer: pl.Trainer, warnings: WarningCache) -> 
 
 def _bad_batch(diagnosis: Diagnosis) -> bool:
     """Whether a rank's batch itself holds inf/NaN or values no normalised input has."""
-    return any(r.batch_nonfinite > 0 or r.batch_magnitude > HUGE_INPUT for r in diagnosis.replays)
+    return any(r.describe_batch() for r in diagnosis.replays)
+
+
+def _batch_details(diagnosis: Diagnosis) -> dict[str, Any]:
+    """Where the bad data is: the first bad batch's index in its epoch, its rows, and what they hold, per rank."""
+    bad = [r for r in diagnosis.replays if r.describe_batch()]
+    first = bad[0]
+    return {"batch": first.batch_idx, "rows": list(first.batch_rows), "data": first.describe_batch(),
+            "data_ranks": [r.rank for r in bad]}  # fmt: skip

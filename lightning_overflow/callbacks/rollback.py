@@ -606,10 +606,15 @@ class Rollback(SuiteCallback):
             if source == "trial"
             else f"restored the snapshot of step {target} ({source}) at step {step}"
         )
+        counted = (
+            "The learning rate was backed off since the last rollback, so this one is not counted"
+            if progress
+            else "This one is counted"
+        )
         message = (
-            f"Rollback: {what} after {signal.kind} at step {signal.step} ({signal.reason}){skip}. {left} rollback(s) "
-            f"with nothing changed left within {self.window} steps (a rollback at a backed-off learning rate spends "
-            f"none)."
+            f"Rollback: {what} after {signal.kind} at step {signal.step} ({signal.reason}){skip}. {counted}: {left} "
+            f"more allowed within {self.window} steps (max_rollbacks={self.max_rollbacks}; one that follows a backoff "
+            f"of the learning rate is not counted)."
         )
         details = {key: value for key, value in entry.items() if key != "step"}  # the event's own step
         self._event(trainer, "rollback", message, **details, rollbacks=self.rollbacks, budget_left=left,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,23 @@ class _StopWhenDead(pl.Callback):
             trainer.should_stop = True
 
 
+def _trainer(steps: int, accelerator: str, logger: CSVLogger, callbacks: list[pl.Callback]) -> pl.Trainer:
+    return pl.Trainer(
+        max_steps=steps,
+        accelerator=accelerator,
+        devices=1,
+        logger=logger,
+        callbacks=callbacks,
+        log_every_n_steps=1,  # the dashboard draws every event at the step it happened
+        limit_val_batches=4,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        # A progress bar redraws itself in a terminal; in a CI log or a batch job's file it is line after line.
+        enable_progress_bar=sys.stdout.isatty(),
+    )
+
+
 def _run(label: str, protected: bool, steps: int, seed: int, out: Path, accelerator: str, lr: float) -> RunResult:
     pl.seed_everything(seed, verbose=False)
     train, val = _data()
@@ -84,18 +102,7 @@ def _run(label: str, protected: bool, steps: int, seed: int, out: Path, accelera
     last = _LastLosses()
     suite = default_callbacks(snapshot_every_n_steps=25) if protected else [GradNormMonitor()]
     logger = CSVLogger(str(out), name=label, version="")
-    trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator=accelerator,
-        devices=1,
-        logger=logger,
-        callbacks=[*suite, last, _StopWhenDead()],
-        log_every_n_steps=5,
-        limit_val_batches=4,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(steps, accelerator, logger, [*suite, last, _StopWhenDead()])
     start = time.perf_counter()
     stopped_by = ""
     try:
@@ -166,6 +173,7 @@ def run_demo(steps: int = 500, seed: int = 0, out: Path = Path("overflow_demo"),
     if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"'lr' must be a finite number > 0 or None (got {lr!r})")
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
+    logging.getLogger("pytorch_lightning.lightning_overflow").setLevel(logging.INFO)  # the fit in plain words
     lr = DEFAULT_LR if lr is None else lr
     out = Path(out)
     print(f"lightning_overflow demo: a byte-level transformer on the standard library's source, Adam lr={lr:g}, "
@@ -185,5 +193,5 @@ def run_demo(steps: int = 500, seed: int = 0, out: Path = Path("overflow_demo"),
     print(f"\ndashboard: {picture}")
     print(f"redraw:    python -m lightning_overflow report {' '.join(str(r.log_dir) for r in results)} "
           f"--title '{title}' --out {picture}")
-    print(f"journal:   {results[1].log_dir / JOURNAL_NAME}")
+    print(f"journal:   python -m lightning_overflow journal {results[1].log_dir}")
     return results

@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Collection, Sequence
 
-from lightning_overflow.diagnosis.records import Direction, Growth, Origin
+from lightning_overflow.diagnosis.records import HUGE_INPUT, Direction, Growth, Origin
 
 __all__ = ["detection_hint", "find_growth", "op_family", "origin_hint"]
 
@@ -91,10 +91,6 @@ BATCH_HUGE_HINT = (
     "the batch holds values up to {magnitude:.3g}: a corrupt or unnormalised sample; normalise the inputs, or "
     "filter such samples in the data pipeline"
 )
-HUGE_INPUT = 1e15
-"""A batch value above this is no normalised input (its square is 1e30: a few such products reach the FP32 limit)."""
-
-
 def op_family(op: str) -> str | None:
     """The family of a forward op (``"exp"``) or backward node (``"ExpBackward0"``): exp, log, pow, sqrt, softmax,
     div, or matmul (products and sums of huge inputs); ``None`` for the rest.

@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 from lightning_overflow.numerics import FP32_MAX
 
+HUGE_INPUT = 1e15
+"""A batch value above this is no normalised input (its square is 1e30: a few such products reach the FP32 limit)."""
+
 __all__ = ["Diagnosis", "Growth", "Origin", "Replay", "Trace"]
 
 Direction = Literal["forward", "backward"]
@@ -124,7 +127,8 @@ class Trace:
             already was non-finite).
         loss: the loss value (``nan``/``inf`` when it was non-finite).
         grad_norm: the exact total gradient norm (float64; beyond the FP32 range where the squares overflowed).
-        nonfinite_parameters: the parameters whose gradient holds inf/NaN (the first 20).
+        nonfinite_gradients: the parameters whose gradient holds inf/NaN (the first 20; their weights may well be
+            finite).
         largest_gradient: the parameter with the largest gradient norm and that norm.
         forward_growth, backward_growth: a magnitude growing through the depth of the model, if any.
     """
@@ -133,7 +137,7 @@ class Trace:
     backward_origin: Origin | None
     loss: float
     grad_norm: float
-    nonfinite_parameters: tuple[str, ...] = ()
+    nonfinite_gradients: tuple[str, ...] = ()
     largest_gradient: tuple[str, float] | None = None
     forward_growth: Growth | None = None
     backward_growth: Growth | None = None
@@ -149,7 +153,7 @@ class Trace:
 
     @property
     def grads_finite(self) -> bool:
-        return not self.nonfinite_parameters and not math.isnan(self.grad_norm)
+        return not self.nonfinite_gradients and not math.isnan(self.grad_norm)
 
     @property
     def beyond_fp32(self) -> bool:
@@ -176,8 +180,12 @@ class Replay:
         reason: why it was not replayed, or why the verdict stays unknown (empty otherwise).
         error: the exception the replay raised, as ``Type: message`` (empty otherwise).
         trace: what the replay showed (``None`` when not replayed or when it failed).
+        batch_idx: the batch's index within its epoch (``None`` when the batch was not kept).
         batch_magnitude: the largest finite magnitude in the batch's floating-point tensors.
         batch_nonfinite: how many inf/NaN values the batch holds.
+        batch_nan: how many of those are NaN.
+        batch_rows: the first sample rows (indices along the first dimension) that hold inf/NaN or values beyond
+            ``HUGE_INPUT``.
     """
 
     rank: int
@@ -185,8 +193,27 @@ class Replay:
     reason: str = ""
     error: str = ""
     trace: Trace | None = None
+    batch_idx: int | None = None
     batch_magnitude: float = 0.0
     batch_nonfinite: int = 0
+    batch_nan: int = 0
+    batch_rows: tuple[int, ...] = ()
+
+    def describe_batch(self) -> str:
+        """What is wrong with the batch, in words (``"batch 11 holds NaN in row 3"``); empty when nothing is."""
+        if self.batch_nonfinite:
+            inf = self.batch_nonfinite - self.batch_nan
+            what = " and ".join(f"{n} {word}" for n, word in ((self.batch_nan, "NaN"), (inf, "inf")) if n)
+            what = what.replace("1 NaN", "NaN").replace("1 inf", "inf") if self.batch_nonfinite == 1 else what
+        elif self.batch_magnitude > HUGE_INPUT:
+            what = f"values up to {self.batch_magnitude:.3g}"
+        else:
+            return ""
+        where = f"batch {self.batch_idx}" if self.batch_idx is not None else "the batch"
+        rows = ""
+        if self.batch_rows:
+            rows = f" in row{'s' if len(self.batch_rows) > 1 else ''} {', '.join(map(str, self.batch_rows))}"
+        return f"{where} holds {what}{rows}"
 
     @property
     def reproduced(self) -> bool:

@@ -29,6 +29,19 @@ from lightning_overflow.training_step import loss_of, signature_parameters, sile
 
 __all__ = ["KeptBatch", "diagnose_step", "replay_batch"]
 
+MAX_ROWS = 8  # sample rows named in a diagnosis: enough to find a corrupt sample, few enough to read
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What a batch holds: its largest finite magnitude, its NaN and inf counts, and the first ``MAX_ROWS`` rows
+    (indices along the first dimension) that hold inf/NaN or values beyond ``HUGE_INPUT``."""
+
+    magnitude: float = 0.0
+    nan: int = 0
+    inf: int = 0
+    rows: tuple[int, ...] = ()
+
 
 @dataclass(frozen=True)
 class KeptBatch:
@@ -70,19 +83,20 @@ def replay_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptB
     if reason:
         return Replay(rank, replayed=False, reason=reason)
     assert kept is not None
-    magnitude, nonfinite = _batch_stats(kept.batch)
+    stats = _batch_stats(kept.batch)
+    batch = {"batch_idx": kept.batch_idx, "batch_magnitude": stats.magnitude, "batch_nonfinite": stats.nan + stats.inf,
+             "batch_nan": stats.nan, "batch_rows": stats.rows}  # fmt: skip
     error = ""
     for module_backward_hooks in (True, False):  # full backward hooks reject in-place ops on module outputs
         try:
             trace = _traced_step(trainer, pl_module, kept, module_backward_hooks)
         except _NoLoss:
-            return Replay(rank, False, reason="training_step returned no loss on replay", batch_magnitude=magnitude,
-                          batch_nonfinite=nonfinite)  # fmt: skip
+            return Replay(rank, False, reason="training_step returned no loss on replay", **batch)
         except Exception as caught:  # the diagnosis must never take the run down with it
             error = f"{type(caught).__name__}: {caught}"
             continue
-        return Replay(rank, True, trace=trace, batch_magnitude=magnitude, batch_nonfinite=nonfinite)
-    return Replay(rank, False, error=error, batch_magnitude=magnitude, batch_nonfinite=nonfinite)
+        return Replay(rank, True, trace=trace, **batch)
+    return Replay(rank, False, error=error, **batch)
 
 
 def diagnose_step(
@@ -171,10 +185,8 @@ def _message(
     parts = [_cause(trace)]
     if trace.growth is not None:
         parts.append(trace.growth.describe())
-    if chosen.batch_nonfinite:
-        parts.append(f"the batch holds {chosen.batch_nonfinite} inf/NaN values")
-    elif chosen.batch_magnitude > HUGE_INPUT:
-        parts.append(f"the batch holds values up to {chosen.batch_magnitude:.3g}")
+    if chosen.describe_batch():
+        parts.append(chosen.describe_batch())
     sentence = "; ".join(parts)
     text = (
         f"Diagnosis: {sentence}. Persistent: the replay of this batch on the same weights reproduces it (the data or "
@@ -238,20 +250,24 @@ def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptB
             return replace(tracer.trace(names), loss=value)
 
 
-def _batch_stats(batch: Any) -> tuple[float, int]:
-    """The largest finite magnitude in the batch, and how many inf/NaN values it holds."""
+def _batch_stats(batch: Any) -> BatchStats:
+    """The largest finite magnitude in the batch, its inf/NaN counts, and the sample rows (along the first
+    dimension) that hold inf/NaN or values beyond ``HUGE_INPUT``."""
     tensors = [t for t in floating_tensors(batch) if t.numel()]
     if not tensors:
-        return 0.0, 0
+        return BatchStats()
+    magnitude, nan, inf = 0.0, 0, 0
+    rows: set[int] = set()
     with torch.no_grad():
-        parts = []
         for t in tensors:
             finite = torch.isfinite(t)
-            largest = torch.where(finite, t.abs(), torch.zeros((), dtype=t.dtype, device=t.device)).amax()
-            parts.append(torch.stack([largest.double(), (~finite).sum().double()]).cpu())
-        values = torch.stack(parts)
-        magnitude, bad = values[:, 0].amax().item(), values[:, 1].sum().item()
-    return (magnitude if math.isfinite(magnitude) else 0.0), int(bad)
+            size = torch.where(finite, t.abs(), torch.zeros((), dtype=t.dtype, device=t.device))
+            counts = torch.stack([size.amax().double(), t.isnan().sum().double(), (~finite).sum().double()]).tolist()
+            magnitude, nan, inf = max(magnitude, counts[0]), nan + int(counts[1]), inf + int(counts[2] - counts[1])
+            if t.dim() and (counts[2] or counts[0] > HUGE_INPUT):
+                bad = (~finite) | (size > HUGE_INPUT)
+                rows.update(bad.reshape(len(t), -1).any(dim=1).nonzero().flatten().tolist())
+    return BatchStats(magnitude if math.isfinite(magnitude) else 0.0, nan, inf, tuple(sorted(rows)[:MAX_ROWS]))
 
 
 def _gather(local: Replay) -> list[Replay]:

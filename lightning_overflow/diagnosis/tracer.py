@@ -313,7 +313,7 @@ class NonFiniteTracer:
             backward_origin=None if self.forward_origin is not None else self._backward_origin(pairs, bad),
             loss=loss,
             grad_norm=grad_norm,
-            nonfinite_parameters=bad,
+            nonfinite_gradients=bad,
             largest_gradient=largest,
             forward_growth=find_growth(forward_trail, "forward"),
             backward_growth=find_growth(backward_trail, "backward"),

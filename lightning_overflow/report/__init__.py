@@ -10,6 +10,7 @@ Example:
     'train/loss'
 """
 
+from lightning_overflow.report.cadence import logging_interval, sparse_logging_warning
 from lightning_overflow.report.figure import draw, render
 from lightning_overflow.report.keys import choose_loss_key, choose_val_key, is_suite_key
 from lightning_overflow.report.markers import EVENT_MARKERS, Marker, MarkerSpec, event_markers
@@ -31,7 +32,9 @@ __all__ = [
     "event_markers",
     "is_suite_key",
     "load_run",
+    "logging_interval",
     "render",
     "run_outcome",
+    "sparse_logging_warning",
     "summarise",
 ]

@@ -2,7 +2,8 @@
 
 Top to bottom: the training (and validation) loss of every run on one axis; one lane per run with its events and
 how it ended; gradient norm with the clip threshold and the LR scale; cumulative skipped steps and the headroom
-to the FP32 limit. Needs matplotlib (``pip install lightning-overflow[plot]``); no pyplot state is touched.
+to the FP32 limit. A panel none of the runs logged a series for is left out (a plain run draws its loss and its
+lane). Needs matplotlib (``pip install lightning-overflow[plot]``); no pyplot state is touched.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_overflow.report.keys import HEADROOM_PARTS
 from lightning_overflow.report.markers import (
     EVENT_MARKERS,
     OTHER_MARKER,
@@ -34,6 +36,17 @@ __all__ = ["NONFINITE_LABEL", "PANEL_LABELS", "draw", "render"]
 
 NONFINITE_LABEL = "inf/NaN value (drawn on the top edge)"
 PANEL_LABELS = ("loss", "events", "gradient norm", "LR scale", "skipped steps", "headroom")
+# The runs' series (``Run.panels``) each panel draws: a panel none of the runs has a point for is left out.
+_PANEL_SERIES = {
+    "loss": ("loss", "validation loss"),
+    "gradient norm": ("gradient norm", "clip threshold"),
+    "LR scale": ("LR scale",),
+    "skipped steps": ("skipped steps",),
+    "headroom": ("headroom", *(f"headroom ({part})" for part in HEADROOM_PARTS)),
+}
+# Heights in units of 1.3 inches (plus 1.2 inches of title and legend): the loss over the event lanes over rows of
+# two panels.
+_LOSS_HEIGHT, _ROW_HEIGHT, _INCHES_PER_UNIT, _MARGIN_INCHES = 3.2, 1.8, 1.3, 1.2
 _HEADROOM_STYLES = {"loss": ":", "grad": "--", "activation": "-."}
 _STOPPED = "tab:red"
 
@@ -50,9 +63,10 @@ class _Look:
 
 
 def draw(runs: Sequence[Run], title: str | None = None) -> Figure:
-    """The dashboard of ``runs`` as a matplotlib ``Figure`` (13 x 11.5 inches).
+    """The dashboard of ``runs`` as a matplotlib ``Figure``, 13 inches wide and as tall as its panels.
 
-    Each panel's axes carries its name as its label (:data:`PANEL_LABELS`, ``ax.get_label()``).
+    Each panel's axes carries its name as its label (:data:`PANEL_LABELS`, ``ax.get_label()``). The event lanes are
+    always drawn; another panel only when some run logged a series for it.
 
     Args:
         runs: the runs, overlaid in every panel in this order (colours in
@@ -62,8 +76,6 @@ def draw(runs: Sequence[Run], title: str | None = None) -> Figure:
     Raises:
         ValueError: ``runs`` is empty.
     """
-    from matplotlib.figure import Figure
-
     if not runs:
         raise ValueError("'runs' must hold at least one run (got none)")
     last_of_all = max(run.last_step for run in runs)
@@ -72,34 +84,44 @@ def draw(runs: Sequence[Run], title: str | None = None) -> Figure:
               run_outcome(run, last_of_all))
         for i, run in enumerate(runs)
     ]
-    fig = Figure(figsize=(13, 11.5), layout="constrained")
-    grid = fig.add_gridspec(4, 2, height_ratios=[3.2, 0.5 + 0.6 * len(runs), 1.8, 1.8])
-    loss = fig.add_subplot(grid[0, :], label="loss")
-    lanes = fig.add_subplot(grid[1, :], sharex=loss, label="events")
-    grad = fig.add_subplot(grid[2, 0], sharex=loss, label="gradient norm")
-    lr = fig.add_subplot(grid[2, 1], sharex=loss, label="LR scale")
-    skipped = fig.add_subplot(grid[3, 0], sharex=loss, label="skipped steps")
-    headroom = fig.add_subplot(grid[3, 1], sharex=loss, label="headroom")
-    _loss_panel(loss, looks)
-    _lanes_panel(lanes, looks)
-    _grad_panel(grad, looks)
-    _step_panel(lr, looks, "LR scale", "LR scale (1 = as configured)", "not logged: no LRBackoff in these runs")
-    _step_panel(skipped, looks, "skipped steps", "skipped steps (cumulative)",
-                "not logged: no NonFiniteDetector in these runs")
-    _headroom_panel(headroom, looks)
-    lr.set_ylim(0, 1.1)
-    skipped.set_ylim(bottom=0)
-    skipped.yaxis.get_major_locator().set_params(integer=True)
-    loss.set_xlim(-0.01 * max(last_of_all, 1), max(last_of_all, 1) * 1.01)
-    loss.xaxis.get_major_locator().set_params(integer=True)
-    for ax in (skipped, headroom):
-        ax.set_xlabel("optimizer step")
+    shown = [name for name in PANEL_LABELS
+             if name == "events" or any(run.panel(series) for run in runs for series in _PANEL_SERIES[name])]
+    fig, axes = _layout(shown, len(runs))
+    drawers = {"loss": _loss_panel, "events": _lanes_panel, "gradient norm": _grad_panel, "LR scale": _lr_panel,
+               "skipped steps": _skipped_panel, "headroom": _headroom_panel}
+    for name, ax in axes.items():
+        drawers[name](ax, looks)
+    first = next(iter(axes.values()))  # every other panel shares its step axis
+    first.set_xlim(-0.01 * max(last_of_all, 1), max(last_of_all, 1) * 1.01)
+    first.xaxis.get_major_locator().set_params(integer=True)
     handles = _event_legend(looks)
     if handles:
         fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5), fontsize=9,
                    title="events (the same marker in every panel)", title_fontsize=9)
     fig.suptitle(title or " vs ".join(run.label for run in runs), fontsize=13)
     return fig
+
+
+def _layout(shown: list[str], count: int) -> tuple[Figure, dict[str, Axes]]:
+    """The figure and the axes of the ``shown`` panels for ``count`` runs: the loss and the lanes across the whole
+    width, the other panels two to a row (a last one alone across the row)."""
+    from matplotlib.figure import Figure
+
+    wide = [name for name in ("loss", "events") if name in shown]
+    paired = [name for name in shown if name not in wide]
+    rows = [[name] for name in wide] + [paired[i : i + 2] for i in range(0, len(paired), 2)]
+    lanes_height = 0.5 + 0.6 * count
+    heights = [{"loss": _LOSS_HEIGHT, "events": lanes_height}.get(row[0], _ROW_HEIGHT) for row in rows]
+    fig = Figure(figsize=(13, _MARGIN_INCHES + _INCHES_PER_UNIT * sum(heights)), layout="constrained")
+    grid = fig.add_gridspec(len(rows), 2, height_ratios=heights)
+    axes: dict[str, Axes] = {}
+    for r, row in enumerate(rows):
+        for c, name in enumerate(row):
+            where = grid[r, :] if len(row) == 1 else grid[r, c]
+            axes[name] = fig.add_subplot(where, sharex=next(iter(axes.values()), None), label=name)
+    for name in rows[-1]:
+        axes[name].set_xlabel("optimizer step")
+    return fig, axes
 
 
 def render(runs: Sequence[Run], out: str | Path, title: str | None = None) -> Path:
@@ -149,10 +171,6 @@ def _mark(ax: Axes, series: Series, markers: list[Marker], stepwise: bool = Fals
             ax.plot(at, [1.0] * len(at), transform=ax.get_xaxis_transform(), clip_on=False, **style)
 
 
-def _note(ax: Axes, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="dimgray", fontsize=9)
-
-
 def _loss_panel(ax: Axes, looks: list[_Look]) -> None:
     finite: list[float] = []
     for look in looks:
@@ -174,9 +192,6 @@ def _loss_panel(ax: Axes, looks: list[_Look]) -> None:
             finite += _finite(val)[1]
             _nonfinite_on_top(ax, val, colour)
     ax.set_title("loss", loc="left", fontsize=10)
-    if not ax.lines:
-        _note(ax, "no training loss chosen in any run: pass --loss-key KEY (the summary lists the keys found)")
-        return
     if finite and min(finite) > 0 and max(finite) / min(finite) >= 30:
         ax.set_yscale("log")  # a divergence spans decades; the healthy runs would be a flat line beside it
     ax.legend(loc="best", fontsize=9)
@@ -243,16 +258,25 @@ def _grad_panel(ax: Axes, looks: list[_Look]) -> None:
     ax.grid(alpha=0.3)
 
 
-def _step_panel(ax: Axes, looks: list[_Look], panel: str, title: str, missing: str) -> None:
+def _step_panel(ax: Axes, looks: list[_Look], panel: str, title: str) -> None:
     for look in looks:
         series = look.run.panel(panel)
         if _finite(series)[0]:
             ax.step(*_finite(series), where="post", color=look.colour, lw=look.width * 0.8)
             _mark(ax, series, look.markers, stepwise=True)
     ax.set_title(title, loc="left", fontsize=10)
-    if not ax.lines:
-        _note(ax, missing)
     ax.grid(alpha=0.3)
+
+
+def _lr_panel(ax: Axes, looks: list[_Look]) -> None:
+    _step_panel(ax, looks, "LR scale", "LR scale (1 = as configured)")
+    ax.set_ylim(0, 1.1)
+
+
+def _skipped_panel(ax: Axes, looks: list[_Look]) -> None:
+    _step_panel(ax, looks, "skipped steps", "skipped steps (cumulative)")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.get_major_locator().set_params(integer=True)
 
 
 def _headroom_panel(ax: Axes, looks: list[_Look]) -> None:
@@ -267,9 +291,6 @@ def _headroom_panel(ax: Axes, looks: list[_Look]) -> None:
                 ax.plot(*series, color=look.colour, lw=0.9, ls=style, marker=".", alpha=0.8)
                 parts_drawn.add(part)
     ax.set_title("headroom: decades below the FP32 limit of 3.4e38 (0 = overflow)", loc="left", fontsize=10)
-    if not ax.lines:
-        _note(ax, "not logged: NonFiniteDetector samples it every headroom_every_n_steps")
-        return
     ax.set_ylim(bottom=0)
     if parts_drawn:
         from matplotlib.lines import Line2D

@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "EVENT_MARKERS",
+    "FINDING_KINDS",
     "HIDDEN_KINDS",
     "OTHER_MARKER",
     "RUN_COLOURS",
@@ -54,6 +55,9 @@ class Marker:
 EVENT_MARKERS: dict[str, MarkerSpec] = {
     "skip": MarkerSpec("skipped step", "v", "tab:orange"),
     "nonfinite": MarkerSpec("non-finite step, not skipped", "x", "black"),
+    "data_fault": MarkerSpec("bad data, not skipped", "d", "teal"),
+    "nonfinite_at_end": MarkerSpec("ended with inf/NaN state", ">", "darkred", 10.0),
+    "ending": MarkerSpec("loss ended far above its best", "<", "darkviolet", 10.0),
     "spike": MarkerSpec("loss / gradient spike", "^", "tab:purple"),
     "backoff": MarkerSpec("LR backoff", "s", "tab:brown"),
     "regrowth": MarkerSpec("LR regrowth", "P", "goldenrod"),
@@ -69,13 +73,15 @@ OTHER_MARKER = MarkerSpec("other event (see the journal)", "h", "silver", 7.0)
 # data shift's or the update bound's own marker.
 HIDDEN_KINDS = frozenset({"clip", "rebaseline", "undo"})
 SUSPICION_KINDS = frozenset({"loss_divergence", "loss_trend", "loss_plateau", "weight_growth"})
+FINDING_KINDS = frozenset({"nonfinite", "data_fault"})
+"""Detections drawn as their skip when the step was skipped."""
 """The detectors' findings that open trials, drawn with one marker (the journal tells them apart)."""
 
 
 def event_markers(events: Iterable[Mapping[str, Any]]) -> list[Marker]:
     """The markers of a journal's ``events``, in journal order.
 
-    A ``nonfinite`` detection at a step that was skipped is drawn once, as the skip; a detection that was not
+    A ``nonfinite`` or ``data_fault`` detection at a step that was skipped is drawn once, as the skip; a detection that was not
     skipped (the run went on, or raised) keeps its own marker. Clips and re-baselines are not drawn. A trial is drawn
     at its verdict as kept (a remedy replaced the run) or reverted (the run went on as it was).
 
@@ -89,7 +95,7 @@ def event_markers(events: Iterable[Mapping[str, Any]]) -> list[Marker]:
     markers = []
     for event in events:
         kind, step = str(event["kind"]), int(event["step"])
-        if kind in HIDDEN_KINDS or (kind == "nonfinite" and step in skipped):
+        if kind in HIDDEN_KINDS or (kind in FINDING_KINDS and step in skipped):
             continue
         since = None
         if kind in SUSPICION_KINDS:

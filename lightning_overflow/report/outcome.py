@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightning_overflow.report.cadence import logging_interval
 from lightning_overflow.report.runs import Run
 
 __all__ = ["ABORT_ERRORS", "Outcome", "run_outcome"]
@@ -24,7 +25,8 @@ class Outcome:
         kind: ``"finished"`` (as far as any run shown got, loss finite), ``"aborted"`` (a callback journaled an
             ``abort`` and raised), ``"raised"`` (an error stopped the fit: a non-finite step that was not skipped,
             or the error a ``Rollback`` journaled on the way out), ``"nonfinite"`` (the loss was still inf/NaN at
-            the end), ``"ended"`` (earlier than the other runs, with nothing journaled about why).
+            the end), ``"ended"`` (earlier than the other runs by more than its logging interval, with nothing
+            journaled about why).
         step: the last step the run logged or journaled.
         text: a sentence for a person, e.g. ``"stopped at step 143: loss NaN since step 124"``.
     """
@@ -63,7 +65,8 @@ def run_outcome(run: Run, last_of_all: int | None = None) -> Outcome:
     if tail:
         what = "NaN" if all(math.isnan(v) for _, v in tail) else "inf/NaN"
         return Outcome("nonfinite", last, f"stopped at step {last}: {name} {what} since step {tail[0][0]}")
-    if last_of_all is not None and last < last_of_all:
+    # A run's last logged step trails its last step by up to its logging interval (an epoch's end logs one later).
+    if last_of_all is not None and last_of_all - last > logging_interval(run):
         return Outcome("ended", last, f"ended at step {last}, before the others (nothing journaled about why)")
     return Outcome("finished", last, f"finished at step {last}")
 
@@ -85,7 +88,7 @@ def _error_of(abort: dict[str, Any]) -> str:
 
 def _unskipped_nonfinite(run: Run) -> dict[str, Any] | None:
     skipped = {int(e["step"]) for e in run.events if e["kind"] == "skip"}
-    found = [e for e in run.events if e["kind"] == "nonfinite" and int(e["step"]) not in skipped]
+    found = [e for e in run.events if e["kind"] in ("nonfinite", "data_fault") and int(e["step"]) not in skipped]
     return found[-1] if found else None
 
 

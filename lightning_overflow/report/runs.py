@@ -65,6 +65,13 @@ class Run:
         return self.metrics.get(key, []) if key is not None else []
 
     @property
+    def folder(self) -> Path:
+        """The folder of the run read: the one holding its metrics (``path`` or a folder below it)."""
+        if self.source is None:
+            return self.path
+        return self.source.parent if self.source.is_file() else self.source
+
+    @property
     def last_step(self) -> int:
         """The last step anything was logged or journaled at (-1 for nothing)."""
         steps = [s[-1][0] for s in self.metrics.values() if s] + [int(e["step"]) for e in self.events]
@@ -77,7 +84,7 @@ def load_run(path: str | Path, label: str | None = None, loss_key: str | None = 
 
     Args:
         path: the directory; the newest ``metrics.csv`` below it is read, else its TensorBoard event files.
-        label: the run's name (default: see :func:`default_labels`).
+        label: the run's name (default: its folder's, see :func:`default_labels`).
         loss_key: the training loss to draw (default: chosen by
             :func:`~lightning_overflow.report.keys.choose_loss_key`).
         val_key: the validation loss to draw (default: chosen by
@@ -95,7 +102,7 @@ def load_run(path: str | Path, label: str | None = None, loss_key: str | None = 
             f"'{root}' is a file, not a run directory: a run directory is the folder a logger wrote for one run "
             f"(e.g. lightning_logs/version_0), holding its metrics.csv or TensorBoard event files"
         )
-    run = Run(label or default_labels([root])[0], root)
+    run = Run(label or "", root)
     csv_files = sorted(root.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
     if csv_files:
         run.source, run.metrics = csv_files[-1], _read_csv(csv_files[-1])
@@ -122,6 +129,7 @@ def load_run(path: str | Path, label: str | None = None, loss_key: str | None = 
     if journals:
         run.events = list(read_journal(journals[-1]))
     run.panels = _panels(run, loss_key, val_key)
+    run.label = label or default_labels([run.folder])[0]
     return run
 
 
@@ -146,26 +154,24 @@ def _panels(run: Run, loss_key: str | None, val_key: str | None) -> dict[str, st
 
 
 def default_labels(paths: Sequence[str | Path]) -> list[str]:
-    """Names for runs: each directory's name, its parent's for a ``version_N`` folder; lengthened until unique.
+    """Names for runs: each folder's name, with its experiment's for a ``version_N`` folder; lengthened until unique.
 
     Example:
-        >>> default_labels(["logs/baseline/version_0", "logs/suite/version_3", "overflow_demo/protected"])
-        ['baseline', 'suite', 'protected']
-        >>> default_labels(["a/run/version_0", "b/run/version_0"])
-        ['a/run', 'b/run']
+        >>> default_labels(["logs/protected/version_0", "lightning_logs/version_3", "overflow_demo/protected"])
+        ['protected/version_0', 'lightning_logs/version_3', 'protected']
+        >>> default_labels(["a/run", "b/run", "c/other"])
+        ['a/run', 'b/run', 'other']
     """
-    parts = []
-    for path in paths:
-        names = list(Path(path).resolve().parts[1:]) or ["/"]
-        if len(names) > 1 and _VERSION_DIR.fullmatch(names[-1]):
-            names.pop()
-        parts.append(names)
-    depth = 1
+    parts = [list(Path(path).resolve().parts[1:]) or ["/"] for path in paths]
+    # A version folder alone (version_0) names nothing: keep the experiment above it (protected/version_0).
+    depth = [2 if len(names) > 1 and _VERSION_DIR.fullmatch(names[-1]) else 1 for names in parts]
     while True:
-        labels = ["/".join(names[-depth:]) for names in parts]
-        if len(set(labels)) == len(labels) or depth >= max(len(names) for names in parts):
+        labels = ["/".join(names[-d:]) for names, d in zip(parts, depth)]
+        clashing = [i for i, label in enumerate(labels) if labels.count(label) > 1 and depth[i] < len(parts[i])]
+        if not clashing:
             return labels
-        depth += 1
+        for i in clashing:
+            depth[i] += 1
 
 
 def _put(metrics: dict[str, dict[int, float]], key: str, step: int, value: float) -> None:

@@ -1,0 +1,341 @@
+"""A fit in plain words: one line per finding, from the journal's events.
+
+Each line says what happened, where (steps, the batch within its epoch and its sample rows when the diagnosis found
+them), what the suite did, and what to try. Findings are counted, not journal lines: a skip and the detection that
+caused it are one finding, and a data fault that recurs every epoch is one line. The same lines end a fit on the
+console and head ``python -m lightning_overflow journal RUN_DIR``.
+
+Pure: events in, text out (events as :func:`~lightning_overflow.events.read_journal` yields them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ENDING_BLOCK", "ENDING_RATIO", "LossEnding", "plain_lines"]
+
+Event = Mapping[str, Any]
+
+ENDING_BLOCK = 20  # steps averaged into one loss level: single steps scatter too much to compare
+ENDING_RATIO = 10.0  # a run whose last loss level is this many times its best has lost most of what it learnt
+MAX_STEPS = 6  # steps listed in a line before "..."
+SIGNAL_WORDS = {
+    "nonfinite_persistent": "steps that kept failing",
+    "nonfinite_burst": "a burst of non-finite steps",
+    "nonfinite_state": "non-finite weights or optimizer state",
+    "nonfinite": "a non-finite step",
+    "replica_mismatch": "replicas whose weights differed",
+    "loss_spike": "a loss spike",
+}
+SUSPICION_WORDS = {
+    "loss_divergence": "the loss settled far above its best",
+    "loss_trend": "the loss kept rising",
+    "loss_plateau": "the loss stopped falling",
+    "weight_growth": "the weights kept growing while the loss did not fall",
+    "scaler_collapse": "the GradScaler's scale collapsed",
+    "scheduled": "a scheduled check",
+    "regrowth": "a return towards the scheduled learning rate",
+}
+
+
+@dataclass
+class LossEnding:
+    """The best and the last level of the training loss (means of ``ENDING_BLOCK`` finite steps), fed step by step.
+
+    O(1) a step: one running sum. :meth:`event_details` says whether the run ended far above its best.
+    """
+
+    best: float = math.inf
+    best_step: int = -1
+    last: float = math.nan
+    last_step: int = -1
+    _sum: float = 0.0
+    _count: int = 0
+
+    def add(self, step: int, loss: float) -> None:
+        if not math.isfinite(loss):
+            return
+        self._sum += loss
+        self._count += 1
+        if self._count < ENDING_BLOCK:
+            return
+        level, self._sum, self._count = self._sum / ENDING_BLOCK, 0.0, 0
+        self.last, self.last_step = level, step
+        if level < self.best:
+            self.best, self.best_step = level, step
+
+    def event_details(self) -> dict[str, Any] | None:
+        """The facts of an ``ending`` event when the last level is ``ENDING_RATIO`` times the best or more (a
+        positive loss: the ratio of two signed losses means nothing); ``None`` otherwise."""
+        if not (self.best > 0 and math.isfinite(self.last) and self.last >= ENDING_RATIO * self.best):
+            return None
+        return {"best": self.best, "best_step": self.best_step, "last": self.last, "last_step": self.last_step,
+                "ratio": self.last / self.best, "block": ENDING_BLOCK}  # fmt: skip
+
+    def message(self) -> str:
+        facts = self.event_details()
+        assert facts is not None
+        return (
+            f"the training loss ended {facts['ratio']:.3g}x above its best: {self.last:.4g} over the {ENDING_BLOCK} "
+            f"steps to step {self.last_step}, against {self.best:.4g} over those to step {self.best_step}"
+        )
+
+
+def plain_lines(events: Iterable[Event]) -> list[str]:
+    """One line per finding, in the order the findings began; empty when nothing happened."""
+    events = list(events)
+    by_kind: dict[str, list[Event]] = {}
+    for event in events:
+        by_kind.setdefault(str(event["kind"]), []).append(event)
+    found: list[tuple[int, str]] = []
+    used: set[str] = set()
+    for kinds, describe in _DESCRIBERS:
+        picked = [e for k in kinds for e in by_kind.get(k, [])]
+        used.update(kinds)
+        if picked:
+            for line in describe(picked, by_kind):
+                found.append((min(int(e["step"]) for e in picked), line))
+    for kind, picked in by_kind.items():
+        unanswered = [e for e in picked if not _answered(e, by_kind)]
+        if kind not in used and kind not in _SILENT and unanswered:
+            found.append((int(unanswered[0]["step"]), _generic(kind, unanswered)))
+    return [line for _, line in sorted(found, key=lambda item: item[0])]
+
+
+# ---- the findings -------------------------------------------------------------------------------------------------
+def _data_faults(faults: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    skipped = _skipped(faults, by_kind)
+    first = faults[0]
+    details = first["details"]
+    batches = {e["details"].get("batch") for e in faults}
+    epochs = [int(e.get("epoch", 0)) for e in faults]
+    texts = {_without_batch(str(e["details"].get("data", ""))) for e in faults}
+    once_an_epoch = len(faults) > 1 and sorted(epochs) == list(range(epochs[0], epochs[0] + len(faults)))
+    what = _without_batch(str(details.get("data", ""))) or "holds inf/NaN or values beyond 1e15"
+    if len(faults) == 1:
+        where = f"batch {details.get('batch')} of epoch {epochs[0]} (step {first['step']}) {what}"
+    elif len(batches) == 1 and len(texts) == 1 and once_an_epoch:
+        where = f"batch {details.get('batch')} of each epoch {what} (epochs {epochs[0]}-{epochs[-1]})"
+    elif len(batches) == 1 and len(texts) == 1:
+        where = f"batch {details.get('batch')} {what} (epochs {_list(sorted(set(epochs)))})"
+    else:
+        recurs = (f"once an epoch in epochs {epochs[0]}-{epochs[-1]}, in a different batch each time (shuffled)"
+                  if once_an_epoch and len(batches) > 1 else f"at {_at(faults)}")  # fmt: skip
+        where = (f"batches hold inf/NaN or values beyond 1e15 {recurs}; the first, batch {details.get('batch')} of "
+                 f"epoch {epochs[0]} (step {first['step']}), {what}")  # fmt: skip
+    return [f"{_count(skipped, 'step')} skipped: {where}: a data fault; check the data"]
+
+
+def _nonfinite(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    lines = []
+    for where, words in (("loss", "the loss was inf/NaN"), ("grad", "the gradients held inf/NaN or overflowed"),
+                         ("weight", "the weights held inf/NaN"), ("optimizer_state", "the optimizer state held inf/NaN")):  # fmt: skip
+        picked = [e for e in found if e["details"].get("where") == where]
+        if not picked:
+            continue
+        skipped = _skipped(picked, by_kind)
+        done = f"{_count(skipped, 'step')} skipped" if skipped else f"{_count(len(picked), 'step')} found"
+        verdicts = Counter(str((e["details"].get("diagnosis") or {}).get("verdict", "")) for e in picked)
+        why = _diagnosis_words(picked, verdicts)
+        lines.append(f"{done}: {words} at {_at(picked)}{why}")
+    return lines
+
+
+def _diagnosis_words(picked: list[Event], verdicts: Counter[str]) -> str:
+    parts = []
+    for verdict, words in (("persistent", "reproduced on replay: the data or the model"),
+                           ("transient", "not reproduced on replay: a hardware fault, a nondeterministic kernel or a "
+                                         "race")):  # fmt: skip
+        if verdicts.get(verdict):
+            share = "" if verdicts[verdict] == len(picked) else f"{verdicts[verdict]} of {len(picked)} "
+            parts.append(share + words)
+    origin = next((d["origin"] for e in picked if (d := e["details"].get("diagnosis") or {}).get("origin")), None)
+    if origin:
+        parts.append(f"first in {origin.get('module') or 'training_step'} ({origin.get('op')}, "
+                     f"{origin.get('direction')} pass)")  # fmt: skip
+    hint = next((d["hint"] for e in picked if (d := e["details"].get("diagnosis") or {}).get("hint")), "")
+    text = f" ({'; '.join(parts)})" if parts else ""
+    return f"{text}; try: {hint}" if hint else text
+
+
+def _spikes(spikes: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    steps = sorted({int(e["step"]) for e in spikes})
+    clipped = {int(e["step"]) for e in by_kind.get("clip", [])} & set(steps)
+    skipped = {int(e["step"]) for e in by_kind.get("skip", [])} & set(steps)
+    done = []
+    if clipped:
+        done.append(f"{len(clipped)} clipped by AutoClip")
+    if skipped:
+        done.append(f"{len(skipped)} skipped")
+    left = len(steps) - len(clipped | skipped)
+    if left:
+        done.append(f"{left} left alone (a spike alone is no divergence)")
+    return [f"{_count(len(steps), 'loss or gradient spike')} at {_at(spikes)}: {', '.join(done)}"]
+
+
+def _clips(clips: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    spiking = {int(e["step"]) for e in by_kind.get("spike", [])}
+    alone = [e for e in clips if int(e["step"]) not in spiking]
+    if not alone:
+        return []
+    ratios = [float(e["details"]["grad_norm"]) / float(e["details"]["threshold"]) for e in alone
+              if _finite(e["details"].get("grad_norm")) and _finite(e["details"].get("threshold"))]  # fmt: skip
+    most = f", up to {max(ratios):.3g}x its clip threshold" if ratios else ""
+    more = sum(int(e["details"].get("not_journaled", 0) or 0) for e in alone)
+    total = len(alone) + more
+    return [f"{_count(total, 'step')} clipped by AutoClip at {_at(alone)}{' and more' if more else ''} "
+            f"(the gradient norm an outlier{most})"]  # fmt: skip
+
+
+def _rebaselines(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    return [f"AutoClip started its gradient-norm statistics afresh {_times(len(found))} ({_at(found)}): the "
+            f"norm moved to a new level and stayed there"]  # fmt: skip
+
+
+def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    kept = [e for e in trials if e["details"].get("kept")]
+    false = [e for e in trials if e["details"].get("false_alarm")]
+    other = len(trials) - len(kept) - len(false)
+    extra = sum(int(e["details"].get("extra_steps", 0) or 0) for e in trials)
+    signals = Counter(_words(str(e["details"].get("signal"))) for e in trials)
+    why = "; ".join(f"{words} ({n}x)" if n > 1 else words for words, n in signals.items())
+    outcome = []
+    if kept:
+        steps = ", ".join(f"step {e['step']}: learning rate x{e['details'].get('kept_lr_factor'):g}"
+                          + (f" from the snapshot of step {e['details']['snapshot_step']}"
+                             if e["details"].get("snapshot_step") is not None else "")
+                          for e in kept[:MAX_STEPS])  # fmt: skip
+        outcome.append(f"{len(kept)} kept the remedy ({steps})")
+    if false:
+        outcome.append(f"{len(false)} false alarm{'s' if len(false) > 1 else ''} (the run went on untouched)")
+    if other:
+        outcome.append(f"{other} kept the run as it was (the remedy was no better)")
+    return [f"{_count(len(trials), 'suspicion')} tried against doing nothing on the same unseen batches ({why}): "
+            f"{', '.join(outcome)}; the trials cost {extra} extra steps of compute"]  # fmt: skip
+
+
+def _learning_rate(changes: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    lines = []
+    for index in sorted({int(e["details"].get("optimizer", 0)) for e in changes}):
+        own = [e for e in changes if int(e["details"].get("optimizer", 0)) == index]
+        backoffs = [e for e in own if e["kind"] == "backoff"]
+        last = own[-1]
+        scale = float(last["details"].get("scale", 1.0))
+        lrs = last["details"].get("lrs") or []
+        which = f" of optimizer {index}" if len({int(e["details"].get("optimizer", 0)) for e in changes}) > 1 else ""
+        count = f"{_times(len(backoffs))} ({_at(backoffs)})" if backoffs else ""
+        back = [f"learning rate{which} backed off {count}".rstrip()] if backoffs else [f"learning rate{which} changed"]
+        if any(e["kind"] == "regrowth" for e in own):
+            back.append(f"regrown {_times(sum(e['kind'] == 'regrowth' for e in own))}")
+        if any(e["kind"] == "undo" for e in own):
+            back.append(f"taken back {_times(sum(e['kind'] == 'undo' for e in own))}")
+        if scale < 1:
+            now = f" ({_lrs(lrs)} at step {last['step']})" if lrs else ""
+            ending = f"ends at {scale:g}x its schedule{now}: consider starting at {scale:g}x the learning rate"
+        else:
+            ending = f"back to its schedule by step {last['step']}"
+        lines.append(f"{', '.join(back)}; it {ending}")
+    return lines
+
+
+def _rollbacks(rollbacks: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    parts = []
+    for e in rollbacks[:MAX_STEPS]:
+        details = e["details"]
+        reason = str(details.get("reason", ""))
+        parts.append(f"at step {e['step']} to the snapshot of step {details.get('snapshot_step')}"
+                     + (f" after {_words(reason)}" if reason else ""))  # fmt: skip
+    more = f"; +{len(rollbacks) - MAX_STEPS} more" if len(rollbacks) > MAX_STEPS else ""
+    left = rollbacks[-1]["details"].get("budget_left")
+    budget = f" ({left} more allowed)" if left is not None else ""
+    return [f"rolled back {_times(len(rollbacks))}{budget}: {'; '.join(parts)}{more}"]
+
+
+def _endings(endings: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    acted = any(by_kind.get(k) for k in ("skip", "backoff", "rollback", "clip"))
+    message = str(endings[-1]["message"])
+    return [("rescued, but " if acted else "") + message + ": look at the loss curve before using these weights"]
+
+
+def _generic(kind: str, events: list[Event]) -> str:
+    message = str(events[0].get("message", ""))
+    for prefix in ("lightning_overflow: ",) + tuple(f"{e.get('source')}: " for e in events[:1]):
+        message = message.removeprefix(prefix)
+    more = f" ({_count(len(events), kind.replace('_', ' '))}, {_at(events)})" if len(events) > 1 else ""
+    return f"{message}{more}"
+
+
+_DESCRIBERS: tuple[tuple[tuple[str, ...], Callable[[list[Event], dict[str, list[Event]]], list[str]]], ...] = (
+    (("data_fault",), _data_faults),
+    (("nonfinite",), _nonfinite),
+    (("spike",), _spikes),
+    (("clip",), _clips),
+    (("rebaseline",), _rebaselines),
+    (("trial",), _trials),
+    (("backoff", "regrowth", "undo"), _learning_rate),
+    (("rollback",), _rollbacks),
+    (("ending",), _endings),
+)
+# Told by another finding's line: a skip by its cause's; a suspicion by its trial's, a remedy's or its own message.
+_SILENT = {"skip"}
+
+
+# ---- words --------------------------------------------------------------------------------------------------------
+def _words(signal: str) -> str:
+    return SUSPICION_WORDS.get(signal) or SIGNAL_WORDS.get(signal) or signal.replace("_", " ")
+
+
+def _answered(event: Event, by_kind: dict[str, list[Event]]) -> bool:
+    """Whether a suspicion's event is told by the line of what answered it (a trial opened by it, or a remedy
+    taken at once for it)."""
+    if event["kind"] not in SUSPICION_WORDS:
+        return False
+    step = int(event["step"])
+    return (
+        any(e["details"].get("opened_at") == step for e in by_kind.get("trial", []))
+        or any(e["details"].get("trigger_step") == step for e in by_kind.get("rollback", []))
+        or any(int(e["step"]) == step for k in ("backoff", "undo") for e in by_kind.get(k, []))
+    )
+
+
+def _skipped(found: list[Event], by_kind: dict[str, list[Event]]) -> int:
+    steps = {int(e["step"]) for e in found}
+    return len(steps & {int(e["step"]) for e in by_kind.get("skip", [])})
+
+
+def _without_batch(text: str) -> str:
+    """``"batch 11 holds NaN in row 3"`` -> ``"holds NaN in row 3"`` (the batch is said apart)."""
+    _, sep, tail = text.partition(" holds ")
+    return f"holds {tail}" if sep else text
+
+
+def _at(events: Sequence[Event]) -> str:
+    """``"step 3"`` or ``"steps 3, 5"``."""
+    steps = sorted({int(e["step"]) for e in events})
+    return f"step{'s' if len(steps) > 1 else ''} {_list(steps)}"
+
+
+def _list(values: Sequence[int]) -> str:
+    shown = ", ".join(map(str, values[:MAX_STEPS]))
+    return shown + (f", ... ({len(values)} in all)" if len(values) > MAX_STEPS else "")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
+
+
+def _lrs(lrs: Sequence[Any]) -> str:
+    values = sorted({float(v) for v in lrs})
+    return ", ".join(f"{v:.3g}" for v in values)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)

@@ -1,0 +1,200 @@
+"""The fit in plain words: the end-of-fit summary and ``python -m lightning_overflow journal``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pytorch_lightning.loggers import CSVLogger
+from torch import Tensor
+
+from lightning_overflow import LRBackoff, NonFiniteDetector, read_journal
+from lightning_overflow.cli import main
+from lightning_overflow.fit_summary import LossEnding, plain_lines
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+from tests.conftest import fit
+
+SUMMARY_LOGGER = "pytorch_lightning.lightning_overflow"
+
+
+class CorruptRow(TinyRegressor):
+    """Eight unshuffled batches of eight an epoch; sample 19 (batch 2, row 3) holds a NaN feature."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd", lr=0.05)
+        x, y = self.data.tensors
+        x = x.clone()
+        x[2 * 8 + 3, 1] = float("nan")
+        self.data = torch.utils.data.TensorDataset(x, y)
+
+
+class ScriptedLoss(TinyRegressor):
+    """The loss is ``1`` for the first 40 steps and ``100`` after (times a weight whose gradient is 0): a run that
+    ends far above its best, with losses known exactly."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        value = 1.0 if self.trainer.global_step < 40 else 100.0
+        return value + 0.0 * self(batch[0]).sum()
+
+
+def _summary(caplog: pytest.LogCaptureFixture) -> list[str]:
+    records = [r.getMessage() for r in caplog.records if r.name == SUMMARY_LOGGER and "in this fit" in r.getMessage()]
+    assert len(records) == 1
+    return records[0].splitlines()
+
+
+def test_a_data_fault_is_one_line_naming_the_batch_and_row(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+        fit(CorruptRow(), [NonFiniteDetector()], max_epochs=3, max_steps=-1, default_root_dir=tmp_path)
+    assert _summary(caplog) == [
+        f"lightning_overflow: what happened in this fit (the details: python -m lightning_overflow journal {tmp_path}):",
+        "  - 3 steps skipped: batch 2 of each epoch holds NaN in row 3 (epochs 0-2): a data fault; check the data",
+    ]
+    events = list(read_journal(tmp_path))
+    assert [(e["step"], e["kind"]) for e in events] == [(s, k) for s in (2, 10, 18) for k in ("data_fault", "skip")]
+    fault = events[0]["details"]
+    assert (fault["batch"], fault["rows"], fault["data"], fault["data_ranks"]) == (2, [3], "batch 2 holds NaN in row 3",
+                                                                                  [0])  # fmt: skip
+    # The skip refers to its finding; the diagnosis is written once, beside the message that says it.
+    assert events[1]["details"] == {"where": "loss", "finding": "data_fault", "ranks": [0], "optimizer": 0}
+    assert "message" not in fault["diagnosis"] and "batch 2 holds NaN in row 3" in events[0]["message"]
+
+
+def test_a_backoff_series_says_where_the_learning_rate_ended(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    faults = FaultInjector(*(Fault(step, "nan_loss") for step in (3, 6, 9)))
+    callbacks = [
+        NonFiniteDetector(burst_count=1),
+        LRBackoff(triggers=("nonfinite_burst",), cooldown=0, regrow_after=None, trial=None),
+        faults,
+    ]
+    with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+        fit(TinyRegressor(optimizer="sgd", lr=0.1), callbacks, max_steps=12, default_root_dir=tmp_path)
+    assert _summary(caplog)[1:] == [
+        "  - 3 steps skipped: the loss was inf/NaN at steps 3, 6, 9 (not reproduced on replay: a hardware fault, a "
+        "nondeterministic kernel or a race)",
+        "  - learning rate backed off 3 times (steps 3, 6, 9); it ends at 0.125x its schedule (0.0125 at step 9): "
+        "consider starting at 0.125x the learning rate",
+    ]
+
+
+def test_a_run_that_ends_far_above_its_best_is_flagged(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+        fit(ScriptedLoss(), [NonFiniteDetector()], max_steps=80, default_root_dir=tmp_path)
+    assert _summary(caplog)[1:] == [
+        "  - the training loss ended 100x above its best: 100 over the 20 steps to step 79, against 1 over those to "
+        "step 19: look at the loss curve before using these weights"
+    ]
+    (event,) = read_journal(tmp_path)
+    assert (event["step"], event["kind"], event["details"]["best_step"], event["details"]["ratio"]) == (80, "ending", 19,
+                                                                                                        100.0)  # fmt: skip
+
+
+def test_a_rescued_run_that_ends_far_above_its_best_says_both(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+        fit(ScriptedLoss(), [NonFiniteDetector(), FaultInjector(Fault(50, "nan_loss"))], max_steps=81,
+            default_root_dir=tmp_path)  # fmt: skip
+    # Step 50's loss was NaN: its block of 20 finite losses ends a step later.
+    assert _summary(caplog)[-1] == (
+        "  - rescued, but the training loss ended 100x above its best: 100 over the 20 steps to step 80, against 1 "
+        "over those to step 19: look at the loss curve before using these weights"
+    )
+
+
+def test_a_healthy_run_says_nothing(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+        fit(TinyRegressor(), [NonFiniteDetector()], max_steps=60, default_root_dir=tmp_path)
+    assert not [r for r in caplog.records if r.name == SUMMARY_LOGGER]
+    assert not (tmp_path / "overflow_events.jsonl").exists()
+
+
+def test_loss_ending_needs_a_positive_best_and_whole_blocks() -> None:
+    ending = LossEnding()
+    for step in range(39):
+        ending.add(step, 0.1 if step < 20 else 5.0)
+    assert ending.event_details() is None  # the second block is one loss short
+    ending.add(39, 5.0)
+    assert ending.event_details() == {"best": pytest.approx(0.1), "best_step": 19, "last": 5.0, "last_step": 39,
+                                      "ratio": pytest.approx(50.0), "block": 20}  # fmt: skip
+    signed = LossEnding()
+    for step in range(40):
+        signed.add(step, -1.0 if step < 20 else 3.0)  # a log-likelihood below 0: no ratio means anything
+    assert signed.event_details() is None
+
+
+def test_plain_lines_group_shuffled_data_faults_and_tell_trials() -> None:
+    def event(step: int, kind: str, epoch: int = 0, **details: Any) -> dict[str, Any]:
+        return {
+            "step": step,
+            "kind": kind,
+            "epoch": epoch,
+            "source": "x",
+            "message": f"{kind} {step}",
+            "details": details,
+        }
+
+    events = [
+        event(1, "data_fault", 0, batch=1, rows=[8], data="batch 1 holds 16 NaN in row 8"), event(1, "skip"),
+        event(6, "data_fault", 1, batch=0, rows=[0], data="batch 0 holds 16 NaN in row 0"), event(6, "skip"),
+        event(30, "weight_growth"),
+        event(51, "trial", signal="weight_growth", opened_at=30, kept=True, kept_lr_factor=0.125, snapshot_step=0,
+              false_alarm=False, extra_steps=40),
+        event(71, "trial", signal="regrowth", opened_at=51, kept=False, false_alarm=True, extra_steps=20),
+    ]  # fmt: skip
+    assert plain_lines(events) == [
+        "2 steps skipped: batches hold inf/NaN or values beyond 1e15 once an epoch in epochs 0-1, in a different batch "
+        "each time (shuffled); the first, batch 1 of epoch 0 (step 1), holds 16 NaN in row 8: a data fault; check the "
+        "data",
+        "2 suspicions tried against doing nothing on the same unseen batches (the weights kept growing while the loss "
+        "did not fall; a return towards the scheduled learning rate): 1 kept the remedy (step 51: learning rate x0.125 "
+        "from the snapshot of step 0), 1 false alarm (the run went on untouched); the trials cost 60 extra steps of "
+        "compute",
+    ]
+
+
+def test_the_journal_command_lists_a_recorded_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    fit(CorruptRow(), [NonFiniteDetector()], max_epochs=2, max_steps=-1, logger=CSVLogger(tmp_path, name="runs"))
+    capsys.readouterr()
+    assert main(["journal", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    events = list(read_journal(tmp_path))
+    journal = tmp_path / "runs" / "version_0" / "overflow_events.jsonl"
+    assert out == [
+        f"{journal}:",
+        f"fit {events[0]['run']}: 4 events, steps 2-10",
+        "  in plain words:",
+        "    - 2 steps skipped: batch 2 of each epoch holds NaN in row 3 (epochs 0-1): a data fault; check the data",
+        "  events, grouped:",
+        "    data_fault (NonFiniteDetector), 2 times, at steps 2, 10",
+        f"      try: {events[0]['details']['diagnosis']['hint']}",
+        f"      {events[0]['message']}",
+        "      (the other 1 differ only in their numbers)",
+        "    skip (NonFiniteDetector), 2 times, at steps 2, 10",
+        "      skipped optimizer step 2: non-finite loss (a data fault)",
+        "      (the other 1 differ only in their numbers)",
+    ]
+    assert main(["journal", str(tmp_path), "--json"]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == events
+
+
+def test_the_journal_command_refuses_a_folder_without_one(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["journal", str(tmp_path)])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err == (
+        f"lightning-overflow journal: error: argument RUN_DIR: no journal (overflow_events.jsonl) at or under "
+        f"'{tmp_path}'\n"
+    )
+
+
+def test_read_journal_takes_the_run_folder_and_names_several(tmp_path: Path) -> None:
+    for version in (0, 1):
+        fit(CorruptRow(), [NonFiniteDetector()], max_epochs=1, max_steps=-1, logger=CSVLogger(tmp_path, name="runs"))
+    assert [e["kind"] for e in read_journal(tmp_path / "runs" / "version_1")] == ["data_fault", "skip"]
+    with pytest.raises(ValueError, match=r"holds 2 journals \(.*version_0.*version_1.*\): pass the one to read"):
+        list(read_journal(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no journal"):
+        list(read_journal(tmp_path / "elsewhere"))
