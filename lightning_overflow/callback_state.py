@@ -4,7 +4,8 @@ Every suite callback writes its ``state_dict()`` with a ``version`` (:data:`VERS
 :class:`StateReader`: an entry the version must hold and does not, or one that does not convert (a string where a
 count belongs), is an error that names the callback and the key; an entry this release does not know is named in a
 warning and ignored. Nothing is reset silently. A state without a version was written by the previous release (0.2):
-the entries added since are given their documented starting values, and the reader says which.
+the entries added since start from their documented values (``since``), which is what that release ran with: no
+reset, so no warning.
 
 Example:
     >>> reader = StateReader("LRBackoff", {"version": 2, "scales": [0.5]})

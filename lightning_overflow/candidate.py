@@ -59,7 +59,7 @@ def trainable(trainer: pl.Trainer) -> str:
     if not module.automatic_optimization:
         return "manual optimization steps its optimizers inside training_step, which a candidate cannot re-run"
     if len(trainer.optimizers) != 1:
-        return f"{len(trainer.optimizers)} optimizers"
+        return f"the module has {len(trainer.optimizers)} optimizers, and a trial compares one"
     if repeats_closure(trainer.optimizers[0]):
         return f"{type(trainer.optimizers[0]).__name__} evaluates its closure several times a step"
     if "dataloader_iter" in signature_parameters(module.training_step):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENDING_BLOCK", "ENDING_RATIO", "LossEnding", "plain_lines"]
+__all__ = ["ENDING_BLOCK", "ENDING_RATIO", "LossEnding", "named", "opened_because", "plain_lines"]
 
 Event = Mapping[str, Any]
 
@@ -40,6 +40,22 @@ SUSPICION_WORDS = {
     "scheduled": "a scheduled check",
     "regrowth": "a return towards the scheduled learning rate",
 }
+
+
+def opened_because(kind: str, step: int) -> str:
+    """Why a trial opened, in words that keep the signal's name: ``"because the loss kept rising (loss_trend at step
+    30)"``."""
+    if kind == "scheduled":
+        return f"as a scheduled check at step {step}"
+    if kind == "regrowth":
+        return f"to test a higher learning rate at step {step}"
+    return f"because {SUSPICION_WORDS.get(kind, 'the state was suspected')} ({kind} at step {step})"
+
+
+def named(kind: str) -> str:
+    """A signal's words and its name: ``"non-finite weights or optimizer state (nonfinite_state)"``."""
+    words = SIGNAL_WORDS.get(kind) or SUSPICION_WORDS.get(kind)
+    return f"{words} ({kind})" if words else kind
 
 
 @dataclass
@@ -127,7 +143,8 @@ def _data_faults(faults: list[Event], by_kind: dict[str, list[Event]]) -> list[s
                   if once_an_epoch and len(batches) > 1 else f"at {_at(faults)}")  # fmt: skip
         where = (f"batches hold inf/NaN or values beyond 1e15 {recurs}; the first, batch {details.get('batch')} of "
                  f"epoch {epochs[0]} (step {first['step']}), {what}")  # fmt: skip
-    return [f"{_count(skipped, 'step')} skipped: {where}: a data fault; check the data"]
+    done = f"{_count(skipped, 'step')} skipped" if skipped else f"{_count(len({e['step'] for e in faults}), 'step')} found"
+    return [f"{done}: {where}: a data fault; check the data"]
 
 
 def _nonfinite(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
@@ -182,8 +199,10 @@ def _clips(clips: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
     alone = [e for e in clips if int(e["step"]) not in spiking]
     if not alone:
         return []
+    # An agc threshold is a ratio of norms per unit, not a norm: its clips have no "x the threshold" to tell.
     ratios = [float(e["details"]["grad_norm"]) / float(e["details"]["threshold"]) for e in alone
-              if _finite(e["details"].get("grad_norm")) and _finite(e["details"].get("threshold"))]  # fmt: skip
+              if e["details"].get("mode") != "agc" and _finite(e["details"].get("grad_norm"))
+              and _finite(e["details"].get("threshold"))]  # fmt: skip
     most = f", up to {max(ratios):.3g}x its clip threshold" if ratios else ""
     more = sum(int(e["details"].get("not_journaled", 0) or 0) for e in alone)
     total = len(alone) + more
@@ -192,8 +211,14 @@ def _clips(clips: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
 
 
 def _rebaselines(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
-    return [f"AutoClip started its gradient-norm statistics afresh {_times(len(found))} ({_at(found)}): the "
-            f"norm moved to a new level and stayed there"]  # fmt: skip
+    lines = []
+    for source in sorted({str(e["source"]) for e in found}):
+        for what, words in (("grad_norm", "gradient-norm"), ("loss", "loss")):
+            picked = [e for e in found if e["source"] == source and e["details"].get("what", "grad_norm") == what]
+            if picked:
+                lines.append(f"{source} started its {words} statistics afresh {_times(len(picked))} ({_at(picked)}): "
+                             f"the {words.replace('-', ' ')} moved to a new level and stayed there")  # fmt: skip
+    return lines
 
 
 def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
@@ -214,7 +239,12 @@ def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
         outcome.append(f"{len(false)} false alarm{'s' if len(false) > 1 else ''} (the run went on untouched)")
     if other:
         outcome.append(f"{other} kept the run as it was (the remedy was no better)")
-    return [f"{_count(len(trials), 'suspicion')} tried against doing nothing on the same unseen batches ({why}): "
+    suspicions = sum(str(e["details"].get("signal")) not in ("scheduled", "regrowth") for e in trials)
+    tested = [f"{_count(suspicions, 'suspicion')}"] if suspicions else []
+    for kind, words in (("scheduled", "scheduled check"), ("regrowth", "higher-rate test")):
+        if n := sum(str(e["details"].get("signal")) == kind for e in trials):
+            tested.append(_count(n, words))
+    return [f"{' and '.join(tested)} tried against doing nothing on the same unseen batches ({why}): "
             f"{', '.join(outcome)}; the trials cost {extra} extra steps of compute"]  # fmt: skip
 
 

@@ -42,7 +42,7 @@ from lightning_overflow import _compat
 from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import read_packed, sum_and_read
 from lightning_overflow.events import Event, Journal, MetricBuffer, WarningCache
-from lightning_overflow.fit_summary import LossEnding, plain_lines
+from lightning_overflow.fit_summary import LossEnding, opened_because, plain_lines
 from lightning_overflow.loggers import journal_location, prepare_dashboards, publish_events, upload_journal
 from lightning_overflow.numerics import (
     FP32_MAX,
@@ -55,7 +55,7 @@ from lightning_overflow.numerics import (
 )
 from lightning_overflow.numerics._float64 import div, to_float32
 from lightning_overflow.numerics.norms import any_sharded, host_total_norm, plain_cpu, plain_norms, shard_squares
-from lightning_overflow.policy import SCHEDULED, SIGNAL_KINDS, Signal, StepAction, Verdict, decide_step
+from lightning_overflow.policy import SIGNAL_KINDS, Signal, StepAction, Verdict, decide_step
 from lightning_overflow.skip import BufferCopy, ClosureStepStart, HeldSchedules, skip_step
 from lightning_overflow.training_state import (
     NonFiniteConstants,
@@ -433,7 +433,7 @@ class HealthBoard:
             # Stable: participants of one stage keep the order in which they joined (their order in the list).
             self._participants.sort(key=lambda ref: getattr(ref(), "stage", 0))
             self._ordered = self._by_stage = None
-            self._agree_on_trials(participant)
+        self._agree_on_trials(participant)  # every fit: the last one's settings were released with it
         self.names = {id(p): name for name, p in pl_module.named_parameters()}
         self._plans = {}
         self._published = {}
@@ -498,6 +498,9 @@ class HealthBoard:
     def start_training(self, trainer: pl.Trainer) -> None:
         """Once the optimizers exist (``on_train_start``): whether this fit can run trials."""
         self.trials.configure(self._trial_config[1] if self._trial_config is not None else None, trainer)
+        if self.trials.unavailable and trainer.global_rank == 0:
+            log.info(f"lightning_overflow: no trials in this fit ({self.trials.unavailable}): a suspicion of "
+                     "divergence backs off and rolls back at once")  # fmt: skip
 
     def trial_host(self) -> StepParticipant | None:
         """The participant whose checkpoint state carries a trial under way: the last one that offers a remedy."""
@@ -542,6 +545,7 @@ class HealthBoard:
         self._journal_open = False  # the next fit opens its own journal
         self.trials.reset()
         self._trial_config = None
+        self._end_warnings = WarningCache()
 
     def record(self, event: Event) -> None:
         self.journal.record(event)
@@ -616,15 +620,14 @@ class HealthBoard:
         start = "the current state" if trial.snapshot_step is None else f"the snapshot of step {trial.snapshot_step}"
         rates = " and ".join(f"x{f:g}" for f in trial.lr_factors)
         if outcome.kept:
-            kept = f"kept {start} at the learning rate x{outcome.remedy.factor:g}"
+            kept = f"kept the remedy ({start} at the learning rate x{outcome.remedy.factor:g})"
         else:
             kept = "kept the run as it was"
-        opened = "a scheduled trial" if trial.kind == SCHEDULED else f"{trial.kind} at step {trial.step}"
-        rung = f" (trial {trial.rung} in a row: the last kept its remedy)" if trial.rung > 1 else ""
+        rung = " (a follow-up: the trial before it kept its remedy)" if trial.rung > 1 else ""
         message = (
-            f"lightning_overflow: the trial opened by {opened}{rung} ({start} at the learning rate {rates}, against "
-            f"the run as it was, {len(trial.incumbent)} steps on the same batches) {kept} at step {outcome.step}: "
-            f"{outcome.why}."
+            f"lightning_overflow: a trial opened {opened_because(trial.kind, trial.step)}{rung} tried {start} at the "
+            f"learning rate {rates} against the run as it was, {len(trial.incumbent)} steps on the same batches; at "
+            f"step {outcome.step} it {kept}: {outcome.why}."
         )
         details: dict[str, Any] = {
             "signal": trial.kind,
@@ -977,7 +980,10 @@ class HealthBoard:
         lines = plain_lines(asdict(e) for e in self.journal.events)
         if lines and trainer.global_rank == 0:
             path = self.journal.path
-            where = f" (the details: python -m lightning_overflow journal {path.parent})" if path else ""
+            # A logger's run folder holds this journal alone; without a logger, the folder is the root of everything.
+            where = ""
+            if path is not None:
+                where = f" (the details: python -m lightning_overflow journal {path.parent if trainer.loggers else path})"
             log.info("\n".join([f"lightning_overflow: what happened in this fit{where}:", *(f"  - {l}" for l in lines)]))
 
 

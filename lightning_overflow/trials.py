@@ -2,7 +2,7 @@
 
 The pure part (the paired scores and the verdict) is :mod:`lightning_overflow.trial`; the second candidate, trained
 beside the loop, is :mod:`lightning_overflow.candidate`. This module wires them to the board's batch: every suite
-callback of a trainer shares one :class:`TrialRunner` (on its :class:`~lightning_overflow.health._Board`).
+callback of a trainer shares one :class:`TrialRunner` (on its :class:`~lightning_overflow.health.HealthBoard`).
 
 One trial, in order:
 
@@ -39,6 +39,7 @@ import torch
 
 from lightning_overflow import _compat
 from lightning_overflow.candidate import Candidate, CandidateStep, Clip, trainable
+from lightning_overflow.fit_summary import named
 from lightning_overflow.policy import CERTAIN_SIGNALS, REGROWTH, SCHEDULED, SUSPICION_SIGNALS, Signal
 from lightning_overflow.trial import Trial, TrialConfig, TrialVerdict
 
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 
 
 class _Record(Protocol):
-    """What a trial reads of the step record (:class:`~lightning_overflow.health._Record`)."""
+    """What a trial reads of the step record (:class:`~lightning_overflow.health.StepHealth`)."""
 
     world_size: int
     loss_mean: float
@@ -64,7 +65,7 @@ class _Record(Protocol):
 
 
 class _Board(Protocol):
-    """What a trial asks of the board (:class:`~lightning_overflow.health._Board`)."""
+    """What a trial asks of the board (:class:`~lightning_overflow.health.HealthBoard`)."""
 
     signals: list[Signal]
     current: Any
@@ -128,8 +129,9 @@ class TrialOutcome:
     @property
     def false_alarm(self) -> bool:
         """A suspicion the trial did not confirm (a scheduled trial that keeps the current rate is none, nor a lower
-        rung of a ladder whose first rung confirmed it)."""
-        return not self.kept and self.trial.kind not in (SCHEDULED, REGROWTH) and self.trial.rung == 1
+        rung of a ladder whose first rung confirmed it, nor a trial a certain fault ended before any verdict)."""
+        return (not self.kept and self.verdict is not None and self.trial.kind not in (SCHEDULED, REGROWTH)
+                and self.trial.rung == 1)  # fmt: skip
 
 
 class TrialRunner:
@@ -287,8 +289,9 @@ class TrialRunner:
             remedies.append(remedy)
             sides.append(Candidate.capture(trainer))
             incumbent.copy_to_live(trainer)
-        if not remedies:
-            return  # nothing to try: the live state is the incumbent, as it was
+        if not remedies:  # nothing to try: the live state is the incumbent, as it was
+            self._last_end = step  # a scheduled trial waits its interval again rather than capturing every batch
+            return
         if self._frozen:  # the loop trains the remedy; the incumbent, frozen, is scored on the side
             sides[0].swap(trainer)
             sides = [incumbent]
@@ -317,7 +320,7 @@ class TrialRunner:
                 else math.nan
                 for i in range(len(pending))
             ]
-        if self.trial.kind != SCHEDULED and self.trial.rung == 1:
+        if self.trial.kind not in (SCHEDULED, REGROWTH) and self.trial.rung == 1:  # the share suspicions may take
             self._spent += 1
         if self._frozen:
             self.trial.add(sides[0], live)
@@ -328,7 +331,7 @@ class TrialRunner:
         assert self.trial is not None
         verdict = self.trial.verdict()
         ended = f" (the fit ended after {len(self.trial.incumbent)} of {self.trial.config.steps} steps)" if early else ""
-        self._finish(trainer, board, step, verdict.winner, verdict, verdict.reason + ended)
+        self._finish(trainer, board, step, verdict.winner, verdict, verdict.reason + ended, last=early)
 
     def _end_on_fault(self, trainer: pl.Trainer, board: _Board, fault: Signal, step: int) -> None:
         """A certain fault of the live state ends the trial. In ``"ab"`` mode the live state is the incumbent: the
@@ -350,12 +353,14 @@ class TrialRunner:
                     "batches with finite losses, takes over")  # fmt: skip
         else:
             then = "no remedy's own losses were finite either: the fault is answered at once"
-        self._finish(trainer, board, step, winner, None, f"{fault.kind} at step {fault.step} ended the trial: {then}")
+        self._finish(trainer, board, step, winner, None, f"{named(fault.kind)} at step {fault.step} ended the trial: {then}")
 
     def _finish(
         self, trainer: pl.Trainer, board: _Board, step: int, winner: int | None, verdict: TrialVerdict | None,
-        why: str,
+        why: str, last: bool = False,
     ) -> None:
+        """End the trial with ``winner`` live (``None``: the run as it was); ``last``: the fit ends here, so no next
+        rung opens."""
         assert self.trial is not None and self.config is not None
         trial = self.trial
         if self._frozen:
@@ -376,7 +381,7 @@ class TrialRunner:
             self._barred_until[trial.kind] = step + trial.config.steps * 2**alarms
         board.journal_trial(trainer, outcome, extra_steps=len(trial.incumbent) * len(trial.remedies))
         board.after_trial(trainer, outcome)
-        if outcome.kept and trial.kind not in (SCHEDULED, REGROWTH) and remedy.factor < 1.0:
+        if outcome.kept and not last and trial.kind not in (SCHEDULED, REGROWTH) and remedy.factor < 1.0:
             # A remedy was better; is a lower rate better still? The next rung: the remedy just kept at the next lower
             # rates against itself. The ladder stops at the first rung the run as it is wins.
             follow = Signal(trial.kind, step, f"the remedy kept at step {step}, tried once more from there", trial.source)

@@ -51,7 +51,7 @@ def test_a_data_fault_is_one_line_naming_the_batch_and_row(caplog: pytest.LogCap
     with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
         fit(CorruptRow(), [NonFiniteDetector()], max_epochs=3, max_steps=-1, default_root_dir=tmp_path)
     assert _summary(caplog) == [
-        f"lightning_overflow: what happened in this fit (the details: python -m lightning_overflow journal {tmp_path}):",
+        f"lightning_overflow: what happened in this fit (the details: python -m lightning_overflow journal {tmp_path / 'overflow_events.jsonl'}):",
         "  - 3 steps skipped: batch 2 of each epoch holds NaN in row 3 (epochs 0-2): a data fault; check the data",
     ]
     events = list(read_journal(tmp_path))
@@ -142,16 +142,36 @@ def test_plain_lines_group_shuffled_data_faults_and_tell_trials() -> None:
         event(30, "weight_growth"),
         event(51, "trial", signal="weight_growth", opened_at=30, kept=True, kept_lr_factor=0.125, snapshot_step=0,
               false_alarm=False, extra_steps=40),
-        event(71, "trial", signal="regrowth", opened_at=51, kept=False, false_alarm=True, extra_steps=20),
+        event(71, "trial", signal="regrowth", opened_at=51, kept=False, false_alarm=False, extra_steps=20),
     ]  # fmt: skip
     assert plain_lines(events) == [
         "2 steps skipped: batches hold inf/NaN or values beyond 1e15 once an epoch in epochs 0-1, in a different batch "
         "each time (shuffled); the first, batch 1 of epoch 0 (step 1), holds 16 NaN in row 8: a data fault; check the "
         "data",
-        "2 suspicions tried against doing nothing on the same unseen batches (the weights kept growing while the loss "
-        "did not fall; a return towards the scheduled learning rate): 1 kept the remedy (step 51: learning rate x0.125 "
-        "from the snapshot of step 0), 1 false alarm (the run went on untouched); the trials cost 60 extra steps of "
-        "compute",
+        "1 suspicion and 1 higher-rate test tried against doing nothing on the same unseen batches (the weights kept "
+        "growing while the loss did not fall; a return towards the scheduled learning rate): 1 kept the remedy (step "
+        "51: learning rate x0.125 from the snapshot of step 0), 1 kept the run as it was (the remedy was no better); "
+        "the trials cost 60 extra steps of compute",
+    ]
+
+
+def test_plain_lines_name_who_started_afresh_and_what_a_warning_only_detector_found() -> None:
+    def event(step: int, kind: str, source: str, **details: Any) -> dict[str, Any]:
+        return {"step": step, "kind": kind, "epoch": 0, "source": source, "message": "", "details": details}
+
+    events = [
+        event(3, "data_fault", "NonFiniteDetector", batch=3, rows=[1], data="batch 3 holds NaN in row 1"),
+        event(40, "rebaseline", "LossSpikeDetector", what="loss"),
+        event(41, "rebaseline", "AutoClip", what="grad_norm"),
+        event(60, "clip", "AutoClip", mode="agc", grad_norm=5.0, threshold=0.01),
+    ]
+    assert plain_lines(events) == [
+        "1 step found: batch 3 of epoch 0 (step 3) holds NaN in row 1: a data fault; check the data",
+        "AutoClip started its gradient-norm statistics afresh once (step 41): the gradient norm moved to a new level "
+        "and stayed there",
+        "LossSpikeDetector started its loss statistics afresh once (step 40): the loss moved to a new level and "
+        "stayed there",
+        "1 step clipped by AutoClip at step 60 (the gradient norm an outlier)",
     ]
 
 

@@ -263,7 +263,7 @@ def test_summary_line_at_the_end_of_fit(caplog: pytest.LogCaptureFixture, tmp_pa
         fit(TinyRegressor(), [NonFiniteDetector(), FaultInjector(Fault(1, "nan_loss"))], max_steps=3,
             default_root_dir=tmp_path)
     assert (
-        f"lightning_overflow: what happened in this fit (the details: python -m lightning_overflow journal {tmp_path}):\n"
+        f"lightning_overflow: what happened in this fit (the details: python -m lightning_overflow journal {tmp_path / 'overflow_events.jsonl'}):\n"
         "  - 1 step skipped: the loss was inf/NaN at step 1 (not reproduced on replay: a hardware fault, a "
         "nondeterministic kernel or a race)\n"
     ) in caplog.text

@@ -149,7 +149,7 @@ def test_a_false_alarm_is_reverted_and_the_run_goes_on_bit_identical(tmp_path: P
     assert (details["steps"], details["extra_steps"], details["mode"]) == (20, 40, "ab")
     assert len(details["incumbent_losses"]) == 20 and [len(r) for r in details["remedy_losses"]] == [20, 20]
     assert [k for k in (e["kind"] for e in _journal(tmp_path)) if k in ("backoff", "rollback")] == []
-    assert "kept the run as it was at step 51" in trial["message"]
+    assert "; at step 51 it kept the run as it was: " in trial["message"]
 
 
 class Sabotaged(TinyRegressor):
@@ -241,11 +241,16 @@ class ManualTiny(TinyRegressor):
         return loss
 
 
-def test_a_fit_whose_steps_cannot_be_repeated_acts_at_once(tmp_path: Path) -> None:
+def test_a_fit_whose_steps_cannot_be_repeated_acts_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Manual optimization steps inside ``training_step``: no second candidate can repeat it, so a suspicion is
-    answered at once, as without trials."""
+    answered at once, as without trials, and the fit says so when it starts."""
     suite = [Suspect(21), LRBackoff(), Rollback(every_n_steps=10)]
-    trainer = fit(ManualTiny(), suite, max_steps=30, default_root_dir=str(tmp_path))
+    with caplog.at_level("INFO", logger="pytorch_lightning.lightning_overflow"):
+        trainer = fit(ManualTiny(), suite, max_steps=30, default_root_dir=str(tmp_path))
+    assert (
+        "lightning_overflow: no trials in this fit (manual optimization steps its optimizers inside training_step, "
+        "which a candidate cannot re-run): a suspicion of divergence backs off and rolls back at once"
+    ) in caplog.messages
     assert _trials(tmp_path) == []
     assert [(h["step"], h["snapshot_step"]) for h in suite[2].history] == [(22, 20)]
     assert _lr(trainer) == 0.5 * 0.01
@@ -259,7 +264,7 @@ def test_a_certain_fault_during_a_trial_hands_the_run_to_a_healthy_remedy(tmp_pa
     trainer = fit(model, [*suite, FaultInjector(Fault(35, "nan_weight"))], max_steps=60, default_root_dir=str(tmp_path))
     first = _trials(tmp_path)[0]
     assert first["step"] == 36 and first["details"]["kept"] and first["details"]["steps"] == 5
-    assert "nonfinite_state at step 35 ended the trial: the remedy at the learning rate x" in first["message"]
+    assert "optimizer state (nonfinite_state) at step 35 ended the trial: the remedy at the learning rate x" in first["message"]
     assert first["message"].endswith("which trained on the same batches with finite losses, takes over.")
     assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == [(36, 30)]
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -360,3 +365,25 @@ def test_a_backed_off_rate_that_held_is_grown_back_only_when_a_trial_finds_the_h
     assert [h["action"] for h in suite[1].history] == ["backoff"]
     assert suite[1].state_dict()["windows"] == [60]
     assert _lr(trainer) == 0.5 * 0.01
+
+
+def test_a_trial_a_certain_fault_ended_before_its_verdict_is_no_false_alarm() -> None:
+    """The fault is answered at once (a rollback): the suspicion is not refuted, and its detector is not made less
+    eager for it."""
+    from lightning_overflow.trials import Remedy, TrialOutcome
+
+    trial = Trial(kind="loss_divergence", step=30, config=TrialConfig())
+    ended = TrialOutcome(trial, kept=False, remedy=Remedy(), step=35, verdict=None, why="nonfinite_state ended it")
+    judged = TrialOutcome(trial, kept=False, remedy=Remedy(), step=50, verdict=trial.verdict(), why="no better")
+    assert (ended.false_alarm, judged.false_alarm) == (False, True)
+
+
+def test_a_second_fit_of_the_same_trainer_tries_its_suspicions_too(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    suite = [Suspect(30, 110), LRBackoff(), Rollback(every_n_steps=10)]
+    trainer = make_trainer(suite, max_steps=80, default_root_dir=str(tmp_path))
+    model = TinyRegressor(dropout=0.2)
+    trainer.fit(model)
+    trainer.fit_loop.epoch_loop.max_steps = 160
+    trainer.fit(model)
+    assert [(e["details"]["opened_at"], e["step"]) for e in _trials(tmp_path)] == [(30, 51), (110, 131)]

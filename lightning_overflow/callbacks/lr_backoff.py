@@ -14,6 +14,7 @@ from lightning_overflow._validation import check_bool, check_choices, check_floa
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.exceptions import DivergenceError
+from lightning_overflow.fit_summary import opened_because
 from lightning_overflow.numerics.lr_scaling import scale_lr
 from lightning_overflow.policy import DEFAULT_BACKOFF_TRIGGERS, REGROWTH, SIGNAL_KINDS, UPDATE_BOUND, Signal
 from lightning_overflow.snapshot_store import Snapshot
@@ -421,7 +422,7 @@ class LRBackoff(SuiteCallback):
             else:
                 self._cooldown_until[index] = step
                 self._restored_at[index] = step
-            reason = f"a trial opened by {trial.kind} at step {trial.step} kept the remedy: {outcome.why}"
+            reason = f"a trial opened {opened_because(trial.kind, trial.step)} kept the remedy: {outcome.why}"
             entry = self._remember("regrowth" if new > old else "backoff", step, index, trial.kind, reason, new)
             message = (
                 f"LRBackoff: the learning rate of optimizer {index} is now {new:.4g} x its schedule (was {old:.4g} x; "

@@ -230,6 +230,7 @@ class NonFiniteDetector(SuiteCallback):
             # fit loads its own state after setup).
             self.skipped_steps = self.nonfinite_events = self._consecutive = self._scaler_overflows = 0
             self._persistent = 0
+            self._headroom_warned = False
             self._recent = []
             self._skips = []
             self._warnings.clear()
