@@ -54,9 +54,9 @@ Run (from the repository root; the package must be importable, e.g. ``pip instal
                                                        # of CPU (40 s wall on 2 idle cores)
     python benchmarks/rescue.py --workers 2 --json rescue.json --png rescue.png
                                                        # 34 scenarios x 7 methods x 3 seeds + references: 753 runs,
-                                                       # ~7 min of CPU (8 min wall on 2 idle cores)
+                                                       # ~5.5 min of CPU (3 min wall on 2 idle cores)
     python benchmarks/rescue.py --held-out --workers 2  # the held-out matrix, 22 scenarios x 7 methods x 3 seeds +
-                                                       # references: 489 runs, ~4.5 min of CPU (7 min wall on 2 idle
+                                                       # references: 489 runs, ~3.5 min of CPU (2 min wall on 2 idle
                                                        # cores); with --quick: 52 runs, 35 s wall
     python benchmarks/rescue.py --scenarios nan_weight,hinge_at_zero --methods "unprotected,default_callbacks()"
     python benchmarks/rescue.py --workers 2 --first-seed 3 --methods "default_callbacks()"   # seeds 3-5, ours only
@@ -537,7 +537,7 @@ def harmless_table(results: Results) -> str:
     return "\n".join(lines)
 
 
-Check = tuple[bool, str]  # (passed, the line that says what was measured)
+Check = tuple[bool | None, str]  # (passed; None: nothing to check in this matrix, the line that says what was measured)
 
 
 def _where(ok: bool, line: str, label: str, cases: Sequence[str]) -> Check:
@@ -606,7 +606,7 @@ StablePair = tuple[str, int, Run, Run]  # (scenario, seed, the unprotected run, 
 def _stable_checks(results: Results) -> list[Check]:
     stable = [name for name in results.scenarios if scenario(name).stable]
     if not stable:
-        return [(False, "a stable LR is unchanged: no stable scenario ran")]
+        return [(None, "a stable LR is unchanged: not checked, no stable scenario in this matrix")]
     pairs: list[StablePair] = []
     for name in stable:
         for seed in results.seeds:
@@ -681,7 +681,7 @@ def report(results: Results) -> str:
         legend = f"final eval / the unprotected one (same scenario and seed); target: {OURS} <= {HARMLESS_TOLERANCE}x"
         parts += ["## Harmless runs", "", legend, "", harmless_table(results), ""]
     parts += ["## Targets", ""]
-    parts += [f"{'PASS' if ok else 'FAIL'}: {line}" for ok, line in targets(results)]
+    parts += [f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'}: {line}" for ok, line in targets(results)]
     return "\n".join(parts)
 
 
