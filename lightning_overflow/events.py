@@ -166,7 +166,8 @@ class WarningCache(_RankZeroWarningCache):
 
 
 class MetricBuffer:
-    """Metrics queued by every suite callback during a batch, sent with one ``log_metrics`` call per step.
+    """Metrics queued by every suite callback during a batch, sent once per step (with Lightning's own logging call
+    where Lightning logs the step: see ``HealthBoard.flush``).
 
     Loggers write a row (CSV) or a history entry (W&B) per call: one call per logging step keeps them whole.
     """

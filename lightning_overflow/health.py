@@ -416,6 +416,7 @@ class HealthBoard:
         self.ending = LossEnding()
         self._published: dict[str, float] = {}
         self._counted = -1  # the journal's length when the counters were last published (-1: not yet in this fit)
+        self._routed: set[str] = set()  # metric names the last batch logged through Lightning's own call
         self._constants: NonFiniteConstants | None = None
         self._journal_open = False
         self.trials = TrialRunner()
@@ -542,6 +543,7 @@ class HealthBoard:
         self._window_open = False
         self.signals.clear()
         self.metrics.clear()
+        self._routed = set()
         self._journal_open = False  # the next fit opens its own journal
         self.trials.reset()
         self._trial_config = None
@@ -674,6 +676,9 @@ class HealthBoard:
         accumulation window begins, and let a trial's candidate on the side take the batch first."""
         self.signals.clear()
         self._log_due = None
+        if self._routed:  # logged through Lightning at the last batch's end: not to be logged again with old values
+            _compat.forget_step_values(trainer, "on_train_batch_end", self._routed)
+            self._routed.clear()
         if not self._window_open and pl_module.automatic_optimization:
             self._buffers.take(pl_module)
             self._window_open = True
@@ -740,7 +745,7 @@ class HealthBoard:
             self._publish_counters(trainer, counters)
             if logs:
                 self.metrics.add(counters, _compat.batches_that_stepped(trainer))
-        self.flush(trainer)
+        self.flush(trainer, batch_end=True)
 
     def logs_now(self, trainer: pl.Trainer) -> bool:
         """Whether Lightning logs this batch's metrics: asked once per batch (its logging step stays the same until
@@ -769,14 +774,23 @@ class HealthBoard:
             }
             _compat.progress_bar_metrics(trainer).update(shown)
 
-    def flush(self, trainer: pl.Trainer) -> None:
-        """Send every queued metric: one ``log_metrics`` call per logger and step; the same values go into
-        ``trainer.callback_metrics``, where Lightning keeps its users' ``self.log(on_step=True)`` values (so that
-        ``EarlyStopping(monitor="grad_norm/total")`` or a callback of the user's reads them)."""
+    def flush(self, trainer: pl.Trainer, batch_end: bool = False) -> None:
+        """Send every queued metric, and put the same values into ``trainer.callback_metrics``, where Lightning keeps
+        its users' ``self.log(on_step=True)`` values (so that ``EarlyStopping(monitor="grad_norm/total")`` or a
+        callback of the user's reads them).
+
+        At the end of a batch that Lightning logs, the metrics of its step ride on Lightning's own logging call (one
+        ``metrics.csv`` row, one W&B history entry per step); the others (a callback logging on steps of its own, the
+        end of the fit) are one ``log_metrics`` call per logger and step."""
+        lightning_step = _compat.batches_that_stepped(trainer) if batch_end and self.logs_now(trainer) else None
         for step, metrics in self.metrics.drain():
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
             held = {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}  # the logged float, exactly
+            if step == lightning_step:
+                trainer.lightning_module.log_dict(held, on_step=True, on_epoch=False, batch_size=1)
+                self._routed.update(held)  # forgotten by Lightning's results when the next batch starts
+            else:
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step)
             _compat.callback_metrics(trainer).update(held)
         events = self.journal.unpublished()
         if events:  # TensorBoard text; nothing to do on most steps

@@ -384,13 +384,11 @@ class AutoClip(SuiteCallback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         n_optimizers = len(trainer.optimizers)
-        metrics = {
-            metric_key("clip/fraction_epoch", index, n_optimizers): clipped / steps
-            for index, (steps, clipped) in sorted(self._epoch.items())
-            if steps
-        }
-        self._log(trainer, metrics)
-        self.board(trainer).flush(trainer)
+        # Through Lightning's epoch-end logging, as GradNormMonitor's epoch aggregates: one row with its epoch metrics.
+        for index, (steps, clipped) in sorted(self._epoch.items()):
+            if steps:
+                fraction = torch.tensor(clipped / steps, dtype=torch.float64)
+                pl_module.log(metric_key("clip/fraction_epoch", index, n_optimizers), fraction, on_epoch=True)
         self._epoch.clear()
 
     @override
