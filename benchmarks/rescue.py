@@ -91,7 +91,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # rescue_scenarios bes
 
 from rescue_scenarios import HELD_OUT, SCENARIOS, Benchmarked, Scenario, scenario  # noqa: E402
 
-from lightning_overflow import AutoClip, NonFiniteDetector, default_callbacks, read_journal  # noqa: E402
+from lightning_overflow import AutoClip, NonFiniteDetector, TrialConfig, default_callbacks, read_journal  # noqa: E402
 from lightning_overflow.testing import FaultInjector  # noqa: E402
 
 WITHIN = 1.5  # "within reference": final evaluation at most this many times the reference
@@ -104,6 +104,9 @@ JOURNAL_KINDS = ("skip", "backoff", "rollback", "abort")
 OURS = "default_callbacks()"
 PARTS = ("NonFiniteDetector()", "AutoClip()")
 BIT_IDENTICAL = "default_callbacks(clip=None)"  # run on stable scenarios only
+# Variants of the suite's trials, run on request (--methods): frozen trials, and suspicions acted on at once.
+FROZEN = 'default_callbacks(trial=TrialConfig(mode="frozen"))'
+AT_ONCE = "default_callbacks(trial=None)"
 MAX_EVENTS = 40  # journal events kept per run in the JSON (skips are only counted)
 
 
@@ -151,9 +154,11 @@ METHODS: dict[str, Method] = {
         Method("AutoClip()", lambda: [AutoClip()]),
         Method(OURS, default_callbacks),
         Method(BIT_IDENTICAL, lambda: default_callbacks(clip=None)),
+        Method(FROZEN, lambda: default_callbacks(trial=TrialConfig(mode="frozen"))),
+        Method(AT_ONCE, lambda: default_callbacks(trial=None)),
     )
 }
-MATRIX_METHODS = tuple(name for name in METHODS if name != BIT_IDENTICAL)
+MATRIX_METHODS = tuple(name for name in METHODS if name not in (BIT_IDENTICAL, FROZEN, AT_ONCE))
 
 
 def missing(method: Method) -> list[str]:

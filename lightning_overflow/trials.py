@@ -41,7 +41,7 @@ from lightning_overflow import _compat
 from lightning_overflow.candidate import Candidate, CandidateStep, Clip, trainable
 from lightning_overflow.fit_summary import named
 from lightning_overflow.policy import CERTAIN_SIGNALS, REGROWTH, SCHEDULED, SUSPICION_SIGNALS, Signal
-from lightning_overflow.trial import Trial, TrialConfig, TrialVerdict
+from lightning_overflow.trial import DEFAULT_TRIAL, Trial, TrialConfig, TrialVerdict
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -147,6 +147,7 @@ class TrialRunner:
         self._pending: list[CandidateStep] = []  # each side candidate's step on this batch
         self._marks: list[int] = []  # the schedulers' counts when the batch began
         self._false_alarms: dict[str, int] = {}
+        self._answered: dict[str, int] = {}  # suspicions answered at once (where no trial can run), by kind
         self._barred_until: dict[str, int] = {}
         self._spent = 0  # optimizer steps spent in trials opened by suspicions
         self._last_end = 0  # the step the last trial ended at (for scheduled trials)
@@ -224,6 +225,7 @@ class TrialRunner:
         pending, self._pending = self._pending, []
         step = int(trainer.global_step)
         if not self.runs:
+            self._pace_at_once(board, step)
             return
         suspicions = [s for s in board.signals if s.kind in SUSPICION_SIGNALS]
         for signal in suspicions:
@@ -244,6 +246,19 @@ class TrialRunner:
             self._open(trainer, board, waiting[0].kind, step, waiting[0])
         elif not suspicions and self._scheduled(board, step):
             self._open(trainer, board, SCHEDULED, step, None)
+
+    def _pace_at_once(self, board: _Board, step: int) -> None:
+        """Where no trial can run, a suspicion is answered at once, without a verdict; so it is paced as a trial's
+        false alarm would be: once answered, the same suspicion waits ``steps x 2^n`` steps (``n``: the times it was
+        answered) and is dropped meanwhile. A run that stays at a new level after a remedy (a new task, not a
+        divergence) is then backed off once or twice, not every few steps down to the floor."""
+        window = (self.config or DEFAULT_TRIAL).steps
+        for signal in [s for s in board.signals if s.kind in SUSPICION_SIGNALS]:
+            if step < self._barred_until.get(signal.kind, 0):
+                board.signals.remove(signal)
+                continue
+            answered = self._answered[signal.kind] = self._answered.get(signal.kind, 0) + 1
+            self._barred_until[signal.kind] = step + window * 2**answered
 
     def end_fit(self, trainer: pl.Trainer, board: _Board) -> None:
         """The fit ends with a trial under way: judged on the steps so far (too few keep the incumbent)."""
@@ -391,11 +406,12 @@ class TrialRunner:
     def state_dict(self) -> dict[str, Any]:
         """The trial under way (its candidates' tensors on the host) and the pacing of the next ones."""
         return {
-            "version": 1,
+            "version": 2,
             "trial": self.trial.state_dict() if self.trial is not None else None,
             "sides": [side.state_dict() for side in self.sides],
             "remedies": [remedy.state_dict() for remedy in self.remedies],
             "false_alarms": dict(self._false_alarms),
+            "answered": dict(self._answered),
             "barred_until": dict(self._barred_until),
             "spent": self._spent,
             "last_end": self._last_end,
@@ -406,13 +422,15 @@ class TrialRunner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the state of a checkpoint; the candidates are put on the live state's devices once the fit's model
         and optimizers exist (:meth:`configure`)."""
-        if state.get("version") != 1:
+        if state.get("version") not in (1, 2):
             raise ValueError(f"the trial state in this checkpoint has version {state.get('version')!r}; this release "
-                             f"reads version 1")  # fmt: skip
+                             f"reads versions 1 and 2")  # fmt: skip
         self.trial = Trial.from_state(state["trial"]) if state["trial"] is not None else None
         self._side_states = list(state["sides"])
         self.remedies = [Remedy.from_state(r) for r in state["remedies"]]
         self._false_alarms = {str(k): int(v) for k, v in state["false_alarms"].items()}
+        # Version 1 (before suspicions answered at once were paced) has no "answered": none were counted.
+        self._answered = {str(k): int(v) for k, v in state["answered"].items()} if state["version"] >= 2 else {}
         self._barred_until = {str(k): int(v) for k, v in state["barred_until"].items()}
         self._spent = int(state["spent"])
         self._last_end = int(state["last_end"])

@@ -387,3 +387,22 @@ def test_a_second_fit_of_the_same_trainer_tries_its_suspicions_too(tmp_path: Pat
     trainer.fit_loop.epoch_loop.max_steps = 160
     trainer.fit(model)
     assert [(e["details"]["opened_at"], e["step"]) for e in _trials(tmp_path)] == [(30, 51), (110, 131)]
+
+
+def test_without_trials_a_suspicion_that_persists_is_answered_then_paced() -> None:
+    """A new task keeps the loss at a new level: suspected at every step from 31. Without a verdict the suspicion is
+    answered at once, then waits ``steps x 2^n`` (40, then 80 steps) as a false alarm would: two backoffs in 120
+    steps, not one every few steps down to the floor."""
+    suite = [Suspect(*range(31, 121)), LRBackoff(trial=None), Rollback(every_n_steps=10, trial=None)]
+    trainer = fit(TinyRegressor(), suite, max_steps=120)
+    assert [(h["step"], h["action"]) for h in suite[1].history] == [(31, "backoff"), (71, "backoff")]
+    assert [h["step"] for h in suite[2].history] == [32, 72]
+    assert _lr(trainer) == 0.25 * 0.01
+
+
+def test_a_suspicion_at_the_floor_is_left_alone_and_never_stops_the_run() -> None:
+    """Only what is certain may stop a run: at its floor, LRBackoff answers a suspicion with nothing."""
+    suite = [Suspect(31, 100), LRBackoff(min_scale=0.5, trial=None), Rollback(every_n_steps=10, trial=None)]
+    trainer = fit(TinyRegressor(), suite, max_steps=110)
+    assert [(h["step"], h["action"]) for h in suite[1].history] == [(31, "backoff")]
+    assert trainer.global_step == 110 and _lr(trainer) == 0.5 * 0.01

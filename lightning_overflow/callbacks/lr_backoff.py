@@ -16,7 +16,14 @@ from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.fit_summary import opened_because
 from lightning_overflow.numerics.lr_scaling import scale_lr
-from lightning_overflow.policy import DEFAULT_BACKOFF_TRIGGERS, REGROWTH, SIGNAL_KINDS, UPDATE_BOUND, Signal
+from lightning_overflow.policy import (
+    DEFAULT_BACKOFF_TRIGGERS,
+    REGROWTH,
+    SIGNAL_KINDS,
+    SUSPICION_SIGNALS,
+    UPDATE_BOUND,
+    Signal,
+)
 from lightning_overflow.snapshot_store import Snapshot
 from lightning_overflow.trial import DEFAULT_TRIAL, TrialConfig
 from lightning_overflow.trials import TrialOutcome
@@ -212,9 +219,14 @@ class LRBackoff(SuiteCallback):
 
     # ---- backoff ----------------------------------------------------------------------------------------------
     def _back_off(self, trainer: pl.Trainer, due: dict[int, list[Signal]]) -> None:
+        # A suspicion at the floor is left alone: only what is certain may stop a run (a suspicion that is answered
+        # at once, where no trial can run, has no verdict to stop it on).
+        at_floor = {index for index in due if self.scales[index] <= self._floor(trainer, index) * (1 + _AT_FLOOR)}
+        due = {index: signals for index, signals in due.items()
+               if index not in at_floor or any(s.kind not in SUSPICION_SIGNALS for s in signals)}  # fmt: skip
         # Check every floor first: either every optimizer concerned backs off or the run stops, never half of it.
         for index, signals in due.items():
-            if self.scales[index] <= self._floor(trainer, index) * (1 + _AT_FLOOR):
+            if index in at_floor:
                 raise self._diverged(trainer, index, signals)
         for index, signals in due.items():
             old = self.scales[index]

@@ -45,7 +45,14 @@ from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
 from lightning_overflow.health import MAX_NAMES, StepHealth
 from lightning_overflow.numerics.snapshots import without_placeholders
-from lightning_overflow.policy import DEFAULT_ROLLBACK_TRIGGERS, SIGNAL_KINDS, Signal, StepAction, Verdict
+from lightning_overflow.policy import (
+    DEFAULT_ROLLBACK_TRIGGERS,
+    SIGNAL_KINDS,
+    SUSPICION_SIGNALS,
+    Signal,
+    StepAction,
+    Verdict,
+)
 from lightning_overflow.replicas import checksum
 from lightning_overflow.snapshot_store import Snapshot, SnapshotFiles, SnapshotRing, snapshot_name
 from lightning_overflow.training_state import (
@@ -561,6 +568,8 @@ class Rollback(SuiteCallback):
         step = int(trainer.global_step)
         settings = self.board(trainer).settings()
         if not self._budget_left(step, settings):
+            if signal.kind in SUSPICION_SIGNALS:  # only what is certain may stop a run: a suspicion is left alone
+                return
             self._stop(trainer, signal, self._recent(step))
         candidates, avoided = self._targets(settings, signal.onset)
         restored = self._restore_first(trainer, candidates)
