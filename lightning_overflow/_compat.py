@@ -6,7 +6,6 @@ Checked against pytorch-lightning 2.6.6 and torch 2.13.0.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -180,13 +179,3 @@ def optimizer_steps_this_batch(trainer: pl.Trainer) -> bool:
         return True
     return not trainer.fit_loop.epoch_loop._should_accumulate()
 
-
-def forget_step_values(trainer: pl.Trainer, hook: str, names: Iterable[str]) -> None:
-    """Drop the values ``names`` logged with ``on_step=True`` from ``hook`` out of the running loop's results
-    (2.6.6: ``_ResultCollection`` keys ``"{hook}.{name}"``). Lightning logs every on-step value its results hold at
-    each logging step, the last one again where nothing new was logged; a metric logged only on some steps must not
-    reappear at the next with its old value."""
-    results = trainer._results
-    if results is not None:
-        for name in names:
-            results.pop(f"{hook}.{name}", None)

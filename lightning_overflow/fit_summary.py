@@ -224,7 +224,9 @@ def _rebaselines(found: list[Event], by_kind: dict[str, list[Event]]) -> list[st
 def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
     kept = [e for e in trials if e["details"].get("kept")]
     false = [e for e in trials if e["details"].get("false_alarm")]
-    other = len(trials) - len(kept) - len(false)
+    # A trial that a certain fault ended before its verdict has no comparisons; the fault's answer is told apart.
+    faulted = [e for e in trials if not e["details"].get("kept") and "comparisons" not in e["details"]]
+    other = len(trials) - len(kept) - len(false) - len(faulted)
     extra = sum(int(e["details"].get("extra_steps", 0) or 0) for e in trials)
     signals = Counter(_words(str(e["details"].get("signal"))) for e in trials)
     why = "; ".join(f"{words} ({n}x)" if n > 1 else words for words, n in signals.items())
@@ -237,10 +239,17 @@ def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
         outcome.append(f"{len(kept)} kept the remedy ({steps})")
     if false:
         outcome.append(f"{len(false)} false alarm{'s' if len(false) > 1 else ''} (the run went on untouched)")
+    if faulted:
+        outcome.append(f"{len(faulted)} ended by a certain fault before a verdict (answered at once)")
     if other:
         outcome.append(f"{other} kept the run as it was (the remedy was no better)")
-    suspicions = sum(str(e["details"].get("signal")) not in ("scheduled", "regrowth") for e in trials)
+    # A follow-up (rung 2 and on) tries the same suspicion again at a lower rate: one suspicion, several trials.
+    suspicions = sum(str(e["details"].get("signal")) not in ("scheduled", "regrowth") and e["details"].get("rung", 1) == 1
+                     for e in trials)  # fmt: skip
+    follow_ups = sum(int(e["details"].get("rung", 1)) > 1 for e in trials)
     tested = [f"{_count(suspicions, 'suspicion')}"] if suspicions else []
+    if follow_ups:
+        tested.append(_count(follow_ups, "lower-rate follow-up"))
     for kind, words in (("scheduled", "scheduled check"), ("regrowth", "higher-rate test")):
         if n := sum(str(e["details"].get("signal")) == kind for e in trials):
             tested.append(_count(n, words))

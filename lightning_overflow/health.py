@@ -43,7 +43,13 @@ from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import read_packed, sum_and_read
 from lightning_overflow.events import Event, Journal, MetricBuffer, WarningCache
 from lightning_overflow.fit_summary import LossEnding, opened_because, plain_lines
-from lightning_overflow.loggers import journal_location, prepare_dashboards, publish_events, upload_journal
+from lightning_overflow.loggers import (
+    StepMerge,
+    journal_location,
+    prepare_dashboards,
+    publish_events,
+    upload_journal,
+)
 from lightning_overflow.numerics import (
     FP32_MAX,
     norm_status,
@@ -416,7 +422,7 @@ class HealthBoard:
         self.ending = LossEnding()
         self._published: dict[str, float] = {}
         self._counted = -1  # the journal's length when the counters were last published (-1: not yet in this fit)
-        self._routed: set[str] = set()  # metric names the last batch logged through Lightning's own call
+        self._merge = StepMerge()  # the suite's metrics of a step in Lightning's own logging call of that step
         self._constants: NonFiniteConstants | None = None
         self._journal_open = False
         self.trials = TrialRunner()
@@ -543,7 +549,7 @@ class HealthBoard:
         self._window_open = False
         self.signals.clear()
         self.metrics.clear()
-        self._routed = set()
+        self._merge.uninstall()
         self._journal_open = False  # the next fit opens its own journal
         self.trials.reset()
         self._trial_config = None
@@ -676,9 +682,7 @@ class HealthBoard:
         accumulation window begins, and let a trial's candidate on the side take the batch first."""
         self.signals.clear()
         self._log_due = None
-        if self._routed:  # logged through Lightning at the last batch's end: not to be logged again with old values
-            _compat.forget_step_values(trainer, "on_train_batch_end", self._routed)
-            self._routed.clear()
+        self._merge.send_leftover()  # a held step that Lightning did not log after all
         if not self._window_open and pl_module.automatic_optimization:
             self._buffers.take(pl_module)
             self._window_open = True
@@ -779,18 +783,20 @@ class HealthBoard:
         its users' ``self.log(on_step=True)`` values (so that ``EarlyStopping(monitor="grad_norm/total")`` or a
         callback of the user's reads them).
 
-        At the end of a batch that Lightning logs, the metrics of its step ride on Lightning's own logging call (one
-        ``metrics.csv`` row, one W&B history entry per step); the others (a callback logging on steps of its own, the
-        end of the fit) are one ``log_metrics`` call per logger and step."""
+        At the end of a batch that Lightning logs, the metrics of its step ride on Lightning's own ``log_metrics``
+        call of that step (:class:`~lightning_overflow.loggers.StepMerge`: one ``metrics.csv`` row, one history entry
+        per step); the others (a callback logging on steps of its own) are one ``log_metrics`` call per logger and
+        step."""
         lightning_step = _compat.batches_that_stepped(trainer) if batch_end and self.logs_now(trainer) else None
+        if not batch_end:
+            self._merge.send_leftover()
         for step, metrics in self.metrics.drain():
-            held = {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}  # the logged float, exactly
             if step == lightning_step:
-                trainer.lightning_module.log_dict(held, on_step=True, on_epoch=False, batch_size=1)
-                self._routed.update(held)  # forgotten by Lightning's results when the next batch starts
+                self._merge.hold(trainer.loggers, step, metrics)
             else:
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=step)
+            held = {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}  # the logged float, exactly
             _compat.callback_metrics(trainer).update(held)
         events = self.journal.unpublished()
         if events:  # TensorBoard text; nothing to do on most steps

@@ -41,6 +41,7 @@ __all__ = [
     "EVENTS_TAG",
     "JOURNAL_FOLDER",
     "TENSORBOARD_LAYOUT",
+    "StepMerge",
     "journal_location",
     "kind_of",
     "prepare_dashboards",
@@ -52,6 +53,70 @@ JOURNAL_FOLDER = "overflow_journal"  # under default_root_dir, for trackers that
 EVENTS_TAG = "overflow/events"
 
 _KINDS = ("CSVLogger", "TensorBoardLogger", "MLFlowLogger", "WandbLogger")
+
+
+class StepMerge:
+    """The suite's metrics of a step that Lightning logs, sent in Lightning's own ``log_metrics`` call of that step:
+    one ``metrics.csv`` row, one history entry per step, whatever the logger.
+
+    The suite queues its step's metrics at ``on_train_batch_end``; Lightning logs the batch just after, with the same
+    step. For the fit, each logger's ``log_metrics`` is wrapped (an attribute of the instance over its class's
+    method, removed by :meth:`uninstall`) so that Lightning's call of that step carries the held metrics too. A held
+    step that Lightning did not log after all (a callback after the suite asked to stop) is sent on its own by
+    :meth:`send_leftover`, at the next batch or the end of the fit.
+    """
+
+    def __init__(self) -> None:
+        self._held: tuple[int, dict[str, float]] | None = None
+        self._served: set[int] = set()  # ids of the loggers whose call of the held step carried it
+        self._wrapped: list[Any] = []
+
+    def hold(self, loggers: Sequence[Any], step: int, metrics: dict[str, float]) -> None:
+        """Keep ``metrics`` for Lightning's call of ``step`` on every logger."""
+        self.install(loggers)
+        if self._held is not None and self._held[0] != step:
+            self.send_leftover()
+        if self._held is None:
+            self._held = (step, {})
+        self._held[1].update(metrics)
+
+    def install(self, loggers: Sequence[Any]) -> None:
+        for logger in loggers:
+            if any(logger is wrapped for wrapped in self._wrapped):
+                continue
+            original = logger.log_metrics
+
+            def merged(metrics: dict[str, Any], step: int | None = None, *, _logger: Any = logger,
+                       _original: Any = original) -> Any:  # fmt: skip
+                held = self._held
+                if held is not None and step == held[0] and id(_logger) not in self._served:
+                    metrics = {**metrics, **held[1]}
+                    self._served.add(id(_logger))
+                    if len(self._served) == len(self._wrapped):
+                        self._held, self._served = None, set()
+                return _original(metrics, step)
+
+            merged.__wrapped__ = original  # type: ignore[attr-defined]
+            logger.log_metrics = merged
+            self._wrapped.append(logger)
+
+    def send_leftover(self) -> None:
+        """Send a held step to the loggers whose call of it did not come, one call each."""
+        held, self._held = self._held, None
+        served, self._served = self._served, set()
+        if held is None:
+            return
+        for logger in self._wrapped:
+            if id(logger) not in served:
+                vars(logger)["log_metrics"].__wrapped__(held[1], held[0])
+
+    def uninstall(self) -> None:
+        """Send what is held and give every logger its own ``log_metrics`` back."""
+        self.send_leftover()
+        for logger in self._wrapped:
+            if "log_metrics" in vars(logger):
+                del logger.log_metrics
+        self._wrapped = []
 
 
 def _tags(*keys: str) -> list[str]:

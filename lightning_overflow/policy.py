@@ -29,11 +29,11 @@ none, every ``every_n_steps``           a trial of the backed-off rate from    a
 
 A suspicion is acted on at once, as a certain fault is, where no trial can run: trials off (``trial=None``), or a
 fit whose steps a second candidate cannot repeat (manual optimization, several optimizers, a closure optimizer such
-as LBFGS, a sharded strategy). While a trial runs, further suspicions wait for its verdict; a false alarm makes the
-same suspicion wait twice as long as last time before it may open a trial again, and the detector re-learns the
-run's level. The remedies are bounded: ``LRBackoff`` by its floor (``min_scale``), ``Rollback`` by
-``max_rollbacks`` retries with nothing changed; a certain fault with nothing left to try stops the run with
-:class:`~lightning_overflow.DivergenceError`, a suspicion never does.
+as LBFGS, a sharded strategy), paced as false alarms are. While a trial runs, further suspicions wait for its
+verdict; a false alarm makes the same suspicion wait twice as long as last time before it may open a trial again, and
+the detector re-learns the run's level. The remedies are bounded: ``LRBackoff`` by its floor (``min_scale``),
+``Rollback`` by ``max_rollbacks`` retries with nothing changed; a certain fault with nothing left to try stops the run
+with :class:`~lightning_overflow.DivergenceError`, a suspicion never does (it is left alone there).
 
 Each suite callback judges the same final step record and may return a :class:`Verdict`: a reason to skip the
 step, a proposed clip, or both. :func:`decide_step` turns all of them into one :class:`StepAction`, applied once by

@@ -261,9 +261,17 @@ class TrialRunner:
             self._barred_until[signal.kind] = step + window * 2**answered
 
     def end_fit(self, trainer: pl.Trainer, board: _Board) -> None:
-        """The fit ends with a trial under way: judged on the steps so far (too few keep the incumbent)."""
-        if self.trial is not None:
-            self._conclude(trainer, board, int(trainer.global_step), early=True)
+        """The fit ends with a trial under way: judged on the steps so far (too few keep the incumbent). One opened
+        on the last batch (a follow-up of a trial that ended there) has no step: it is withdrawn, unjournaled."""
+        if self.trial is None:
+            return
+        if not self.trial.incumbent:
+            if self._frozen:  # the live state is the remedy: the incumbent, frozen on the side, comes back
+                self.sides[0].swap(trainer)
+            self.trial, self.sides, self.remedies = None, [], []
+            self.trials -= 1
+            return
+        self._conclude(trainer, board, int(trainer.global_step), early=True)
 
     # ---- opening --------------------------------------------------------------------------------------------------
     def _scheduled(self, board: _Board, step: int) -> bool:

@@ -142,7 +142,8 @@ def test_plain_lines_group_shuffled_data_faults_and_tell_trials() -> None:
         event(30, "weight_growth"),
         event(51, "trial", signal="weight_growth", opened_at=30, kept=True, kept_lr_factor=0.125, snapshot_step=0,
               false_alarm=False, extra_steps=40),
-        event(71, "trial", signal="regrowth", opened_at=51, kept=False, false_alarm=False, extra_steps=20),
+        event(71, "trial", signal="regrowth", opened_at=51, kept=False, false_alarm=False, extra_steps=20,
+              comparisons=[]),
     ]  # fmt: skip
     assert plain_lines(events) == [
         "2 steps skipped: batches hold inf/NaN or values beyond 1e15 once an epoch in epochs 0-1, in a different batch "

@@ -406,3 +406,12 @@ def test_a_suspicion_at_the_floor_is_left_alone_and_never_stops_the_run() -> Non
     trainer = fit(TinyRegressor(), suite, max_steps=110)
     assert [(h["step"], h["action"]) for h in suite[1].history] == [(31, "backoff")]
     assert trainer.global_step == 110 and _lr(trainer) == 0.5 * 0.01
+
+
+def test_a_follow_up_opened_on_the_last_batch_is_withdrawn_unjournaled(tmp_path: Path) -> None:
+    """The trial opened at step 31 keeps its remedy on the fit's last batch (step 52): the follow-up it opens there
+    would have no step to be judged on, so it is neither run nor journaled."""
+    torch.manual_seed(0)
+    suite = [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)]
+    fit(Sabotaged(), suite, max_steps=52, default_root_dir=str(tmp_path))
+    assert [(e["step"], e["details"]["rung"], e["details"]["steps"]) for e in _trials(tmp_path)] == [(52, 1, 20)]
