@@ -313,7 +313,11 @@ class TrialRunner:
             sides.append(Candidate.capture(trainer))
             incumbent.copy_to_live(trainer)
         if not remedies:  # nothing to try: the live state is the incumbent, as it was
-            self._last_end = step  # a scheduled trial waits its interval again rather than capturing every batch
+            # Wait before asking again rather than copying the state every batch: a scheduled trial its interval, a
+            # suspicion a trial's length.
+            self._last_end = step
+            if kind not in (SCHEDULED, REGROWTH):
+                self._barred_until[kind] = step + self.config.steps
             return
         if self._frozen:  # the loop trains the remedy; the incumbent, frozen, is scored on the side
             sides[0].swap(trainer)
