@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_overflow.policy import REGROWTH, SCHEDULED
+
 __all__ = ["ENDING_BLOCK", "ENDING_RATIO", "LossEnding", "named", "opened_because", "plain_lines"]
 
 Event = Mapping[str, Any]
@@ -37,25 +39,25 @@ SUSPICION_WORDS = {
     "loss_plateau": "the loss stopped falling",
     "weight_growth": "the weights kept growing while the loss did not fall",
     "scaler_collapse": "the GradScaler's scale collapsed",
-    "scheduled": "a scheduled check",
-    "regrowth": "a return towards the scheduled learning rate",
+    SCHEDULED: "a scheduled check",
+    REGROWTH: "a return towards the scheduled learning rate",
 }
+_WORDS = {**SIGNAL_WORDS, **SUSPICION_WORDS}
 
 
 def opened_because(kind: str, step: int) -> str:
     """Why a trial opened, in words that keep the signal's name: ``"because the loss kept rising (loss_trend at step
     30)"``."""
-    if kind == "scheduled":
+    if kind == SCHEDULED:
         return f"as a scheduled check at step {step}"
-    if kind == "regrowth":
+    if kind == REGROWTH:
         return f"to test a higher learning rate at step {step}"
     return f"because {SUSPICION_WORDS.get(kind, 'the state was suspected')} ({kind} at step {step})"
 
 
 def named(kind: str) -> str:
     """A signal's words and its name: ``"non-finite weights or optimizer state (nonfinite_state)"``."""
-    words = SIGNAL_WORDS.get(kind) or SUSPICION_WORDS.get(kind)
-    return f"{words} ({kind})" if words else kind
+    return f"{_WORDS[kind]} ({kind})" if kind in _WORDS else kind
 
 
 @dataclass
@@ -244,13 +246,13 @@ def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
     if other:
         outcome.append(f"{other} kept the run as it was (the remedy was no better)")
     # A follow-up (rung 2 and on) tries the same suspicion again at a lower rate: one suspicion, several trials.
-    suspicions = sum(str(e["details"].get("signal")) not in ("scheduled", "regrowth") and e["details"].get("rung", 1) == 1
+    suspicions = sum(str(e["details"].get("signal")) not in (SCHEDULED, REGROWTH) and e["details"].get("rung", 1) == 1
                      for e in trials)  # fmt: skip
     follow_ups = sum(int(e["details"].get("rung", 1)) > 1 for e in trials)
     tested = [f"{_count(suspicions, 'suspicion')}"] if suspicions else []
     if follow_ups:
         tested.append(_count(follow_ups, "lower-rate follow-up"))
-    for kind, words in (("scheduled", "scheduled check"), ("regrowth", "higher-rate test")):
+    for kind, words in ((SCHEDULED, "scheduled check"), (REGROWTH, "higher-rate test")):
         if n := sum(str(e["details"].get("signal")) == kind for e in trials):
             tested.append(_count(n, words))
     return [f"{' and '.join(tested)} tried against doing nothing on the same unseen batches ({why}): "
@@ -325,7 +327,7 @@ _SILENT = {"skip"}
 
 # ---- words --------------------------------------------------------------------------------------------------------
 def _words(signal: str) -> str:
-    return SUSPICION_WORDS.get(signal) or SIGNAL_WORDS.get(signal) or signal.replace("_", " ")
+    return _WORDS.get(signal) or signal.replace("_", " ")
 
 
 def _answered(event: Event, by_kind: dict[str, list[Event]]) -> bool:

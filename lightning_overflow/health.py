@@ -32,7 +32,7 @@ import logging
 import math
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -378,11 +378,11 @@ def loss_facts(losses: Sequence[float], scale: float | None, factor: int) -> tup
     return nonfinite, total, len(losses)
 
 
-def nonfinite_at_end(trainer: pl.Trainer, check: StateCheck) -> str:
-    """What to say of a fit that ends with inf/NaN in its state, nothing restored."""
+def nonfinite_at_end(trainer: pl.Trainer, check: StateCheck, who: str = "lightning_overflow") -> str:
+    """What ``who`` says of a fit that ends with inf/NaN in its state, nothing restored."""
     more = f" (+{len(check.names) - MAX_NAMES} more)" if len(check.names) > MAX_NAMES else ""
     return (
-        f"lightning_overflow: the fit ended at step {trainer.global_step} with inf/NaN in its {check.what} on rank(s) "
+        f"{who}: the fit ended at step {trainer.global_step} with inf/NaN in its {check.what} on rank(s) "
         f"{', '.join(map(str, check.ranks))} (in {', '.join(check.names[:MAX_NAMES]) or 'no named tensor'}{more}); "
         "nothing restored them. HINT: add Rollback (default_callbacks()) to restore the last state verified finite, "
         "and look at what wrote them (a BatchNorm statistic fed a NaN sample, a buffer updated outside the step)."
@@ -730,10 +730,7 @@ class HealthBoard:
         if self._held.schedulers or self._held.groups:  # a skipped step's schedules
             self._held.restore()
         self._closure_start.put_back()
-        # Without a signal, a trial under way, a candidate or scheduled trials, the trials have nothing to do.
-        scheduled = trials.config is not None and trials.config.every_n_steps is not None
-        if self.signals or trials.active or trials.sides or scheduled:
-            trials.end_batch(trainer, self)
+        trials.end_batch(trainer, self)
         for participant in self.in_stage("_after_batch"):
             participant._after_batch(trainer, pl_module, outputs)
         logs = self.logs_now(trainer)
@@ -1007,6 +1004,7 @@ class HealthBoard:
             log.info("\n".join([f"lightning_overflow: what happened in this fit{where}:", *(f"  - {l}" for l in lines)]))
 
 
+@dataclass(slots=True)
 class _StepPlan:
     """What the board keeps from one step of an optimizer to the next: the parameters that have gradients (``ids``),
     their names, the optimizer's index, the process's rank, and how the gradients' norms are computed.
@@ -1015,14 +1013,16 @@ class _StepPlan:
     so whether the checks of :func:`~lightning_overflow.numerics.tensor_norms` can be left out
     (:func:`~lightning_overflow.numerics.norms.plain_cpu`) is asked when the plan is made."""
 
-    __slots__ = ("ids", "index", "n_optimizers", "names", "params", "plain", "rank", "scaler", "sharded", "world_size")
-
-    def __init__(
-        self, *, ids: list[int], params: list[Tensor], names: tuple[str, ...], index: int, n_optimizers: int,
-        rank: int, world_size: int, sharded: bool, plain: bool, scaler: Any,
-    ) -> None:  # fmt: skip
-        self.ids, self.params, self.names, self.index, self.n_optimizers = ids, params, names, index, n_optimizers
-        self.rank, self.world_size, self.sharded, self.plain, self.scaler = rank, world_size, sharded, plain, scaler
+    ids: list[int]
+    params: list[Tensor]
+    names: tuple[str, ...]
+    index: int
+    n_optimizers: int
+    rank: int
+    world_size: int
+    sharded: bool
+    plain: bool
+    scaler: Any
 
 
 def inspect_state(trainer: pl.Trainer, record: StepHealth) -> StateCheck:

@@ -220,8 +220,11 @@ class TrialRunner:
 
         Where trials run, the suspicions of the batch are the trials' business and are taken off the board's list
         (tried, or waiting: a trial under way, a pause after a false alarm, the share spent); where none can run,
-        they stay for the interventions to answer at once.
+        they stay for the interventions to answer at once. Nothing signalled, under way or scheduled: nothing to do.
         """
+        scheduled = self.config is not None and self.config.every_n_steps is not None
+        if not (board.signals or self.trial is not None or self.sides or scheduled):
+            return
         pending, self._pending = self._pending, []
         step = int(trainer.global_step)
         if not self.runs:
@@ -257,8 +260,13 @@ class TrialRunner:
             if step < self._barred_until.get(signal.kind, 0):
                 board.signals.remove(signal)
                 continue
-            answered = self._answered[signal.kind] = self._answered.get(signal.kind, 0) + 1
-            self._barred_until[signal.kind] = step + window * 2**answered
+            self._bar(signal.kind, self._answered, step, window)
+
+    def _bar(self, kind: str, counts: dict[str, int], step: int, steps: int) -> None:
+        """Count one more unconfirmed answer to the suspicion ``kind`` in ``counts``; it then waits ``steps x 2^n``
+        steps (``n``: the count) before it may act again."""
+        counts[kind] = counts.get(kind, 0) + 1
+        self._barred_until[kind] = step + steps * 2 ** counts[kind]
 
     def end_fit(self, trainer: pl.Trainer, board: _Board) -> None:
         """The fit ends with a trial under way: judged on the steps so far (too few keep the incumbent). One opened
@@ -404,8 +412,7 @@ class TrialRunner:
             self.kept += 1
             self._false_alarms.pop(trial.kind, None)
         elif outcome.false_alarm:
-            alarms = self._false_alarms[trial.kind] = self._false_alarms.get(trial.kind, 0) + 1
-            self._barred_until[trial.kind] = step + trial.config.steps * 2**alarms
+            self._bar(trial.kind, self._false_alarms, step, trial.config.steps)
         board.journal_trial(trainer, outcome, extra_steps=len(trial.incumbent) * len(trial.remedies))
         board.after_trial(trainer, outcome)
         if outcome.kept and not last and trial.kind not in (SCHEDULED, REGROWTH) and remedy.factor < 1.0:

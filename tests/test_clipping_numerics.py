@@ -558,15 +558,16 @@ norm_series = st.lists(
     max_size=80,
 )
 
+zscore_settings = {
+    "alpha": st.floats(min_value=0.01, max_value=0.99),
+    "z_threshold": st.floats(min_value=0.1, max_value=10.0),
+    "warmup_steps": st.integers(min_value=2, max_value=30),
+    "eps": st.sampled_from([0.0, 1e-6, 1e-3]),
+}
+
 
 @settings(max_examples=150, deadline=None)
-@given(
-    norms=norm_series,
-    alpha=st.floats(min_value=0.01, max_value=0.99),
-    z_threshold=st.floats(min_value=0.1, max_value=10.0),
-    warmup_steps=st.integers(min_value=2, max_value=30),
-    eps=st.sampled_from([0.0, 1e-6, 1e-3]),
-)
+@given(norms=norm_series, **zscore_settings)
 def test_host_zscore_is_bit_identical_to_the_tensor_form(
     norms: list[float], alpha: float, z_threshold: float, warmup_steps: int, eps: float
 ) -> None:
@@ -584,13 +585,7 @@ def test_host_zscore_is_bit_identical_to_the_tensor_form(
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    norms=norm_series,
-    alpha=st.floats(min_value=0.01, max_value=0.99),
-    z_threshold=st.floats(min_value=0.1, max_value=10.0),
-    warmup_steps=st.integers(min_value=2, max_value=30),
-    eps=st.sampled_from([0.0, 1e-6, 1e-3]),
-)
+@given(norms=norm_series, **zscore_settings)
 def test_host_zscore_update_and_inliers_agree_with_the_tensor_form(
     norms: list[float], alpha: float, z_threshold: float, warmup_steps: int, eps: float
 ) -> None:

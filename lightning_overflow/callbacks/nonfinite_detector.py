@@ -267,7 +267,7 @@ class NonFiniteDetector(SuiteCallback):
     def _answer_at_end(self, trainer: pl.Trainer, check: StateCheck) -> bool:
         """No callback restored the state the fit ends with: raise (``action="raise"``) or warn once, naming the
         tensors and the step."""
-        message = nonfinite_at_end(trainer, check).replace("lightning_overflow:", "NonFiniteDetector:", 1)
+        message = nonfinite_at_end(trainer, check, who="NonFiniteDetector")
         self._event(trainer, "nonfinite_at_end", message, rank=min(check.ranks), parameters=check.names[:MAX_NAMES])
         if self.action == "raise":
             raise NonFiniteError(message, kind="weight" if check.weight_ranks else "optimizer_state",
