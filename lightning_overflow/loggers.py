@@ -84,21 +84,19 @@ class StepMerge:
         for logger in loggers:
             if any(logger is wrapped for wrapped in self._wrapped):
                 continue
-            original = logger.log_metrics
-
-            def merged(metrics: dict[str, Any], step: int | None = None, *, _logger: Any = logger,
-                       _original: Any = original) -> Any:  # fmt: skip
-                held = self._held
-                if held is not None and step == held[0] and id(_logger) not in self._served:
-                    metrics = {**metrics, **held[1]}
-                    self._served.add(id(_logger))
-                    if len(self._served) == len(self._wrapped):
-                        self._held, self._served = None, set()
-                return _original(metrics, step)
-
-            merged.__wrapped__ = original  # type: ignore[attr-defined]
-            logger.log_metrics = merged
+            logger.log_metrics = _MergedLogMetrics(self, logger, logger.log_metrics)
             self._wrapped.append(logger)
+
+    def merge(self, logger: Any, metrics: dict[str, Any], step: int | None) -> dict[str, Any]:
+        """``metrics`` of Lightning's call of ``step`` on ``logger``, with the held step's metrics when they are
+        this logger's to carry."""
+        held = self._held
+        if held is None or step != held[0] or id(logger) in self._served:
+            return metrics
+        self._served.add(id(logger))
+        if len(self._served) == len(self._wrapped):
+            self._held, self._served = None, set()
+        return {**metrics, **held[1]}
 
     def send_leftover(self) -> None:
         """Send a held step to the loggers whose call of it did not come, one call each."""
@@ -117,6 +115,30 @@ class StepMerge:
             if "log_metrics" in vars(logger):
                 del logger.log_metrics
         self._wrapped = []
+
+
+class _MergedLogMetrics:
+    """A logger's ``log_metrics`` for the fit: Lightning's call, joined by the suite's held metrics of that step.
+
+    Pickled or copied with its logger (a logger is a value users copy), it is the logger's own ``log_metrics``
+    again: the copy shares nothing with the fit in progress.
+    """
+
+    __slots__ = ("__wrapped__", "_logger", "_merge")
+
+    def __init__(self, merge: StepMerge, logger: Any, original: Any) -> None:
+        self._merge, self._logger, self.__wrapped__ = merge, logger, original
+
+    def __call__(self, metrics: dict[str, Any], step: int | None = None) -> Any:
+        return self.__wrapped__(self._merge.merge(self._logger, metrics, step), step)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _own_log_metrics, (self._logger,)
+
+
+def _own_log_metrics(logger: Any) -> Any:
+    """The logger's class's ``log_metrics``, bound to it."""
+    return type(logger).log_metrics.__get__(logger)
 
 
 def _tags(*keys: str) -> list[str]:

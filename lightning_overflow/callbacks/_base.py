@@ -58,9 +58,19 @@ class SuiteCallback(Callback):
         return board if board is not None else board_for(trainer)
 
     def __getstate__(self) -> dict[str, Any]:
+        """A pickled or copied callback is this one as configured, with its cumulative state, joined to no fit:
+        Lightning pickles callbacks in the middle of a fit (a module's hyperparameters in every checkpoint) and
+        LightningCLI and the tuner deep-copy them, and a copy must neither break on nor share the live fit's state."""
         state = self.__dict__.copy()
         state.pop("_board", None)  # one trainer's, in one process
+        for hook in state.pop("_muted", ()):
+            state.pop(hook, None)  # the instance's None that has Lightning skip the hook for this fit
+        state["_muted"] = ()
+        self._detach(state)
         return state
+
+    def _detach(self, state: dict[str, Any]) -> None:
+        """Drop from a copy's ``state`` what belongs to the step or the fit in progress (default: nothing)."""
 
     # ---- Lightning's hooks ------------------------------------------------------------------------------------
     @override

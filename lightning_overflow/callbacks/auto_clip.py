@@ -397,6 +397,10 @@ class AutoClip(SuiteCallback):
         self._agc = None
         super().teardown(trainer, pl_module, stage)
 
+    @override
+    def _detach(self, state: dict[str, Any]) -> None:
+        state["_proposal"] = state["_agc"] = None  # the clip of the step in progress
+
     # ---- the clip ---------------------------------------------------------------------------------------------
     def _propose_total(self, record: StepHealth) -> _Clip:
         """Fixed, percentile and z-score modes: one coefficient for all gradients, from the shared total norm (a host

@@ -608,11 +608,10 @@ class NonFiniteDetector(SuiteCallback):
         self._scaler_overflows = 0
         self._skips = []
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+    @override
+    def _detach(self, state: dict[str, Any]) -> None:
         state["_kept"] = None  # a batch on the device and the random state belong to one step of one fit
         state.pop("_keys", None)  # they name this instance (a copy is another)
-        return state
 
 
 def _state_recovery_in(trainer: pl.Trainer) -> bool:

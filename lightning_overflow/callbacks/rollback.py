@@ -226,10 +226,13 @@ class Rollback(SuiteCallback):
         """Host bytes this rank's snapshots in memory hold now (at most ``keep`` of them; see the class docstring)."""
         return self._memory.nbytes
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+    @override
+    def _detach(self, state: dict[str, Any]) -> None:
         state["_guard"] = None  # tied to one trainer (a weak reference): a copy guards none
-        return state
+        # The snapshots in memory are copies of this fit's model (keep x its size): a pickled copy (a module's
+        # hyperparameters in every checkpoint) would carry them all. The files on disk stay listed.
+        state["_memory"] = SnapshotRing(self.keep)
+        state["_writer"] = None
 
     # ---- hooks ------------------------------------------------------------------------------------------------
     @override
