@@ -47,8 +47,8 @@ def default_callbacks(
 
     Args:
         clip: the ``AutoClip`` mode (``"zscore"``, ``"percentile"``, ``"agc"``; ``"fixed"`` needs a threshold, so
-            build that ``AutoClip`` yourself), or ``None`` for no clipping (use this when the Trainer has
-            ``gradient_clip_val``).
+            build that ``AutoClip`` yourself), or ``None`` for no clipping. With ``Trainer(gradient_clip_val=...)``
+            the Trainer's clipping is kept and ``AutoClip`` leaves the gradients to it (said once at setup).
         lr_factor: the LR multiplier of a backoff and of a trial's remedy (default 0.5).
         snapshot_every_n_steps: Rollback's snapshot interval, and the interval of the DDP replica-parity check
             (default 100). Each snapshot holds the model and
@@ -86,7 +86,8 @@ def default_callbacks(
         LossSpikeDetector(),
     ]
     if clip is not None:
-        callbacks.append(AutoClip(mode=clip))  # type: ignore[arg-type]
+        # A training script's own gradient_clip_val is kept: adding the suite must not refuse it.
+        callbacks.append(AutoClip(mode=clip, if_trainer_clips="defer"))  # type: ignore[arg-type]
     callbacks.append(LRBackoff(factor=factor, trial=trial))
     if with_rollback:
         callbacks.append(Rollback(every_n_steps=every, max_rollbacks=budget, dirpath=dirpath, trial=trial))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from pytorch_lightning.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_overflow import default_callbacks
 from lightning_overflow.callbacks.auto_clip import AutoClip
 from lightning_overflow.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
@@ -137,6 +139,7 @@ def assert_clipped_to(before: list[float], after: list[float], thresholds: list[
         ({"update_ratio": 0}, ValueError, "'update_ratio' must be in (0, 1] (got 0)"),
         ({"update_ratio": "x"}, TypeError, "'update_ratio' must be a number or None (got 'x')"),
         ({"restart_steps": 0}, ValueError, "'restart_steps' must be >= 1 (got 0)"),
+        ({"if_trainer_clips": "ignore"}, ValueError, "'if_trainer_clips' must be one of 'raise', 'defer' (got 'ignore')"),
     ],
 )
 def test_rejects_bad_arguments(kwargs: dict[str, Any], error: type, message: str) -> None:
@@ -152,8 +155,30 @@ def test_gradient_clip_val_as_well_is_an_error_at_setup() -> None:
         "AutoClip(mode='zscore') and Trainer(gradient_clip_val=0.5) would both clip every step's gradients (double "
         "clipping: AutoClip first, then Lightning's clip_grad_norm_, which zeroes finite gradients whose FP32 norm "
         "overflows). Remove gradient_clip_val from the Trainer; for a constant threshold use "
-        "AutoClip(mode='fixed', max_norm=0.5), or pass max_norm=0.5 to cap an adaptive mode."
+        "AutoClip(mode='fixed', max_norm=0.5), or pass max_norm=0.5 to cap an adaptive mode; or keep your clipping "
+        "with AutoClip(if_trainer_clips='defer')."
     )
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_the_default_composition_keeps_the_trainers_own_clipping_and_says_so_once(
+    algorithm: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # pytorch-forecasting's tutorial trains with gradient_clip_val=0.01: adding the suite keeps that clip, exactly.
+    pl.seed_everything(0, verbose=False)
+    bare = TinyRegressor(lr=0.05)
+    fit(bare, gradient_clip_val=0.01, gradient_clip_algorithm=algorithm, max_steps=24)
+    pl.seed_everything(0, verbose=False)
+    suite = TinyRegressor(lr=0.05)
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+        fit(suite, default_callbacks(), gradient_clip_val=0.01, gradient_clip_algorithm=algorithm, max_steps=24)
+    assert_bit_identical(weights(bare), weights(suite))
+    said = [r.getMessage() for r in caplog.records if "AutoClip leaves" in r.getMessage()]
+    assert said == [
+        f"lightning_overflow: AutoClip leaves this fit's gradients to Trainer(gradient_clip_val=0.01, "
+        f"gradient_clip_algorithm={algorithm!r}), which clips every step: your clipping is kept (the rest of the "
+        "suite acts as usual)"
+    ]
 
 
 def test_unknown_excluded_name_is_an_error_at_setup() -> None:

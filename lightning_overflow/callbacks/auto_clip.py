@@ -18,7 +18,7 @@ from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
 from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import sum_and_read
-from lightning_overflow.health import StepHealth, metric_key
+from lightning_overflow.health import StepHealth, log, metric_key
 from lightning_overflow.numerics import parameters_of, scale_grads_
 from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
 from lightning_overflow.numerics.clipping import HostPercentile, HostZScore, host_clip_coefficient
@@ -183,14 +183,18 @@ class AutoClip(SuiteCallback):
             default 3; ``None``: never). Measured on the rescue benchmark's harmless runs: without it a task whose
             targets grow 3x is clipped for 160 steps and ends up to 1.11x the unprotected run; with it, within
             1.05x on every seed. A run whose norms keep growing is clipped again at each new warm-up's cap.
+        if_trainer_clips: what to do when the Trainer clips too (``gradient_clip_val``): ``"raise"`` (default) refuses
+            the double clipping at setup; ``"defer"`` keeps the user's clipping and leaves this fit's gradients to it,
+            said once at setup (``default_callbacks()`` defers: a training script's own ``gradient_clip_val`` is
+            kept when the suite is added to it).
 
     Attributes:
         steps: optimizer steps that went ahead with AutoClip's coefficient applied.
         clipped_steps: those whose coefficient was below 1.
 
     Raises:
-        ValueError: at setup when ``Trainer(gradient_clip_val=...)`` is also set (double clipping), or when
-            ``exclude`` names no parameter of the model.
+        ValueError: at setup when ``Trainer(gradient_clip_val=...)`` is also set (double clipping) and
+            ``if_trainer_clips="raise"``, or when ``exclude`` names no parameter of the model.
 
     Logged keys (suffixed ``_opt<i>`` when the model has several optimizers), through the Trainer's loggers:
 
@@ -236,6 +240,7 @@ class AutoClip(SuiteCallback):
         update_ratio: float | None = 0.01,
         restart_steps: int = 10,
         rebaseline_after: int | None = 3,
+        if_trainer_clips: Literal["raise", "defer"] = "raise",
     ) -> None:
         self.mode: Mode = check_choice("mode", mode, MODES)  # type: ignore[assignment]
         self.max_norm = check_float("max_norm", max_norm, low=0.0, low_open=True, optional=True)
@@ -259,6 +264,8 @@ class AutoClip(SuiteCallback):
         self.update_ratio = check_float("update_ratio", update_ratio, low=0.0, high=1.0, low_open=True, optional=True)
         self.restart_steps = check_int("restart_steps", restart_steps, minimum=1)
         self.rebaseline_after = check_int("rebaseline_after", rebaseline_after, minimum=1, optional=True)
+        self.if_trainer_clips = check_choice("if_trainer_clips", if_trainer_clips, ("raise", "defer"))
+        self._deferred = False  # this fit's gradients are the Trainer's gradient_clip_val's to clip
         self._reset()
 
     def _reset(self) -> None:
@@ -295,18 +302,26 @@ class AutoClip(SuiteCallback):
                 "AutoClip(mode='zscore'), 'percentile' or 'fixed' (they clip by the global norm), or AGC under "
                 "strategy='ddp'."
             )
-        super().setup(trainer, pl_module, stage)
-        if stage != "fit":
-            return
-        self._reset()  # a new fit starts from scratch (a warm-up again); a resumed one loads its state right after
-        clip_val = trainer.gradient_clip_val
-        if clip_val is not None and clip_val > 0:
+        clip_val = trainer.gradient_clip_val if stage == "fit" else None
+        self._deferred = clip_val is not None and clip_val > 0
+        if self._deferred and self.if_trainer_clips == "raise":
             raise ValueError(
                 f"AutoClip(mode={self.mode!r}) and Trainer(gradient_clip_val={clip_val}) would both clip every step's "
                 "gradients (double clipping: AutoClip first, then Lightning's clip_grad_norm_, which zeroes finite "
                 "gradients whose FP32 norm overflows). Remove gradient_clip_val from the Trainer; for a constant "
                 f"threshold use AutoClip(mode='fixed', max_norm={clip_val}), or pass max_norm={clip_val} to cap "
-                "an adaptive mode."
+                "an adaptive mode; or keep your clipping with AutoClip(if_trainer_clips='defer')."
+            )
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        self._reset()  # a new fit starts from scratch (a warm-up again); a resumed one loads its state right after
+        if self._deferred and trainer.global_rank == 0:
+            log.info(
+                f"lightning_overflow: AutoClip leaves this fit's gradients to Trainer(gradient_clip_val={clip_val}, "
+                f"gradient_clip_algorithm={str(getattr(trainer.gradient_clip_algorithm, 'value', 'norm'))!r}), "
+                "which clips every step: "
+                "your clipping is kept (the rest of the suite acts as usual)"
             )
         if self.mode == "agc" and self.exclude:
             names = [name for name, _ in pl_module.named_parameters()]
@@ -316,6 +331,10 @@ class AutoClip(SuiteCallback):
                     f"'exclude' must name parameters or modules of the model (got {unknown!r}; parameters: "
                     f"{', '.join(names[:10])}{', ...' if len(names) > 10 else ''})"
                 )
+
+    @override
+    def _stages(self) -> frozenset[str]:
+        return frozenset() if self._deferred else super()._stages()
 
     @override
     def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
