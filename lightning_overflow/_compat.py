@@ -62,6 +62,15 @@ def callback_metrics(trainer: pl.Trainer) -> dict[str, Any]:
     return trainer.callback_metrics
 
 
+def logged_in_training(trainer: pl.Trainer, key: str) -> bool:
+    """Whether a hook of the training loop (``training_step``, ``on_train_*``) logged ``key`` in this epoch so far,
+    as ``key`` or its ``_step``/``_epoch`` forms: Lightning's training results (2.6.6:
+    ``fit_loop.epoch_loop._results``, one entry per hook and name). Where a metric comes from, not how it is spelt."""
+    results = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_results", None) or {}
+    names = {key, key.removesuffix("_epoch"), key.removesuffix("_step")}
+    return any(getattr(getattr(value, "meta", None), "name", None) in names for value in results.values())
+
+
 def progress_bar_metrics(trainer: pl.Trainer) -> dict[str, Any]:
     """The dict behind ``trainer.progress_bar_metrics`` (``_LoggerConnector._progress_bar_metrics``; 2.6.6)."""
     return trainer.progress_bar_metrics

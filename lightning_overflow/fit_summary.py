@@ -103,6 +103,28 @@ class LossEnding:
         )
 
 
+def behind_a_restore(events: Iterable[Event], last_step: int) -> tuple[str, dict[str, Any]] | None:
+    """The fit ended closer to its last rollback's snapshot than to the step the rollback was made at: the weights
+    returned hold less training than the run had then. A certain fault restores without a verdict, so this is said
+    in plain words (the message and the facts of a ``behind`` event); ``None`` when the fit trained past it."""
+    restores = [e for e in events if e["kind"] == "rollback" and e["details"].get("snapshot_step") is not None]
+    if not restores:
+        return None
+    last = restores[-1]
+    made, target = int(last["step"]), int(last["details"]["snapshot_step"])
+    lost, after = made - target, last_step - made
+    if lost <= 0 or after >= lost:
+        return None
+    origin = "the state the fit started from" if target == last["details"].get("fit_start") else f"step {target}"
+    reason = str(last["details"].get("reason", ""))
+    message = (
+        f"the fit ended {_count(after, 'step')} after the rollback at step {made} to {origin}"
+        f"{f' (after {_words(reason)})' if reason else ''}: the weights returned hold the training up to step "
+        f"{target} and {_count(after, 'step')} since; the {_count(lost, 'step')} before the rollback are not in them"
+    )
+    return message, {"rollback_step": made, "snapshot_step": target, "lost_steps": lost, "steps_after": after}
+
+
 def plain_lines(events: Iterable[Event]) -> list[str]:
     """One line per finding, in the order the findings began; empty when nothing happened."""
     events = list(events)
@@ -288,7 +310,9 @@ def _rollbacks(rollbacks: list[Event], by_kind: dict[str, list[Event]]) -> list[
     for e in rollbacks[:MAX_STEPS]:
         details = e["details"]
         reason = str(details.get("reason", ""))
-        parts.append(f"at step {e['step']} to the snapshot of step {details.get('snapshot_step')}"
+        target = details.get("snapshot_step")
+        start = " (where the fit started)" if target is not None and target == details.get("fit_start") else ""
+        parts.append(f"at step {e['step']} to the snapshot of step {target}{start}"
                      + (f" after {_words(reason)}" if reason else ""))  # fmt: skip
     more = f"; +{len(rollbacks) - MAX_STEPS} more" if len(rollbacks) > MAX_STEPS else ""
     left = rollbacks[-1]["details"].get("budget_left")

@@ -42,7 +42,7 @@ from lightning_overflow import _compat
 from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import read_packed, sum_and_read
 from lightning_overflow.events import Event, Journal, MetricBuffer, WarningCache
-from lightning_overflow.fit_summary import LossEnding, opened_because, plain_lines
+from lightning_overflow.fit_summary import LossEnding, behind_a_restore, opened_because, plain_lines
 from lightning_overflow.loggers import (
     StepMerge,
     journal_location,
@@ -497,6 +497,10 @@ class HealthBoard:
         if details is not None:
             self.record(Event(step=int(trainer.global_step), kind="ending", rank=0, source="lightning_overflow",
                               message=self.ending.message(), details=details))  # fmt: skip
+        behind = behind_a_restore([asdict(e) for e in self.journal.events], int(trainer.global_step))
+        if behind is not None:
+            self.record(Event(step=int(trainer.global_step), kind="behind", rank=0, source="lightning_overflow",
+                              message=behind[0], details=behind[1]))  # fmt: skip
 
     def answers(self, kind: str) -> bool:
         """Whether a participant acts on signals of ``kind`` (it lists it among its ``triggers``)."""

@@ -63,7 +63,7 @@ from torch import Tensor
 
 from lightning_overflow import _compat
 from lightning_overflow.distributed import per_rank_values, ranks_where, world
-from lightning_overflow.numerics.norms import any_sharded
+from lightning_overflow.numerics.norms import any_sharded, local_shard
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
     clone_state,
@@ -100,6 +100,7 @@ __all__ = [
     "restore_module_",
     "snapshot_owners",
     "split_snapshot",
+    "without_tolerated_infinity",
 ]
 
 STATE_PARTS = ("model", "optimizers", "schedulers", "precision")
@@ -329,6 +330,30 @@ class NonFiniteConstants:
         return tensor.detach().masked_fill(known, 0)
 
 
+def without_tolerated_infinity(moment: Tensor) -> Tensor:
+    """An optimizer state tensor with the ``+inf`` its optimizer tolerates set to 0 (no host read).
+
+    A second-moment accumulator (Adam's ``exp_avg_sq``, RMSprop's ``square_avg``, Adagrad's ``sum``) holds no
+    negative value and divides the update: where it reached ``+inf`` (a gradient of 1e20 or more squared, often one
+    extreme value in the data), that element's update is ``exp_avg / inf = 0``. The optimizer goes on, the weights
+    stay finite, and a snapshot of that state restores a run that trains exactly as it would have. So ``+inf`` in a
+    tensor with no negative value is no fault of the state; NaN, ``-inf``, or ``+inf`` in a signed tensor (a first
+    moment: its update is inf) stays, and the check sees it. Should a tolerated inf ever reach the weights (an
+    optimizer that multiplies by it), the weights' own check finds them.
+
+    Example:
+        >>> without_tolerated_infinity(torch.tensor([0.5, float("inf")]))
+        tensor([0.5000, 0.0000])
+        >>> without_tolerated_infinity(torch.tensor([-0.5, float("inf")]))
+        tensor([-0.5000, inf])
+    """
+    if not moment.is_floating_point() or moment.dim() == 0 or moment.numel() == 0:
+        return moment
+    moment = local_shard(moment.detach())  # a DTensor's shard on this rank: the flags are per rank
+    unsigned = moment.amin() >= 0  # NaN makes it False: a NaN tensor is checked as it is
+    return moment.masked_fill((moment == float("inf")) & unsigned, 0)
+
+
 @dataclass(frozen=True)
 class StateCheck:
     """Which ranks hold non-finite weights (parameters and buffers) or optimizer state, and this rank's offenders.
@@ -382,9 +407,11 @@ def nonfinite_flags(
             decides a raised one with the exact flags.
     """
     constants = constants or NonFiniteConstants()
-    flag = nonfinite_suspect if suspect else nonfinite_flag
     weights = [constants.without_constants(path, t) for path, t in named_state_tensors(model_state)]
-    return flag(weights), flag(state_tensors(list(optimizer_states)), scalars=False)
+    if suspect:  # a sum: an inf the optimizer tolerates raises it too, and the exact check decides
+        return nonfinite_suspect(weights), nonfinite_suspect(state_tensors(list(optimizer_states)), scalars=False)
+    moments = [without_tolerated_infinity(t) for t in state_tensors(list(optimizer_states))]
+    return nonfinite_flag(weights), nonfinite_flag(moments, scalars=False)
 
 
 def nonfinite_parts(
@@ -409,7 +436,8 @@ def nonfinite_parts(
     ]
     checked = [constants.without_constants(path, t) for path, t in weights]
     weight_names = [weights[i][0] for i in nonfinite_indices(checked)]
-    state_names = [moments[i][0] for i in nonfinite_indices([t for _, t in moments], scalars=False)]
+    checked_moments = [without_tolerated_infinity(t) for _, t in moments]
+    state_names = [moments[i][0] for i in nonfinite_indices(checked_moments, scalars=False)]
     return weight_names, state_names
 
 

@@ -1,5 +1,6 @@
-"""EarlyStopping(check_finite=True) beside a detector that skips: warned about at setup, and the README's fix
-(the loss logged through a NaN-ignoring mean) keeps the rescued run going."""
+"""EarlyStopping(check_finite=True) beside a detector that skips: warned about when its metric is logged from a
+training hook (where Lightning says it comes from, not its name), and the README's fix (the loss logged through a
+NaN-ignoring mean) keeps the rescued run going."""
 
 from __future__ import annotations
 
@@ -37,9 +38,61 @@ def _fit(ignore_nan: bool) -> Any:
     return fit(model, [NonFiniteDetector(), stopper], max_steps=24)  # 3 epochs of 8
 
 
-def test_the_combination_is_warned_about_at_setup() -> None:
-    with pytest.warns(OverflowWarning, match=r"EarlyStopping\(monitor='train_loss', check_finite=True\) stops"):
+def test_the_combination_is_warned_about_once_the_training_step_logged_it() -> None:
+    with pytest.warns(OverflowWarning) as caught:
         _fit(ignore_nan=True)
+    assert [str(w.message) for w in caught if "EarlyStopping" in str(w.message)] == [
+        "NonFiniteDetector: EarlyStopping(monitor='train_loss', check_finite=True) stops the fit when 'train_loss' is "
+        "NaN, and 'train_loss' is logged from a training hook. A step this detector skips has a NaN loss; logged "
+        "with self.log(..., on_epoch=True), that epoch's mean is NaN and the run is stopped although it was rescued. "
+        "Log the loss through torchmetrics.MeanMetric(nan_strategy='ignore') (see the README), monitor a validation "
+        "metric, or pass EarlyStopping(check_finite=False)."
+    ]
+
+
+class _Named(TinyRegressor):
+    """Logs its training loss and its validation loss under names of the user's choosing (neuralforecast:
+    ``train_loss`` and ``ptl/val_loss``), or its training loss only at the end of each epoch."""
+
+    def __init__(self, train_key: str, val_key: str, at_epoch_end: bool = False, on_step: bool = False) -> None:
+        super().__init__()
+        self.train_key, self.val_key, self.at_epoch_end, self.on_step = train_key, val_key, at_epoch_end, on_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if not self.at_epoch_end:
+            self.log(self.train_key, loss, on_step=self.on_step, on_epoch=True)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.at_epoch_end:
+            self.log(self.train_key, torch.tensor(1.0))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log(self.val_key, torch.nn.functional.mse_loss(self(x), y))
+
+
+@pytest.mark.parametrize(
+    ("monitor", "model", "warned"),
+    [
+        ("ptl/val_loss", _Named("train_loss", "ptl/val_loss"), False),  # a validation metric, whatever its name
+        ("loss", _Named("train_loss", "loss"), False),
+        ("valid_hinge", _Named("valid_hinge", "v"), True),  # a training metric, though its name reads "valid"
+        ("val_loss", _Named("val_loss", "other"), True),
+        ("epoch_score", _Named("epoch_score", "v", at_epoch_end=True), True),  # logged at the epoch's end
+        ("train_loss_epoch", _Named("train_loss", "v", on_step=True), True),  # its epoch form
+    ],
+)
+def test_the_warning_follows_where_the_metric_is_logged_not_its_name(monitor: str, model: Any, warned: bool) -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(model, [NonFiniteDetector(), EarlyStopping(monitor=monitor, patience=100)], max_steps=16,
+            limit_val_batches=1)  # fmt: skip
+    said = [w for w in caught if issubclass(w.category, OverflowWarning) and "EarlyStopping" in str(w.message)]
+    assert len(said) == int(warned)
 
 
 @pytest.mark.filterwarnings("ignore::lightning_overflow.OverflowWarning")

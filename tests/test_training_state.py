@@ -267,7 +267,7 @@ def test_check_state_names_weights_buffers_and_moments() -> None:
     optimizer = torch.optim.Adam(module.parameters())
     module(torch.randn(4, 2)).sum().backward()
     optimizer.step()
-    optimizer.state[module[0].weight]["exp_avg_sq"][0, 0] = INF
+    optimizer.state[module[0].weight]["exp_avg_sq"][0, 0] = float("nan")  # +inf there Adam tolerates: no fault of the state
     module[1].running_var[1] = float("nan")
     def labels() -> list[list[str]]:
         return [["0.weight", "0.bias", "1.weight", "1.bias"]]

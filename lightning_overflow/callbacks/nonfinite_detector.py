@@ -200,6 +200,8 @@ class NonFiniteDetector(SuiteCallback):
         self.last_diagnosis: Diagnosis | None = None
         self.last_headroom: Headroom | None = None
         self._kept: KeptBatch | None = None
+        self._monitors_to_place: list[str] = []  # what EarlyStopping(check_finite=True) monitors, until placed
+        self._epoch_started = False
         self._finding: Finding | None = None
         every = self.headroom_every_n_steps
         self._headroom = HeadroomProbe(every, f"{type(self).__name__}.{id(self)}.headroom") if every else None
@@ -234,7 +236,8 @@ class NonFiniteDetector(SuiteCallback):
             self._recent = []
             self._skips = []
             self._warnings.clear()
-            _warn_about_early_stopping(trainer, self._warnings)
+            self._monitors_to_place = _early_stoppers(trainer)
+            self._epoch_started = False
             _warn_about_spike_detection(trainer, self._warnings)
         if self._headroom is not None:
             self._headroom.reset()
@@ -250,6 +253,17 @@ class NonFiniteDetector(SuiteCallback):
     @override
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         self._kept = None
+        if self._monitors_to_place:  # a batch has logged what training_step logs
+            self._monitors_to_place = _warn_about_early_stopping(trainer, self._monitors_to_place, self._warnings)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A metric logged from a training hook shows in the first epoch's results: at a batch, or (logged by the
+        # module's on_train_epoch_end, which runs after this callback's) when the next epoch starts.
+        if self._monitors_to_place and self._epoch_started:
+            _warn_about_early_stopping(trainer, self._monitors_to_place, self._warnings)
+            self._monitors_to_place = []
+        self._epoch_started = True
         if self._headroom is not None and self._headroom.sampler.active:  # hooked for a sampled step
             self._headroom.on_batch_end(int(trainer.global_step))
 
@@ -627,29 +641,35 @@ def _present(trainer: pl.Trainer) -> set[str]:
     return present
 
 
-def _warn_about_early_stopping(trainer: pl.Trainer, warnings: WarningCache) -> None:
-    """A skipped step's loss is NaN: logged with ``on_epoch=True`` it makes the epoch mean NaN, and
-    ``EarlyStopping(check_finite=True)`` (its default) then ends the rescued run."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if type(callback).__name__ != "EarlyStopping" or not getattr(callback, "check_finite", False):
+def _early_stoppers(trainer: pl.Trainer) -> list[str]:
+    """What the ``EarlyStopping`` callbacks that stop on a non-finite value (``check_finite``) monitor."""
+    return [
+        str(cb.monitor)
+        for cb in trainer.callbacks  # type: ignore[attr-defined]
+        if type(cb).__name__ == "EarlyStopping" and getattr(cb, "check_finite", False)
+    ]
+
+
+def _warn_about_early_stopping(trainer: pl.Trainer, monitors: list[str], warnings: WarningCache) -> list[str]:
+    """A skipped step's loss is NaN: logged from a training hook (``self.log(..., on_epoch=True)`` in
+    ``training_step``), it makes the epoch mean NaN, and ``EarlyStopping(check_finite=True)`` (its default) then ends
+    the rescued run. Decided from where Lightning says the monitored metric was logged, not from its name: a
+    validation metric (``val_loss``, neuralforecast's ``ptl/val_loss``) never holds a skipped training step's NaN.
+    Returns the monitors no training hook logged so far."""
+    waiting = []
+    for monitor in monitors:
+        if not _compat.logged_in_training(trainer, monitor):
+            waiting.append(monitor)
             continue
-        if _validation_metric(str(getattr(callback, "monitor", ""))):
-            continue  # a validation metric never holds a skipped training step's NaN
         warnings.warn(
             "early_stopping",
-            f"NonFiniteDetector: EarlyStopping(monitor={callback.monitor!r}, check_finite=True) stops the fit when "
-            f"{callback.monitor!r} is NaN. A step this detector skips has a NaN loss; if the LightningModule logs its "
-            "loss with self.log(..., on_epoch=True), that epoch's mean is NaN and the run is stopped although it was "
-            "rescued. Log the loss through torchmetrics.MeanMetric(nan_strategy='ignore') (see the README), monitor "
-            "a validation metric, or pass EarlyStopping(check_finite=False).",
+            f"NonFiniteDetector: EarlyStopping(monitor={monitor!r}, check_finite=True) stops the fit when "
+            f"{monitor!r} is NaN, and {monitor!r} is logged from a training hook. A step this detector skips has a "
+            "NaN loss; logged with self.log(..., on_epoch=True), that epoch's mean is NaN and the run is stopped "
+            "although it was rescued. Log the loss through torchmetrics.MeanMetric(nan_strategy='ignore') (see the "
+            "README), monitor a validation metric, or pass EarlyStopping(check_finite=False).",
         )
-
-
-def _validation_metric(key: str) -> bool:
-    """Whether ``key`` names a validation metric by Lightning's conventions (``val_loss``, ``val/acc``,
-    ``validation_loss``)."""
-    name = key.lower()
-    return name.startswith(("val_", "val/", "val-", "valid", "validation")) or name in ("val", "val_loss")
+    return waiting
 
 
 def _warn_about_spike_detection(trainer: pl.Trainer, warnings: WarningCache) -> None:

@@ -207,6 +207,7 @@ class Rollback(SuiteCallback):
         self._before_restart: list[Snapshot] = []  # files from the checkpoint's list, not read yet
         self._healthy = 0
         self._last_step = 0
+        self._fit_start = 0  # the step this fit started (or resumed) from
         self._skip_left = 0
         self._skipping = False
         self._last_target: int | None = None
@@ -322,7 +323,7 @@ class Rollback(SuiteCallback):
         steps counted towards the next snapshot and the decision state are those the uninterrupted run had, so it
         rolls back exactly as that run would. Its live state is still checked; a snapshot of it is taken only when
         no file is listed (the memory snapshots of the interrupted process are gone)."""
-        self._last_step = int(trainer.global_step)
+        self._last_step = self._fit_start = int(trainer.global_step)
         resumed, self._resumed = self._resumed, False
         if not resumed:
             self._last_target, self._last_settings, self._retries = None, (), 0
@@ -629,6 +630,7 @@ class Rollback(SuiteCallback):
             f"of the learning rate is not counted)."
         )
         details = {key: value for key, value in entry.items() if key != "step"}  # the event's own step
+        details["fit_start"] = self._fit_start  # whether the restore returned to the state the fit started from
         self._event(trainer, "rollback", message, **details, rollbacks=self.rollbacks, budget_left=left,
                     counted=not progress)  # fmt: skip
 

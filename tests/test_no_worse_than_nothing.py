@@ -1,0 +1,105 @@
+"""No intervention may leave a run worse than doing nothing, unsaid: an infinite second moment Adam tolerates is no
+fault of the state; a restore the fit ends behind is said in plain words."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, fit, weights
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_overflow import Rollback, default_callbacks
+from lightning_overflow.fit_summary import behind_a_restore, plain_lines
+from lightning_overflow.testing import TinyRegressor
+from lightning_overflow.testing.faults import Fault, FaultInjector
+from lightning_overflow.training_state import nonfinite_parts, without_tolerated_infinity
+
+
+class _ExtremeInput(TinyRegressor):
+    """A ReLU regression under Adam whose first batch holds one finite 1e30 (padding, a sentinel, a unit error): the
+    first layer's gradient is about 1e29, its square overflows, and Adam's ``exp_avg_sq`` holds +inf from step 0."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(n_samples=64, **kwargs)
+        self.net = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
+        x, y = self.data.tensors
+        x = x.clone()
+        x[3, 2] = 1e30
+        self.data = TensorDataset(x, y)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.l1_loss(self(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+
+def test_an_infinite_second_moment_is_tolerated_and_a_signed_or_nan_one_is_not() -> None:
+    inf, nan = float("inf"), float("nan")
+    second = torch.tensor([0.25, inf, 0.0])
+    assert torch.equal(without_tolerated_infinity(second), torch.tensor([0.25, 0.0, 0.0]))
+    for bad in (torch.tensor([-0.25, inf]), torch.tensor([0.25, nan]), torch.tensor([0.25, -inf])):
+        assert torch.equal(without_tolerated_infinity(bad).isfinite(), bad.isfinite())
+    step = torch.tensor(inf)  # a 0-d entry is a counter: left as it is (the check leaves 0-d entries out)
+    assert without_tolerated_infinity(step) is step
+    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([1.0, -1.0]), "exp_avg_sq": second}}}
+    assert nonfinite_parts({"w": torch.ones(2)}, [state]) == ([], [])
+    state["state"][0]["exp_avg"] = torch.tensor([inf, -1.0])
+    assert nonfinite_parts({"w": torch.ones(2)}, [state]) == ([], ["state.0.exp_avg"])
+
+
+def test_adam_with_an_infinite_second_moment_from_one_extreme_value_is_left_to_train(tmp_path: Any) -> None:
+    # Bare, Adam takes the 1e30 in: exp_avg_sq is +inf in the first layer, those elements stop moving, the rest
+    # trains on. Rollback used to refuse every snapshot and return the run to step 0 at every snapshot step.
+    pl.seed_everything(0, verbose=False)
+    bare = _ExtremeInput()
+    trainer = fit(bare, max_steps=40)
+    assert torch.isinf(trainer.optimizers[0].state_dict()["state"][0]["exp_avg_sq"]).any()
+    pl.seed_everything(0, verbose=False)
+    guarded = _ExtremeInput()
+    rollback = Rollback(every_n_steps=10)
+    trainer = fit(guarded, [rollback], max_steps=40, default_root_dir=tmp_path)
+    assert rollback.rollbacks == 0
+    assert rollback.snapshot_steps == [30, 40]  # every snapshot taken: the state is a valid target
+    assert_bit_identical(weights(bare), weights(guarded))
+
+
+def _rollback(step: int, target: int, fit_start: int = 0, reason: str = "nonfinite_state") -> dict[str, Any]:
+    details = {"snapshot_step": target, "fit_start": fit_start, "reason": reason, "budget_left": 2}
+    return {"step": step, "kind": "rollback", "rank": 0, "source": "Rollback", "message": "", "details": details}
+
+
+def test_a_fit_that_ends_behind_its_last_rollback_says_so() -> None:
+    events = [_rollback(100, 0), _rollback(300, 0)]
+    message, facts = behind_a_restore(events, last_step=300)  # type: ignore[misc]
+    assert message == (
+        "the fit ended 0 steps after the rollback at step 300 to the state the fit started from (after non-finite "
+        "weights or optimizer state): the weights returned hold the training up to step 0 and 0 steps since; the "
+        "300 steps before the rollback are not in them"
+    )
+    assert facts == {"rollback_step": 300, "snapshot_step": 0, "lost_steps": 300, "steps_after": 0}
+    assert behind_a_restore([_rollback(120, 100, fit_start=0)], last_step=150) is None  # it trained past it
+    assert behind_a_restore([_rollback(120, 100, fit_start=0)], last_step=135) is not None
+    assert plain_lines(events)[0].startswith(
+        "rolled back twice (2 more allowed): at step 100 to the snapshot of step 0 (where the fit started) after "
+    )
+
+
+def test_a_rollback_on_the_last_step_ends_the_summary_with_what_was_lost(tmp_path: Any) -> None:
+    model = TinyRegressor()
+    callbacks = default_callbacks(snapshot_every_n_steps=4) + [FaultInjector(Fault(step=15, kind="nan_weight"))]
+    trainer = fit(model, callbacks, max_steps=16, default_root_dir=tmp_path)
+    board_events = [e for e in _journal(tmp_path) if e["kind"] in ("rollback", "behind")]
+    assert [e["kind"] for e in board_events] == ["rollback", "behind"]
+    assert board_events[1]["details"] == {"rollback_step": 16, "snapshot_step": 12, "lost_steps": 4, "steps_after": 0}
+    assert trainer.global_step == 16
+
+
+def _journal(root: Any) -> list[dict[str, Any]]:
+    from lightning_overflow import read_journal
+
+    return [dict(e) for e in read_journal(root)]
