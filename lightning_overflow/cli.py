@@ -17,10 +17,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["ACCELERATORS", "OUT_SUFFIXES", "build_parser", "main"]
+__all__ = ["ACCELERATORS", "OUT_SUFFIXES", "RUN_MARKERS", "build_parser", "main"]
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 OUT_SUFFIXES = (".png", ".svg", ".pdf")
+# What a Lightning fit writes into its run folder (a logger's version folder, or default_root_dir without a logger):
+# a folder holding one of these is a run, journaled or not.
+RUN_MARKERS = ("hparams.yaml", "metrics.csv", "events.out.tfevents.*", "checkpoints")
 MAX_SEED = 2**32 - 1  # the range pl.seed_everything accepts; outside it, it picks a random seed instead
 
 
@@ -152,7 +155,12 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         sparse_logging_warning,
         summarise,
     )
+    from lightning_overflow.report.runs import INSTALL_PLOT
 
+    try:
+        import matplotlib.figure  # noqa: F401  (render draws with it: checked before any run is read)
+    except ImportError as err:
+        parser.error(f"drawing the dashboard needs matplotlib, which cannot be imported ({err}): {INSTALL_PLOT}")
     paths, named = _run_dirs(parser, args)
     try:
         runs = [load_run(p, label, loss_key=args.loss_key, val_key=args.val_key) for p, label in zip(paths, named)]
@@ -175,20 +183,47 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_folders(path: Path) -> list[Path]:
+    """The Lightning run folders at or under ``path`` (a folder holding one of ``RUN_MARKERS``), in path order; a
+    folder inside another run (TensorBoard's per-writer folders) is that run's."""
+    if not path.is_dir():
+        return []
+    found = {
+        marker.parent
+        for pattern in RUN_MARKERS
+        for marker in path.rglob(pattern)
+        if pattern != "checkpoints" or marker.is_dir()
+    }
+    return sorted(folder for folder in found if folder.parent not in found)
+
+
 def _journal(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import json
 
     from lightning_overflow.events import find_journals, read_journal
-    from lightning_overflow.journal_listing import journal_lines
+    from lightning_overflow.journal_listing import NOTHING_TO_REPORT, journal_lines
 
+    if not args.run_dir.exists():
+        parser.error(f"argument RUN_DIR: '{args.run_dir}' does not exist")
     found = find_journals(args.run_dir)
     if not found:
-        parser.error(f"argument RUN_DIR: no journal (overflow_events.jsonl) at or under '{args.run_dir}'")
+        # A fit writes its journal with its first event: a run folder without one is a run where nothing happened.
+        clean = _run_folders(args.run_dir)
+        if not clean:
+            parser.error(f"argument RUN_DIR: no journal (overflow_events.jsonl) at or under '{args.run_dir}'")
+        for number, folder in enumerate(clean):
+            if args.json:  # no events: no JSON line; the person reading the terminal is still told why
+                print(f"{parser.prog}: {folder}: {NOTHING_TO_REPORT}", file=sys.stderr)
+            else:
+                print(("\n" if number else "") + f"{folder}:\n{NOTHING_TO_REPORT}")
+        return 0
     for number, journal in enumerate(found):
         events = list(read_journal(journal))
         if args.json:
             for event in events:
                 print(json.dumps(event))
+            if not events:
+                print(f"{parser.prog}: {journal}: {NOTHING_TO_REPORT}", file=sys.stderr)
             continue
         print(("\n" if number else "") + f"{journal}:")
         print("\n".join(journal_lines(events)))
@@ -234,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     journal.add_argument("run_dir", type=Path, metavar="RUN_DIR",
                          help="the journal, or a folder holding one or more (a logger's run folder, lightning_logs)")
-    journal.add_argument("--json", action="store_true", help="print the events as JSON lines, as written")
+    journal.add_argument("--json", action="store_true",
+                         help="print the events as JSON lines, as written (none for a run where nothing happened)")
     journal.set_defaults(run=_journal, parser=journal)
     return parser
 

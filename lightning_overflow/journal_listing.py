@@ -15,7 +15,12 @@ from typing import Any
 
 from lightning_overflow.fit_summary import plain_lines
 
-__all__ = ["journal_lines"]
+__all__ = ["NOTHING_TO_REPORT", "journal_lines"]
+
+# A run without events (an empty journal, or none: a fit writes its journal with its first event) is good news.
+NOTHING_TO_REPORT = (
+    "the suite recorded no event: nothing to report (no step skipped, clipped, backed off or rolled back)"
+)
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?", re.IGNORECASE)
 MAX_STEPS = 8
@@ -37,7 +42,7 @@ def journal_lines(events: Iterable[Mapping[str, Any]]) -> list[str]:
         for group in _groups(fit):
             lines.extend(_group_lines(group))
         lines.append("")
-    return lines[:-1] if lines else ["the journal holds no events"]
+    return lines[:-1] if lines else [NOTHING_TO_REPORT]
 
 
 def _groups(fit: list[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:

@@ -7,13 +7,19 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import fit
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from test_report import steps, write_run
 
 import lightning_overflow.demo.run as demo_run
+from lightning_overflow import GradNormMonitor, NonFiniteDetector
 from lightning_overflow.cli import main
+from lightning_overflow.journal_listing import NOTHING_TO_REPORT
+from lightning_overflow.testing import TinyRegressor
 
 DEMO = "lightning-overflow demo: error: "
 REPORT = "lightning-overflow report: error: "
+JOURNAL = "lightning-overflow journal: error: "
 
 
 @pytest.fixture
@@ -177,6 +183,49 @@ def test_report_labels_once_either_way(tmp_path: Path, capsys: pytest.CaptureFix
         f"{REPORT}argument --labels: give each run's label once, either as NAME=DIR or in --labels\n")
     assert refused(["report", f"={x}"], capsys) == (
         f"{REPORT}argument RUN_DIR: NAME=DIR needs both a name and a folder (got '={x}')\n")
+
+
+@pytest.mark.parametrize("logger_cls", [CSVLogger, TensorBoardLogger])
+def test_journal_of_a_clean_run_says_nothing_happened(logger_cls: type, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    logger = logger_cls(str(tmp_path / "logs"), name="clean")
+    fit(TinyRegressor(), [GradNormMonitor(), NonFiniteDetector()], max_steps=4, logger=logger)
+    run = Path(logger.log_dir)
+    assert not list(tmp_path.rglob("overflow_events.jsonl"))  # a fit writes its journal with its first event
+    capsys.readouterr()
+    for given in (run, tmp_path / "logs"):  # the version folder, or the folder above its experiments
+        assert main(["journal", str(given)]) == 0
+        assert capsys.readouterr() == (f"{run}:\n{NOTHING_TO_REPORT}\n", "")
+        assert main(["journal", str(given), "--json"]) == 0
+        assert capsys.readouterr() == ("", f"lightning-overflow journal: {run}: {NOTHING_TO_REPORT}\n")  # no events
+    (run / "overflow_events.jsonl").write_text("")  # an empty journal is a clean run too
+    assert main(["journal", str(run)]) == 0
+    assert capsys.readouterr() == (f"{run / 'overflow_events.jsonl'}:\n{NOTHING_TO_REPORT}\n", "")
+    assert main(["journal", str(run), "--json"]) == 0
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("marker", ["hparams.yaml", "metrics.csv", "events.out.tfevents.1.host", "checkpoints/"])
+def test_journal_knows_a_run_folder_by_any_file_lightning_writes(marker: str, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    folders = [tmp_path / "lightning_logs" / f"version_{v}" for v in (0, 1)]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        if marker.endswith("/"):
+            (folder / marker).mkdir()
+        else:
+            (folder / marker).write_text("")
+    assert main(["journal", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "\n".join(f"{f}:\n{NOTHING_TO_REPORT}\n" for f in folders)
+
+
+def test_journal_of_a_path_without_a_run_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert refused(["journal", str(tmp_path / "gone")], capsys) == (
+        f"{JOURNAL}argument RUN_DIR: '{tmp_path / 'gone'}' does not exist\n")
+    (tmp_path / "notes.txt").write_text("hparams.yaml\n")
+    (tmp_path / "checkpoints").write_text("a file, not Lightning's folder")
+    assert refused(["journal", str(tmp_path)], capsys) == (
+        f"{JOURNAL}argument RUN_DIR: no journal (overflow_events.jsonl) at or under '{tmp_path}'\n")
 
 
 def test_no_command_is_one_line_too(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -148,6 +150,86 @@ def test_reads_tensorboard_event_files(tmp_path: Path) -> None:
     run = load_run(small_run(tmp_path, TensorBoardLogger))
     assert len(run.metrics["grad_norm/total"]) == 20 and [e["kind"] for e in run.events] == ["nonfinite", "skip"]
     assert run.source == run.path and run.panels["loss"] is None
+
+
+def tensorboardx_writer() -> type:
+    return pytest.importorskip("tensorboardX").SummaryWriter
+
+
+def torch_writer() -> type:
+    from torch.utils.tensorboard import SummaryWriter  # what Lightning's TensorBoardLogger writes with
+
+    return SummaryWriter
+
+
+@pytest.mark.parametrize("writer", [tensorboardx_writer, torch_writer])
+def test_reads_event_files_of_either_writer_and_not_its_hparams_folder(
+        writer: Any, tmp_path: Path, drawn: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    # neuralforecast's default logger, without the tensorboard package, writes with tensorboardX.
+    with writer()(str(tmp_path / "run")) as events:
+        for step, (norm, loss) in enumerate([(3.0, 4.0), (25.0, 2.0), (0.5, 1.0)]):
+            events.add_scalar("grad_norm/total", norm, step)
+            events.add_scalar("train_loss", loss, step)
+        events.add_hparams({"lr": 0.1}, {"hp/loss": 1.0})  # its own event file, in a folder below the run's
+    run = load_run(tmp_path / "run")
+    assert run.source == tmp_path / "run" and run.events == []
+    assert run.metrics == {"grad_norm/total": [(0, 3.0), (1, 25.0), (2, 0.5)],
+                           "train_loss": [(0, 4.0), (1, 2.0), (2, 1.0)]}
+    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")]) == 0
+    assert [ax.get_label() for ax in drawn[0].axes] == ["loss", "events", "gradient norm"]
+    assert capsys.readouterr().err == ""
+
+
+def test_without_tensorboard_the_error_names_the_pip_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = small_run(tmp_path, TensorBoardLogger)
+    monkeypatch.setitem(sys.modules, "tensorboard.backend.event_processing.event_accumulator", None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(run_dir)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lightning-overflow report: error: '{run_dir}' holds TensorBoard event files "
+                          "(events.out.tfevents.*), and reading them needs the 'tensorboard' package, which cannot "
+                          "be imported (")
+    assert err.endswith('): pip install "lightning-overflow[plot]"\n')
+
+
+def test_without_matplotlib_the_error_names_the_pip_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(tmp_path)])  # refused before the run is read
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-overflow report: error: drawing the dashboard needs matplotlib, which cannot be "
+                          "imported (")
+    assert err.endswith('): pip install "lightning-overflow[plot]"\n')
+
+
+def test_the_plot_extra_installs_what_report_reads_and_draws_with() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = {extra: {re.split(r"[\[<>=!~;, ]", r, maxsplit=1)[0].lower() for r in requirements}
+             for extra, requirements in extras.items()}
+    assert {"matplotlib", "tensorboard"} <= names["plot"]  # the README's demo installs .[plot], then runs report
+    assert {"tensorboard", "tensorboardx"} <= names["test"]  # both writers are read in the tests
+
+
+def test_a_clean_run_is_drawn_without_events(tmp_path: Path, drawn: list[Any],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    logger = CSVLogger(str(tmp_path), name="clean")
+    fit(LoggingRegressor(), [GradNormMonitor(), NonFiniteDetector()], max_steps=6, logger=logger, log_every_n_steps=1)
+    run_dir = Path(logger.log_dir)
+    assert not (run_dir / "overflow_events.jsonl").exists()  # a fit writes its journal with its first event
+    for journal in ("none", "empty"):
+        if journal == "empty":
+            (run_dir / "overflow_events.jsonl").write_text("")
+        assert main(["report", str(run_dir), "--out", str(tmp_path / f"{journal}.png")]) == 0
+        out, err = capsys.readouterr()
+        assert (err, out.splitlines()[-2:]) == ("", ["  events: none", f"dashboard: {tmp_path / f'{journal}.png'}"])
+        assert png_size(tmp_path / f"{journal}.png")[0] == 1300
+    assert [t.get_text() for t in panels(drawn[-1])["events"].texts] == ["finished at step 5  |  no events"]
 
 
 def test_two_runs_are_overlaid_with_their_labels(tmp_path: Path, drawn: list[Any],

@@ -23,7 +23,7 @@ from lightning_overflow.report.keys import (
     headroom_part_key,
 )
 
-__all__ = ["PANEL_NAMES", "ReportError", "Run", "Series", "default_labels", "load_run"]
+__all__ = ["INSTALL_PLOT", "PANEL_NAMES", "ReportError", "Run", "Series", "default_labels", "load_run"]
 
 Series = list[tuple[int, float]]
 
@@ -32,6 +32,7 @@ PANEL_NAMES = (
     *(f"headroom ({part})" for part in HEADROOM_PARTS),
 )  # fmt: skip
 TENSORBOARD_GLOB = "events.out.tfevents.*"
+INSTALL_PLOT = 'pip install "lightning-overflow[plot]"'  # matplotlib and tensorboard: all that `report` needs
 _VERSION_DIR = re.compile(r"version_\d+")
 
 
@@ -207,11 +208,15 @@ def _read_tensorboard(root: Path) -> tuple[Path | None, dict[str, Series]]:
         return None, {}
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError as err:
+    except ImportError as err:  # also a tensorboard that is there but cannot be imported (its protobuf, say)
         raise ReportError(
-            f"'{root}' holds TensorBoard event files: install the 'tensorboard' package to read them"
+            f"'{root}' holds TensorBoard event files ({TENSORBOARD_GLOB}), and reading them needs the 'tensorboard' "
+            f"package, which cannot be imported ({err}): {INSTALL_PLOT}"
         ) from err
-    folder = files[-1].parent
+    # A writer's add_hparams puts its own event file in a folder below the run's (tensorboardX, torch's SummaryWriter):
+    # the run is the newest folder of event files that is not inside another.
+    folders = {f.parent for f in files}
+    folder = next(f.parent for f in reversed(files) if not any(up in folders for up in f.parent.parents))
     accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     accumulator.Reload()
     metrics: dict[str, dict[int, float]] = {}
