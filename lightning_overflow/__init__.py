@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from lightning_overflow.diagnosis import Diagnosis, Headroom, trace_nonfinite
     from lightning_overflow.events import Event, read_journal
     from lightning_overflow.exceptions import DivergenceError, NonFiniteError, OverflowWarning, RollbackError
+    from lightning_overflow.preserve import side_run
     from lightning_overflow.trial import TrialConfig
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ _SOURCES = {
     "NonFiniteError": "lightning_overflow.exceptions",
     "OverflowWarning": "lightning_overflow.exceptions",
     "RollbackError": "lightning_overflow.exceptions",
+    "side_run": "lightning_overflow.preserve",
     "TrialConfig": "lightning_overflow.trial",
 }
 
@@ -69,6 +71,7 @@ __all__ = [
     "__version__",
     "default_callbacks",
     "read_journal",
+    "side_run",
     "trace_nonfinite",
 ]
 

@@ -17,6 +17,22 @@ candidate drew, and a run whose candidate is discarded stays bit-identical to a 
 silenced and torchmetrics states are put back while it runs. Under DDP the candidate's ``training_step`` runs on the
 plain LightningModule (not the DDP wrapper), and its gradients are averaged across ranks here, as DDP would.
 
+What ``training_step`` writes beside the tensors is kept apart too (:mod:`lightning_overflow.preserve` says which
+attributes and how): the module's Python attributes (a list of losses, a counter, a dict, a queue held as a plain
+tensor) are copied before a candidate's step and put back after it, so the run's own keep exactly what the run's own
+steps wrote. A trained candidate keeps its side effects on the side: its own copy of the containers and plain
+tensors, swapped in for its steps (its lists and queues follow its own steps; its other attributes, counters and
+settings a callback may set, are the run's at each step), never into the run's, even when it is kept (the run's
+attributes record the steps the loop ran and logged). A scored (frozen) candidate's steps leave no trace. Inside a
+candidate's ``training_step``, :func:`~lightning_overflow.side_run` answers ``"trial"``: guard with it what the suite
+cannot keep apart (objects of your own classes, files, prints, external counters)::
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if not side_run():  # the run's own step
+            print(f"step {self.global_step}: {float(loss)}", file=self.progress_file)
+        return loss
+
 What it leaves alone: manual optimization and closure optimizers (LBFGS), which re-run their own steps, are not
 trained as candidates (:func:`trainable` says why).
 """
@@ -39,7 +55,16 @@ from torch import Tensor
 
 from lightning_overflow import _compat
 from lightning_overflow.numerics import tensor_norms
-from lightning_overflow.preserve import capture_rng, metric_states, put_back_metric_states, restore_rng
+from lightning_overflow.preserve import (
+    ModuleAttributes,
+    capture_attributes,
+    capture_rng,
+    metric_states,
+    put_back_attributes,
+    put_back_metric_states,
+    restore_rng,
+    running_aside,
+)
 from lightning_overflow.skip import repeats_closure
 from lightning_overflow.training_step import loss_of, signature_parameters, silenced_logging, takes_batch_idx
 
@@ -92,6 +117,8 @@ class Candidate:
         precision: the precision plugin's ``state_dict()`` (the GradScaler's under ``16-mixed``).
         pending_schedule: scheduler steps the loop made since the candidate last stepped its own schedule.
         losses: this optimizer step's finite micro-batch losses (under gradient accumulation).
+        attributes: the module's Python attributes as the candidate's last trained step left them (``None`` until
+            it trains, and after a checkpoint: it starts from the run's then).
     """
 
     params: dict[str, Tensor]
@@ -105,6 +132,7 @@ class Candidate:
     nonfinite: bool = False
     window_buffers: dict[str, Tensor] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)  # parameter ``id`` -> name, for the optimizer state
+    attributes: ModuleAttributes | None = field(default=None, repr=False)
 
     # ---- building and swapping -----------------------------------------------------------------------------------
     @classmethod
@@ -202,7 +230,13 @@ class Candidate:
         module = trainer.lightning_module
         rng = capture_rng()
         try:
-            with self.swapped_in(trainer), _kept_streams(module), silenced_logging(module), torch.enable_grad():
+            with (
+                self.swapped_in(trainer),
+                _kept_streams(module),
+                self._own_attributes(module, keep=True),
+                silenced_logging(module),
+                torch.enable_grad(),
+            ):
                 self._catch_up_schedule(trainer)
                 if not self.window_buffers:  # the buffers as the window began: a skipped step puts them back
                     self.window_buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
@@ -234,7 +268,13 @@ class Candidate:
         module = trainer.lightning_module
         rng = capture_rng()
         try:
-            with self.swapped_in(trainer), _kept_streams(module), silenced_logging(module), torch.no_grad():
+            with (
+                self.swapped_in(trainer),
+                _kept_streams(module),
+                self._own_attributes(module, keep=False),
+                silenced_logging(module),
+                torch.no_grad(),
+            ):
                 buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
                 args = (batch, batch_idx) if takes_batch_idx(module) else (batch,)
                 with trainer.precision_plugin.train_step_context():
@@ -254,6 +294,22 @@ class Candidate:
         mean = math.nan if self.nonfinite or not self.losses else sum(self.losses) / len(self.losses)
         self.losses, self.nonfinite = [], False
         return CandidateStep(mean, stepped=True, skipped=True)
+
+    @contextmanager
+    def _own_attributes(self, module: torch.nn.Module, keep: bool) -> Iterator[None]:
+        """The body runs as a trial's side run, on the candidate's own containers and plain tensors where it has
+        some (the rest as the run has them now: a callback may have set them); the run's attributes are put back
+        after it. ``keep``: the candidate keeps what the body wrote (for its next step)."""
+        live = capture_attributes(module)
+        if keep and self.attributes is not None:
+            put_back_attributes(self.attributes, accumulated_only=True)
+        try:
+            with running_aside("trial"):
+                yield
+        finally:
+            if keep:
+                self.attributes = capture_attributes(module)
+            put_back_attributes(live)
 
     def _step(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, clip: Clip | None) -> bool:
         """Step the swapped-in candidate; return whether the step was skipped (nothing changed)."""

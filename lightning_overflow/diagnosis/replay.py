@@ -5,7 +5,9 @@ The replay runs ``training_step`` on the plain LightningModule, never on the DDP
 all-reduce does not run inside it (a ``training_step`` that itself calls collectives, such as ``self.all_gather`` or
 SyncBatchNorm, still runs them, on every rank together, since every rank replays), and differentiates with ``torch.autograd.grad``, so that ``.grad`` and DDP's reducer are left alone. It
 runs with the random streams the step started with (the same dropout masks) and puts back afterwards every random
-stream, the buffers (BatchNorm statistics) and metric states; ``self.log`` is silenced while it runs. Every rank
+stream, the buffers (BatchNorm statistics), metric states and the module's Python attributes (what ``training_step``
+appended, counted or wrote: :mod:`lightning_overflow.preserve`); ``self.log`` is silenced while it runs, and
+:func:`~lightning_overflow.side_run` answers ``"replay"``. Every rank
 enters :func:`diagnose_step` together (the decision to diagnose comes from the shared step record), and the ranks'
 results are combined with one ``all_gather_object``.
 """

@@ -1,0 +1,265 @@
+"""What ``training_step`` writes beside the tensors stays the run's own: a trial's candidate and a diagnosis replay run
+the user's ``training_step`` on the user's module, and leave its lists, counters, dicts, deques, plain tensors and
+EMA teacher as the run's own steps left them (the neuralforecast defect: ``train_trajectories`` held 420 entries after
+300 steps with trials). :func:`side_run` tells user code which run it is in.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, fit, weights
+from test_trials import Sabotaged, Suspect
+from torch import nn
+
+from lightning_overflow import LRBackoff, NonFiniteDetector, NonFiniteError, Rollback, TrialConfig, side_run
+from lightning_overflow.preserve import capture_attributes, preserved_state, put_back_attributes, running_aside
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+
+
+class Calls:
+    """An object of the user's own class: shared by every run (the suite does not copy it), so it sees every call."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, float, list[float]]] = []  # (side_run(), loss, the deque before the step)
+        self.beta: list[tuple[str | None, float]] = []  # (side_run(), the weight a callback set)
+
+
+class Recorder(TinyRegressor):
+    """A ``training_step`` with every kind of side effect: a list of losses, a counter, a dict holding a list, a
+    deque, a plain tensor written in place, and an EMA teacher (a submodule) updated under ``no_grad``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.losses: list[float] = []
+        self.steps = 0
+        self.stats: dict[str, Any] = {"sum": 0.0, "batches": []}
+        self.recent: deque[float] = deque(maxlen=3)
+        self.queue = torch.zeros(4)  # not a buffer: a plain tensor attribute
+        self.teacher = copy.deepcopy(self.net).requires_grad_(False)
+        self.calls = Calls()
+        self.beta = 0.0  # a setting rebound outside training_step (on_train_batch_end), read by it
+
+    def on_train_batch_end(self, *_: Any) -> None:
+        self.beta = self.trainer.global_step / 100  # a setting rebound from outside training_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        value = float(loss.detach())
+        self.calls.seen.append((side_run(), value, list(self.recent)))
+        self.calls.beta.append((side_run(), self.beta))
+        self.losses.append(value)
+        self.steps += 1
+        self.stats["sum"] += value
+        self.stats["batches"].append(batch_idx)
+        self.recent.append(value)
+        self.queue[self.steps % 4] = loss.detach()
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.net.parameters()):
+                t.mul_(0.9).add_(s, alpha=0.1)
+        return loss
+
+
+class Returned(pl.Callback):
+    """The loss the loop's own ``training_step`` returned, batch by batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def python_state(model: Recorder) -> dict[str, Any]:
+    return {
+        "losses": list(model.losses),
+        "steps": model.steps,
+        "stats": copy.deepcopy(model.stats),
+        "recent": list(model.recent),
+        "queue": model.queue.clone(),
+    }
+
+
+def assert_same_python_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert torch.equal(a.pop("queue"), b.pop("queue"))
+    assert a == b
+
+
+# ---- trials ---------------------------------------------------------------------------------------------------------
+def test_a_trial_leaves_the_runs_attributes_as_a_run_without_the_suite_leaves_them() -> None:
+    """The false alarm of ``test_trials``: two remedies train 20 batches each beside the run. The run's list, counter,
+    dict, deque, plain tensor and EMA teacher end exactly as in the bare run: one entry per batch the run trained,
+    each the loss the loop returned."""
+    torch.manual_seed(0)
+    bare = Recorder(dropout=0.2)
+    fit(bare, [], max_steps=80)
+    torch.manual_seed(0)
+    model, returned = Recorder(dropout=0.2), Returned()
+    queue, batches = model.queue, model.stats["batches"]
+    fit(model, [Suspect(30), LRBackoff(), Rollback(every_n_steps=10), returned], max_steps=80)
+
+    assert len(model.losses) == 80 and model.steps == 80
+    assert model.losses == returned.losses == bare.losses
+    assert_same_python_state(python_state(model), python_state(bare))
+    assert model.stats["batches"] == list(range(8)) * 10
+    assert model.queue is queue and model.stats["batches"] is batches  # put back in place
+    assert_bit_identical(weights(model), weights(bare))  # the teacher too: it is a submodule
+    # side_run(): None for the run's own 80 steps, "trial" for each remedy's 20 (before the loop's, every batch).
+    kinds = [kind for kind, _, _ in model.calls.seen]
+    assert kinds == [None] * 31 + ["trial", "trial", None] * 20 + [None] * 29
+
+
+def test_a_candidate_keeps_its_own_side_effects_for_its_next_steps() -> None:
+    """Each remedy sees, in its ``training_step``, the deque its own previous steps filled, not the run's."""
+    torch.manual_seed(0)
+    model = Recorder(dropout=0.2)
+    fit(model, [Suspect(30), LRBackoff(), Rollback(every_n_steps=10)], max_steps=80)
+    trial = model.calls.seen[31:91]
+    remedies = [trial[0::3], trial[1::3]]
+    run = trial[2::3]
+    assert all(kind == "trial" for side in remedies for kind, _, _ in side) and {k for k, _, _ in run} == {None}
+    run_before = model.calls.seen[28:31]
+    for side in remedies:
+        # Its first step starts from the run's attributes; then its own losses fill its deque.
+        assert side[0][2] == [v for _, v, _ in run_before]
+        for k in range(1, 20):
+            own = [v for _, v, _ in side[max(0, k - 3):k]]
+            expected = ([v for _, v, _ in run_before] + own)[-3:]
+            assert side[k][2] == expected
+    assert side[5][2] != run[5][2]  # the run's deque is its own
+    for k in range(1, 20):
+        assert run[k][2] == ([v for _, v, _ in run_before] + [v for _, v, _ in run[:k]])[-3:]
+    # A setting rebound from outside training_step (here the module's own hook) is the run's, for every candidate.
+    betas = model.calls.beta[31:91]
+    assert [b for _, b in betas] == [step / 100 for step in range(31, 51) for _ in range(3)]
+
+
+def test_a_kept_remedy_leaves_the_run_one_entry_per_batch_it_trained() -> None:
+    """The sabotaged run: a remedy wins and takes over the weights; the run's list still holds one entry per batch
+    the loop trained, each the loss it returned."""
+    model, returned = Sabotaged(), Returned()
+    model.losses = []
+    original = model.training_step
+
+    def training_step(batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = original(batch, batch_idx)
+        model.losses.append(float(loss))
+        return loss
+
+    model.training_step = training_step  # type: ignore[method-assign]
+    trial = TrialConfig(remedies=1)
+    suite = [Suspect(31), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial)]
+    fit(model, [*suite, returned], max_steps=80)
+    assert [h["step"] for h in suite[-1].history] == [52]  # the remedy was kept at step 52
+    assert model.losses == returned.losses and len(model.losses) == 80
+
+
+def test_a_frozen_trial_leaves_one_entry_per_batch_the_loop_trained() -> None:
+    model, returned = Recorder(), Returned()
+    trial = TrialConfig(mode="frozen", steps=10)
+    fit(model, [Suspect(30), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial), returned], max_steps=60)
+    assert model.losses == returned.losses and model.steps == 60 and len(model.stats["batches"]) == 60
+    assert [kind for kind, _, _ in model.calls.seen].count("trial") == 10
+
+
+# ---- the diagnosis replay -------------------------------------------------------------------------------------------
+def test_a_replay_leaves_no_trace_on_the_modules_attributes() -> None:
+    """A NaN loss at step 3: the detector replays the batch (``training_step`` runs a fifth time), then raises. The
+    module holds the four steps the run ran, as they were."""
+    model, returned = Recorder(), Returned()
+    with pytest.raises(NonFiniteError) as info:
+        fit(model, [NonFiniteDetector(action="raise"), FaultInjector(Fault(3, "nan_loss")), returned], max_steps=6)
+    assert info.value.diagnosis.replayed
+    assert [kind for kind, _, _ in model.calls.seen] == [None] * 4 + ["replay"]
+    assert len(model.losses) == 4 and model.steps == 4 and model.stats["batches"] == [0, 1, 2, 3]
+    assert model.losses == [v for _, v, _ in model.calls.seen[:4]]
+    assert model.losses[:3] == returned.losses  # the fourth returned NaN (the fault), then the detector raised
+
+
+def test_a_skipped_step_and_its_replay_leave_one_entry_per_batch() -> None:
+    model, returned = Recorder(), Returned()
+    fit(model, [NonFiniteDetector(), FaultInjector(Fault(3, "nan_loss")), returned], max_steps=8)
+    assert [kind for kind, _, _ in model.calls.seen].count("replay") == 1
+    assert len(model.losses) == 8 and model.steps == 8 and model.stats["batches"] == list(range(8))
+
+
+# ---- the capture and put-back, piece by piece ---------------------------------------------------------------------
+class Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = [1, [2, 3]]
+        self.table: dict[str, Any] = {"a": 1, "nested": {"b": [4]}}
+        self.tags = {"x"}
+        self.recent: deque[int] = deque([1, 2], maxlen=2)
+        self.raw = bytearray(b"ab")
+        self.count, self.name, self.pair = 0, "n", (1, 2)
+        self.plain = torch.zeros(3)
+        self.shared = Calls()
+        self.child = nn.Linear(2, 2)
+        self.gen = torch.Generator().manual_seed(0)
+
+
+def test_put_back_restores_contents_in_place_and_references_and_removes_what_was_added() -> None:
+    m = Holder()
+    inner, nested, plain = m.items[1], m.table["nested"], m.plain
+    kept = capture_attributes(m)
+    outer = m.items
+    m.items.append(9)
+    inner.append(9)
+    nested["b"].append(5)
+    m.table["c"] = 3
+    m.tags.add("y")
+    m.recent.append(3)
+    m.raw += b"c"
+    m.count, m.name, m.pair = 1, "m", (3,)
+    m.plain.add_(1.0)
+    m.plain = torch.ones(1)  # rebound too: the old tensor comes back, with its old values
+    m.shared.seen.append((None, 0.0, []))
+    m.added = [1]
+    del m.table["a"]
+    m.items = ["rebound"]
+    put_back_attributes(kept)
+    assert m.items is outer and m.items == [1, [2, 3]] and m.items[1] is inner
+    assert m.table == {"a": 1, "nested": {"b": [4]}} and m.table["nested"] is nested
+    assert m.tags == {"x"} and list(m.recent) == [1, 2] and m.recent.maxlen == 2 and m.raw == bytearray(b"ab")
+    assert (m.count, m.name, m.pair) == (0, "n", (1, 2))
+    assert m.plain is plain and torch.equal(plain, torch.zeros(3))
+    assert not hasattr(m, "added")
+    assert len(m.shared.seen) == 1  # an object of another class is shared: documented
+
+
+def test_only_the_users_own_attributes_are_kept() -> None:
+    """Of a fitted LightningModule: the attributes its class set, none of Lightning's (the trainer, the hook dicts,
+    ``hparams``), no submodule, no generator; library submodules (Linear, Sequential) are not walked."""
+    model = Holder()
+    kept = dict((type(sub).__name__, set(names)) for sub, names in capture_attributes(model).modules)
+    assert kept == {"Holder": {"items", "table", "tags", "recent", "raw", "count", "name", "pair", "plain", "shared"}}
+    fitted = TinyRegressor()
+    fitted.save_hyperparameters({"lr": 0.01})
+    fit(fitted, [], max_steps=2)
+    modules = capture_attributes(fitted).modules
+    assert [(type(sub), set(names)) for sub, names in modules] == [
+        (TinyRegressor, {"lr", "optimizer_name", "scheduler_factory", "batch_size", "data"})
+    ]
+
+
+def test_nothing_is_captured_for_a_module_of_library_classes() -> None:
+    assert capture_attributes(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))).modules == ()
+
+
+def test_a_replay_context_puts_the_attributes_back_and_names_itself() -> None:
+    m = Holder()
+    assert side_run() is None
+    with preserved_state(m):
+        assert side_run() == "replay"
+        m.items.append(4)
+        m.count += 1
+        with running_aside("trial"):
+            assert side_run() == "trial"
+        assert side_run() == "replay"
+    assert side_run() is None and m.items == [1, [2, 3]] and m.count == 0
