@@ -323,14 +323,21 @@ def _rollbacks(rollbacks: list[Event], by_kind: dict[str, list[Event]]) -> list[
 def _endings(endings: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
     acted = any(by_kind.get(k) for k in ("skip", "backoff", "rollback", "clip"))
     message = str(endings[-1]["message"])
-    return [("rescued, but " if acted else "") + message + ": look at the loss curve before using these weights"]
+    after = " after what the suite did above" if acted else ""
+    return [f"{message}{after}: look at the loss curve before using these weights"]
+
+
+def _aborts(aborts: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    last = aborts[-1]
+    message = str(last.get("message", "")).removeprefix(f"{last.get('source')}: ")
+    return [f"the suite stopped the fit at step {last['step']} ({last.get('source')}): {message}"]
 
 
 def _generic(kind: str, events: list[Event]) -> str:
     message = str(events[0].get("message", ""))
     for prefix in ("lightning_overflow: ",) + tuple(f"{e.get('source')}: " for e in events[:1]):
         message = message.removeprefix(prefix)
-    more = f" ({_count(len(events), kind.replace('_', ' '))}, {_at(events)})" if len(events) > 1 else ""
+    more = f" ({_times(len(events))}, {_at(events)})" if len(events) > 1 else ""
     return f"{message}{more}"
 
 
@@ -344,6 +351,7 @@ _DESCRIBERS: tuple[tuple[tuple[str, ...], Callable[[list[Event], dict[str, list[
     (("backoff", "regrowth", "undo"), _learning_rate),
     (("rollback",), _rollbacks),
     (("ending",), _endings),
+    (("abort",), _aborts),
 )
 # Told by another finding's line: a skip by its cause's; a suspicion by its trial's, a remedy's or its own message.
 _SILENT = {"skip"}

@@ -403,6 +403,7 @@ class HealthBoard:
         self._plans: dict[int, _StepPlan] = {}  # by optimizer id: what stays the same from step to step
         self._by_stage: dict[str, list[StepParticipant]] | None = None
         self.journal = Journal(None)
+        self.cause = None
         self._participants: list[weakref.ref[StepParticipant]] = []
         self._ordered: list[StepParticipant] | None = None
         self.current: StepHealth | None = None
@@ -452,6 +453,7 @@ class HealthBoard:
             path, run = journal_location(trainer)
             self.journal = Journal(path, write=trainer.global_rank == 0, run=run)
             self.ending = LossEnding()
+            self.cause: tuple[str, str] | None = None
             self._journal_open = True
             prepare_dashboards(trainer)
         self._summarised = False
@@ -565,6 +567,15 @@ class HealthBoard:
     def signal(self, signal: Signal) -> None:
         """Report a signal for this batch; interventions read :attr:`signals` in ``_after_batch``."""
         self.signals.append(signal)
+
+    def note_cause(self, message: str, hint: str) -> None:
+        """The latest cause a diagnosis found (a replay that named the op and the layer) and its fix: whatever error
+        ends the fit later carries it (:attr:`cause`)."""
+        self.cause = (message, hint)
+
+    def present(self) -> set[str]:
+        """The class names of the suite callbacks in this fit (advice names only what is not there)."""
+        return {type(p).__name__ for p in self.participants}
 
     def constants(self, trainer: pl.Trainer) -> NonFiniteConstants:
         """The infs the module's buffers hold as constants (a causal mask's ``-inf``): the one record every state

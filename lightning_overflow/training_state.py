@@ -378,6 +378,12 @@ class StateCheck:
         return "weights" if self.weight_ranks else "optimizer state"
 
     @property
+    def contain(self) -> str:
+        """The verb that agrees with :attr:`what`: ``"contain"`` (the weights) or ``"contains"`` (the optimizer
+        state)."""
+        return "contain" if self.weight_ranks else "contains"
+
+    @property
     def ranks(self) -> tuple[int, ...]:
         """The ranks of :attr:`what`."""
         return self.weight_ranks or self.state_ranks

@@ -93,14 +93,14 @@ def test_a_run_that_ends_far_above_its_best_is_flagged(caplog: pytest.LogCapture
                                                                                                         100.0)  # fmt: skip
 
 
-def test_a_rescued_run_that_ends_far_above_its_best_says_both(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+def test_a_run_the_suite_acted_on_that_ends_far_above_its_best_says_both(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
         fit(ScriptedLoss(), [NonFiniteDetector(), FaultInjector(Fault(50, "nan_loss"))], max_steps=81,
             default_root_dir=tmp_path)  # fmt: skip
     # Step 50's loss was NaN: its block of 20 finite losses ends a step later.
     assert _summary(caplog)[-1] == (
-        "  - rescued, but the training loss ended 100x above its best: 100 over the 20 steps to step 80, against 1 "
-        "over those to step 19: look at the loss curve before using these weights"
+        "  - the training loss ended 100x above its best: 100 over the 20 steps to step 80, against 1 "
+        "over those to step 19 after what the suite did above: look at the loss curve before using these weights"
     )
 
 

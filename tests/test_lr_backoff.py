@@ -201,7 +201,10 @@ def test_reaching_min_scale_with_divergence_continuing_raises_with_the_history(t
         (24, "abort", "loss_spike", 0.25),
     ]
     message = str(error)
-    assert message.startswith("LRBackoff: loss_spike at step 24 while the learning rate of optimizer 0 was already")
+    assert message.startswith(
+        "LRBackoff: loss_spike at step 24 on rank 0 (every rank stops together) while the learning rate of optimizer "
+        "0 was already"
+    )
     assert "at its floor (0.25 x its schedule; min_scale=0.25)" in message
     assert "Backoffs so far: step 20 (loss_spike) -> 0.5; step 22 (loss_spike) -> 0.25." in message
     assert "HINT: lower the configured learning rate" in message

@@ -292,9 +292,9 @@ def test_a_run_that_only_skips_is_stopped_by_the_skip_budget_when_nothing_can_re
     assert str(caught.value) == (
         "NonFiniteDetector: 11 of the last 20 optimizer steps were skipped, the last at step 15 (non-finite loss): the "
         "run is not training on rank(s) 0, and no callback in the list can restore the state or lower the learning "
-        "rate: skipping each step was all that was tried. HINT: add LRBackoff and Rollback (default_callbacks()) to "
-        "restore the last finite state at a lower learning rate; otherwise lower the learning rate, clip the gradients "
-        "(AutoClip), and look at the data and the loss of the steps journaled."
+        "rate: skipping each step was all that was tried. HINT: lower the configured learning rate or lengthen its "
+        "warm-up, clip the gradients (AutoClip), add LRBackoff and Rollback (default_callbacks()) to back off and "
+        "restore the last finite state, and look at the data around the steps journaled."
     )
     assert caught.value.history == [{"step": 15, "reason": "skip_budget", "skipped": 11, "window": 20}]
     assert detector.skipped_steps == 11

@@ -259,7 +259,7 @@ def test_budget_runs_out_with_divergence_error_naming_every_rollback() -> None:
         {"step": 8, "reason": "nonfinite_state", "trigger_step": 7, "snapshot_step": 6, "source": "memory"},
     ]
     message = str(error)
-    assert "diverged again at step 12 (nonfinite_state at step 11" in message
+    assert "diverged again at step 12 on rank 0 (every rank stops together) (nonfinite_state at step 11" in message
     assert "after 2 rollback(s) within 100 steps (max_rollbacks=2)" in message
     assert "step 4: nonfinite_state at step 3 -> snapshot of step 2; step 8: nonfinite_state at step 7 -> " in message
     assert "The snapshot of step 10 was restored before stopping" in message and "HINT:" in message

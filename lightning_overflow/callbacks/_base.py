@@ -134,6 +134,7 @@ class SuiteCallback(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         board = self.board(trainer)
         board.flush(trainer)
+        board.summarise(trainer)  # every ending is told: finished, stopped or raised
         board.upload_journal(trainer)
         board.release()
 

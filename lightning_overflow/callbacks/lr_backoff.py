@@ -13,6 +13,7 @@ from typing_extensions import override
 from lightning_overflow._validation import check_bool, check_choices, check_float, check_int, check_type
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
+from lightning_overflow.diagnosis.hints import divergence_hint
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.fit_summary import opened_because
 from lightning_overflow.numerics.lr_scaling import scale_lr
@@ -326,13 +327,13 @@ class LRBackoff(SuiteCallback):
         entry = self._remember("abort", first.step, index, _kinds(signals), first.reason, self.scales[index])
         backoffs = [h for h in self.history if h["action"] == "backoff"]
         done = "; ".join(f"step {h['step']} ({h['kinds']}) -> {h['scale']:.4g}" for h in backoffs) or "none"
+        board = self.board(trainer)
         message = (
-            f"LRBackoff: {entry['kinds']} at step {first.step} while the learning rate of optimizer {index} was "
-            f"already at its floor ({self.scales[index]:.4g} x its schedule; min_scale={self.min_scale:g}"
+            f"LRBackoff: {entry['kinds']} at step {first.step} on rank {trainer.global_rank} (every rank stops "
+            f"together) while the learning rate of optimizer {index} was already at its floor "
+            f"({self.scales[index]:.4g} x its schedule; min_scale={self.min_scale:g}"
             f"{'' if self.min_lr is None else f', min_lr={self.min_lr:g}'}). Backoffs so far: {done}. "
-            f"Cause: {first.reason} HINT: lower the configured learning rate or lengthen its warm-up, clip the "
-            "gradients (AutoClip), add Rollback to restore the last finite state, and look at the data around "
-            "these steps."
+            f"Cause: {first.reason} HINT: {divergence_hint(board.present(), board.cause)}."
         )
         self._event(trainer, "abort", message, step=first.step, **_details(entry))
         return DivergenceError(message, step=first.step, history=self.history)

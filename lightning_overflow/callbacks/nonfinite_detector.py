@@ -16,7 +16,7 @@ from lightning_overflow._validation import check_bool, check_choice, check_float
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
-from lightning_overflow.diagnosis.hints import detection_hint
+from lightning_overflow.diagnosis.hints import detection_hint, divergence_hint
 from lightning_overflow.diagnosis.records import Diagnosis
 from lightning_overflow.diagnosis.replay import KeptBatch, diagnose_step
 from lightning_overflow.events import WarningCache
@@ -410,6 +410,8 @@ class NonFiniteDetector(SuiteCallback):
         message = self._describe(trainer, record, finding)
         if diagnosis is not None:
             message = f"{message} {diagnosis.message}"
+            if diagnosis.hint:  # whatever error ends the fit later carries it
+                self.board(trainer).note_cause(diagnosis.message, diagnosis.hint)
         finding.message, finding.diagnosis = message, diagnosis
         finding.details = {
             "where": finding.kind,
@@ -477,14 +479,12 @@ class NonFiniteDetector(SuiteCallback):
                         skipped=skipped, window=self.skip_window, optimizer=record.optimizer_index)  # fmt: skip
             self._signal(trainer, "nonfinite_persistent", message, record.optimizer_index)
             return
-        hint = (
-            "add LRBackoff and Rollback (default_callbacks()) to restore the last finite state at a lower learning "
-            "rate; otherwise lower the learning rate, clip the gradients (AutoClip), and look at the data and the "
-            "loss of the steps journaled"
-        )
+        board = self.board(trainer)
+        cause = f" {board.cause[0]}" if board.cause is not None else ""  # "Diagnosis: the first non-finite ..."
         error = (
             f"{message[:-1]} on rank(s) {', '.join(map(str, range(record.world_size)))}, and no callback in the list "
-            f"can restore the state or lower the learning rate: skipping each step was all that was tried. HINT: {hint}."
+            f"can restore the state or lower the learning rate: skipping each step was all that was tried.{cause} "
+            f"HINT: {divergence_hint(board.present(), board.cause)}."
         )
         self._event(trainer, "abort", error, skipped=skipped, window=self.skip_window)
         raise DivergenceError(error, step=record.step, history=[{"step": record.step, "reason": "skip_budget",

@@ -40,6 +40,7 @@ from lightning_overflow import _compat
 from lightning_overflow._validation import check_choices, check_int, check_type
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import ROLLBACK, SuiteCallback
+from lightning_overflow.diagnosis.hints import divergence_hint
 from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
@@ -75,10 +76,9 @@ DEFAULT_TRIGGERS = DEFAULT_ROLLBACK_TRIGGERS
 
 _SUITE_ERRORS = (DivergenceError, NonFiniteError, RollbackError)  # raised on every rank together
 HINT = (
-    "lower the learning rate (LRBackoff backs off on the detectors' divergence signals outside its cooldown; it "
-    "hears nothing of a rollback that Rollback starts itself for a state that failed its check), clip the "
-    "gradients (AutoClip), and look at the data around the steps listed; skip_batches skips the batches after a "
-    "rollback, max_rollbacks and window set the budget"
+    "Rollback's own settings: skip_batches skips the batches after a rollback, max_rollbacks and window set the "
+    "budget (LRBackoff backs off on the detectors' divergence signals outside its cooldown; it hears nothing of a "
+    "rollback that Rollback starts itself for a state that failed its check)"
 )
 
 
@@ -407,7 +407,7 @@ class Rollback(SuiteCallback):
     def _refuse_checkpoint(self, trainer: pl.Trainer, check: StateCheck, why: str) -> NoReturn:
         step = int(trainer.global_step)
         message = (
-            f"Rollback: refused to write a checkpoint at step {step}: its {check.what} contain inf/NaN on rank(s) "
+            f"Rollback: refused to write a checkpoint at step {step}: its {check.what} {check.contain} inf/NaN on rank(s) "
             f"{_ranks(check.ranks)}{_quote(check.names)}, and {why}; nothing was written."
         )
         hint = _checkpoint_hint(trainer, self.triggers)
@@ -442,7 +442,7 @@ class Rollback(SuiteCallback):
         if not check.finite:
             target = "the fit starts from a non-finite state, which" if start else "this state"
             message = (
-                f"Rollback: the {check.what} at step {step} contain inf/NaN on rank(s) {_ranks(check.ranks)}"
+                f"Rollback: the {check.what} at step {step} {check.contain} inf/NaN on rank(s) {_ranks(check.ranks)}"
                 f"{_quote(check.names)}; {target} is no rollback target"
             )
             self._event(trainer, "snapshot_refused", message, rank=min(check.ranks), tensors=check.names[:MAX_NAMES])
@@ -772,10 +772,12 @@ class Rollback(SuiteCallback):
             if restored is not None
             else "No verified snapshot was left to restore."
         )
+        board = self.board(trainer)
         message = (
-            f"Rollback: the run diverged again at step {step} ({signal.kind} at step {signal.step}: {signal.reason}) "
-            f"after {len(recent)} rollback(s) within {self.window} steps (max_rollbacks={self.max_rollbacks}). "
-            f"Rollbacks: {listed}. {note} HINT: {HINT}."
+            f"Rollback: the run diverged again at step {step} on rank {trainer.global_rank} (every rank stops "
+            f"together) ({signal.kind} at step {signal.step}: {signal.reason}) after {len(recent)} rollback(s) within "
+            f"{self.window} steps (max_rollbacks={self.max_rollbacks}). Rollbacks: {listed}. {note} HINT: "
+            f"{divergence_hint(board.present(), board.cause)}; {HINT}."
         )
         self._event(trainer, "abort", message, reason=signal.kind, rollbacks=[dict(h) for h in recent])
         raise DivergenceError(message, step=step, history=recent)

@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 
 from lightning_overflow.diagnosis.records import HUGE_INPUT, Direction, Growth, Origin
 
-__all__ = ["detection_hint", "find_growth", "op_family", "origin_hint"]
+__all__ = ["detection_hint", "divergence_hint", "find_growth", "op_family", "origin_hint"]
 
 MIN_LAYERS = 4
 """Fewer layers than this are not a deep stack."""
@@ -194,6 +194,31 @@ def detection_hint(key: str, present: Collection[str]) -> str:
         "initialisation and add normalisation",
     }
     return hints[key]
+
+
+def divergence_hint(present: Collection[str], cause: tuple[str, str] | None = None) -> str:
+    """What to try when the suite stops a run that keeps diverging: the fix of the cause a diagnosis found first
+    (``exp`` -> ``torch.logsumexp``), then the general remedies, naming only the callbacks the Trainer lacks.
+
+    Args:
+        present: class names of the suite callbacks in the fit.
+        cause: the latest diagnosis's ``(message, hint)`` (``None``: none was made).
+
+    Example:
+        >>> divergence_hint({"NonFiniteDetector", "AutoClip", "LRBackoff", "Rollback"})
+        'lower the configured learning rate or lengthen its warm-up, and look at the data around the steps journaled'
+        >>> divergence_hint({"NonFiniteDetector"}, ("first in head (exp, forward pass)", "use torch.logsumexp"))
+        'use torch.logsumexp; otherwise lower the configured learning rate or lengthen its warm-up, clip the gradients (AutoClip), add LRBackoff and Rollback (default_callbacks()) to back off and restore the last finite state, and look at the data around the steps journaled'
+    """
+    general = ["lower the configured learning rate or lengthen its warm-up"]
+    if "AutoClip" not in present:
+        general.append("clip the gradients (AutoClip)")
+    missing = [name for name in ("LRBackoff", "Rollback") if name not in present]
+    if missing:
+        general.append(f"add {' and '.join(missing)} (default_callbacks()) to back off and restore the last finite state")
+    general.append("and look at the data around the steps journaled")
+    text = ", ".join(general[:-1]) + (", " if len(general) > 1 else "") + general[-1]
+    return f"{cause[1]}; otherwise {text}" if cause is not None and cause[1] else text
 
 
 def _recovery(present: Collection[str]) -> str:

@@ -1,0 +1,76 @@
+"""Every ending is told (finished, stopped, raised), and an error carries the diagnosis the suite already made: an
+InfoNCE whose raw ``exp`` overflows on every step (SwaV's Sinkhorn at a tiny epsilon does the same) names ``exp``,
+``torch.logsumexp`` and where, and advice names only what the Trainer lacks."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import fit
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_overflow import DivergenceError, NonFiniteDetector, default_callbacks
+
+_SUMMARY = "lightning_overflow: what happened in this fit"
+
+
+class _OverflowingContrast(pl.LightningModule):
+    """Embeddings matched by a raw ``exp(sim / tau)`` at a temperature so low that it overflows from the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.data = TensorDataset(torch.randn(256, 8, generator=torch.Generator().manual_seed(0)) * 3)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        (x,) = batch
+        a, b = self.encoder(x), self.encoder(x + 0.01)
+        sim = a @ b.T / 1e-3
+        return -torch.log(torch.exp(sim.diagonal()) / torch.exp(sim).sum(dim=1)).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=16)
+
+
+def test_the_skip_budgets_error_names_the_op_its_fix_and_only_the_missing_callbacks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+        with pytest.raises(DivergenceError) as caught:
+            fit(_OverflowingContrast(), [NonFiniteDetector()], max_steps=60)
+    message = str(caught.value)
+    assert message.startswith("NonFiniteDetector: 11 of the last 20 optimizer steps were skipped, the last at step 10")
+    assert (
+        "Diagnosis: the first non-finite value appeared in the forward pass in training_step (outside every "
+        "module), op exp"
+    ) in message
+    hint = message.split("HINT: ", 1)[1]
+    assert hint.startswith("exp() overflows FP32 above 88.7: compute the log of a sum of exponentials with "
+                           "torch.logsumexp")  # fmt: skip
+    assert "clip the gradients (AutoClip), add LRBackoff and Rollback (default_callbacks())" in hint
+    summaries = [r.getMessage() for r in caplog.records if r.getMessage().startswith(_SUMMARY)]
+    assert len(summaries) == 1  # the fit raised, and still ends with its summary
+    assert "torch.logsumexp" in summaries[0]
+
+
+def test_the_full_suite_stops_with_the_diagnosis_and_names_no_callback_it_has(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+        with pytest.raises(DivergenceError) as caught:
+            fit(_OverflowingContrast(), default_callbacks(), max_steps=400)
+    message = str(caught.value)
+    hint = message.split("HINT: ", 1)[1]
+    assert "torch.logsumexp" in hint
+    for present in ("AutoClip", "add LRBackoff", "add Rollback"):
+        assert present not in hint.split("; Rollback's own settings")[0]
+    assert " on rank 0 (every rank stops together)" in message
+    assert len([r for r in caplog.records if r.getMessage().startswith(_SUMMARY)]) == 1
