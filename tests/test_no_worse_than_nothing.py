@@ -11,7 +11,7 @@ from conftest import assert_bit_identical, fit, weights
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_overflow import Rollback, default_callbacks
+from lightning_overflow import NonFiniteDetector, Rollback, default_callbacks
 from lightning_overflow.fit_summary import behind_a_restore, plain_lines
 from lightning_overflow.testing import TinyRegressor
 from lightning_overflow.testing.faults import Fault, FaultInjector
@@ -103,3 +103,15 @@ def _journal(root: Any) -> list[dict[str, Any]]:
     from lightning_overflow import read_journal
 
     return [dict(e) for e in read_journal(root)]
+
+
+def test_an_extreme_value_in_the_data_is_told_as_a_data_fault_not_a_learning_rate(tmp_path: Any) -> None:
+    fit(_ExtremeInput(), [NonFiniteDetector()], max_steps=4, default_root_dir=tmp_path)
+    (found,) = [e for e in _journal(tmp_path) if e["kind"] in ("data_fault", "headroom")]
+    assert found["kind"] == "data_fault" and found["step"] == 0
+    assert (found["details"]["batch"], found["details"]["rows"]) == (0, [3])
+    assert found["message"].startswith(
+        "NonFiniteDetector: batch 0 holds values up to 1e+30 in row 3 (no normalised input holds such values: a data "
+        "fault), and the step's largest magnitude is only "
+    )
+    assert "lower the learning rate" not in found["message"]

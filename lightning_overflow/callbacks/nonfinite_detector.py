@@ -17,8 +17,8 @@ from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.hints import detection_hint, divergence_hint
-from lightning_overflow.diagnosis.records import Diagnosis
-from lightning_overflow.diagnosis.replay import KeptBatch, diagnose_step
+from lightning_overflow.diagnosis.records import Diagnosis, Replay
+from lightning_overflow.diagnosis.replay import KeptBatch, batch_stats, diagnose_step
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError
 from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state, nonfinite_at_end, state_flags
@@ -572,19 +572,45 @@ class NonFiniteDetector(SuiteCallback):
         self._log(trainer, reading.metrics(), record.log_step)
         if reading.decades >= self.headroom_warn_decades:
             return
-        message = (
-            f"NonFiniteDetector: the step's largest magnitude is only {reading.decades:.1f} powers of ten (decades) "
-            f"below the FP32 limit 3.4e38 "
-            f"at step {reading.step}: {reading.describe(trainer.world_size > 1)}. The run is approaching overflow "
-            f"(warning below {self.headroom_warn_decades:g} decades; shown once). HINT: {detection_hint('headroom', _present(trainer))}."
+        near = (
+            f"the step's largest magnitude is only {reading.decades:.1f} powers of ten (decades) below the FP32 limit "
+            f"3.4e38 at step {reading.step}: {reading.describe(trainer.world_size > 1)}"
         )
+        data, where = self._extreme_batch(trainer)
+        if data:  # the values came in with the data: no learning rate made them
+            message = (
+                f"NonFiniteDetector: {data} (no normalised input holds such values: a data fault), and {near}. "
+                "HINT: find that sample in the data pipeline (padding, a sentinel value, a unit error) and normalise "
+                "or filter it; until then the suite skips or clips the steps it overflows (shown once)."
+            )
+        else:
+            message = (
+                f"NonFiniteDetector: {near}. The run is approaching overflow (warning below "
+                f"{self.headroom_warn_decades:g} decades; shown once). HINT: "
+                f"{detection_hint('headroom', _present(trainer))}."
+            )
         if not self._headroom_warned:
             self._headroom_warned = True
-            self._event(trainer, "headroom", message, rank=reading.rank or 0, step=reading.step,
-                        decades=reading.decades, source=reading.source, module=reading.module,
-                        magnitude=reading.magnitude)  # fmt: skip
+            self._event(trainer, "data_fault" if data else "headroom", message, rank=reading.rank or 0,
+                        step=reading.step, decades=reading.decades, source=reading.source, module=reading.module,
+                        magnitude=reading.magnitude, **where)  # fmt: skip
         if trainer.global_rank == 0:
             self._warnings.warn("headroom", message)
+
+    def _extreme_batch(self, trainer: pl.Trainer) -> tuple[str, dict[str, Any]]:
+        """This rank's batch, in words and as a data fault's details, when it holds values no normalised input has
+        (``"batch 0 holds values up to 1e+30 in row 3"``); ``("", {})`` otherwise. Read only when the headroom warns."""
+        kept = self._kept
+        if kept is None:
+            return "", {}
+        stats = batch_stats(kept.batch)
+        data = Replay(int(trainer.global_rank), replayed=False, batch_idx=kept.batch_idx,
+                      batch_magnitude=stats.magnitude, batch_nonfinite=stats.nan + stats.inf, batch_nan=stats.nan,
+                      batch_rows=stats.rows).describe_batch()  # fmt: skip
+        if not data:
+            return "", {}
+        return data, {"batch": kept.batch_idx, "rows": list(stats.rows), "data": data,
+                      "data_ranks": [int(trainer.global_rank)]}  # fmt: skip
 
     # ---- counters and state -----------------------------------------------------------------------------------
     @override

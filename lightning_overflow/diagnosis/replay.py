@@ -29,7 +29,7 @@ from lightning_overflow.diagnosis.tracer import NonFiniteTracer, floating_tensor
 from lightning_overflow.preserve import RngState, preserved_state
 from lightning_overflow.training_step import loss_of, signature_parameters, silenced_logging, takes_batch_idx
 
-__all__ = ["KeptBatch", "diagnose_step", "replay_batch"]
+__all__ = ["BatchStats", "KeptBatch", "batch_stats", "diagnose_step", "replay_batch"]
 
 MAX_ROWS = 8  # sample rows named in a diagnosis: enough to find a corrupt sample, few enough to read
 
@@ -85,7 +85,7 @@ def replay_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptB
     if reason:
         return Replay(rank, replayed=False, reason=reason)
     assert kept is not None
-    stats = _batch_stats(kept.batch)
+    stats = batch_stats(kept.batch)
     batch = {"batch_idx": kept.batch_idx, "batch_magnitude": stats.magnitude, "batch_nonfinite": stats.nan + stats.inf,
              "batch_nan": stats.nan, "batch_rows": stats.rows}  # fmt: skip
     error = ""
@@ -252,7 +252,7 @@ def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptB
             return replace(tracer.trace(names), loss=value)
 
 
-def _batch_stats(batch: Any) -> BatchStats:
+def batch_stats(batch: Any) -> BatchStats:
     """The largest finite magnitude in the batch, its inf/NaN counts, and the sample rows (along the first
     dimension) that hold inf/NaN or values beyond ``HUGE_INPUT``."""
     tensors = [t for t in floating_tensors(batch) if t.numel()]
