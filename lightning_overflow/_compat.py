@@ -71,6 +71,15 @@ def logged_in_training(trainer: pl.Trainer, key: str) -> bool:
     return any(getattr(getattr(value, "meta", None), "name", None) in names for value in results.values())
 
 
+def clips_its_own_gradients(pl_module: Any) -> bool:
+    """Whether the LightningModule overrides ``configure_gradient_clipping`` (its own clipping, called by Lightning
+    after the callbacks' ``on_before_optimizer_step``; checked against the Lightning base class it derives from, in
+    either namespace)."""
+    base = next((c for c in type(pl_module).__mro__ if c.__module__.endswith(".core.module")), None)
+    hook = getattr(type(pl_module), "configure_gradient_clipping", None)
+    return base is not None and hook is not getattr(base, "configure_gradient_clipping", hook)
+
+
 def progress_bar_metrics(trainer: pl.Trainer) -> dict[str, Any]:
     """The dict behind ``trainer.progress_bar_metrics`` (``_LoggerConnector._progress_bar_metrics``; 2.6.6)."""
     return trainer.progress_bar_metrics

@@ -622,3 +622,26 @@ def test_ddp_ranks_agree_on_every_threshold(mode: str, tmp_path: Path) -> None:
     assert metrics[0] == metrics[1]
     coefs = [m["clip/coef"] for _, m in metrics[0] if "clip/coef" in m]
     assert len(coefs) == 8 and coefs[5] < 0.5
+
+
+class _ClipsItself(TinyRegressor):
+    """Clips its own gradients in Lightning's hook for it, at a threshold of its own."""
+
+    def configure_gradient_clipping(self, optimizer: Any, *_: Any, **__: Any) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+
+
+def test_a_module_that_clips_its_own_gradients_keeps_its_clipping(caplog: pytest.LogCaptureFixture) -> None:
+    pl.seed_everything(0, verbose=False)
+    bare = _ClipsItself(lr=0.05)
+    fit(bare, max_steps=24)
+    pl.seed_everything(0, verbose=False)
+    suite = _ClipsItself(lr=0.05)
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+        fit(suite, default_callbacks(), max_steps=24)
+    assert_bit_identical(weights(bare), weights(suite))
+    assert [r.getMessage() for r in caplog.records if "AutoClip leaves" in r.getMessage()] == [
+        "lightning_overflow: AutoClip leaves this fit's gradients to _ClipsItself.configure_gradient_clipping: your "
+        "clipping is kept (the rest of the suite acts as usual)"
+    ]
+    fit(_ClipsItself(), [AutoClip()], max_steps=2)  # an AutoClip built by hand keeps clipping, as before

@@ -185,8 +185,9 @@ class AutoClip(SuiteCallback):
             1.05x on every seed. A run whose norms keep growing is clipped again at each new warm-up's cap.
         if_trainer_clips: what to do when the Trainer clips too (``gradient_clip_val``): ``"raise"`` (default) refuses
             the double clipping at setup; ``"defer"`` keeps the user's clipping and leaves this fit's gradients to it,
-            said once at setup (``default_callbacks()`` defers: a training script's own ``gradient_clip_val`` is
-            kept when the suite is added to it).
+            said once at setup, as it does for a LightningModule that clips in its own
+            ``configure_gradient_clipping`` (``default_callbacks()`` defers: a training script's own clipping is kept
+            when the suite is added to it).
 
     Attributes:
         steps: optimizer steps that went ahead with AutoClip's coefficient applied.
@@ -303,8 +304,10 @@ class AutoClip(SuiteCallback):
                 "strategy='ddp'."
             )
         clip_val = trainer.gradient_clip_val if stage == "fit" else None
-        self._deferred = clip_val is not None and clip_val > 0
-        if self._deferred and self.if_trainer_clips == "raise":
+        trainer_clips = clip_val is not None and clip_val > 0
+        module_clips = stage == "fit" and _compat.clips_its_own_gradients(pl_module)
+        self._deferred = trainer_clips or (module_clips and self.if_trainer_clips == "defer")
+        if trainer_clips and self.if_trainer_clips == "raise":
             raise ValueError(
                 f"AutoClip(mode={self.mode!r}) and Trainer(gradient_clip_val={clip_val}) would both clip every step's "
                 "gradients (double clipping: AutoClip first, then Lightning's clip_grad_norm_, which zeroes finite "
@@ -317,11 +320,16 @@ class AutoClip(SuiteCallback):
             return
         self._reset()  # a new fit starts from scratch (a warm-up again); a resumed one loads its state right after
         if self._deferred and trainer.global_rank == 0:
+            algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", "norm"))
+            whose = (
+                f"{type(pl_module).__name__}.configure_gradient_clipping"
+                if module_clips
+                else f"Trainer(gradient_clip_val={clip_val}, gradient_clip_algorithm={algorithm!r}), which clips every "
+                "step"
+            )
             log.info(
-                f"lightning_overflow: AutoClip leaves this fit's gradients to Trainer(gradient_clip_val={clip_val}, "
-                f"gradient_clip_algorithm={str(getattr(trainer.gradient_clip_algorithm, 'value', 'norm'))!r}), "
-                "which clips every step: "
-                "your clipping is kept (the rest of the suite acts as usual)"
+                f"lightning_overflow: AutoClip leaves this fit's gradients to {whose}: your clipping is kept (the rest "
+                "of the suite acts as usual)"
             )
         if self.mode == "agc" and self.exclude:
             names = [name for name, _ in pl_module.named_parameters()]

@@ -49,7 +49,10 @@ VAL_KEYS = (
     "val/loss_epoch",
 )  # fmt: skip
 
-_EVALUATION = re.compile(r"^(val|valid|validation|eval|test|predict)([_/]|$)", re.IGNORECASE)
+# A key is an evaluation metric when one of its path segments reads as one: "val_loss", "val/acc", and a library's
+# own prefix before it (neuralforecast logs "ptl/val_loss").
+_EVALUATION = re.compile(r"(^|/)(val|valid|validation|eval|test|predict)([_/]|$)", re.IGNORECASE)
+_AFTER_FIT = re.compile(r"(^|/)(test|predict)([_/]|$)", re.IGNORECASE)
 
 
 def is_suite_key(key: str) -> bool:
@@ -65,12 +68,16 @@ def choose_loss_key(keys: Collection[str]) -> str | None:
         'train/loss'
         >>> choose_loss_key(["grad_norm/total", "overflow/headroom_loss_decades"]) is None
         True
+        >>> choose_loss_key(["ptl/val_loss", "ptl/train_loss"])
+        'ptl/train_loss'
+        >>> choose_loss_key(["ptl/val_loss"]) is None
+        True
     """
     user = [k for k in keys if not is_suite_key(k)]
     for name in LOSS_KEYS:
         if name in user:
             return name
-    named = [k for k in user if "loss" in k.lower() and not _EVALUATION.match(k)]
+    named = [k for k in user if "loss" in k.lower() and not _EVALUATION.search(k)]
     # A training loss spelled otherwise: prefer one that says "train", then a per-step value over an epoch mean.
     named.sort(key=lambda k: ("train" not in k.lower(), k.endswith("_epoch"), k))
     return named[0] if named else None
@@ -82,6 +89,8 @@ def choose_val_key(keys: Collection[str]) -> str | None:
     Example:
         >>> choose_val_key(["train_loss", "val/loss"])
         'val/loss'
+        >>> choose_val_key(["train_loss", "ptl/val_loss", "ptl/test_loss"])  # neuralforecast's
+        'ptl/val_loss'
     """
     user = [k for k in keys if not is_suite_key(k)]
     for name in VAL_KEYS:
@@ -90,7 +99,7 @@ def choose_val_key(keys: Collection[str]) -> str | None:
     # Only validation: a test or predict loss is measured after the fit, not during it.
     named = sorted(
         k for k in user
-        if "loss" in k.lower() and _EVALUATION.match(k) and not k.lower().startswith(("test", "predict"))
+        if "loss" in k.lower() and _EVALUATION.search(k) and not _AFTER_FIT.search(k)
     )
     return named[0] if named else None
 
