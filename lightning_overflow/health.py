@@ -577,6 +577,16 @@ class HealthBoard:
         """The class names of the suite callbacks in this fit (advice names only what is not there)."""
         return {type(p).__name__ for p in self.participants}
 
+    def buffers_written(self) -> list[tuple[str, Tensor]]:
+        """The floating-point buffers this accumulation window's forward passes wrote in place, by name (what a skip
+        puts back: :class:`~lightning_overflow.skip.BufferCopy`)."""
+        return self._buffers.written()
+
+    def known_constants(self) -> NonFiniteConstants:
+        """The buffers' constants learned so far in this fit, without learning more (no module walk: a per-step
+        check may ask)."""
+        return self._constants if self._constants is not None else NonFiniteConstants()
+
     def constants(self, trainer: pl.Trainer) -> NonFiniteConstants:
         """The infs the module's buffers hold as constants (a causal mask's ``-inf``): the one record every state
         check of the suite uses, started the first time a check asks in this fit and brought up to date at each

@@ -66,6 +66,8 @@ class BufferCopy:
         self._owners: list[tuple[nn.Module, str]] = []  # each buffer's module and its name there
         self._live: list[Tensor] = []
         self._saved: list[Tensor] = []
+        self._versions: list[int] = []  # each buffer's in-place write counter when the window began
+        self._running: list[bool] = []  # each buffer: a normalisation layer's running statistic
 
     def take(self, module: nn.Module) -> None:
         if self._module is not module or self._replaced():  # a module tree walk per batch costs tens of us
@@ -75,9 +77,21 @@ class BufferCopy:
             self._owners = [_owner(module, name) for name in self._names]
             self._live = [b for _, b in named]
             self._saved = [torch.empty_like(b) for b in self._live]
+            self._running = [_running_statistic(owner, name) for owner, name in self._owners]
         if self._live:
             with torch.no_grad():
                 torch._foreach_copy_(self._saved, self._live)
+            self._versions = [b._version for b in self._live]
+
+    def written(self) -> list[tuple[str, Tensor]]:
+        """The floating-point buffers the window's forward passes wrote, by name: those torch counts as written in
+        place (``_version``: an EMA updated from Python), and the running statistics of normalisation layers, whose
+        native kernel writes them uncounted. Constants such as a causal mask are never among them."""
+        return [
+            (name, live)
+            for name, live, version, running in zip(self._names, self._live, self._versions, self._running)
+            if (running or live._version != version) and live.is_floating_point()
+        ]
 
     def _replaced(self) -> bool:
         """Whether a listed buffer is no longer its module's (re-assigned, or removed)."""
@@ -99,7 +113,12 @@ class BufferCopy:
 
     def release(self) -> None:
         self._module = None
-        self._names, self._owners, self._live, self._saved = [], [], [], []
+        self._names, self._owners, self._live, self._saved, self._versions, self._running = [], [], [], [], [], []
+
+
+def _running_statistic(owner: nn.Module, name: str) -> bool:
+    """A BatchNorm's (or InstanceNorm's) ``running_mean`` / ``running_var``: written by the forward in train mode."""
+    return isinstance(owner, nn.modules.batchnorm._NormBase) and name in ("running_mean", "running_var")
 
 
 class ClosureStepStart:

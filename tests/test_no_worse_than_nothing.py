@@ -3,11 +3,14 @@ fault of the state; a restore the fit ends behind is said in plain words."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from conftest import assert_bit_identical, fit, weights
+from ddp_utils import run_ddp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -115,3 +118,60 @@ def test_an_extreme_value_in_the_data_is_told_as_a_data_fault_not_a_learning_rat
         "fault), and the step's largest magnitude is only "
     )
     assert "lower the learning rate" not in found["message"]
+
+
+class _ExtremeIntoBatchNorm(TinyRegressor):
+    """A BatchNorm regression whose batch 2 holds one finite 1e30: the batch variance overflows to inf, the output
+    stays finite (normalised by inf: 0), the loss and the gradients stay finite, and only running_var takes the inf."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_norm=True)
+        x, y = self.data.tensors
+        x = x.clone()
+        x[2 * self.batch_size + 1, 0] = 1e30
+        self.data = TensorDataset(x, y)
+
+
+def test_a_batch_that_overflows_batchnorm_statistics_is_skipped_and_the_buffers_put_back(tmp_path: Any) -> None:
+    pl.seed_everything(0, verbose=False)
+    bare = _ExtremeIntoBatchNorm()
+    fit(bare, max_steps=3)
+    assert torch.isinf(bare.net[1].running_var).any()  # bare: the statistics hold inf from step 2 on
+    pl.seed_everything(0, verbose=False)
+    model = _ExtremeIntoBatchNorm()
+    detector = NonFiniteDetector()
+    fit(model, [detector], max_steps=3, default_root_dir=tmp_path)
+    pl.seed_everything(0, verbose=False)
+    two_steps = _ExtremeIntoBatchNorm()
+    fit(two_steps, max_steps=2)
+    assert detector.skipped_steps == 1
+    assert_bit_identical(weights(model), weights(two_steps))  # step 2 a true no-op: buffers put back, bit for bit
+    (found,) = [e for e in _journal(tmp_path) if e["kind"] in ("nonfinite", "data_fault")]
+    assert (found["kind"], found["step"], found["details"]["where"]) == ("data_fault", 2, "buffer")
+    assert found["details"]["parameters"] == ["net.1.running_var"]
+    assert found["message"].startswith(
+        "NonFiniteDetector: the forward pass wrote inf/NaN into buffers in net.1.running_var at step 2 (epoch 0) on "
+        "rank(s) 0. The optimizer step was skipped. The batch: batch 2 holds values up to 1e+30 in row 1."
+    )
+
+
+class _ExtremeOnRankOne(TinyRegressor):
+    """Under DDP (2 ranks, no shuffling) rank 1 takes the odd samples: sample 33 is row 0 of its batch 2."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_norm=True)
+        x, y = self.data.tensors
+        x = x.clone()
+        x[33, 0] = 1e30
+        self.data = TensorDataset(x, y)
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_ddp_ranks_skip_together_when_one_ranks_batch_overflows_its_statistics(tmp_path: Path) -> None:
+    detector = NonFiniteDetector()
+    reports = run_ddp(_ExtremeOnRankOne(), [detector], tmp_path, max_steps=4)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["finite"] and reports[1]["finite"]  # rank 1's statistics put back (each rank keeps its own)
+    assert reports[0]["states"] == reports[1]["states"]  # the same decisions on both
+    assert '"skipped_steps": 1' in reports[0]["states"][0]

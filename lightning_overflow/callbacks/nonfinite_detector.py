@@ -19,10 +19,12 @@ from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.hints import detection_hint, divergence_hint
 from lightning_overflow.diagnosis.records import Diagnosis, Replay
 from lightning_overflow.diagnosis.replay import KeptBatch, batch_stats, diagnose_step
+from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError
 from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state, nonfinite_at_end, state_flags
 from lightning_overflow.numerics import FP32_MAX, parameters_of
+from lightning_overflow.numerics.snapshots import nonfinite_flag
 from lightning_overflow.policy import StepAction, Verdict
 from lightning_overflow.preserve import capture_rng
 from lightning_overflow.replicas import checksum, compare, differing_parameters
@@ -38,7 +40,7 @@ Action = Literal["skip", "raise", "warn"]
 class Finding:
     """A detection on one optimizer step, identical on every rank."""
 
-    kind: str  # loss | grad | weight | optimizer_state
+    kind: str  # loss | grad | buffer | weight | optimizer_state
     ranks: tuple[int, ...]
     names: list[str] = field(default_factory=list)
     overflow: bool = False
@@ -303,6 +305,12 @@ class NonFiniteDetector(SuiteCallback):
             sums = checksum(parameters_of(record.optimizer))
             record.add(self._key("replica_sum"), sums[0], per_rank=True)
             record.add(self._key("replica_sq"), sums[1], per_rank=True)
+        board = self.board(trainer)
+        written = board.buffers_written()
+        if written:  # what the forward passes wrote (BatchNorm's statistics): per rank, a skip puts it back
+            constants = board.known_constants()
+            flag = nonfinite_flag([constants.without_constants(name, t) for name, t in written])
+            record.add(self._key("buffers"), flag.to(record.grad_norms.device), per_rank=True)
         every = self.check_weights_every_n_steps
         if every is None or record.step % every:
             return
@@ -366,9 +374,11 @@ class NonFiniteDetector(SuiteCallback):
     def _find(self, trainer: pl.Trainer, record: StepHealth) -> Finding | None:
         """What, if anything, is non-finite on this step. Only values identical on every rank are used."""
         state_flagged = record.has(self._key()) and any(record.value(self._key()))
+        buffer_ranks = tuple(r for r, v in enumerate(record.value(self._key("buffers")))
+                             if v) if record.has(self._key("buffers")) else ()  # fmt: skip
         if record.healthy and not state_flagged:
             self._scaler_overflows = 0
-            return None
+            return self._buffer_finding(trainer, buffer_ranks) if buffer_ranks else None
         if record.loss_finite and record.loss_scale is not None and not record.grads_finite and not state_flagged:
             return self._judge_scaler(record)  # inf/NaN gradients: the scaler skips the step itself
         state = inspect_state(trainer, record)
@@ -379,8 +389,18 @@ class NonFiniteDetector(SuiteCallback):
         if not record.loss_finite:
             return Finding("loss", record.loss_nonfinite_ranks, hint_key="loss")
         if record.grads_finite and not record.grads_beyond_fp32:
-            return None  # a fast-path flag that the exact check cleared (FP32 overflow of finite values)
+            # A fast-path flag that the exact check cleared (FP32 overflow of finite values).
+            return self._buffer_finding(trainer, buffer_ranks) if buffer_ranks else None
         return self._grad_finding(record)
+
+    def _buffer_finding(self, trainer: pl.Trainer, ranks: tuple[int, ...]) -> Finding:
+        """The forward passes wrote inf/NaN into buffers (a batch that overflows BatchNorm's variance): the step is
+        skipped, which puts them back. The names are this rank's (one read, on this path only)."""
+        constants = self.board(trainer).known_constants()
+        written = self.board(trainer).buffers_written()
+        names = [name for name, t in written
+                 if not bool(torch.isfinite(constants.without_constants(name, t)).all())]  # fmt: skip
+        return Finding("buffer", ranks, names, hint_key="buffer")
 
     def _judge_scaler(self, record: StepHealth) -> Finding | None:
         """Routine GradScaler overflow is calibration, not divergence, unless it persists or the scale collapses."""
@@ -427,6 +447,14 @@ class NonFiniteDetector(SuiteCallback):
             finding.details.update(_batch_details(diagnosis) if finding.data_fault else {})
             # The sentence is the event's message already: written once.
             finding.details["diagnosis"] = {k: v for k, v in diagnosis.to_dict().items() if k != "message"}
+        elif finding.kind == "buffer":  # no replay: the outputs and gradients stay finite; the batch says why
+            data, where = self._extreme_batch(trainer)
+            # A decision (a data fault is never held against the state): every rank's batch counts, one all-reduce.
+            (ranks,) = flags_by_rank([torch.tensor(float(bool(data)))], trainer.strategy.root_device)
+            finding.data_fault = bool(ranks)
+            finding.details.update(where)
+            if data:
+                message = finding.message = f"{message} The batch: {data}."
         kind = "data_fault" if finding.data_fault else "nonfinite"
         self._event(trainer, kind, message, rank=min(finding.ranks, default=0), **finding.details)
         self._raise_signals(trainer, record, finding, message)
@@ -518,6 +546,7 @@ class NonFiniteDetector(SuiteCallback):
             if finding.overflow
             else "the gradients contained inf/NaN",
             "weight": "the weights contained inf/NaN",
+            "buffer": "the forward pass wrote inf/NaN into buffers",
             "optimizer_state": "the optimizer state contained inf/NaN",
         }[finding.kind]
         names = ""

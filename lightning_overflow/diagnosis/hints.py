@@ -163,7 +163,7 @@ def detection_hint(key: str, present: Collection[str]) -> str:
     """What to try after a detection of kind ``key``, suggesting only suite callbacks not in ``present``.
 
     Args:
-        key: ``"loss"``, ``"grad"``, ``"overflow"``, ``"weight"``, ``"optimizer_state"``, ``"scaler"``,
+        key: ``"loss"``, ``"grad"``, ``"overflow"``, ``"buffer"``, ``"weight"``, ``"optimizer_state"``, ``"scaler"``,
             ``"consecutive"`` or ``"headroom"``.
         present: class names of the callbacks the Trainer already has.
 
@@ -183,6 +183,8 @@ def detection_hint(key: str, present: Collection[str]) -> str:
         "overflow": f"the gradients are finite but their norm lies beyond the FP32 range: {clip}, or check the "
         "initialisation and normalisation of deep stacks",
         "weight": f"the weights themselves are non-finite and skipping steps cannot repair them: {recover}",
+        "buffer": "a batch overflowed a layer that keeps running statistics (BatchNorm's running_var): the step was "
+        "skipped and the buffers put back; check the batch for extreme or unnormalised values",
         "optimizer_state": "the optimizer state (e.g. Adam's exp_avg_sq) is non-finite and poisons every later step: "
         f"{recover}",
         "scaler": "the GradScaler keeps overflowing: the model overflows fp16 even with a small loss scale; try "
