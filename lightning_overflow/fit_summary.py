@@ -167,8 +167,9 @@ def _data_faults(faults: list[Event], by_kind: dict[str, list[Event]]) -> list[s
                   if once_an_epoch and len(batches) > 1 else f"at {_at(faults)}")  # fmt: skip
         where = (f"batches hold inf/NaN or values beyond 1e15 {recurs}; the first, batch {details.get('batch')} of "
                  f"epoch {epochs[0]} (step {first['step']}), {what}")  # fmt: skip
-    done = f"{_count(skipped, 'step')} skipped" if skipped else f"{_count(len({e['step'] for e in faults}), 'step')} found"
-    return [f"{done}: {where}: a data fault; check the data"]
+    if not skipped:  # seen without a skip (a headroom warning): the steps went ahead
+        return [f"{where[0].upper()}{where[1:]} (the step went ahead): a data fault; check the data"]
+    return [f"{_count(skipped, 'step')} skipped: {where}: a data fault; check the data"]
 
 
 def _nonfinite(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:

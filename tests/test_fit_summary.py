@@ -167,7 +167,7 @@ def test_plain_lines_name_who_started_afresh_and_what_a_warning_only_detector_fo
         event(60, "clip", "AutoClip", mode="agc", grad_norm=5.0, threshold=0.01),
     ]
     assert plain_lines(events) == [
-        "1 step found: batch 3 of epoch 0 (step 3) holds NaN in row 1: a data fault; check the data",
+        "Batch 3 of epoch 0 (step 3) holds NaN in row 1 (the step went ahead): a data fault; check the data",
         "AutoClip started its gradient-norm statistics afresh once (step 41): the gradient norm moved to a new level "
         "and stayed there",
         "LossSpikeDetector started its loss statistics afresh once (step 40): the loss moved to a new level and "
