@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import random
 import sys
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from lightning_overflow.exceptions import OverflowWarning
 
 __all__ = [
     "ModuleAttributes",
@@ -306,17 +309,27 @@ class _Contents:
     items: Any = None
 
 
+_CLONE_LIMIT = 64 << 20  # a plain tensor attribute larger than this (a dataset kept on the module) is not copied
+
+
 @dataclass(frozen=True, slots=True)
 class _TensorContents:
+    """A plain tensor attribute, its in-place write counter, and a copy of its values (``None`` above
+    ``_CLONE_LIMIT``: a side run that writes into it in place is then said, not undone)."""
+
     tensor: Tensor
-    clone: Tensor
+    version: int
+    clone: Tensor | None
 
 
 def _copy(value: Any, memo: dict[int, _Contents], depth: int) -> Any:
     """What :func:`_restore` needs to put ``value`` back: ``value`` itself (a reference), or a copy of its contents
     (a container's, and a plain tensor's where it is an attribute itself: ``depth`` 0)."""
     if isinstance(value, Tensor):
-        return _TensorContents(value, value.detach().clone()) if depth == 0 else value
+        if depth:
+            return value
+        small = value.numel() * value.element_size() <= _CLONE_LIMIT
+        return _TensorContents(value, value._version, value.detach().clone() if small else None)
     if not isinstance(value, _CONTAINERS) or depth >= _DEPTH:
         return value
     if id(value) in memo:  # held twice, or a cycle: copied once
@@ -334,9 +347,18 @@ def _copy(value: Any, memo: dict[int, _Contents], depth: int) -> Any:
 def _restore(saved: Any, done: set[int]) -> Any:
     """Put the contents back in place (once per call of :func:`put_back_attributes`); return the reference."""
     if isinstance(saved, _TensorContents):
-        if id(saved) not in done:
+        if id(saved) not in done and saved.tensor._version != saved.version:  # written in place since
             done.add(id(saved))
             tensor, clone = saved.tensor, saved.clone
+            if clone is None:
+                warnings.warn(
+                    f"a side run of the suite (a trial's candidate or a replay) wrote in place into a tensor attribute "
+                    f"of {tensor.numel() * tensor.element_size() >> 20} MiB, too large to copy before each side run: "
+                    "the write stays. Guard it with lightning_overflow.side_run() in training_step.",
+                    OverflowWarning,
+                    stacklevel=2,
+                )
+                return tensor
             with torch.inference_mode() if tensor.is_inference() else torch.no_grad():
                 if tensor.shape == clone.shape and tensor.dtype == clone.dtype:
                     tensor.copy_(clone)

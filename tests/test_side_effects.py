@@ -263,3 +263,29 @@ def test_a_replay_context_puts_the_attributes_back_and_names_itself() -> None:
             assert side_run() == "trial"
         assert side_run() == "replay"
     assert side_run() is None and m.items == [1, [2, 3]] and m.count == 0
+
+
+def test_a_tensor_attribute_too_large_to_copy_is_not_copied_and_a_write_into_it_is_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lightning_overflow.preserve as preserve
+    from lightning_overflow import OverflowWarning
+
+    monkeypatch.setattr(preserve, "_CLONE_LIMIT", 16)  # bytes: 4 float32 values
+
+    class Holder(nn.Module):
+        pass
+
+    module = Holder()
+    module.small, module.large, module.untouched = torch.zeros(4), torch.zeros(8), torch.zeros(8)
+    kept = capture_attributes(module)
+    assert [saved.clone is None for saved in (kept.modules[0][1][n] for n in ("small", "large", "untouched"))] == [
+        False, True, True
+    ]
+    module.small += 1
+    module.large += 1
+    with pytest.warns(OverflowWarning, match=r"wrote in place into a tensor attribute of 0 MiB, too large to copy"):
+        put_back_attributes(kept)
+    assert module.small.tolist() == [0.0] * 4  # put back
+    assert module.large.tolist() == [1.0] * 8  # said, not undone
+    assert module.untouched._version == 0  # never written: nothing done to it
