@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from pytorch_lightning.loggers.logger import DummyLogger
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -26,13 +27,22 @@ def loss_of(output: Any) -> Tensor | None:
 
 @contextmanager
 def silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` / ``self.log_dict`` do nothing inside the body (they would log the batch twice)."""
+    """Nothing a ``training_step`` logs inside the body reaches the run's logs (it would log the batch twice):
+    ``self.log`` / ``self.log_dict`` do nothing, and the trainer's loggers are a dummy that absorbs every call, so
+    ``self.logger.log_metrics(...)`` and ``self.logger.experiment.add_scalar(...)`` (a module that writes its own
+    logs) write nothing either."""
     own = {name: vars(pl_module)[name] for name in ("log", "log_dict") if name in vars(pl_module)}
     pl_module.log = _no_log  # type: ignore[method-assign]
     pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    trainer = getattr(pl_module, "_trainer", None)
+    loggers = list(trainer.loggers) if trainer is not None else []
+    if loggers:
+        trainer.loggers = [DummyLogger() for _ in loggers]  # Trainer.loggers is a public property with a setter
     try:
         yield
     finally:
+        if loggers:
+            trainer.loggers = loggers
         for name in ("log", "log_dict"):
             if name in own:
                 setattr(pl_module, name, own[name])

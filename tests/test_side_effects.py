@@ -289,3 +289,50 @@ def test_a_tensor_attribute_too_large_to_copy_is_not_copied_and_a_write_into_it_
     assert module.small.tolist() == [0.0] * 4  # put back
     assert module.large.tolist() == [1.0] * 8  # said, not undone
     assert module.untouched._version == 0  # never written: nothing done to it
+
+
+class WritesItsOwnLogs(TinyRegressor):
+    """Writes its own logs from training_step, through the logger's API and its experiment object."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.logger.log_metrics({"mine": float(loss.detach())}, step=self.global_step)
+        self.logger.experiment.append(("mine", self.global_step))
+        return loss
+
+
+class ListExperimentLogger(pl.loggers.Logger):
+    """Keeps what it is given: ``log_metrics`` calls, and whatever the module appends to its ``experiment``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+        self._experiment: list[Any] = []
+
+    @property
+    def name(self) -> str:
+        return "list"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def experiment(self) -> list[Any]:
+        return self._experiment
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *_: Any, **__: Any) -> None:
+        return None
+
+
+def test_a_trial_writes_nothing_into_the_logs_a_module_writes_itself(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    logger = ListExperimentLogger()
+    suite = [Suspect(31), LRBackoff(trial=TrialConfig()), Rollback(every_n_steps=10, trial=TrialConfig())]
+    fit(WritesItsOwnLogs(), suite, max_steps=60, logger=logger, default_root_dir=tmp_path)
+    assert [step for _, step in logger.experiment] == list(range(60))  # one entry per step of the run, none twice
+    mine = [step for step, metrics in logger.logged if "mine" in metrics]
+    assert mine == list(range(60))
