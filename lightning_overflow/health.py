@@ -577,6 +577,10 @@ class HealthBoard:
         """The class names of the suite callbacks in this fit (advice names only what is not there)."""
         return {type(p).__name__ for p in self.participants}
 
+    def watches_buffers(self) -> bool:
+        """Whether the module has floating-point buffers a forward may write (its layout: alike on every rank)."""
+        return self._buffers.watched
+
     def buffers_written(self) -> list[tuple[str, Tensor]]:
         """The floating-point buffers this accumulation window's forward passes wrote in place, by name (what a skip
         puts back: :class:`~lightning_overflow.skip.BufferCopy`)."""

@@ -83,6 +83,12 @@ class BufferCopy:
                 torch._foreach_copy_(self._saved, self._live)
             self._versions = [b._version for b in self._live]
 
+    @property
+    def watched(self) -> bool:
+        """Whether the module has floating-point buffers that its forward may write (the same on every rank: the
+        module's layout, not what one rank's forward did)."""
+        return any(live.is_floating_point() for live in self._live)
+
     def written(self) -> list[tuple[str, Tensor]]:
         """The floating-point buffers the window's forward passes wrote, by name: those torch counts as written in
         place (``_version``: an EMA updated from Python), and the running statistics of normalisation layers, whose

@@ -306,11 +306,12 @@ class NonFiniteDetector(SuiteCallback):
             record.add(self._key("replica_sum"), sums[0], per_rank=True)
             record.add(self._key("replica_sq"), sums[1], per_rank=True)
         board = self.board(trainer)
-        written = board.buffers_written()
-        if written:  # what the forward passes wrote (BatchNorm's statistics): per rank, a skip puts it back
+        if board.watches_buffers():  # what the forward passes wrote (BatchNorm's statistics): a skip puts it back
+            # Per rank, and a slot on every rank alike (the module's layout decides, not what one forward wrote).
             constants = board.known_constants()
-            flag = nonfinite_flag([constants.without_constants(name, t) for name, t in written])
-            record.add(self._key("buffers"), flag.to(record.grad_norms.device), per_rank=True)
+            written = [constants.without_constants(name, t) for name, t in board.buffers_written()]
+            flag = nonfinite_flag(written, record.grad_norms.device)
+            record.add(self._key("buffers"), flag, per_rank=True)
         every = self.check_weights_every_n_steps
         if every is None or record.step % every:
             return
