@@ -3,6 +3,7 @@ fault of the state; a restore the fit ends behind is said in plain words."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +176,76 @@ def test_ddp_ranks_skip_together_when_one_ranks_batch_overflows_its_statistics(t
     assert reports[0]["finite"] and reports[1]["finite"]  # rank 1's statistics put back (each rank keeps its own)
     assert reports[0]["states"] == reports[1]["states"]  # the same decisions on both
     assert '"skipped_steps": 1' in reports[0]["states"][0]
+
+
+@dataclasses.dataclass
+class _Batch:
+    """A library's own batch class (darts' training batch, chemprop's molecule graph are dataclasses)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _DataclassBatches(TinyRegressor):
+    """Batches 3, 4 and 5 each hold a NaN in row 0; ``as_dataclass`` hands them to training_step as a dataclass."""
+
+    def __init__(self, as_dataclass: bool) -> None:
+        super().__init__(optimizer="sgd")
+        self.as_dataclass = as_dataclass
+        x, y = self.data.tensors
+        x = x.clone()
+        for batch in (3, 4, 5):
+            x[batch * self.batch_size, 0] = float("nan")
+        self.data = TensorDataset(x, y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = (batch.x, batch.y) if isinstance(batch, _Batch) else batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+            x, y = torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+            return _Batch(x, y) if self.as_dataclass else (x, y)
+
+        return DataLoader(self.data, batch_size=self.batch_size, collate_fn=collate)
+
+
+@pytest.mark.parametrize("as_dataclass", [False, True])
+def test_bad_data_in_a_librarys_own_batch_class_is_a_data_fault_not_a_failing_state(
+    as_dataclass: bool, tmp_path: Path
+) -> None:
+    # Three bad batches in a row used to read as "steps that keep failing on batches that hold no inf/NaN" when the
+    # batch was a dataclass: the learning rate backed off and the run went back to step 0.
+    callbacks = default_callbacks()
+    fit(_DataclassBatches(as_dataclass), callbacks, max_steps=8, default_root_dir=tmp_path)
+    kinds = [e["kind"] for e in _journal(tmp_path)]
+    assert kinds.count("data_fault") == 3 and "nonfinite" not in kinds
+    assert "backoff" not in kinds and "rollback" not in kinds
+    found = [e for e in _journal(tmp_path) if e["kind"] == "data_fault"]
+    assert [(e["step"], e["details"]["batch"], e["details"]["rows"]) for e in found] == [(3, 3, [0]), (4, 4, [0]),
+                                                                                         (5, 5, [0])]
+
+
+class _MostlyBadData(TinyRegressor):
+    """Twelve of the sixteen batches of an epoch hold a NaN: one missing value in a series poisons every window
+    that holds it."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd", n_samples=128)
+        x, y = self.data.tensors
+        x = x.clone()
+        for batch in range(2, 14):
+            x[batch * self.batch_size + 1, 2] = float("nan")
+        self.data = TensorDataset(x, y)
+
+
+def test_steps_skipped_for_bad_data_spend_no_skip_budget(tmp_path: Path) -> None:
+    detector = NonFiniteDetector()
+    fit(_MostlyBadData(), [detector], max_steps=32, default_root_dir=tmp_path)  # alone: it used to raise
+    assert detector.skipped_steps == 24  # 12 bad batches in each of the 2 epochs, every one skipped
+    kinds = [e["kind"] for e in _journal(tmp_path)]
+    assert "skip_budget" not in kinds and "abort" not in kinds
+    callbacks = default_callbacks()
+    fit(_MostlyBadData(), callbacks, max_steps=32, default_root_dir=tmp_path / "suite")
+    kinds = [e["kind"] for e in _journal(tmp_path / "suite")]
+    assert kinds.count("data_fault") == 24 and "backoff" not in kinds and "rollback" not in kinds

@@ -97,8 +97,9 @@ class NonFiniteDetector(SuiteCallback):
             held against the state, however often they recur (this needs ``diagnose=True``, which measures the
             batch).
         max_skipped_share, skip_window: the skip budget. When more than ``max_skipped_share`` of the last
-            ``skip_window`` optimizer steps were skipped (by any suite callback, data faults included; defaults half
-            of the last 20), the run is not training, whether its skips come in a row or not: signal
+            ``skip_window`` optimizer steps were skipped (by any suite callback, for any reason but a data fault:
+            bad batches say nothing about the state; defaults half of the last 20), the run is not training, whether
+            its skips come in a row or not: signal
             ``nonfinite_persistent`` (so ``LRBackoff`` and ``Rollback`` back off and restore at once, and raise
             :class:`~lightning_overflow.DivergenceError` once nothing is left to try), and count afresh. With no
             callback that answers that signal, raise :class:`~lightning_overflow.DivergenceError` here, naming the
@@ -472,7 +473,7 @@ class NonFiniteDetector(SuiteCallback):
         finding, self._finding = self._finding, None
         if finding is not None and self.action == "skip":
             self._account(trainer, record, action, finding)
-        self._weigh_skips(trainer, record, action)
+        self._weigh_skips(trainer, record, action, data_fault=finding is not None and finding.data_fault)
 
     def _account(self, trainer: pl.Trainer, record: StepHealth, action: StepAction, finding: Finding) -> None:
         """Count and journal a skip of this detector's; stop after ``max_consecutive_skips``."""
@@ -492,9 +493,11 @@ class NonFiniteDetector(SuiteCallback):
             self._event(trainer, "abort", message, **finding.details)
             raise self._error(trainer, message, record, finding, finding.diagnosis)
 
-    def _weigh_skips(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
-        """The skip budget: a run whose recent steps were mostly skipped is not training (see ``max_skipped_share``)."""
-        self._skips = [*self._skips[-(self.skip_window - 1) :], action.skipped]
+    def _weigh_skips(self, trainer: pl.Trainer, record: StepHealth, action: StepAction, data_fault: bool) -> None:
+        """The skip budget: a run whose recent steps were mostly skipped is not training (see ``max_skipped_share``).
+        A step skipped for a data fault is not counted: bad batches say nothing about the state, and a lower rate or
+        an earlier state cannot mend them (one missing value in a series poisons every window that holds it)."""
+        self._skips = [*self._skips[-(self.skip_window - 1) :], action.skipped and not data_fault]
         skipped = sum(self._skips)
         if skipped <= self.max_skipped_share * self.skip_window:
             return

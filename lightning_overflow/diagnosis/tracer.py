@@ -16,10 +16,11 @@ Gradients are computed with ``torch.autograd.grad``, so ``.grad`` and any DDP re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -43,7 +44,9 @@ _IGNORED = frozenset({
 })  # fmt: skip
 MAX_NAMES = 20  # parameter names kept in a trace (it goes into the journal)
 _DEPTH = 4  # how deep outputs and arguments are searched for tensors (tuples of tuples, dicts of lists)
-_BACKWARD_HOOK_WARNING = r".*[Ff]ull backward hook.*"
+# What torch warns of a full backward hook on a module whose output is no tensor (a library's own output or batch
+# class, once per replay) or that it cannot serve: the replay falls back to the autograd nodes, so it says nothing.
+_BACKWARD_HOOK_WARNING = r".*([Ff]ull backward hook|For backward hooks to be called).*"
 
 
 @dataclass
@@ -103,6 +106,7 @@ class NonFiniteTracer:
         self._forward_trail: list[tuple[str, Tensor]] = []
         self._backward_trail: list[tuple[str, Tensor]] = []
         self._mode: _OpWatch | None = None
+        self._quiet: Any = None  # the warnings filter of the traced region
         self.busy = False
         self.forward_origin: Origin | None = None
         self._module_origin: Origin | None = None  # backward, from the module hooks
@@ -113,6 +117,9 @@ class NonFiniteTracer:
 
     # ---- context --------------------------------------------------------------------------------------------------
     def __enter__(self) -> NonFiniteTracer:
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING)
         for name, module in self._modules:
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter_module, name)))
             self._handles.append(module.register_forward_hook(functools.partial(self._exit_module, name)))
@@ -133,6 +140,9 @@ class NonFiniteTracer:
         self._handles.clear()
         self._creators.clear()
         self._stack.clear()
+        quiet, self._quiet = self._quiet, None
+        if quiet is not None:
+            quiet.__exit__(None, None, None)
 
     def _stop_ops(self) -> None:
         if self._mode is not None:
@@ -384,17 +394,14 @@ def trace_nonfinite(
 
 # ---- small tensor helpers (host reads: the diagnosis path only) ---------------------------------------------------
 def floating_tensors(value: Any, depth: int = 0) -> list[Tensor]:
-    """The dense floating-point tensors in ``value`` (a tensor, or tuples, lists and dicts of them)."""
+    """The dense floating-point tensors in ``value``: a tensor, or the collections Lightning moves to the device
+    (tuples, lists, mappings, dataclasses such as darts' training batch or chemprop's molecule graph) of them."""
     if isinstance(value, Tensor):
         ok = value.is_floating_point() and value.layout == torch.strided and value.device.type != "meta"
         return [value] if ok else []
     if depth >= _DEPTH:
         return []
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in floating_tensors(v, depth + 1)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in floating_tensors(v, depth + 1)]
-    return []
+    return [t for v in _members(value) for t in floating_tensors(v, depth + 1)]
 
 
 def _nonfinite_number(value: Any, depth: int = 0) -> bool:
@@ -402,11 +409,18 @@ def _nonfinite_number(value: Any, depth: int = 0) -> bool:
         return not math.isfinite(value)
     if depth >= _DEPTH:
         return False
+    return any(_nonfinite_number(v, depth + 1) for v in _members(value))
+
+
+def _members(value: Any) -> list[Any]:
+    """The items of a collection a batch is made of (empty for anything else: no object is walked blindly)."""
     if isinstance(value, (list, tuple)):
-        return any(_nonfinite_number(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return any(_nonfinite_number(v, depth + 1) for v in value.values())
-    return False
+        return list(value)
+    if isinstance(value, Mapping):
+        return list(value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    return []
 
 
 def _any_nonfinite(tensors: Sequence[Tensor]) -> bool:
