@@ -5,6 +5,7 @@ and the tuner. Every suite callback survives both at every hook, and a copy shar
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 from typing import Any
 
@@ -97,3 +98,25 @@ def test_a_copy_taken_mid_fit_shares_nothing_with_the_fit_and_trains_like_a_fres
     protected = TinyRegressor()
     fit(protected, copied, max_steps=8)
     assert_bit_identical(weights(bare), weights(protected))
+
+
+def test_a_pickled_callback_carries_no_model_after_a_fit() -> None:
+    """Lightning gives every callback the module's bound ``log`` and ``log_dict`` at each fit: a copy that kept them
+    would carry the whole model and its data into every checkpoint that stores the callbacks."""
+    callbacks = default_callbacks()
+    fit(TinyRegressor(), callbacks, max_steps=4)
+    assert all("log" in vars(cb) for cb in callbacks)  # Lightning's, on the live callbacks
+
+    class Globals(pickle.Unpickler):
+        def __init__(self, data: bytes) -> None:
+            super().__init__(io.BytesIO(data))
+            self.found: set[str] = set()
+
+        def find_class(self, module: str, name: str) -> Any:
+            self.found.add(f"{module}.{name}")
+            return super().find_class(module, name)
+
+    reader = Globals(pickle.dumps(callbacks))
+    copies = reader.load()
+    assert not [g for g in reader.found if g.startswith(("torch.nn.", "lightning_overflow.testing"))]
+    assert not any("log" in vars(cb) for cb in copies)

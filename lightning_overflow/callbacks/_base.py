@@ -63,6 +63,10 @@ class SuiteCallback(Callback):
         LightningCLI and the tuner deep-copy them, and a copy must neither break on nor share the live fit's state."""
         state = self.__dict__.copy()
         state.pop("_board", None)  # one trainer's, in one process
+        # Lightning sets every callback's log and log_dict to the module's bound methods at each fit: pickled, they
+        # would carry the whole model (and its data) into every checkpoint that stores the callbacks.
+        state.pop("log", None)
+        state.pop("log_dict", None)
         for hook in state.pop("_muted", ()):
             state.pop(hook, None)  # the instance's None that has Lightning skip the hook for this fit
         state["_muted"] = ()
