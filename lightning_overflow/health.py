@@ -581,9 +581,9 @@ class HealthBoard:
         """Whether the module has floating-point buffers a forward may write (its layout: alike on every rank)."""
         return self._buffers.watched
 
-    def buffers_written(self) -> list[tuple[str, Tensor]]:
-        """The floating-point buffers this accumulation window's forward passes wrote in place, by name (what a skip
-        puts back: :class:`~lightning_overflow.skip.BufferCopy`)."""
+    def buffers_written(self) -> list[tuple[str, Tensor, Tensor]]:
+        """The floating-point buffers this accumulation window's forward passes wrote, by name, with their copies
+        from when the window began (what a skip puts back: :class:`~lightning_overflow.skip.BufferCopy`)."""
         return self._buffers.written()
 
     def known_constants(self) -> NonFiniteConstants:

@@ -89,13 +89,16 @@ class BufferCopy:
         module's layout, not what one rank's forward did)."""
         return any(live.is_floating_point() for live in self._live)
 
-    def written(self) -> list[tuple[str, Tensor]]:
-        """The floating-point buffers the window's forward passes wrote, by name: those torch counts as written in
-        place (``_version``: an EMA updated from Python), and the running statistics of normalisation layers, whose
-        native kernel writes them uncounted. Constants such as a causal mask are never among them."""
+    def written(self) -> list[tuple[str, Tensor, Tensor]]:
+        """The floating-point buffers the window's forward passes wrote, by name, each with its copy from when the
+        window began: those torch counts as written in place (``_version``: an EMA updated from Python), and the
+        running statistics of normalisation layers, whose native kernel writes them uncounted. Constants such as a
+        causal mask are never among them."""
         return [
-            (name, live)
-            for name, live, version, running in zip(self._names, self._live, self._versions, self._running)
+            (name, live, saved)
+            for name, live, saved, version, running in zip(
+                self._names, self._live, self._saved, self._versions, self._running
+            )
             if (running or live._version != version) and live.is_floating_point()
         ]
 

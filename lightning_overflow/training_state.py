@@ -345,11 +345,13 @@ def without_tolerated_infinity(moment: Tensor) -> Tensor:
         >>> without_tolerated_infinity(torch.tensor([0.5, float("inf")]))
         tensor([0.5000, 0.0000])
         >>> without_tolerated_infinity(torch.tensor([-0.5, float("inf")]))
-        tensor([-0.5000, inf])
+        tensor([-0.5000,     inf])
     """
-    if not moment.is_floating_point() or moment.dim() == 0 or moment.numel() == 0:
+    if not moment.is_floating_point() or moment.dim() == 0:
         return moment
-    moment = local_shard(moment.detach())  # a DTensor's shard on this rank: the flags are per rank
+    moment = local_shard(moment.detach())  # a DTensor's shard on this rank (it may be empty): the flags are per rank
+    if moment.numel() == 0:
+        return moment
     unsigned = moment.amin() >= 0  # NaN makes it False: a NaN tensor is checked as it is
     return moment.masked_fill((moment == float("inf")) & unsigned, 0)
 

@@ -71,15 +71,26 @@ class TinyCausalLM(pl.LightningModule):
 
 
 class BufferFault(Callback):
-    """Writes ``value`` at ``index`` of buffer ``name`` when batch ``step`` starts (once)."""
+    """Writes ``value`` at ``index`` of buffer ``name`` when batch ``step`` starts (once); ``between_steps``: when
+    the batch before it ends instead (outside any step: a buggy hook, a bad restore)."""
 
-    def __init__(self, step: int, name: str, index: tuple[int, ...], value: float) -> None:
+    def __init__(self, step: int, name: str, index: tuple[int, ...], value: float, between_steps: bool = False) -> None:
         self.step, self.name, self.index, self.value = step, name, index, value
+        self.between_steps = between_steps
         self.fired = False
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
-        if trainer.global_step == self.step and not self.fired:
+        if not self.between_steps:
+            self._fire(trainer, pl_module, trainer.global_step)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if self.between_steps:
+            self._fire(trainer, pl_module, trainer.global_step)
+
+    def _fire(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        if step == self.step and not self.fired:
             self.fired = True
             with torch.no_grad():
                 pl_module.get_buffer(self.name)[self.index] = self.value
@@ -283,10 +294,11 @@ def test_check_state_names_weights_buffers_and_moments() -> None:
 # ---- buffers in the snapshots and the periodic check ------------------------------------------------------------
 def test_nan_in_a_batchnorm_running_var_is_found_at_the_next_check_and_rolled_back() -> None:
     """BatchNorm in train mode normalises with the batch statistics: the loss and the weights stay finite, and only
-    the check of the buffers finds the NaN written at step 3, at the snapshot due at step 4."""
+    the check of the buffers finds the NaN written between steps 2 and 3 (no step wrote it: a skip could not mend
+    it), at the snapshot due at step 4."""
     rollback, probe = Rollback(every_n_steps=2), StateAt()
     model = TinyRegressor(batch_norm=True)
-    faults = BufferFault(3, "net.1.running_var", (7,), float("nan"))
+    faults = BufferFault(3, "net.1.running_var", (7,), float("nan"), between_steps=True)
     trainer = fit(model, [NonFiniteDetector(), rollback, probe, faults], max_steps=6)
     assert rollback.history == [
         {"step": 4, "reason": "nonfinite_state", "trigger_step": 4, "snapshot_step": 2, "source": "memory"}
@@ -298,6 +310,18 @@ def test_nan_in_a_batchnorm_running_var_is_found_at_the_next_check_and_rolled_ba
         assert torch.equal(_bits(probe.at[4][key]), _bits(probe.at[2][key])), key
     assert probe.at[4]["net.1.num_batches_tracked"].item() == 2  # integer buffers come back too
     assert bool(torch.isfinite(model.net[1].running_var).all())
+
+
+def test_nan_written_into_a_running_var_during_a_step_is_skipped_and_put_back_at_once() -> None:
+    """The same NaN written while step 3's window is open: that step is skipped, which puts the buffers back as the
+    window found them, bit for bit, and nothing needs rolling back."""
+    detector, rollback, probe = NonFiniteDetector(), Rollback(every_n_steps=2), StateAt()
+    model = TinyRegressor(batch_norm=True)
+    faults = BufferFault(3, "net.1.running_var", (7,), float("nan"))
+    fit(model, [detector, rollback, probe, faults], max_steps=6)
+    assert detector.skipped_steps == 1 and rollback.history == []
+    for key in ("net.1.running_var", "net.1.running_mean", "net.1.num_batches_tracked", "net.0.weight"):
+        assert torch.equal(_bits(probe.at[4][key]), _bits(probe.at[3][key])), key  # step 3: a true no-op
 
 
 # ---- extra state ------------------------------------------------------------------------------------------------

@@ -309,10 +309,13 @@ class NonFiniteDetector(SuiteCallback):
         board = self.board(trainer)
         if board.watches_buffers():  # what the forward passes wrote (BatchNorm's statistics): a skip puts it back
             # Per rank, and a slot on every rank alike (the module's layout decides, not what one forward wrote).
-            constants = board.known_constants()
-            written = [constants.without_constants(name, t) for name, t in board.buffers_written()]
-            flag = nonfinite_flag(written, record.grad_norms.device)
-            record.add(self._key("buffers"), flag, per_rank=True)
+            # Only what this window wrote: a buffer already non-finite when it began is the state's check's (a skip,
+            # which puts back that copy, could not mend it).
+            constants, device = board.known_constants(), record.grad_norms.device
+            written = board.buffers_written()
+            now = nonfinite_flag([constants.without_constants(n, live) for n, live, _ in written], device)
+            before = nonfinite_flag([constants.without_constants(n, saved) for n, _, saved in written], device)
+            record.add(self._key("buffers"), now * (1 - before), per_rank=True)
         every = self.check_weights_every_n_steps
         if every is None or record.step % every:
             return
@@ -400,7 +403,7 @@ class NonFiniteDetector(SuiteCallback):
         skipped, which puts them back. The names are this rank's (one read, on this path only)."""
         constants = self.board(trainer).known_constants()
         written = self.board(trainer).buffers_written()
-        names = [name for name, t in written
+        names = [name for name, t, _ in written
                  if not bool(torch.isfinite(constants.without_constants(name, t)).all())]  # fmt: skip
         return Finding("buffer", ranks, names, hint_key="buffer")
 
