@@ -43,10 +43,10 @@ def test_the_combination_is_warned_about_once_the_training_step_logged_it() -> N
         _fit(ignore_nan=True)
     assert [str(w.message) for w in caught if "EarlyStopping" in str(w.message)] == [
         "NonFiniteDetector: EarlyStopping(monitor='train_loss', check_finite=True) stops the fit when 'train_loss' is "
-        "NaN, and 'train_loss' is logged from a training hook. A step this detector skips has a NaN loss; logged "
-        "with self.log(..., on_epoch=True), that epoch's mean is NaN and the run is stopped although it was rescued. "
-        "Log the loss through torchmetrics.MeanMetric(nan_strategy='ignore') (see the README), monitor a validation "
-        "metric, or pass EarlyStopping(check_finite=False)."
+        "not finite, and 'train_loss' is logged from a training hook. A step this detector skips has an inf/NaN "
+        "loss; logged with self.log(..., on_epoch=True), that epoch's mean is inf/NaN and the run is stopped "
+        "although it was rescued. Log only finite losses (torchmetrics.MeanMetric(nan_strategy='ignore') drops NaN, "
+        "see the README), monitor a validation metric, or pass EarlyStopping(check_finite=False)."
     ]
 
 

@@ -726,10 +726,11 @@ def _warn_about_early_stopping(trainer: pl.Trainer, monitors: list[str], warning
         warnings.warn(
             "early_stopping",
             f"NonFiniteDetector: EarlyStopping(monitor={monitor!r}, check_finite=True) stops the fit when "
-            f"{monitor!r} is NaN, and {monitor!r} is logged from a training hook. A step this detector skips has a "
-            "NaN loss; logged with self.log(..., on_epoch=True), that epoch's mean is NaN and the run is stopped "
-            "although it was rescued. Log the loss through torchmetrics.MeanMetric(nan_strategy='ignore') (see the "
-            "README), monitor a validation metric, or pass EarlyStopping(check_finite=False).",
+            f"{monitor!r} is not finite, and {monitor!r} is logged from a training hook. A step this detector skips "
+            "has an inf/NaN loss; logged with self.log(..., on_epoch=True), that epoch's mean is inf/NaN and the run "
+            "is stopped although it was rescued. Log only finite losses (torchmetrics.MeanMetric(nan_strategy="
+            "'ignore') drops NaN, see the README), monitor a validation metric, or pass "
+            "EarlyStopping(check_finite=False).",
         )
     return waiting
 
