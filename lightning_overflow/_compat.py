@@ -125,6 +125,37 @@ def unmute_hooks(callback: Any, hooks: tuple[str, ...]) -> None:
             delattr(callback, name)
 
 
+REPLACED_METHODS = {
+    "save_checkpoint": "every checkpoint writer goes through Trainer.save_checkpoint, and ModelCheckpoint("
+    "save_weights_only=True) calls no callback hook before it writes: the state is checked there (CheckpointGuard)",
+    "log_metrics": "Lightning logs a step in one Logger.log_metrics call after every on_train_batch_end, with no hook "
+    "between: the suite's metrics of that step join that call, one row a step (StepMerge)",
+    "log": "a side run's training_step (a trial's candidate, a replay) must log nothing, and LightningModule.log has "
+    "no switch",
+    "log_dict": "as log",
+}
+"""The Lightning methods the suite replaces on live objects, for a fit or a side run, and why: no public hook does it
+(2.6.6). The instance attribute shadows the class's method and is removed afterwards."""
+
+
+def replace_method(obj: Any, name: str, replacement: Any) -> Any:
+    """Set ``replacement`` as ``obj.<name>`` (one of :data:`REPLACED_METHODS`); return what the instance held there
+    before (``None``: nothing, the class's method answered)."""
+    if name not in REPLACED_METHODS:
+        raise ValueError(f"'{name}' is not a method the suite replaces (those: {', '.join(REPLACED_METHODS)})")
+    previous = vars(obj).get(name)
+    setattr(obj, name, replacement)
+    return previous
+
+
+def restore_method(obj: Any, name: str, previous: Any) -> None:
+    """Undo :func:`replace_method`: ``previous`` back, or the class's method when there was none."""
+    if previous is not None:
+        setattr(obj, name, previous)
+    elif name in vars(obj):
+        delattr(obj, name)
+
+
 SHARDED_STRATEGIES = ("FSDPStrategy", "XLAFSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
 """Strategies under which a rank holds only part of the model or of the optimizer state (class names, 2.6.6)."""
 

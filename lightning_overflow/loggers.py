@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_overflow import _compat
 from lightning_overflow.events import JOURNAL_NAME, Event, Journal
 from lightning_overflow.exceptions import OverflowWarning
 
@@ -70,6 +71,7 @@ class StepMerge:
         self._held: tuple[int, dict[str, float]] | None = None
         self._served: set[int] = set()  # ids of the loggers whose call of the held step carried it
         self._wrapped: list[Any] = []
+        self._previous: dict[int, Any] = {}  # what each logger instance held as log_metrics before (None: nothing)
 
     def hold(self, loggers: Sequence[Any], step: int, metrics: dict[str, float]) -> None:
         """Keep ``metrics`` for Lightning's call of ``step`` on every logger."""
@@ -84,7 +86,8 @@ class StepMerge:
         for logger in loggers:
             if any(logger is wrapped for wrapped in self._wrapped):
                 continue
-            logger.log_metrics = _MergedLogMetrics(self, logger, logger.log_metrics)
+            merged = _MergedLogMetrics(self, logger, logger.log_metrics)
+            self._previous[id(logger)] = _compat.replace_method(logger, "log_metrics", merged)
             self._wrapped.append(logger)
 
     def merge(self, logger: Any, metrics: dict[str, Any], step: int | None) -> dict[str, Any]:
@@ -112,9 +115,9 @@ class StepMerge:
         """Send what is held and give every logger its own ``log_metrics`` back."""
         self.send_leftover()
         for logger in self._wrapped:
-            if "log_metrics" in vars(logger):
-                del logger.log_metrics
-        self._wrapped = []
+            if isinstance(vars(logger).get("log_metrics"), _MergedLogMetrics):
+                _compat.restore_method(logger, "log_metrics", self._previous.get(id(logger)))
+        self._wrapped, self._previous = [], {}
 
 
 class _MergedLogMetrics:

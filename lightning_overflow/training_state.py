@@ -524,9 +524,9 @@ class CheckpointGuard:
     def __init__(self, trainer: pl.Trainer, before_save: Callable[[pl.Trainer], None]) -> None:
         self._trainer = weakref.ref(trainer)
         self._before_save = before_save
-        self._inner = vars(trainer).get("save_checkpoint")  # another guard already there keeps working
         self.saving = False
-        trainer.save_checkpoint = self  # type: ignore[method-assign]
+        # Another guard already there keeps working.
+        self._inner = _compat.replace_method(trainer, "save_checkpoint", self)
 
     def __call__(self, filepath: Any, weights_only: bool | None = None, storage_options: Any | None = None) -> None:
         trainer = self._trainer()
@@ -545,10 +545,7 @@ class CheckpointGuard:
         trainer = self._trainer()
         if trainer is None or vars(trainer).get("save_checkpoint") is not self:
             return
-        if self._inner is None:
-            del trainer.save_checkpoint
-        else:
-            trainer.save_checkpoint = self._inner  # type: ignore[method-assign]
+        _compat.restore_method(trainer, "save_checkpoint", self._inner)
 
 
 # ---- internals --------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from pytorch_lightning.loggers.logger import DummyLogger
 from torch import Tensor
 
+from lightning_overflow import _compat
+
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
@@ -31,9 +33,7 @@ def silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
     ``self.log`` / ``self.log_dict`` do nothing, and the trainer's loggers are a dummy that absorbs every call, so
     ``self.logger.log_metrics(...)`` and ``self.logger.experiment.add_scalar(...)`` (a module that writes its own
     logs) write nothing either."""
-    own = {name: vars(pl_module)[name] for name in ("log", "log_dict") if name in vars(pl_module)}
-    pl_module.log = _no_log  # type: ignore[method-assign]
-    pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    own = {name: _compat.replace_method(pl_module, name, _no_log) for name in ("log", "log_dict")}
     trainer = getattr(pl_module, "_trainer", None)
     loggers = list(trainer.loggers) if trainer is not None else []
     if loggers:
@@ -43,11 +43,8 @@ def silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
     finally:
         if loggers:
             trainer.loggers = loggers
-        for name in ("log", "log_dict"):
-            if name in own:
-                setattr(pl_module, name, own[name])
-            else:
-                delattr(pl_module, name)
+        for name, previous in own.items():
+            _compat.restore_method(pl_module, name, previous)
 
 
 def _no_log(*_: Any, **__: Any) -> None:
