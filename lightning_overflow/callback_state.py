@@ -22,7 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from lightning_overflow.events import WarningCache
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
+from lightning_overflow.exceptions import OverflowWarning
 
 __all__ = ["VERSION", "StateReader", "versioned"]
 
@@ -30,9 +32,6 @@ VERSION = 2
 """The version of the callback state this release writes (the previous release, 0.2, wrote none: version 1)."""
 
 T = TypeVar("T")
-
-_WARNINGS = WarningCache()  # once per (callback, key) in a process
-
 
 def versioned(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with the version this release writes, first."""
@@ -91,11 +90,12 @@ class StateReader:
     def finish(self, ignored: Iterable[str] = ()) -> None:
         """Warn once about the entries nobody read (written by another release or callback), naming them."""
         unknown = sorted(set(self.state) - self._read - set(ignored))
-        if unknown:
-            _WARNINGS.warn(
-                f"{self.owner}:{','.join(unknown)}",
+        if unknown:  # on rank zero; Python shows one message from one place once
+            rank_zero_warn(
                 f"{self.owner}: the checkpoint state holds entries this release does not know ({', '.join(unknown)}); "
                 "they were ignored.",
+                category=OverflowWarning,
+                stacklevel=3,
             )
 
 
