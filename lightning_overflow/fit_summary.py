@@ -133,8 +133,10 @@ def plain_lines(events: Iterable[Event]) -> list[str]:
         by_kind.setdefault(str(event["kind"]), []).append(event)
     found: list[tuple[int, str]] = []
     used: set[str] = set()
+    position = {id(e): i for i, e in enumerate(events)}
     for kinds, describe in _DESCRIBERS:
-        picked = [e for k in kinds for e in by_kind.get(k, [])]
+        # In the journal's order, whatever their kinds: the last one is how it ended (a backoff after an undo).
+        picked = sorted((e for k in kinds for e in by_kind.get(k, [])), key=lambda e: position[id(e)])
         used.update(kinds)
         if picked:
             for line in describe(picked, by_kind):
@@ -219,19 +221,29 @@ def _spikes(spikes: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
     return [f"{_count(len(steps), 'loss or gradient spike')} at {_at(spikes)}: {', '.join(done)}"]
 
 
-def _clips(clips: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+def _clips(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    """The clips: the deepest journaled one by one (``clip``), and the fit's count of all of them (``clips``, at its
+    end); those at a spike's step are told by the spike's line."""
     spiking = {int(e["step"]) for e in by_kind.get("spike", [])}
+    clips = [e for e in found if e["kind"] == "clip"]
     alone = [e for e in clips if int(e["step"]) not in spiking]
-    if not alone:
+    totals = [e for e in found if e["kind"] == "clips"]
+    if totals:
+        total = sum(int(e["details"].get("clipped", 0)) for e in totals) - (len(clips) - len(alone))
+    else:
+        total = len(alone) + sum(int(e["details"].get("not_journaled", 0) or 0) for e in alone)
+    if total <= 0:
         return []
+    if not alone:  # none deep enough to journal: say how far they went
+        smallest = min(float(e["details"].get("smallest_coef", 1.0)) for e in totals)
+        return [f"{_count(total, 'step')} clipped by AutoClip (the gradient norm above its threshold; the deepest "
+                f"clip scaled the gradients by {smallest:.3g})"]  # fmt: skip
     # An agc threshold is a ratio of norms per unit, not a norm: its clips have no "x the threshold" to tell.
     ratios = [float(e["details"]["grad_norm"]) / float(e["details"]["threshold"]) for e in alone
               if e["details"].get("mode") != "agc" and _finite(e["details"].get("grad_norm"))
               and _finite(e["details"].get("threshold"))]  # fmt: skip
     most = f", up to {max(ratios):.3g}x its clip threshold" if ratios else ""
-    more = sum(int(e["details"].get("not_journaled", 0) or 0) for e in alone)
-    total = len(alone) + more
-    return [f"{_count(total, 'step')} clipped by AutoClip at {_at(alone)}{' and more' if more else ''} "
+    return [f"{_count(total, 'step')} clipped by AutoClip at {_at(alone)}{' and more' if total > len(alone) else ''} "
             f"(the gradient norm an outlier{most})"]  # fmt: skip
 
 
@@ -301,7 +313,7 @@ def _learning_rate(changes: list[Event], by_kind: dict[str, list[Event]]) -> lis
             now = f" ({_lrs(lrs)} at step {last['step']})" if lrs else ""
             ending = f"ends at {scale:g}x its schedule{now}: consider starting at {scale:g}x the learning rate"
         else:
-            ending = f"back to its schedule by step {last['step']}"
+            ending = f"is back to its schedule from step {last['step']}"
         lines.append(f"{', '.join(back)}; it {ending}")
     return lines
 
@@ -346,7 +358,7 @@ _DESCRIBERS: tuple[tuple[tuple[str, ...], Callable[[list[Event], dict[str, list[
     (("data_fault",), _data_faults),
     (("nonfinite",), _nonfinite),
     (("spike",), _spikes),
-    (("clip",), _clips),
+    (("clip", "clips"), _clips),
     (("rebaseline",), _rebaselines),
     (("trial",), _trials),
     (("backoff", "regrowth", "undo"), _learning_rate),

@@ -499,6 +499,9 @@ class HealthBoard:
         if details is not None:
             self.record(Event(step=int(trainer.global_step), kind="ending", rank=0, source="lightning_overflow",
                               message=self.ending.message(), details=details))  # fmt: skip
+        for stopper in _early_stops_on_nonfinite(trainer):
+            self.record(Event(step=int(trainer.global_step), kind="stopped", rank=0, source="lightning_overflow",
+                              message=stopper[0], details=stopper[1]))  # fmt: skip
         behind = behind_a_restore([asdict(e) for e in self.journal.events], int(trainer.global_step))
         if behind is not None:
             self.record(Event(step=int(trainer.global_step), kind="behind", rank=0, source="lightning_overflow",
@@ -1078,6 +1081,29 @@ def state_flags(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> tuple[
     board = board_for(trainer)
     model_state = board.state_before_step(trainer.lightning_module)
     return nonfinite_flags(model_state, [optimizer.state_dict()], board.constants(trainer), suspect=True)
+
+
+def _early_stops_on_nonfinite(trainer: pl.Trainer) -> list[tuple[str, dict[str, Any]]]:
+    """The ``EarlyStopping`` callbacks that stopped this fit on a monitored value that is not finite: a run the suite
+    kept alive can still be ended by a metric its skipped steps made inf/NaN, and that ending is said."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if not trainer.should_stop:
+        return found
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if type(callback).__name__ != "EarlyStopping" or not getattr(callback, "check_finite", False):
+            continue
+        monitor = str(getattr(callback, "monitor", ""))
+        value = _compat.callback_metrics(trainer).get(monitor)
+        number = float(value) if value is not None else math.nan
+        if math.isfinite(number):
+            continue
+        message = (
+            f"EarlyStopping(monitor={monitor!r}) stopped the fit at step {trainer.global_step} because {monitor!r} "
+            f"was {number:g}, not finite: the weights returned are those of that step. A metric that averages the inf/NaN losses of skipped steps is not finite: log only finite "
+            "values, or pass EarlyStopping(check_finite=False)"
+        )
+        found.append((message, {"monitor": monitor, "value": number}))
+    return found
 
 
 def _refuse_a_second(participant: StepParticipant, joined: Sequence[StepParticipant]) -> None:

@@ -128,3 +128,19 @@ def test_lightnings_spike_detection_beside_the_suite_is_warned_about_at_setup(tm
         "stopped there. Remove SpikeDetection: LossSpikeDetector finds the spikes, and the suite skips the non-finite "
         "steps and tries the remedies of the rest."
     ]
+
+
+@pytest.mark.filterwarnings("ignore::lightning_overflow.OverflowWarning")
+def test_a_fit_early_stopping_ends_on_a_nonfinite_metric_says_so(tmp_path: Any) -> None:
+    from lightning_overflow import read_journal
+
+    stopper = EarlyStopping(monitor="train_loss", patience=100)
+    model = EpochLoss(ignore_nan=False)
+    model.data.tensors[0][3 * model.batch_size, 0] = float("nan")
+    trainer = fit(model, [NonFiniteDetector(), stopper], max_steps=24, default_root_dir=str(tmp_path))
+    assert trainer.global_step == 8
+    (stopped,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "stopped"]
+    assert stopped["message"].startswith(
+        "EarlyStopping(monitor='train_loss') stopped the fit at step 8 because 'train_loss' was nan, not finite: the "
+        "weights returned are those of that step."
+    )

@@ -219,3 +219,31 @@ def test_read_journal_takes_the_run_folder_and_names_several(tmp_path: Path) -> 
         list(read_journal(tmp_path))
     with pytest.raises(FileNotFoundError, match="no journal"):
         list(read_journal(tmp_path / "elsewhere"))
+
+
+def test_clips_too_shallow_to_journal_one_by_one_are_still_told() -> None:
+    clips = {"step": 200, "kind": "clips", "epoch": 0, "source": "AutoClip", "message": "",
+             "details": {"clipped": 5, "steps": 200, "smallest_coef": 0.31, "mode": "zscore"}}  # fmt: skip
+    assert plain_lines([clips]) == [
+        "5 steps clipped by AutoClip (the gradient norm above its threshold; the deepest clip scaled the gradients by "
+        "0.31)"
+    ]
+    deep = {"step": 60, "kind": "clip", "epoch": 0, "source": "AutoClip", "message": "",
+            "details": {"mode": "zscore", "grad_norm": 50.0, "threshold": 5.0, "coef": 0.1, "not_journaled": 0}}  # fmt: skip
+    assert plain_lines([deep, clips]) == [
+        "5 steps clipped by AutoClip at step 60 and more (the gradient norm an outlier, up to 10x its clip threshold)"
+    ]
+
+
+def test_the_learning_rate_line_ends_where_the_rate_ended() -> None:
+    def change(step: int, kind: str, scale: float, lr: float) -> dict[str, Any]:
+        return {"step": step, "kind": kind, "epoch": 0, "source": "LRBackoff", "message": "",
+                "details": {"optimizer": 0, "scale": scale, "lrs": [lr], "reason": "nonfinite_persistent"}}  # fmt: skip
+
+    # As journaled: a backoff after an undo (the summary used to take the undo, grouped last, for the ending).
+    events = [change(3, "backoff", 0.5, 0.2), change(12, "backoff", 0.25, 0.1), change(13, "undo", 1.0, 0.4),
+              change(16, "backoff", 0.5, 0.2)]  # fmt: skip
+    assert plain_lines(events) == [
+        "learning rate backed off 3 times (steps 3, 12, 16), taken back once; it ends at 0.5x its schedule (0.2 at "
+        "step 16): consider starting at 0.5x the learning rate"
+    ]

@@ -283,6 +283,7 @@ class AutoClip(SuiteCallback):
         self._last_restore: tuple[int, int] | None = None  # (steps of the snapshot restored, self.steps then)
         self._largest_update: dict[int, float] = {}  # optimizer index -> largest lr x norm since the last restore
         self._streaks: dict[int, int] = {}  # optimizer index -> steps in a row its adaptive threshold clipped
+        self._fit_clipped, self._fit_steps, self._smallest = 0, 0, 1.0  # this fit's clips, told at its end
 
     @property
     def state_key(self) -> str:
@@ -377,6 +378,10 @@ class AutoClip(SuiteCallback):
         epoch = self._epoch.setdefault(index, [0, 0])
         self.steps += 1
         self.clipped_steps += clipped
+        self._fit_steps += 1
+        if clipped:
+            self._fit_clipped += 1
+            self._smallest = min(self._smallest, clip.coef)
         epoch[0] += 1
         epoch[1] += clipped
         if clip.coef < self.event_below:
@@ -417,6 +422,19 @@ class AutoClip(SuiteCallback):
                 fraction = torch.tensor(clipped / steps, dtype=torch.float64)
                 pl_module.log(metric_key("clip/fraction_epoch", index, n_optimizers), fraction, on_epoch=True)
         self._epoch.clear()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        # Every clip changed the run, and only the deepest are journaled one by one (event_below): the fit's end
+        # says how many there were, so no clip goes unsaid.
+        if self._fit_clipped:
+            self._event(
+                trainer, "clips",
+                f"AutoClip({self.mode}): clipped {self._fit_clipped} of the fit's {self._fit_steps} optimizer steps; "
+                f"the smallest coefficient {self._smallest:.3g}.",
+                clipped=self._fit_clipped, steps=self._fit_steps, smallest_coef=self._smallest, mode=self.mode,
+            )  # fmt: skip
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
