@@ -230,13 +230,7 @@ class Candidate:
         module = trainer.lightning_module
         rng = capture_rng()
         try:
-            with (
-                self.swapped_in(trainer),
-                _kept_streams(module),
-                self._own_attributes(module, keep=True),
-                silenced_logging(module),
-                torch.enable_grad(),
-            ):
+            with self._aside(trainer, trains=True):
                 self._catch_up_schedule(trainer)
                 if not self.window_buffers:  # the buffers as the window began: a skipped step puts them back
                     self.window_buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
@@ -268,13 +262,7 @@ class Candidate:
         module = trainer.lightning_module
         rng = capture_rng()
         try:
-            with (
-                self.swapped_in(trainer),
-                _kept_streams(module),
-                self._own_attributes(module, keep=False),
-                silenced_logging(module),
-                torch.no_grad(),
-            ):
+            with self._aside(trainer, trains=False):
                 buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
                 args = (batch, batch_idx) if takes_batch_idx(module) else (batch,)
                 with trainer.precision_plugin.train_step_context():
@@ -294,6 +282,21 @@ class Candidate:
         mean = math.nan if self.nonfinite or not self.losses else sum(self.losses) / len(self.losses)
         self.losses, self.nonfinite = [], False
         return CandidateStep(mean, stepped=True, skipped=True)
+
+    @contextmanager
+    def _aside(self, trainer: pl.Trainer, trains: bool) -> Iterator[None]:
+        """The body runs the user's ``training_step`` for this candidate, leaving the run as it was: the candidate
+        swapped in, the run's random streams, metric states, Python attributes and logs kept apart; with gradients
+        when it ``trains`` (and keeps its own attributes for its next step), without when it is only scored."""
+        module = trainer.lightning_module
+        with (
+            self.swapped_in(trainer),
+            _kept_streams(module),
+            self._own_attributes(module, keep=trains),
+            silenced_logging(module),
+            torch.enable_grad() if trains else torch.no_grad(),
+        ):
+            yield
 
     @contextmanager
     def _own_attributes(self, module: torch.nn.Module, keep: bool) -> Iterator[None]:

@@ -87,6 +87,7 @@ __all__ = [
     "StepHealth",
     "StepParticipant",
     "board_for",
+    "finite_checked_monitors",
     "inspect_state",
     "state_flags",
 ]
@@ -577,8 +578,12 @@ class HealthBoard:
         self.cause = (message, hint)
 
     def present(self) -> set[str]:
-        """The class names of the suite callbacks in this fit (advice names only what is not there)."""
-        return {type(p).__name__ for p in self.participants}
+        """The class names of the suite callbacks in this fit, ``Rollback`` included when one restores the state (a
+        subclass of it): advice names only what is not there."""
+        present = {type(p).__name__ for p in self.participants}
+        if any(getattr(p, "restores_state", False) for p in self.participants):
+            present.add("Rollback")
+        return present
 
     def watches_buffers(self) -> bool:
         """Whether the module has floating-point buffers a forward may write (its layout: alike on every rank)."""
@@ -1083,24 +1088,32 @@ def state_flags(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> tuple[
     return nonfinite_flags(model_state, [optimizer.state_dict()], board.constants(trainer), suspect=True)
 
 
+def finite_checked_monitors(trainer: pl.Trainer) -> list[str]:
+    """What the ``EarlyStopping`` callbacks that stop on a non-finite value (``check_finite``, their default)
+    monitor: a skipped step's inf/NaN loss can reach them."""
+    return [
+        str(cb.monitor)
+        for cb in trainer.callbacks  # type: ignore[attr-defined]
+        if type(cb).__name__ == "EarlyStopping" and getattr(cb, "check_finite", False)
+    ]
+
+
 def _early_stops_on_nonfinite(trainer: pl.Trainer) -> list[tuple[str, dict[str, Any]]]:
-    """The ``EarlyStopping`` callbacks that stopped this fit on a monitored value that is not finite: a run the suite
-    kept alive can still be ended by a metric its skipped steps made inf/NaN, and that ending is said."""
+    """The monitors of ``EarlyStopping`` callbacks that stopped this fit on a value that is not finite: a run the
+    suite kept alive can still be ended by a metric its skipped steps made inf/NaN, and that ending is said."""
     found: list[tuple[str, dict[str, Any]]] = []
     if not trainer.should_stop:
         return found
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if type(callback).__name__ != "EarlyStopping" or not getattr(callback, "check_finite", False):
-            continue
-        monitor = str(getattr(callback, "monitor", ""))
+    for monitor in finite_checked_monitors(trainer):
         value = _compat.callback_metrics(trainer).get(monitor)
         number = float(value) if value is not None else math.nan
         if math.isfinite(number):
             continue
         message = (
             f"EarlyStopping(monitor={monitor!r}) stopped the fit at step {trainer.global_step} because {monitor!r} "
-            f"was {number:g}, not finite: the weights returned are those of that step. A metric that averages the inf/NaN losses of skipped steps is not finite: log only finite "
-            "values, or pass EarlyStopping(check_finite=False)"
+            f"was {number:g}, not finite: the weights returned are those of that step. A metric that averages the "
+            "inf/NaN losses of skipped steps is not finite: log only finite values, or pass "
+            "EarlyStopping(check_finite=False)"
         )
         found.append((message, {"monitor": monitor, "value": number}))
     return found

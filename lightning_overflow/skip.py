@@ -68,6 +68,7 @@ class BufferCopy:
         self._saved: list[Tensor] = []
         self._versions: list[int] = []  # each buffer's in-place write counter when the window began
         self._running: list[bool] = []  # each buffer: a normalisation layer's running statistic
+        self._watched = False
 
     def take(self, module: nn.Module) -> None:
         if self._module is not module or self._replaced():  # a module tree walk per batch costs tens of us
@@ -78,6 +79,7 @@ class BufferCopy:
             self._live = [b for _, b in named]
             self._saved = [torch.empty_like(b) for b in self._live]
             self._running = [_running_statistic(owner, name) for owner, name in self._owners]
+            self._watched = any(b.is_floating_point() for b in self._live)  # the layout's: decided when listed
         if self._live:
             with torch.no_grad():
                 torch._foreach_copy_(self._saved, self._live)
@@ -87,7 +89,7 @@ class BufferCopy:
     def watched(self) -> bool:
         """Whether the module has floating-point buffers that its forward may write (the same on every rank: the
         module's layout, not what one rank's forward did)."""
-        return any(live.is_floating_point() for live in self._live)
+        return self._watched
 
     def written(self) -> list[tuple[str, Tensor, Tensor]]:
         """The floating-point buffers the window's forward passes wrote, by name, each with its copy from when the
@@ -123,6 +125,7 @@ class BufferCopy:
     def release(self) -> None:
         self._module = None
         self._names, self._owners, self._live, self._saved, self._versions, self._running = [], [], [], [], [], []
+        self._watched = False
 
 
 def _running_statistic(owner: nn.Module, name: str) -> bool:

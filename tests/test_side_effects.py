@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import assert_bit_identical, fit, weights
+from conftest import MemoryLogger, assert_bit_identical, fit, weights
 from test_trials import Sabotaged, Suspect
 from torch import nn
 
@@ -301,31 +301,16 @@ class WritesItsOwnLogs(TinyRegressor):
         return loss
 
 
-class ListExperimentLogger(pl.loggers.Logger):
+class ListExperimentLogger(MemoryLogger):
     """Keeps what it is given: ``log_metrics`` calls, and whatever the module appends to its ``experiment``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.logged: list[tuple[int | None, dict[str, float]]] = []
         self._experiment: list[Any] = []
-
-    @property
-    def name(self) -> str:
-        return "list"
-
-    @property
-    def version(self) -> int:
-        return 0
 
     @property
     def experiment(self) -> list[Any]:
         return self._experiment
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append((step, dict(metrics)))
-
-    def log_hyperparams(self, *_: Any, **__: Any) -> None:
-        return None
 
 
 def test_a_trial_writes_nothing_into_the_logs_a_module_writes_itself(tmp_path: Any) -> None:
@@ -334,5 +319,5 @@ def test_a_trial_writes_nothing_into_the_logs_a_module_writes_itself(tmp_path: A
     suite = [Suspect(31), LRBackoff(trial=TrialConfig()), Rollback(every_n_steps=10, trial=TrialConfig())]
     fit(WritesItsOwnLogs(), suite, max_steps=60, logger=logger, default_root_dir=tmp_path)
     assert [step for _, step in logger.experiment] == list(range(60))  # one entry per step of the run, none twice
-    mine = [step for step, metrics in logger.logged if "mine" in metrics]
+    mine = [step for step, _ in logger.metrics["mine"]]
     assert mine == list(range(60))

@@ -106,6 +106,18 @@ def run_row(lib: str, case: str, mode: str, fn: Callable[[], Outcome], log_path:
     return row
 
 
+def resume_outcome(straight: dict[str, torch.Tensor], resumed: dict[str, torch.Tensor], metric: float,
+                   straight_metric: float, step: int, name: str) -> tuple[Outcome, str]:
+    """A fit resumed from a checkpoint against the same fit uninterrupted: it works when the weights are identical,
+    or its ``metric`` (``name``, lower is better) is within 1.5x the uninterrupted one's (a library that re-seeds its
+    data order on resume, bare as well)."""
+    d = max_abs_diff(straight, resumed)
+    ok = d is not None and (d == 0.0 or metric <= 1.5 * straight_metric)
+    detail = (f"resumed from epoch 1 to step {step}; weights vs uninterrupted: "
+              f"{'bit-identical' if d == 0.0 else f'max |dw| {d:.3g}'}; {name} {metric:.4g} vs {straight_metric:.4g}")
+    return Outcome(metric, resumed, {"resume_ok": ok}), detail
+
+
 def max_abs_diff(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor] | None) -> float | None:
     """0.0 when bit-identical (NaN equal to NaN), inf when they do not match in keys/shapes, None if one is missing."""
     if a is None or b is None:

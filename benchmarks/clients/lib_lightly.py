@@ -176,7 +176,7 @@ def resume(mode: str, epochs: int, workdir: str):
     from pytorch_lightning.callbacks import ModelCheckpoint
     from lightning_overflow import default_callbacks
 
-    from common import max_abs_diff
+    from common import resume_outcome
 
     def fit(n, extra=(), ckpt=None):
         pl.seed_everything(0, verbose=False)
@@ -191,9 +191,5 @@ def resume(mode: str, epochs: int, workdir: str):
     ckdir = os.path.join(workdir, f"ly_ckpt_{mode}")
     fit(1, [ModelCheckpoint(dirpath=ckdir, save_last=True)])
     resumed, _, trainer = fit(epochs, ckpt=os.path.join(ckdir, "last.ckpt"))
-    d = max_abs_diff(snapshot(straight), snapshot(resumed))
-    m, m0 = _metric(resumed, ev), _metric(straight, ev)
-    ok = d is not None and (d == 0.0 or m <= 1.5 * m0)
-    detail = (f"resumed from epoch 1 to step {trainer.global_step}; weights vs uninterrupted: "
-              f"{'bit-identical' if d == 0.0 else f'max |dw| {d:.3g}'}; loss {m:.4g} vs {m0:.4g}")
-    return Outcome(m, snapshot(resumed), {"resume_ok": ok}), detail
+    return resume_outcome(snapshot(straight), snapshot(resumed), _metric(resumed, ev), _metric(straight, ev),
+                          trainer.global_step, "loss")

@@ -113,7 +113,7 @@ def resume(mode: str, steps, workdir: str):
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning_overflow import default_callbacks
 
-    from common import max_abs_diff
+    from common import resume_outcome
 
     def cbs(extra=()):
         return list(extra) + (default_callbacks() if "suite" in mode else [])
@@ -133,9 +133,5 @@ def resume(mode: str, steps, workdir: str):
     fit(1, cbs([ModelCheckpoint(dirpath=ckdir, save_last=True)]))
     last = os.path.join(ckdir, "last.ckpt")
     resumed, validation, trainer = fit(steps[0], cbs(), ckpt=last)
-    d = max_abs_diff(snapshot(straight), snapshot(resumed))
-    mae, mae_straight = _mae(resumed, validation), _mae(straight, validation)
-    ok = d is not None and (d == 0.0 or mae <= 1.5 * mae_straight)
-    detail = (f"resumed from epoch 1 to step {trainer.global_step}; weights vs uninterrupted: "
-              f"{'bit-identical' if d == 0.0 else f'max |dw| {d:.3g}'}; MAE {mae:.4g} vs {mae_straight:.4g}")
-    return Outcome(mae, snapshot(resumed), {"resume_ok": ok}), detail
+    return resume_outcome(snapshot(straight), snapshot(resumed), _mae(resumed, validation),
+                          _mae(straight, validation), trainer.global_step, "MAE")

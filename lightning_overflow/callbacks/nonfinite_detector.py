@@ -22,7 +22,14 @@ from lightning_overflow.diagnosis.replay import KeptBatch, batch_stats, diagnose
 from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError
-from lightning_overflow.health import MAX_NAMES, StepHealth, inspect_state, nonfinite_at_end, state_flags
+from lightning_overflow.health import (
+    MAX_NAMES,
+    StepHealth,
+    finite_checked_monitors,
+    inspect_state,
+    nonfinite_at_end,
+    state_flags,
+)
 from lightning_overflow.numerics import FP32_MAX, parameters_of
 from lightning_overflow.numerics.snapshots import nonfinite_flag
 from lightning_overflow.policy import StepAction, Verdict
@@ -239,7 +246,7 @@ class NonFiniteDetector(SuiteCallback):
             self._recent = []
             self._skips = []
             self._warnings.clear()
-            self._monitors_to_place = _early_stoppers(trainer)
+            self._monitors_to_place = finite_checked_monitors(trainer)
             self._epoch_started = False
             _warn_about_spike_detection(trainer, self._warnings)
         if self._headroom is not None:
@@ -587,7 +594,7 @@ class NonFiniteDetector(SuiteCallback):
         if diagnosis is not None and diagnosis.hint:
             hint = diagnosis.hint
         else:
-            hint = detection_hint(finding.hint_key, _present(trainer))
+            hint = detection_hint(finding.hint_key, self.board(trainer).present())
         return NonFiniteError(
             f"{message} HINT: {hint}.",
             kind=finding.kind,
@@ -623,7 +630,7 @@ class NonFiniteDetector(SuiteCallback):
             message = (
                 f"NonFiniteDetector: {near}. The run is approaching overflow (warning below "
                 f"{self.headroom_warn_decades:g} decades; shown once). HINT: "
-                f"{detection_hint('headroom', _present(trainer))}."
+                f"{detection_hint('headroom', self.board(trainer).present())}."
             )
         if not self._headroom_warned:
             self._headroom_warned = True
@@ -693,23 +700,6 @@ class NonFiniteDetector(SuiteCallback):
 def _state_recovery_in(trainer: pl.Trainer) -> bool:
     """Whether a callback in the list restores weights and optimizer state (Rollback)."""
     return any(getattr(cb, "restores_state", False) for cb in trainer.callbacks)  # type: ignore[attr-defined]
-
-
-def _present(trainer: pl.Trainer) -> set[str]:
-    """Class names of the Trainer's callbacks, ``Rollback`` included when any callback restores state."""
-    present = {type(cb).__name__ for cb in trainer.callbacks}  # type: ignore[attr-defined]
-    if _state_recovery_in(trainer):
-        present.add("Rollback")
-    return present
-
-
-def _early_stoppers(trainer: pl.Trainer) -> list[str]:
-    """What the ``EarlyStopping`` callbacks that stop on a non-finite value (``check_finite``) monitor."""
-    return [
-        str(cb.monitor)
-        for cb in trainer.callbacks  # type: ignore[attr-defined]
-        if type(cb).__name__ == "EarlyStopping" and getattr(cb, "check_finite", False)
-    ]
 
 
 def _warn_about_early_stopping(trainer: pl.Trainer, monitors: list[str], warnings: WarningCache) -> list[str]:

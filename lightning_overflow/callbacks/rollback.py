@@ -407,8 +407,8 @@ class Rollback(SuiteCallback):
     def _refuse_checkpoint(self, trainer: pl.Trainer, check: StateCheck, why: str) -> NoReturn:
         step = int(trainer.global_step)
         message = (
-            f"Rollback: refused to write a checkpoint at step {step}: its {check.what} {check.contain} inf/NaN on rank(s) "
-            f"{_ranks(check.ranks)}{_quote(check.names)}, and {why}; nothing was written."
+            f"Rollback: refused to write a checkpoint at step {step}: its {check.what} {check.contain} inf/NaN on "
+            f"rank(s) {_ranks(check.ranks)}{_quote(check.names)}, and {why}; nothing was written."
         )
         hint = _checkpoint_hint(trainer, self.triggers)
         self._event(trainer, "checkpoint_refused", message, rank=min(check.ranks), parameters=check.names[:MAX_NAMES])

@@ -217,7 +217,8 @@ def divergence_hint(present: Collection[str], cause: tuple[str, str] | None = No
         general.append("clip the gradients (AutoClip)")
     missing = [name for name in ("LRBackoff", "Rollback") if name not in present]
     if missing:
-        general.append(f"add {' and '.join(missing)} (default_callbacks()) to back off and restore the last finite state")
+        restore = "(default_callbacks()) to back off and restore the last finite state"
+        general.append(f"add {' and '.join(missing)} {restore}")
     general.append("and look at the data around the steps journaled")
     text = ", ".join(general[:-1]) + (", " if len(general) > 1 else "") + general[-1]
     return f"{cause[1]}; otherwise {text}" if cause is not None and cause[1] else text
