@@ -14,9 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-import threading
 from fractions import Fraction
-from typing import Any
 
 import torch
 
@@ -54,31 +52,12 @@ def sqrt_each(xs: list[float]) -> list[float]:
     """:func:`sqrt` of several floats. Most roots are settled on the host (:func:`_settled_sqrt`); where one is not,
     all of them are taken in one tensor op (the kernel rounds each element as it rounds one alone).
 
-    That op runs in place on a float64 tensor kept for each length (one per thread) and written through its NumPy
-    view: a fifth of the cost of building a tensor per call, and the same kernel on the same values. Even so a tensor
-    op costs tens of microseconds between a training step's large kernels, which have pushed its code out of the
-    caches: hence the host path."""
+    A tensor op costs microseconds on its own and tens of them between a training step's large kernels, which have
+    pushed its code out of the caches: hence the host path."""
     roots = [_settled_sqrt(x) for x in xs]
     if None not in roots:
         return roots  # type: ignore[return-value]
-    buffers: dict[int, tuple[torch.Tensor, Any]] | None = getattr(_SQRT_BUFFERS, "by_length", None)
-    if buffers is None:
-        buffers = _SQRT_BUFFERS.by_length = {}
-    pair = buffers.get(len(xs))
-    if pair is None:
-        tensor = torch.zeros(len(xs), dtype=torch.float64)
-        try:
-            view = tensor.numpy()
-        except (ImportError, RuntimeError):  # torch without NumPy: a tensor per call
-            return torch.tensor(xs, dtype=torch.float64).sqrt_().tolist()
-        pair = buffers[len(xs)] = tensor, view
-    tensor, view = pair
-    view[:] = xs
-    tensor.sqrt_()
-    return view.tolist()
-
-
-_SQRT_BUFFERS = threading.local()
+    return torch.tensor(xs, dtype=torch.float64).sqrt_().tolist()
 
 
 def sqrt_bracket(x: float) -> tuple[float, float] | None:
