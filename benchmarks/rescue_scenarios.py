@@ -23,6 +23,12 @@ alone; each is its own reference.
 :data:`SCENARIOS` is the benchmark's matrix; :data:`HELD_OUT` holds the same families at other magnitudes (other
 learning rates, spike and poison factors, fault steps, epoch lengths), to check that what passes the matrix was not
 tuned to its exact numbers.
+
+:data:`HARD` is a matrix of its own (``--set hard``), kept apart so that the tables of :data:`SCENARIOS` stay
+comparable across releases: the classes of runs the suite still lost (a lasting disturbance that needs clipping, a
+learning rate too high that never overflows, gradients out of scale from the first step, periodic input spikes under
+SGD), with harmless twins of each that must be left alone. :data:`HARD_HELD_OUT` (``--set hard-held-out``) holds the
+same families at other magnitudes.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 
 from lightning_overflow.testing import Fault
 
-__all__ = ["HELD_OUT", "SCENARIOS", "Scenario", "scenario"]
+__all__ = ["HARD", "HARD_HELD_OUT", "HELD_OUT", "SCENARIOS", "SETS", "Scenario", "scenario"]
 
 DATA_SEED = 1234  # the data of every family; the run's seed never changes them
 
@@ -118,6 +124,10 @@ class Regression(Benchmarked):
             (:func:`step_noise`), its standard deviation growing linearly from ``first`` to ``last`` x the training
             targets' standard deviation over ``total_steps`` (in place of the data's own noise of 0.1); the
             evaluation stays on the usual held-out data.
+        grow_step: from this step on the targets (the same teacher's, the same noise) grow linearly to ``grow_scale``
+            x over ``grow_steps`` steps, then stay there; the evaluation is on the grown targets.
+        kaiming: draw every hidden layer's weights from N(0, ``kaiming`` x Kaiming's std for its fan-in), biases 0
+            (in place of ``init_std``).
     """
 
     def __init__(
@@ -144,6 +154,10 @@ class Regression(Benchmarked):
         noise_steps: int = 20,
         noise_scale: float = 3.0,
         label_noise: tuple[float, float] | None = None,
+        grow_step: int | None = None,
+        grow_steps: int = 100,
+        grow_scale: float = 3.0,
+        kaiming: float | None = None,
     ) -> None:
         super().__init__()
         torch.manual_seed(seed)
@@ -151,8 +165,9 @@ class Regression(Benchmarked):
         features = 16
         for _ in range(depth):
             linear = nn.Linear(features, width)
-            if init_std is not None:
-                nn.init.normal_(linear.weight, 0.0, init_std)
+            if init_std is not None or kaiming is not None:
+                std = init_std if kaiming is None else kaiming * math.sqrt(2.0 / features)
+                nn.init.normal_(linear.weight, 0.0, std)
                 nn.init.zeros_(linear.bias)
             layers += [linear, nn.ReLU()]
             features = width
@@ -164,6 +179,7 @@ class Regression(Benchmarked):
         self.shift_step, self.shift_scale = shift_step, shift_scale
         self.noise_step, self.noise_steps, self.noise_scale = noise_step, noise_steps, noise_scale
         self.label_noise = label_noise
+        self.grow_step, self.grow_steps, self.grow_scale = grow_step, grow_steps, grow_scale
         self.data = regression_set(samples)
         self.target_std = float(self.data.tensors[1].std())
         if corrupt_index is not None:
@@ -173,12 +189,17 @@ class Regression(Benchmarked):
             self.data = TensorDataset(x, y)
         self.evaluation = regression_set(1024, offset=1, task=int(shift_step is not None), scale=shift_scale
                                          if shift_step is not None else 1.0)  # fmt: skip
+        if grow_step is not None:
+            self.evaluation = regression_set(1024, offset=1, scale=grow_scale)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         step = self.trainer.global_step
         if self.shift_step is not None and step >= self.shift_step:
             y = teacher_targets(x, task=1, scale=self.shift_scale) + (y - teacher_targets(x))  # the same noise
+        if self.grow_step is not None and step >= self.grow_step:
+            grown = 1.0 + (self.grow_scale - 1.0) * min(1.0, (step - self.grow_step) / self.grow_steps)
+            y = y + (grown - 1.0) * teacher_targets(x)  # the same teacher and noise, the teacher's part grown
         if self.label_noise is not None:
             first, last = self.label_noise
             std = first + (last - first) * min(step, self.total_steps) / self.total_steps
@@ -325,13 +346,15 @@ class SequenceRNN(Benchmarked):
 
     Its recurrent matrix is orthogonal times ``gain``: above 1 some directions of the hidden state grow ``gain``x
     per time step, and backpropagation through time multiplies the gradient by the same matrix ``length`` times
-    (Pascanu, Mikolov and Bengio, ICML 2013).
+    (Pascanu, Mikolov and Bengio, ICML 2013). ``nonlinearity="tanh"`` bounds the hidden state but not the gradients:
+    while the state is off saturation the same product of matrices multiplies them.
     """
 
-    def __init__(self, seed: int, gain: float = 1.5, length: int = 48, lr: float = 3e-3) -> None:
+    def __init__(self, seed: int, gain: float = 1.5, length: int = 48, lr: float = 3e-3, nonlinearity: str = "relu"
+                 ) -> None:  # fmt: skip
         super().__init__()
         torch.manual_seed(seed)
-        self.rnn = nn.RNN(4, 32, nonlinearity="relu", batch_first=True)
+        self.rnn = nn.RNN(4, 32, nonlinearity=nonlinearity, batch_first=True)
         self.head = nn.Linear(32, 1)
         with torch.no_grad():
             nn.init.orthogonal_(self.rnn.weight_hh_l0)
@@ -380,21 +403,22 @@ def _corpus(chars: int) -> tuple[Tensor, int]:
 
 
 class CharTransformer(Benchmarked):
-    """A two-layer causal transformer (d=32, 2 heads, pre-norm) over a character corpus, trained with AdamW.
+    """A causal transformer of ``layers`` blocks (d=32, 2 heads, post-norm, no warm-up) over a character corpus,
+    trained with AdamW.
 
     Its causal mask is a buffer of ``-inf`` above the diagonal, a legitimate non-finite constant.
     """
 
     CONTEXT = 32
 
-    def __init__(self, seed: int, lr: float = 3e-3) -> None:
+    def __init__(self, seed: int, lr: float = 3e-3, layers: int = 1) -> None:
         super().__init__()
         torch.manual_seed(seed)
         text, vocabulary = _corpus(40_000)
         self.embed = nn.Embedding(vocabulary, 32)
         self.position = nn.Parameter(0.02 * torch.randn(self.CONTEXT, 32))
         layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True, norm_first=False)
-        self.blocks = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.out = nn.Linear(32, vocabulary)
         self.register_buffer("mask", torch.triu(torch.full((self.CONTEXT, self.CONTEXT), float("-inf")), 1))
         self.seed, self.lr = seed, lr
@@ -763,13 +787,174 @@ def _held_out() -> list[Scenario]:
     return scenarios
 
 
+# ---- the hard matrix: the runs the suite still lost, and their harmless twins ----------------------------------------
+_WIDE = functools.partial(Regression, width=128)  # another shape than the sweeps' (2 x 64)
+_SLOW_START = functools.partial(Regression, depth=4, init_std=0.05)  # every layer small: a plateau, then it learns
+_DEEP10 = functools.partial(Regression, depth=10, width=48, lr=SGD_LR / 4)
+_TANH_RNN = functools.partial(SequenceRNN, nonlinearity="tanh", length=64, lr=1e-2)
+GROW_STEP = 120  # where the targets of the growing regressions start to grow
+
+
+def _growing(scale: float, start: int, steps: int, suffix: str = "") -> list[Scenario]:
+    """Targets growing ``scale`` x over ``steps`` steps from ``start`` under SGD at the stable LR (which cannot fit
+    them: a lasting disturbance that needs clipping), and the same growth at :data:`SWITCH_LR`, which fits them."""
+    grow = functools.partial(Regression, grow_step=start, grow_steps=steps, grow_scale=scale)
+    family = f"targets_grow_{scale:g}x{suffix}"
+    what = f"whose targets grow linearly {scale:g}x from step {start} to {start + steps}"
+    return [
+        Scenario(
+            family, family,
+            f"MLP regression, SGD + momentum 0.9 at {SGD_LR:g}, {what}, then stay: the weights grow to fit them and "
+            "the run loses stability; evaluated on the grown targets",
+            functools.partial(grow, lr=SGD_LR), STEPS, f"{family}_fit",
+        ),
+        Scenario(
+            f"{family}_fit", family,
+            f"MLP regression, SGD + momentum 0.9 at {SWITCH_LR:g}, {what}, then stay: the gradient norms move to a "
+            "new level that the run fits; evaluated on the grown targets (harmless)",
+            functools.partial(grow, lr=SWITCH_LR), STEPS, f"{family}_fit", harmless=True,
+        ),
+    ]  # fmt: skip
+
+
+def _reference_only(name: str, family: str, description: str, build: Callable[[int], Benchmarked],
+                    steps: int) -> Scenario:  # fmt: skip
+    return Scenario(name, family, description, build, steps, name, stable=True, in_matrix=False)
+
+
+def _periodic(every: int, factor: float, quick: bool = False) -> Scenario:
+    return Scenario(
+        f"periodic_spikes_every{every}_x{factor:g}", "mlp_sgd",
+        f"SGD: one batch in {every} has its inputs multiplied by {factor:g} (steps {every // 2}, "
+        f"{every + every // 2}, ...)",
+        functools.partial(Regression, spike_every=every, spike_factor=factor), STEPS, "mlp_sgd_lr1x", quick=quick,
+    )  # fmt: skip
+
+
+def _hard() -> list[Scenario]:
+    """The classes of runs the suite still lost (:data:`HARD`): a lasting disturbance that needs clipping (growing
+    targets, a high multiple of SGD's stable rate on another shape), a learning rate too high that never overflows
+    (Adam at 5x, a post-norm transformer at a rate where it never learns), gradients out of scale from the first step
+    (a deep ReLU net drawn too large, an explosive tanh recurrence), periodic input spikes under SGD; and the harmless
+    twins that must be left alone (a level change of the gradient norms that the run fits, a slow starter, the deep
+    net at the right initialisation, a healthy recurrent net, the other shape at its stable rate)."""
+    return [
+        *_growing(3.0, GROW_STEP, 100),
+        Scenario(
+            "wide_sgd_lr1x", "wide_sgd", f"MLP regression 2 x 128, SGD + momentum 0.9 at the stable LR ({SGD_LR:g})",
+            functools.partial(_WIDE, lr=SGD_LR), STEPS, "wide_sgd_lr1x", stable=True,
+        ),
+        Scenario(
+            "wide_sgd_lr6x", "wide_sgd", f"MLP regression 2 x 128, SGD + momentum 0.9 at 6x the stable LR "
+            f"({6 * SGD_LR:g}): the gradient norms run away within a few steps",
+            functools.partial(_WIDE, lr=6 * SGD_LR), STEPS, "wide_sgd_lr1x", quick=True,
+        ),
+        Scenario(
+            "wide_adam_lr5x", "wide_adam", f"MLP regression 2 x 128, Adam at 5x the stable LR ({5 * ADAM_LR:g}): "
+            "no overflow, a loss that never settles",
+            functools.partial(_WIDE, optimizer="adam", lr=5 * ADAM_LR), STEPS, "wide_adam_lr1x",
+        ),
+        _reference_only("wide_adam_lr1x", "wide_adam", f"MLP regression 2 x 128, Adam at the stable LR ({ADAM_LR:g})",
+                        functools.partial(_WIDE, optimizer="adam", lr=ADAM_LR), STEPS),
+        Scenario(
+            "transformer_lr25x", "transformer",
+            f"character transformer (post-norm, no warm-up), AdamW at 25x the stable LR ({25 * ADAMW_LR:g}): it "
+            "never learns (the loss stays at the letters' frequencies), never overflows",
+            functools.partial(CharTransformer, lr=25 * ADAMW_LR), 300, "transformer_lr1x",
+        ),
+        Scenario(
+            "deep10_init_x1.6", "deep10",
+            "10 ReLU layers of width 48 drawn at 1.6x Kaiming's std: the activations grow 1.6x a layer (110x at the "
+            "output), the gradients are out of scale from the first step",
+            functools.partial(_DEEP10, kaiming=1.6), STEPS, "deep10_kaiming", quick=True,
+        ),
+        Scenario(
+            "deep10_kaiming", "deep10", "the same 10 ReLU layers drawn at Kaiming's std (harmless)",
+            functools.partial(_DEEP10, kaiming=1.0), STEPS, "deep10_kaiming", stable=True, harmless=True,
+        ),
+        Scenario(
+            "tanh_rnn_gain2", "tanh_rnn",
+            "a tanh RNN over 64 steps, SGD, recurrent matrix orthogonal x 2: the recurrence explodes until the "
+            "state saturates",
+            functools.partial(_TANH_RNN, gain=2.0), 200, "tanh_rnn_healthy",
+        ),
+        Scenario(
+            "tanh_rnn_healthy", "tanh_rnn", "the same tanh RNN with an orthogonal recurrent matrix (gain 1) (harmless)",
+            functools.partial(_TANH_RNN, gain=1.0), 200, "tanh_rnn_healthy", stable=True, harmless=True,
+        ),
+        _periodic(40, 50.0, quick=True),
+        Scenario(
+            "slow_starter", "slow_starter",
+            "MLP regression 4 x 64, SGD, every layer drawn from N(0, 0.05): the loss sits flat near its start for "
+            "about 150 steps, then it learns (harmless)",
+            functools.partial(_SLOW_START, lr=SGD_LR), STEPS, "slow_starter", stable=True, harmless=True, quick=True,
+        ),
+    ]  # fmt: skip
+
+
+def _hard_held_out() -> list[Scenario]:
+    """The families of :func:`_hard` at other magnitudes (:data:`HARD_HELD_OUT`)."""
+    return [
+        *_growing(2.5, 150, 150, suffix="_slowly"),
+        *[
+            Scenario(
+                f"wide_sgd_lr{m}x", "wide_sgd",
+                f"MLP regression 2 x 128, SGD + momentum 0.9 at {m}x the stable LR ({m * SGD_LR:g})",
+                functools.partial(_WIDE, lr=m * SGD_LR), STEPS, "wide_sgd_lr1x",
+            )
+            for m in (4, 10)
+        ],
+        *[
+            Scenario(
+                f"wide_adam_lr{m}x", "wide_adam",
+                f"MLP regression 2 x 128, Adam at {m}x the stable LR ({m * ADAM_LR:g})",
+                functools.partial(_WIDE, optimizer="adam", lr=m * ADAM_LR), STEPS, "wide_adam_lr1x",
+            )
+            for m in (3, 8)
+        ],
+        *[
+            Scenario(
+                f"transformer_lr{m}x", "transformer",
+                f"character transformer (post-norm, no warm-up), AdamW at {m}x the stable LR ({m * ADAMW_LR:g})",
+                functools.partial(CharTransformer, lr=m * ADAMW_LR), 300, "transformer_lr1x",
+            )
+            for m in (12, 40)
+        ],
+        *[
+            Scenario(
+                f"deep10_init_x{k:g}", "deep10",
+                f"10 ReLU layers of width 48 drawn at {k:g}x Kaiming's std: the activations grow {k:g}x a layer",
+                functools.partial(_DEEP10, kaiming=k), STEPS, "deep10_kaiming",
+            )
+            for k in (1.3, 2.2)
+        ],
+        Scenario(
+            "tanh_rnn_gain2.5", "tanh_rnn", "a tanh RNN over 64 steps, SGD, recurrent matrix orthogonal x 2.5",
+            functools.partial(_TANH_RNN, gain=2.5), 200, "tanh_rnn_healthy",
+        ),
+        _periodic(30, 300.0, quick=True),
+        _periodic(70, 20.0),
+        Scenario(
+            "slow_starter_6_layers", "slow_starter_6_layers",
+            "MLP regression 6 x 64, SGD, every layer drawn from N(0, 0.08): the loss sits flat near its start for "
+            "about 300 steps, then it learns (harmless)",
+            functools.partial(Regression, depth=6, init_std=0.08, lr=SGD_LR), 500, "slow_starter_6_layers",
+            stable=True, harmless=True,
+        ),
+    ]  # fmt: skip
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _catalogue()}
 HELD_OUT: dict[str, Scenario] = {s.name: s for s in _held_out()}  # the references it names are in SCENARIOS or here
-_EVERY: dict[str, Scenario] = {**SCENARIOS, **HELD_OUT}
+HARD: dict[str, Scenario] = {s.name: s for s in _hard()}  # references in SCENARIOS or here
+HARD_HELD_OUT: dict[str, Scenario] = {s.name: s for s in _hard_held_out()}  # references in the three above or here
+SETS: dict[str, dict[str, Scenario]] = {"matrix": SCENARIOS, "held-out": HELD_OUT, "hard": HARD,
+                                        "hard-held-out": HARD_HELD_OUT}  # fmt: skip
+_EVERY: dict[str, Scenario] = {**SCENARIOS, **HELD_OUT, **HARD, **HARD_HELD_OUT}
 
 
 def scenario(name: str) -> Scenario:
-    """The scenario called ``name``, in :data:`SCENARIOS` or :data:`HELD_OUT`.
+    """The scenario called ``name``, in any of :data:`SETS`.
 
     Raises:
         ValueError: no scenario has that name.

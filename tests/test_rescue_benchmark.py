@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import rescue  # noqa: E402
-from rescue_scenarios import FAULT_STEP, HELD_OUT, SCENARIOS, scenario  # noqa: E402
+from rescue_scenarios import FAULT_STEP, HARD, HARD_HELD_OUT, HELD_OUT, SCENARIOS, SETS, scenario  # noqa: E402
 
 STEPS = FAULT_STEP + 10
 
@@ -204,8 +204,9 @@ def test_bit_identity_is_not_asked_of_a_stable_run_that_kept_a_remedy() -> None:
 
 
 def test_the_catalogues_hold_together() -> None:
-    assert not set(SCENARIOS) & set(HELD_OUT)
-    for spec in [*SCENARIOS.values(), *HELD_OUT.values()]:
+    names = [name for catalogue in SETS.values() for name in catalogue]
+    assert len(names) == len(set(names))  # no name in two sets
+    for spec in [*SCENARIOS.values(), *HELD_OUT.values(), *HARD.values(), *HARD_HELD_OUT.values()]:
         assert scenario(spec.reference).family == spec.family, spec.name
         assert not spec.harmless or (spec.description.endswith("(harmless)") and not spec.faults), spec.name
     harmless = {name for name, spec in SCENARIOS.items() if spec.harmless}
@@ -219,3 +220,26 @@ def test_the_catalogues_hold_together() -> None:
     results = rescue.Results([], {}, {}, [spec.name for spec in held_out], [rescue.OURS], [0])
     assert (rescue.target_share(results), rescue.target_share(dataclasses.replace(results, scenarios=["nan_weight"]))) \
         == (0.85, 0.90)
+
+
+def test_the_hard_sets_hold_a_scenario_of_each_class_and_a_harmless_twin_of_each() -> None:
+    hard = {spec.name for spec in rescue.select(None, quick=False, set_name="hard")}
+    assert hard == {
+        "targets_grow_3x", "wide_sgd_lr6x",  # a lasting disturbance that needs clipping
+        "wide_adam_lr5x", "transformer_lr25x",  # a learning rate too high that never overflows
+        "deep10_init_x1.6", "tanh_rnn_gain2",  # gradients out of scale from the first step
+        "periodic_spikes_every40_x50",  # periodic input spikes under SGD
+        "targets_grow_3x_fit", "wide_sgd_lr1x", "deep10_kaiming", "tanh_rnn_healthy", "slow_starter",  # the twins
+    }  # fmt: skip
+    assert {name for name in hard if scenario(name).harmless} == {
+        "targets_grow_3x_fit", "deep10_kaiming", "tanh_rnn_healthy", "slow_starter"
+    }
+    held_out = rescue.select(None, quick=False, set_name="hard-held-out")
+    assert all(spec.name in HARD_HELD_OUT and spec.in_matrix for spec in held_out) and len(held_out) == 14
+    assert {spec.family for spec in held_out} - {"mlp_sgd"} <= {scenario(name).family for name in hard} | {
+        "targets_grow_2.5x_slowly", "slow_starter_6_layers"
+    }
+    assert rescue.target_share(rescue.Results([], {}, {}, [spec.name for spec in held_out], [rescue.OURS], [0])) == 0.85
+    assert rescue.select(None, quick=False, set_name="held-out") == rescue.select(None, quick=False, held_out=True)
+    with pytest.raises(ValueError, match=r"^'set' must be one of 'matrix', 'held-out', 'hard', 'hard-held-out' "):
+        rescue.select(None, quick=False, set_name="nope")
