@@ -23,8 +23,15 @@ keeps overflowing                       at the backed-off rate against the     c
 (``loss_divergence``, ``loss_trend``,   run as it is, ``steps`` steps on the   spikes); a tie goes to the run as it is,
 ``weight_growth``,                      same batches; the better one beyond    so a false alarm costs compute, never
 ``scaler_collapse``)                    noise goes on                          the result
-none, every ``every_n_steps``           a trial of the backed-off rate from    a learning rate too high that never
-(opt-in)                                the current state                      overflows raises no suspicion
+a run that does not learn: the loss     a trial, twice as long: the last       a learning rate too high that never
+level has not come down to half its     verified snapshot from before the      overflows leaves no best to diverge
+starting level and made no progress     last progress (for a run that never    from, and damages the state it holds
+in ``NO_PROGRESS_STEPS`` healthy steps  learned, the fit's first) at the       (a lower rate from there does not
+(``no_progress``)                       backed-off rate against the run as     learn either); a slow starter about
+                                        it is                                  to learn ties, and goes on as it is
+none, every ``every_n_steps``           a trial of the backed-off rate from    a rate too high for a run that did
+(opt-in)                                the current state                      learn (it plateaus above what a lower
+                                                                               rate reaches) raises no suspicion
 ======================================  =====================================  =========================================
 
 A suspicion is acted on at once, as a certain fault is, where no trial can run: trials off (``trial=None``), or a
@@ -34,6 +41,8 @@ verdict; a false alarm makes the same suspicion wait twice as long as last time 
 the detector re-learns the run's level. The remedies are bounded: ``LRBackoff`` by its floor (``min_scale``),
 ``Rollback`` by ``max_rollbacks`` retries with nothing changed; a certain fault with nothing left to try stops the run
 with :class:`~lightning_overflow.DivergenceError`, a suspicion never does (it is left alone there).
+``no_progress`` is in no default trigger: where no trial can run it is journaled only, since backing off a slow
+starter blind could cost its result.
 
 Each suite callback judges the same final step record and may return a :class:`Verdict`: a reason to skip the
 step, a proposed clip, or both. :func:`decide_step` turns all of them into one :class:`StepAction`, applied once by
@@ -66,10 +75,14 @@ __all__ = [
     "DEFAULT_BACKOFF_TRIGGERS",
     "DEFAULT_ROLLBACK_TRIGGERS",
     "DIVERGENCE_SIGNALS",
+    "NO_PROGRESS_LEVEL",
+    "NO_PROGRESS_MARGIN",
+    "NO_PROGRESS_STEPS",
     "REGROWTH",
     "SCHEDULED",
     "SIGNAL_KINDS",
     "SUSPICION_SIGNALS",
+    "TRIAL_STEPS_FACTOR",
     "UPDATE_BOUND",
     "ClipPlan",
     "Signal",
@@ -89,6 +102,7 @@ SIGNAL_KINDS = (
     "loss_divergence",
     "loss_trend",
     "loss_plateau",
+    "no_progress",
     "weight_growth",
     "replica_mismatch",
 )
@@ -107,8 +121,29 @@ DIVERGENCE_SIGNALS = (
 CERTAIN_SIGNALS = ("nonfinite_persistent", "nonfinite_state", "replica_mismatch")
 """Faults that need no verdict: the state cannot train, or is corrupt. Answered at once."""
 
-SUSPICION_SIGNALS = ("loss_divergence", "loss_trend", "loss_plateau", "weight_growth", "scaler_collapse")
-"""Evidence that the state may diverge: tried where a trial can run, answered at once where none can."""
+SUSPICION_SIGNALS = (
+    "loss_divergence", "loss_trend", "loss_plateau", "no_progress", "weight_growth", "scaler_collapse"
+)
+"""Evidence that the state may diverge, or may not learn at its rate: tried where a trial can run, answered at once
+where none can (by the interventions whose triggers name it)."""
+
+TRIAL_STEPS_FACTOR = {"no_progress": 2}
+"""Suspicions whose first trial runs this many times ``TrialConfig.steps``: its remedy starts from before the run
+stopped making progress, often the fit's start, and needs longer to show where it goes (a post-norm transformer at 8x
+its stable rate, started again at half of it: 3% lower losses than the run as it is over steps 10-20, 10% over
+20-40)."""
+
+NO_PROGRESS_STEPS = 50
+"""Healthy steps without progress that make a run suspected of not learning: a slow starter that measured flat for
+30 steps learns within 50 (a flat start is a tie in the trial anyway; this only bounds the compute spent)."""
+
+NO_PROGRESS_MARGIN = 0.05
+"""Progress: a new low of the loss level by this share of the starting level; the level of a run stalled at a high
+rate still creeps down (1-2% of its start in 50 steps), one that learns falls 10% or more."""
+
+NO_PROGRESS_LEVEL = 0.5
+"""Once the loss level has come down to this share of its starting level, the run has learned: the test stops for
+good, so a converged run (at a tenth of its start, or a harder task after a change of data) is never suspected."""
 
 SCHEDULED = "scheduled"
 """The kind of a trial opened without a signal (``TrialConfig(every_n_steps=...)``)."""

@@ -32,7 +32,7 @@ gradients are averaged across ranks, and its loss rides on the step's one all-re
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -40,7 +40,14 @@ import torch
 from lightning_overflow import _compat
 from lightning_overflow.candidate import Candidate, CandidateStep, Clip, trainable
 from lightning_overflow.fit_summary import named
-from lightning_overflow.policy import CERTAIN_SIGNALS, REGROWTH, SCHEDULED, SUSPICION_SIGNALS, Signal
+from lightning_overflow.policy import (
+    CERTAIN_SIGNALS,
+    REGROWTH,
+    SCHEDULED,
+    SUSPICION_SIGNALS,
+    TRIAL_STEPS_FACTOR,
+    Signal,
+)
 from lightning_overflow.trial import DEFAULT_TRIAL, Trial, TrialConfig, TrialVerdict
 
 if TYPE_CHECKING:
@@ -331,10 +338,12 @@ class TrialRunner:
             sides[0].swap(trainer)
             sides = [incumbent]
         self.remedies, self.sides = remedies, sides
+        # Some suspicions' remedies start from far back (TRIAL_STEPS_FACTOR): their first trial runs longer.
+        factor = TRIAL_STEPS_FACTOR.get(kind, 1) if rung == 1 else 1
         self.trial = Trial(
             kind=kind,
             step=signal.step if signal is not None else step,
-            config=self.config,
+            config=self.config if factor == 1 else replace(self.config, steps=self.config.steps * factor),
             reason=signal.reason if signal is not None else _REASONS[kind],
             source=signal.source if signal is not None else "",
             snapshot_step=remedies[0].snapshot_step,

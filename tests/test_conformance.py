@@ -85,7 +85,7 @@ CASES: dict[type, Case] = {
                 ValueError,
                 "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', "
                 "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend', 'loss_plateau', "
-                "'weight_growth', "
+                "'no_progress', 'weight_growth', "
                 "'replica_mismatch' (got 'boom')",
             ),
         ],

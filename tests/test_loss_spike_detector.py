@@ -546,3 +546,67 @@ def test_with_several_optimizers_the_level_test_is_off(tmp_path: Path) -> None:
     fit_gan = make_trainer([detector], default_root_dir=str(tmp_path), max_steps=40)
     fit_gan.fit(TinyGAN())
     assert all(e.level_count == 0 for e in detector._evidence.values())
+
+
+# ---- a run that does not learn --------------------------------------------------------------------------------------
+def _findings(losses: list[float], evidence: DivergenceEvidence | None = None) -> list[tuple[int, str, int]]:
+    """Every finding of the level tests and the progress clock, as ``(index, kind, span)``."""
+    evidence = evidence or DivergenceEvidence()
+    found = []
+    for i, loss in enumerate(losses):
+        finding = evidence.observe(loss, spike=False, **LEVEL, no_progress=True)
+        if finding is not None:
+            found.append((i, finding[0], evidence.span))
+    return found
+
+
+def test_a_loss_that_never_leaves_its_start_level_is_suspected_of_not_learning_at_the_exact_step() -> None:
+    # The level of a window of 4 is first judged at the 4th loss (index 3): the last low, 4. Every loss after it is
+    # one more step without a new low by 0.05 x 4: the 50th, index 53, is the finding; the clock then starts again.
+    # Each finding rests on every state since the last low and the window before it: the trial goes back before them.
+    assert _findings([4.0] * 110) == [(53, "no_progress", 54), (103, "no_progress", 104)]
+    evidence = DivergenceEvidence()
+    for loss in [4.0] * 53:
+        evidence.observe(loss, spike=False, **LEVEL, no_progress=True)
+    kind, reason = evidence.observe(4.0, spike=False, **LEVEL, no_progress=True)
+    assert kind == "no_progress" and reason == (
+        "has not come down from its starting level: its level over about 4 healthy steps is 4, 1x its starting "
+        "level 4, with no new low by 0.05x that level in 50 healthy steps (the last low 4)"
+    )
+
+
+def test_a_loss_that_stalls_above_half_its_start_is_suspected_50_steps_after_its_last_progress() -> None:
+    # The level (alpha 0.4) falls from 4 toward 2.5 as 4 - 1.5 * (1 - 0.6**k) at the k-th loss of 2.5: 3.4, 3.04,
+    # 2.824, 2.694, 2.617. Each is a new low by 0.2 (0.05 x 4) below the last one but 2.694 (k = 4, index 23); the last,
+    # at index 24. Then it creeps toward 2.5, never 0.2 lower, and stays above 2 (half the start): 50 steps later.
+    assert _findings([4.0] * 20 + [2.5] * 100) == [(74, "no_progress", 54)]
+
+
+def test_a_slow_starter_that_learns_is_never_suspected_and_a_run_that_learned_never_again() -> None:
+    # Flat for 45 steps (the clock reaches 41 of 50), then down 0.1 a step to 1: never suspected, and once the level
+    # came down to half its start the clock has stopped for good, through 300 more steps at 1.
+    slow_start = [4.0] * 45 + [4.0 - 0.1 * (k + 1) for k in range(30)] + [1.0] * 300
+    assert _findings(slow_start) == []
+    # Learned, then a harder task (new data) at 3, 0.75 x the start: the level test suspects that (and again after
+    # each signal); never a run that does not learn.
+    shifted = _findings([4.0] * 8 + [1.0] * 40 + [3.0] * 300)
+    assert shifted[0] == (52, "loss_divergence", 7) and {kind for _, kind, _ in shifted} == {"loss_divergence"}
+
+
+def test_the_progress_clock_outlives_a_false_alarm_and_round_trips_its_state() -> None:
+    evidence = DivergenceEvidence()
+    assert _findings([4.0] * 60, evidence) == [(53, "no_progress", 54)]
+    # A false alarm relearns the run's level from its next losses, but not where it started: the clock goes on
+    # against the first anchor, from 0.
+    fresh = evidence.relearned()
+    assert (fresh.start, fresh.anchor, fresh.progress.since, fresh.progress.mark) == (4.0, 0.0, 0, 4.0)
+    restored = DivergenceEvidence.from_state(fresh.state_dict(), 2)
+    assert restored.state_dict() == fresh.state_dict()
+    # A state of this version written before the clock existed starts it afresh.
+    older = {k: v for k, v in evidence.state_dict().items() if k not in ("start", "progress")}
+    assert DivergenceEvidence.from_state(older, 2).progress.mark == math.inf
+    # A restored state's progress counts from where it stands: the low of the state undone is forgotten, the start
+    # is not. Its level is judged again from its 4th loss (index 3), and 50 steps without progress later, at 53:
+    fresh.after_restore()
+    assert (fresh.start, fresh.progress.mark, fresh.progress.stalled) == (4.0, math.inf, 0)
+    assert _findings([3.9] * 60, fresh) == [(53, "no_progress", 54)]

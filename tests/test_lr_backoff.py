@@ -520,7 +520,7 @@ def test_a_run_10x_above_its_stable_lr_completes_near_the_stable_runs_loss(tmp_p
             (
                 "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', "
                 "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend', 'loss_plateau', "
-                "'weight_growth', "
+                "'no_progress', 'weight_growth', "
                 "'replica_mismatch' (got 'typo')"
             ),
         ),

@@ -12,7 +12,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from conftest import assert_bit_identical, fit, weights
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_overflow import AutoClip, LossSpikeDetector, default_callbacks, read_journal
 from lightning_overflow.policy import (
@@ -474,3 +474,107 @@ def test_under_ddp_both_ranks_find_the_runaway_weights_and_roll_back_together(tm
     assert _kinds(_journal(tmp_path), "weight_growth", "trial", "backoff", "rollback")[:4] == [
         (80, "weight_growth"), (101, "trial"), (101, "backoff"), (101, "rollback")
     ]  # fmt: skip
+
+
+# ---- a run that does not learn -------------------------------------------------------------------------------------
+class Bouncing(pl.LightningModule):
+    """Full-batch gradient descent on a quadratic whose curvatures are 1 and 9e-4 (inputs (+-1, 0) and (0, +-0.03),
+    targets their sum), from weights 0. At the rate 2 = 2 / 1 the stiff weight flips between 0 and 2 for ever, exactly
+    (its loss share, 0.5, never moves): the loss sits at its start, 0.50045, finite, no spike, no trend. At half that
+    rate the stiff weight lands on its target in one step, and the loss falls to the flat weight's share, 4.5e-4.
+
+    Args:
+        lr: the SGD learning rate.
+        until: from this step on the rate is halved (a run whose loss sits flat, then learns).
+    """
+
+    def __init__(self, lr: float = 2.0, until: int | None = None) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.zeros_(self.linear.weight)
+        self.lr, self.until = lr, until
+        x = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 0.03], [0.0, -0.03]])
+        self.data = TensorDataset(x, x.sum(1, keepdim=True))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.linear(x), y)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.until is None:
+            return optimizer
+        until = self.until
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step < until else 0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=4)
+
+
+def _trial_facts(events: list[dict[str, Any]]) -> list[tuple[int, int, int | None, bool, int]]:
+    return [(e["step"], e["details"]["opened_at"], e["details"]["snapshot_step"], e["details"]["kept"],
+             e["details"]["steps"]) for e in events if e["kind"] == "trial"]  # fmt: skip
+
+
+def test_a_rate_at_which_the_loss_never_leaves_its_start_is_tried_from_the_start_and_the_lower_rate_kept(
+    tmp_path: Path,
+) -> None:
+    """The level (over 20 healthy steps) is first judged at step 19; 50 steps without a new low later, at step 69,
+    the run is suspected of not learning. Its trial, twice the usual 20 steps, starts from the fit's first snapshot at
+    half and an eighth of the rate: both learn at once, the run does not, and the half rate is kept (a rollback to
+    step 0 and a backoff, journaled as the trial's). The follow-up from there at lower rates still does no better."""
+    model = Bouncing()
+    trainer = fit(model, default_callbacks(clip=None), max_steps=140, default_root_dir=str(tmp_path))
+    events = _journal(tmp_path)
+    (suspicion,) = [e for e in events if e["kind"] == "no_progress"]
+    assert (suspicion["step"], suspicion["details"]["since"]) == (69, 0)
+    assert "has not come down from its starting level" in suspicion["message"]
+    assert _trial_facts(events) == [(110, 69, 0, True, 40), (130, 110, None, False, 20)]
+    kept = next(e for e in events if e["kind"] == "trial")
+    assert kept["details"]["kept_lr_factor"] == 0.5 and kept["details"]["signal"] == "no_progress"
+    assert _kinds(events, "backoff", "rollback") == [(110, "backoff"), (110, "rollback")]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 1.0
+    assert model.linear.weight[0, 0].item() == 1.0  # the stiff weight on its target
+
+
+def test_a_run_no_rate_makes_learn_ties_its_trials_and_is_tried_again_only_twice_as_late(tmp_path: Path) -> None:
+    """At the rate 0 no remedy can do better: each trial ties, and the run goes on as it was. The first suspicion
+    (step 69) opens a trial of 40 steps, a false alarm at step 110: the detector relearns the level (judged again from
+    step 129) and the same suspicion waits 2 x 40 steps, to step 190. The clock finds no progress again at 178
+    (within the wait: dropped) and at 228, which opens the second trial; that one waits 4 x 40 after it."""
+    fit(Bouncing(lr=0.0), default_callbacks(clip=None), max_steps=300, default_root_dir=str(tmp_path))
+    events = _journal(tmp_path)
+    assert [e["step"] for e in events if e["kind"] == "no_progress"] == [69, 178, 228]
+    assert _trial_facts(events) == [(110, 69, 0, False, 40), (269, 228, 0, False, 40)]
+    assert all(e["details"]["false_alarm"] for e in events if e["kind"] == "trial")
+    assert _kinds(events, "backoff", "rollback") == []
+
+
+def test_a_slow_starter_that_learns_before_the_clock_runs_out_is_never_suspected(tmp_path: Path) -> None:
+    """Flat at its start for 60 steps (the rate 2), then the schedule halves the rate and it learns at once: 9 steps
+    short of the suspicion; once learned, never again. The run ends bit-identical to the bare run."""
+    bare = Bouncing(until=60)
+    fit(bare, [], max_steps=200)
+    model = Bouncing(until=60)
+    fit(model, default_callbacks(clip=None), max_steps=200, default_root_dir=str(tmp_path))
+    assert _journal(tmp_path) == []
+    assert_bit_identical(weights(model), weights(bare))
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_under_ddp_both_ranks_suspect_the_run_that_does_not_learn_and_keep_the_lower_rate_together(
+    tmp_path: Path,
+) -> None:
+    """Each rank holds two of the four inputs; the loss of the suspicion is the mean over both ranks, so both suspect
+    the run at step 69 and keep the same remedy at step 110."""
+    from ddp_utils import run_ddp
+
+    reports = run_ddp(Bouncing(), default_callbacks(clip=None), tmp_path, max_steps=120)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]
+    assert reports[0]["lrs"] == reports[1]["lrs"] and reports[0]["lrs"][-1] == 1.0
+    events = _journal(tmp_path)
+    assert [e["step"] for e in events if e["kind"] == "no_progress"] == [69]
+    assert _trial_facts(events)[0] == (110, 69, 0, True, 40)

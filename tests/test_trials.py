@@ -338,6 +338,34 @@ def test_a_checkpoint_saved_during_a_trial_resumes_it_exactly(tmp_path: Path) ->
     assert resumed_trials == [t for t in whole_trials if t[0] > 40] and whole_trials[0][0] == 46
 
 
+def test_the_first_trial_of_a_run_that_does_not_learn_runs_twice_as_long_and_resumes_with_its_length(
+    tmp_path: Path,
+) -> None:
+    """A suspicion that the run does not learn (step 35) opens a trial of twice the configured 10 steps: its remedy
+    starts from further back and needs longer to show where it goes. Saved at step 40 and resumed, the trial keeps its
+    length (its verdict at step 56 either way); the follow-up of a kept remedy runs the configured 10 steps."""
+    trial = TrialConfig(steps=10)
+
+    def suite() -> list[Any]:
+        return [Suspect(35, kind="no_progress"), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial)]
+
+    torch.manual_seed(0)
+    whole = Sabotaged()
+    fit(whole, suite(), max_steps=80, default_root_dir=str(tmp_path / "whole"))
+    facts = [(e["step"], e["details"]["opened_at"], e["details"]["steps"], e["details"]["kept"])
+             for e in _trials(tmp_path / "whole")]  # fmt: skip
+    assert facts[:2] == [(56, 35, 20, True), (66, 56, 10, False)]
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=BATCHES_PER_EPOCH,
+                                               save_top_k=-1)  # fmt: skip
+    torch.manual_seed(0)
+    fit(Sabotaged(), [*suite(), checkpoints], max_steps=40, default_root_dir=str(tmp_path / "first"),
+        enable_checkpointing=True)  # fmt: skip
+    (path,) = [p for p in (tmp_path / "ckpt").glob("*.ckpt") if "step=40" in p.name]
+    resumed = Sabotaged()
+    make_trainer(suite(), max_steps=80, default_root_dir=str(tmp_path / "resumed")).fit(resumed, ckpt_path=str(path))
+    assert_bit_identical(weights(resumed), weights(whole))
+    assert [(e["step"], e["details"]["steps"]) for e in _trials(tmp_path / "resumed")][:2] == [(56, 20), (66, 10)]
+
 @pytest.mark.ddp
 @pytest.mark.timeout(180)
 def test_under_ddp_both_ranks_run_the_same_trial_and_reach_the_same_verdict(tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ OTHER_MARKER = MarkerSpec("other event (see the journal)", "h", "silver", 7.0)
 # Routine kinds: clipping shows in the gradient-norm panel, a re-baseline only restarts statistics, an undo is the
 # data shift's or the update bound's own marker.
 HIDDEN_KINDS = frozenset({"clip", "rebaseline", "undo"})
-SUSPICION_KINDS = frozenset({"loss_divergence", "loss_trend", "loss_plateau", "weight_growth"})
+SUSPICION_KINDS = frozenset({"loss_divergence", "loss_trend", "loss_plateau", "no_progress", "weight_growth"})
 FINDING_KINDS = frozenset({"nonfinite", "data_fault"})
 """Detections drawn as their skip when the step was skipped."""
 """The detectors' findings that open trials, drawn with one marker (the journal tells them apart)."""
