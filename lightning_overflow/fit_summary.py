@@ -11,18 +11,21 @@ Pure: events in, text out (events as :func:`~lightning_overflow.events.read_jour
 from __future__ import annotations
 
 import math
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_overflow.policy import REGROWTH, SCHEDULED
 
-__all__ = ["ENDING_BLOCK", "ENDING_RATIO", "LossEnding", "named", "opened_because", "plain_lines"]
+__all__ = ["ENDING_BLOCK", "ENDING_RATIO", "ENDING_START", "LossEnding", "ending_words", "left_alone", "named",
+           "opened_because", "plain_lines"]
 
 Event = Mapping[str, Any]
 
-ENDING_BLOCK = 20  # steps averaged into one loss level: single steps scatter too much to compare
+ENDING_BLOCK = 40  # finite losses whose median is one loss level: shorter stretches scatter too much to compare
+ENDING_START = 5  # the first finite losses, whose median is where the run started
 ENDING_RATIO = 10.0  # a run whose last loss level is this many times its best has lost most of what it learnt
 MAX_STEPS = 6  # steps listed in a line before "..."
 SIGNAL_WORDS = {
@@ -62,45 +65,102 @@ def named(kind: str) -> str:
 
 @dataclass
 class LossEnding:
-    """The best and the last level of the training loss (means of ``ENDING_BLOCK`` finite steps), fed step by step.
+    """Where the training loss ended against its best and against where it started, fed step by step.
 
-    O(1) a step: one running sum. :meth:`event_details` says whether the run ended far above its best.
+    Every level is a median, which a few spikes do not move: the best is the lowest median of ``ENDING_BLOCK``
+    consecutive finite losses (blocks counted from the fit's first loss), the last is the median of the last
+    ``ENDING_BLOCK`` finite losses, the start the median of the first ``ENDING_START``. The start is what a run that
+    went wrong within its first block is measured against: such a run never had a good block to call its best.
+    O(1) a step: a value appended to two short lists, and a median of ``ENDING_BLOCK`` values once a block.
+    :meth:`event_details` says whether the run ended far above either, or on a stretch of inf/NaN losses.
     """
 
     best: float = math.inf
-    best_step: int = -1
-    last: float = math.nan
-    last_step: int = -1
-    _sum: float = 0.0
-    _count: int = 0
+    best_step: int = -1  # the last step of the best block
+    best_from: int = -1  # its first step
+    start: float = math.nan
+    start_step: int = -1  # the last step of the start's losses
+    nonfinite_tail: int = 0  # inf/NaN losses in a row at the end
+    nonfinite_from: int = -1  # the step of the first of them
+    _block: list[float] = field(default_factory=list)
+    _block_from: int = -1
+    _recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=ENDING_BLOCK))
+    _first: list[float] = field(default_factory=list)
 
     def add(self, step: int, loss: float) -> None:
         if not math.isfinite(loss):
+            if self.nonfinite_tail == 0:
+                self.nonfinite_from = step
+            self.nonfinite_tail += 1
             return
-        self._sum += loss
-        self._count += 1
-        if self._count < ENDING_BLOCK:
+        self.nonfinite_tail = 0
+        self._recent.append((step, loss))
+        if len(self._first) < ENDING_START:
+            self._first.append(loss)
+            if len(self._first) == ENDING_START:
+                self.start, self.start_step = statistics.median(self._first), step
+        if not self._block:
+            self._block_from = step
+        self._block.append(loss)
+        if len(self._block) < ENDING_BLOCK:
             return
-        level, self._sum, self._count = self._sum / ENDING_BLOCK, 0.0, 0
-        self.last, self.last_step = level, step
+        level = statistics.median(self._block)
         if level < self.best:
-            self.best, self.best_step = level, step
+            self.best, self.best_step, self.best_from = level, step, self._block_from
+        self._block = []
+
+    @property
+    def last(self) -> float:
+        """The median of the last ``ENDING_BLOCK`` finite losses (``nan`` until there are that many)."""
+        if len(self._recent) < ENDING_BLOCK:
+            return math.nan
+        return statistics.median(loss for _, loss in self._recent)
+
+    @property
+    def last_step(self) -> int:
+        return self._recent[-1][0] if self._recent else -1
 
     def event_details(self) -> dict[str, Any] | None:
-        """The facts of an ``ending`` event when the last level is ``ENDING_RATIO`` times the best or more (a
-        positive loss: the ratio of two signed losses means nothing); ``None`` otherwise."""
-        if not (self.best > 0 and math.isfinite(self.last) and self.last >= ENDING_RATIO * self.best):
+        """The facts of an ``ending`` event, ``None`` when there is nothing to tell: the last ``ENDING_BLOCK`` losses
+        or more were all inf/NaN (``"nonfinite_steps"``), or the last level is ``ENDING_RATIO`` times the best or more
+        (``"against": "best"``), or ``ENDING_RATIO`` times the start or more where the best is no lower than that
+        (``"against": "start"``). Only a positive level is a baseline: the ratio of two signed losses means nothing,
+        and a loss that sat at exactly 0 (a hinge) has no ratio to it."""
+        if self.nonfinite_tail >= ENDING_BLOCK:
+            return {"nonfinite_steps": self.nonfinite_tail, "nonfinite_from": self.nonfinite_from,
+                    "last_finite_step": self.last_step, "block": ENDING_BLOCK}  # fmt: skip
+        last = self.last
+        if not math.isfinite(last):
             return None
-        return {"best": self.best, "best_step": self.best_step, "last": self.last, "last_step": self.last_step,
-                "ratio": self.last / self.best, "block": ENDING_BLOCK}  # fmt: skip
+        facts = {"last": last, "last_from": self._recent[0][0], "last_step": self.last_step, "block": ENDING_BLOCK}
+        if self.best > 0 and math.isfinite(self.best) and last >= ENDING_RATIO * self.best and not (
+            self.start > 0 and self.start < self.best
+        ):
+            return {**facts, "against": "best", "best": self.best, "best_from": self.best_from,
+                    "best_step": self.best_step, "ratio": last / self.best}  # fmt: skip
+        if self.start > 0 and last >= ENDING_RATIO * self.start:
+            return {**facts, "against": "start", "start": self.start, "start_steps": ENDING_START,
+                    "start_step": self.start_step, "ratio": last / self.start}  # fmt: skip
+        return None
 
     def message(self) -> str:
         facts = self.event_details()
         assert facts is not None
-        return (
-            f"the training loss ended {facts['ratio']:.3g}x above its best: {self.last:.4g} over the {ENDING_BLOCK} "
-            f"steps to step {self.last_step}, against {self.best:.4g} over those to step {self.best_step}"
-        )
+        return ending_words(facts)
+
+
+def ending_words(facts: Mapping[str, Any]) -> str:
+    """The facts of an ``ending`` event in words: how far above its best (or its start) the training loss ended, and
+    the two levels with the steps they are the medians of."""
+    if "nonfinite_steps" in facts:
+        count, first = int(facts["nonfinite_steps"]), int(facts["nonfinite_from"])
+        return f"the training loss was inf/NaN on each of the fit's last {count} steps (from step {first} on)"
+    last = f"median {_number(facts['last'])} over steps {facts.get('last_from', '?')}-{facts['last_step']}"
+    if facts.get("against") == "start":
+        return (f"the training loss ended {_ratio(facts['ratio'])} above where it started ({last}, "
+                f"{_number(facts['start'])} over its first {facts['start_steps']} steps)")  # fmt: skip
+    best = f"{_number(facts['best'])} over steps {facts.get('best_from', '?')}-{facts['best_step']}"
+    return f"the training loss ended {_ratio(facts['ratio'])} above its best ({last}, {best})"
 
 
 def behind_a_restore(events: Iterable[Event], last_step: int) -> tuple[str, dict[str, Any]] | None:
@@ -141,8 +201,15 @@ def plain_lines(events: Iterable[Event]) -> list[str]:
         if picked:
             for line in describe(picked, by_kind):
                 found.append((min(int(e["step"]) for e in picked), line))
+    # Suspicions left alone for want of a remedy: told by the fit's left_alone event, or by one made here.
+    journaled = by_kind.get("left_alone", [])
+    alone = None if journaled else left_alone(events)
+    if alone is not None:
+        found.append((alone[1]["steps"][0], alone[0]))
+    told = {int(s) for e in journaled for s in e["details"].get("steps", ())} | set(alone[1]["steps"] if alone else ())
     for kind, picked in by_kind.items():
-        unanswered = [e for e in picked if not _answered(e, by_kind)]
+        unanswered = [e for e in picked if not _answered(e, by_kind)
+                      and not (kind in SUSPICION_WORDS and int(e["step"]) in told)]  # fmt: skip
         if kind not in used and kind not in _SILENT and unanswered:
             found.append((int(unanswered[0]["step"]), _generic(kind, unanswered)))
     return [line for _, line in sorted(found, key=lambda item: item[0])]
@@ -335,9 +402,73 @@ def _rollbacks(rollbacks: list[Event], by_kind: dict[str, list[Event]]) -> list[
 
 def _endings(endings: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
     acted = any(by_kind.get(k) for k in ("skip", "backoff", "rollback", "clip"))
-    message = str(endings[-1]["message"])
-    after = " after what the suite did above" if acted else ""
-    return [f"{message}{after}: look at the loss curve before using these weights"]
+    last = endings[-1]
+    details = last.get("details") or {}
+    message = ending_words(details) if _ending_facts(details) else str(last["message"])
+    after = ", after what the suite did above" if acted else ""
+    return [f"{message}{after}: look at the loss curve before using these weights; if the data did not change, try a "
+            f"lower learning rate"]
+
+
+def _ending_facts(details: Mapping[str, Any]) -> bool:
+    """Whether an ``ending`` event's details hold what :func:`ending_words` needs (older journals' do not all)."""
+    if "nonfinite_steps" in details:
+        return "nonfinite_from" in details
+    needed = ("last", "last_step", "ratio", "start", "start_steps") if details.get("against") == "start" else (
+        "last", "last_step", "ratio", "best", "best_step")  # fmt: skip
+    return all(key in details for key in needed)
+
+
+def left_alone(events: Iterable[Event]) -> tuple[str, dict[str, Any]] | None:
+    """Suspicions that nothing answered because the suite had nothing left to answer with: the learning rate was
+    already at its floor (a ``backoff`` or ``undo`` event whose details hold the ``floor``), or the rollback budget
+    was spent (a ``rollback`` whose ``budget_left`` was 0). Such a run was left to go on as it was, and it is said
+    in plain words (the message and the facts of a ``left_alone`` event); ``None`` when there are none."""
+    events = list(events)
+    position = {id(e): i for i, e in enumerate(events)}
+    by_kind: dict[str, list[Event]] = {}
+    for event in events:
+        by_kind.setdefault(str(event["kind"]), []).append(event)
+    alone: list[tuple[Event, str]] = []
+    for event in events:
+        if event["kind"] not in SUSPICION_WORDS or event["kind"] in (SCHEDULED, REGROWTH) or _answered(event, by_kind):
+            continue
+        before = [e for e in events[: position[id(event)]] if e["kind"] in ("backoff", "undo", "rollback")]
+        rate = next((e for e in reversed(before) if e["kind"] in ("backoff", "undo")), None)
+        restore = next((e for e in reversed(before) if e["kind"] == "rollback"), None)
+        if rate is not None and _at_floor(rate["details"]):
+            alone.append((event, "lr_floor"))
+        elif restore is not None and restore["details"].get("budget_left") == 0:
+            alone.append((event, "rollback_budget"))
+    if not alone:
+        return None
+    steps = [int(e["step"]) for e, _ in alone]
+    signals = list(dict.fromkeys(str(e["kind"]) for e, _ in alone))
+    why = alone[-1][1]
+    whats = "; ".join(_words(kind) for kind in signals)
+    count = _count(len(alone), "suspicion")
+    if why == "lr_floor":
+        rate = next(e for e in reversed(events[: position[id(alone[-1][0])]]) if e["kind"] in ("backoff", "undo"))
+        scale = float(rate["details"].get("scale", math.nan))
+        reason = (f"the learning rate was already at its floor ({scale:g}x its schedule), the lowest LRBackoff may "
+                  f"set; try starting at a lower learning rate")  # fmt: skip
+        facts: dict[str, Any] = {"why": why, "scale": scale, "floor": rate["details"].get("floor")}
+    else:
+        restore = next(e for e in reversed(events[: position[id(alone[-1][0])]]) if e["kind"] == "rollback")
+        reason = (f"Rollback had spent its budget (its last allowed rollback was at step {restore['step']}); try a "
+                  f"lower learning rate, or more rollbacks (Rollback(max_rollbacks=...))")  # fmt: skip
+        facts = {"why": why, "rollback_step": int(restore["step"])}
+    message = f"{count} left alone at {_at([e for e, _ in alone])} ({whats}): {reason}"
+    return message, {**facts, "steps": steps, "signals": signals}
+
+
+def _at_floor(details: Mapping[str, Any]) -> bool:
+    floor, scale = details.get("floor"), details.get("scale")
+    return _finite(floor) and _finite(scale) and float(scale) <= float(floor) * (1 + 1e-6)
+
+
+def _left_alone(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
+    return [str(found[-1]["message"]).removeprefix("lightning_overflow: ")]
 
 
 def _aborts(aborts: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
@@ -363,6 +494,7 @@ _DESCRIBERS: tuple[tuple[tuple[str, ...], Callable[[list[Event], dict[str, list[
     (("trial",), _trials),
     (("backoff", "regrowth", "undo"), _learning_rate),
     (("rollback",), _rollbacks),
+    (("left_alone",), _left_alone),
     (("ending",), _endings),
     (("abort",), _aborts),
 )
@@ -421,6 +553,22 @@ def _times(n: int) -> str:
 def _lrs(lrs: Sequence[Any]) -> str:
     values = sorted({float(v) for v in lrs})
     return ", ".join(f"{v:.3g}" for v in values)
+
+
+def _number(value: Any) -> str:
+    """A loss level, 4 significant digits, exponents written short: ``0.1234``, ``1.5e6``."""
+    return _short_exponent(f"{float(value):.4g}")
+
+
+def _ratio(value: Any) -> str:
+    """How many times: ``"12.3x"``, ``"3.2e5x"``."""
+    value = float(value)
+    return _short_exponent(f"{value:.3g}" if value < 1e4 else f"{value:.2g}") + "x"
+
+
+def _short_exponent(text: str) -> str:
+    mantissa, sep, exponent = text.partition("e")
+    return f"{mantissa}e{int(exponent)}" if sep else text
 
 
 def _finite(value: Any) -> bool:

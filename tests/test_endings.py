@@ -74,3 +74,40 @@ def test_the_full_suite_stops_with_the_diagnosis_and_names_no_callback_it_has(
         assert present not in hint.split("; Rollback's own settings")[0]
     assert " on rank 0 (every rank stops together)" in message
     assert len([r for r in caplog.records if r.getMessage().startswith(_SUMMARY)]) == 1
+
+
+class _LostItsBest(pl.LightningModule):
+    """A loss of 1 for 60 steps, then ``after`` for good (a weight whose gradient is 0 carries it): a run that ends far
+    above its best whatever the suite does, with losses known exactly."""
+
+    def __init__(self, after: float) -> None:
+        super().__init__()
+        self.after = after
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        value = 1.0 if self.trainer.global_step < 60 else self.after
+        return value + 0.0 * self.layer(batch[0]).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(64, 4, generator=torch.Generator().manual_seed(0))), batch_size=8)
+
+
+@pytest.mark.parametrize(("after", "ratio"), [(10.0, "10x"), (1e6, "1e6x")])
+def test_a_run_the_full_suite_keeps_finite_but_far_above_its_best_says_so_at_its_end(
+    caplog: pytest.LogCaptureFixture, tmp_path: Any, after: float, ratio: str
+) -> None:
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+        fit(_LostItsBest(after), default_callbacks(), max_steps=200, default_root_dir=tmp_path)
+    (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith(_SUMMARY)]
+    (line,) = [line for line in summary.splitlines() if "the training loss ended" in line]
+    assert line.startswith(f"  - the training loss ended {ratio} above its best (median {after:g}".replace("e+0", "e"))
+    assert line.endswith(": look at the loss curve before using these weights; if the data did not change, try a lower "
+                         "learning rate")  # fmt: skip
+    from lightning_overflow import read_journal
+
+    (ending,) = [e for e in read_journal(tmp_path) if e["kind"] == "ending"]
+    assert (ending["details"]["against"], ending["details"]["best"], ending["details"]["last"]) == ("best", 1.0, after)
