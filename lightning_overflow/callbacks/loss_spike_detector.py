@@ -642,8 +642,9 @@ class DivergenceEvidence:
             return "loss_divergence", f"{where}, for {confirm_steps} consecutive steps"
         if spike or runaway:
             return None  # a spike's losses stay out of the trend window and the level
-        level = self._level(loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas, plateau_steps,
-                            no_progress)
+        level = self._level(
+            loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas, plateau_steps, no_progress
+        )
         return level or self._trend(loss, trend_window, trend_probability, trend_margin, min_rise)
 
     def _level(
@@ -692,7 +693,7 @@ class DivergenceEvidence:
         allowance = sigmas * self.best_scatter / math.sqrt(window)
         if self.anchor <= 0.0 or best < 0.0:
             return None  # no scale to measure by (a first loss of 0), or a loss that goes negative: ratios mean nothing
-        stalled = no_progress and self._stalled(window)
+        stalled = no_progress and self._stalled()
         # The anchor is a median of fewer losses than the level averages: its allowance grows as the square root.
         anchor = self.anchor + allowance * math.sqrt(window / len(self.first))
         # A run that never went below its anchor is measured against the anchor: settled at twice its first losses.
@@ -719,7 +720,7 @@ class DivergenceEvidence:
             f"back up to its starting level {anchor:.4g}) for {confirm_steps} consecutive steps"
         )
 
-    def _stalled(self, window: int) -> bool:
+    def _stalled(self) -> bool:
         """Tick the progress clock with this step's level, against the fit's starting level."""
         self.start = self.start or self.anchor
         return self.progress.observe(self.level, self.start)
@@ -731,7 +732,8 @@ class DivergenceEvidence:
         return "no_progress", (
             f"has not come down from its starting level: its level over about {window} healthy steps is "
             f"{self.level:.4g}, {self.level / self.start:.3g}x its starting level {self.start:.4g}, with no new low by "
-            f"{NO_PROGRESS_MARGIN:g}x that level in {NO_PROGRESS_STEPS} healthy steps (the last low {self.progress.mark:.4g})"
+            f"{NO_PROGRESS_MARGIN:g}x that level in {NO_PROGRESS_STEPS} healthy steps (the last low "
+            f"{self.progress.mark:.4g})"
         )
 
     def _restart_level(self) -> None:
