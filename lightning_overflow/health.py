@@ -22,7 +22,9 @@ flagged, logged or sampled step needs waits for one: the exact clip threshold an
 rounded as torch rounds them, cost a tensor op: a bracket of the root decides the rest), the weights check and the
 weight-growth sample (every ``n`` steps, in the step's one read), the epoch aggregates (folded in batches).
 
-Boards live in a ``WeakKeyDictionary`` keyed by the trainer: nothing is written onto the trainer.
+A board belongs to the trainer (or the plain loop's :class:`~lightning_overflow.guard.Guard` host) whose
+callbacks joined it, and it is held by those callbacks (``SuiteCallback._joined``): :func:`board_for` finds it through
+``trainer.callbacks``. Nothing is written onto the trainer, and no module-level registry holds boards.
 """
 
 from __future__ import annotations
@@ -94,8 +96,6 @@ __all__ = [
 
 log = logging.getLogger("pytorch_lightning.lightning_overflow")
 
-_BOARDS: weakref.WeakKeyDictionary[Any, HealthBoard] = weakref.WeakKeyDictionary()
-
 MAX_NAMES = 5  # offending parameter names quoted in a message
 
 _LOCAL, _SUMMED, _PER_RANK = 0, 1, 2  # how a contribution to the step's read travels across ranks
@@ -108,20 +108,18 @@ _PROGRESS_BAR = {"overflow/skipped_steps": "skips", "overflow/rollbacks": "rollb
 _PROGRESS_BAR_DEFAULTS = {"overflow/skipped_steps": 0.0, "overflow/rollbacks": 0.0, "overflow/lr_scale": 1.0}
 
 
-_LAST_BOARD: tuple[weakref.ref[Any], HealthBoard] | None = None  # the last trainer asked for, and its board
-
-
 def board_for(trainer: pl.Trainer) -> HealthBoard:
-    """The board of ``trainer``, created on first use."""
-    global _LAST_BOARD
-    last = _LAST_BOARD
-    if last is not None and last[0]() is trainer:  # every hook of every suite callback asks, a few dozen times a step
-        return last[1]
-    board = _BOARDS.get(trainer)
-    if board is None:
-        board = _BOARDS[trainer] = HealthBoard()
-    _LAST_BOARD = weakref.ref(trainer), board
-    return board
+    """The board of ``trainer``: the one its suite callbacks joined (each holds it from ``setup`` on, and still after
+    the fit, for a look at its journal), found through ``trainer.callbacks``; a new board, owned by ``trainer`` and
+    held by nobody yet, when none joined one (the first callback to join holds it from then on).
+
+    Every suite callback asks its own board (``SuiteCallback.board``) on the hot path; this walk of the callbacks (a
+    few attribute reads) runs in ``setup`` and in the few places that are handed only the trainer."""
+    for callback in getattr(trainer, "callbacks", None) or ():
+        board = getattr(callback, "_joined", None)
+        if board is not None and board.owner is trainer:
+            return board  # type: ignore[no-any-return]
+    return HealthBoard(trainer)
 
 
 class StepParticipant(Protocol):
@@ -399,7 +397,8 @@ class HealthBoard:
     """Everything the suite shares for one trainer: its participants, the step pipeline, the batch's signals,
     loss flags, held schedules, queued metrics, the journal."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Any = None) -> None:
+        self._owner = None if owner is None else weakref.ref(owner)  # the trainer (or host) whose callbacks joined
         self.names: dict[int, str] = {}
         self._plans: dict[int, _StepPlan] = {}  # by optimizer id: what stays the same from step to step
         self._by_stage: dict[str, list[StepParticipant]] | None = None
@@ -430,6 +429,11 @@ class HealthBoard:
         self.trials = TrialRunner()
         self._end_warnings = WarningCache()
         self._trial_config: tuple[str, TrialConfig | None] | None = None  # who set it, and the setting
+
+    @property
+    def owner(self) -> Any:
+        """The trainer (or plain-loop host) this board belongs to; ``None`` once it is gone."""
+        return None if self._owner is None else self._owner()
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def join(self, participant: StepParticipant, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

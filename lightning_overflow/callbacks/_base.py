@@ -50,7 +50,8 @@ class SuiteCallback(Callback):
 
     stage: ClassVar[int] = MONITOR
 
-    _board: HealthBoard | None = None
+    _board: HealthBoard | None = None  # the board of the fit in progress (setup to teardown)
+    _joined: HealthBoard | None = None  # the board of the last fit this callback joined, kept after it (board_for)
 
     def board(self, trainer: pl.Trainer) -> HealthBoard:
         """The board of ``trainer``: held from ``setup`` to ``teardown``."""
@@ -63,6 +64,7 @@ class SuiteCallback(Callback):
         LightningCLI and the tuner deep-copy them, and a copy must neither break on nor share the live fit's state."""
         state = self.__dict__.copy()
         state.pop("_board", None)  # one trainer's, in one process
+        state.pop("_joined", None)
         # Lightning sets every callback's log and log_dict to the module's bound methods at each fit: pickled, they
         # would carry the whole model (and its data) into every checkpoint that stores the callbacks.
         state.pop("log", None)
@@ -82,7 +84,7 @@ class SuiteCallback(Callback):
         self._unmute()
         if stage == "fit":
             _compat.check_strategy(trainer.strategy, type(self).__name__)
-            board = self._board = board_for(trainer)
+            board = self._board = self._joined = board_for(trainer)
             board.join(self, trainer, pl_module)
             self._muted = _compat.mute_hooks(self, self._idle_hooks(board))
 
