@@ -4,6 +4,9 @@
 >>> from lightning_overflow import default_callbacks
 >>> trainer = pl.Trainer(callbacks=default_callbacks(), logger=False)
 
+A plain PyTorch loop or a Lightning Fabric loop: ``Guard(model, optimizer)``, then ``guard.step(loss)`` after each
+backward pass instead of ``optimizer.step()``.
+
 The public names are loaded on first use (PEP 562), so that ``import lightning_overflow.numerics`` (pure torch) does
 not load Lightning: the numerics work in a plain PyTorch loop without it.
 """
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
     from lightning_overflow.diagnosis import Diagnosis, Headroom, trace_nonfinite
     from lightning_overflow.events import Event, read_journal
     from lightning_overflow.exceptions import DivergenceError, NonFiniteError, OverflowWarning, RollbackError
+    from lightning_overflow.guard import Guard
     from lightning_overflow.preserve import side_run
     from lightning_overflow.trial import TrialConfig
 
@@ -49,6 +53,7 @@ _SOURCES = {
     "NonFiniteError": "lightning_overflow.exceptions",
     "OverflowWarning": "lightning_overflow.exceptions",
     "RollbackError": "lightning_overflow.exceptions",
+    "Guard": "lightning_overflow.guard",
     "side_run": "lightning_overflow.preserve",
     "TrialConfig": "lightning_overflow.trial",
 }
@@ -59,6 +64,7 @@ __all__ = [
     "DivergenceError",
     "Event",
     "GradNormMonitor",
+    "Guard",
     "Headroom",
     "LRBackoff",
     "LossSpikeDetector",

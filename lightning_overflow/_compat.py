@@ -187,8 +187,9 @@ _SUPPORTED = (
     "(FSDP2: fully_shard in configure_model; there AutoClip(mode='agc') is not supported)."
 )
 
-REPLICATED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
-"""Strategies under which every rank holds the whole model (``ddp_fork``/``ddp_spawn`` are ``DDPStrategy``)."""
+REPLICATED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "PlainLoopStrategy")
+"""Strategies under which every rank holds the whole model (``ddp_fork``/``ddp_spawn`` are ``DDPStrategy``;
+``PlainLoopStrategy`` is the plain loop's :class:`~lightning_overflow.guard.Guard`: one device, or DDP by hand)."""
 
 
 def sharded_strategy(strategy: Any) -> str | None:

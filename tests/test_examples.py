@@ -26,6 +26,8 @@ NAMES = (
     "corrupt_sample",
     "rnn_long_sequences",
     "gan_discriminator",
+    "plain_loop",
+    "fabric_pretrain",
 )
 
 
@@ -50,7 +52,7 @@ def results() -> dict[str, dict[str, Any]]:
         return dict(zip(NAMES, pool.map(run_example, NAMES)))
 
 
-def test_the_six_classic_failures_are_there() -> None:
+def test_the_six_classic_failures_and_the_loops_without_a_trainer_are_there() -> None:
     assert set(NAMES) <= {p.stem for p in EXAMPLES.glob("*.py")}
 
 
@@ -109,3 +111,20 @@ def test_gan_discriminator(results: dict[str, dict[str, Any]]) -> None:
     assert safe["replayed"] is False and "manual optimization" in safe["reason"]
     stable = result["stable"]
     assert stable["weights_finite"] and stable["skipped"] == 0
+
+
+def test_plain_loop(results: dict[str, dict[str, Any]]) -> None:
+    result = results["plain_loop"]
+    assert result["unprotected"]["weights_finite"] is False
+    safe = result["protected"]
+    assert safe["weights_finite"] and safe["skipped_steps"] == [9, 25, 41]  # the corrupt batch, once an epoch
+    assert safe["loss"] == pytest.approx(safe["clean_run_loss"], rel=0.1)
+
+
+def test_fabric_pretrain(results: dict[str, dict[str, Any]]) -> None:
+    result = results["fabric_pretrain"]
+    bare = result["unprotected"]
+    assert bare["first_nan_step"] is not None and bare["weights_finite"] is False
+    safe, stable = result["protected"], result["stable"]
+    assert safe["weights_finite"] and safe["skipped"] and safe["backed_off"] and safe["rolled_back"]
+    assert safe["final_loss"] < 1.2 * stable["final_loss"]

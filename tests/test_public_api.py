@@ -14,7 +14,7 @@ from lightning_overflow import DivergenceError, NonFiniteError, OverflowWarning,
 
 MODULES = ["lightning_overflow", "lightning_overflow.numerics", "lightning_overflow.testing",
            "lightning_overflow.callbacks", "lightning_overflow.exceptions", "lightning_overflow.events",
-           "lightning_overflow.diagnosis", "lightning_overflow.report"]
+           "lightning_overflow.diagnosis", "lightning_overflow.report", "lightning_overflow.guard"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -33,6 +33,14 @@ def test_all_lists_exactly_the_public_names(name: str) -> None:
 @pytest.mark.parametrize("name", ["lightning_overflow.callbacks", "lightning_overflow.exceptions"])
 def test_the_package_reexports_every_callback_and_error(name: str) -> None:
     assert set(importlib.import_module(name).__all__) <= set(lightning_overflow.__all__)
+
+
+def test_the_plain_loop_entry_is_public_and_loaded_on_first_use() -> None:
+    assert "Guard" in lightning_overflow.__all__
+    from lightning_overflow.guard import Guard
+
+    assert lightning_overflow.Guard is Guard
+    assert {"step", "close", "end_epoch", "state_dict", "save_checkpoint"} <= set(dir(Guard))
 
 
 def test_exception_hierarchy() -> None:

@@ -16,7 +16,7 @@ from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.diagnosis.hints import divergence_hint
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.fit_summary import opened_because
-from lightning_overflow.numerics.lr_scaling import scale_lr
+from lightning_overflow.numerics.lr_scaling import scale_lr, schedules
 from lightning_overflow.policy import (
     DEFAULT_BACKOFF_TRIGGERS,
     REGROWTH,
@@ -379,7 +379,7 @@ class LRBackoff(SuiteCallback):
         schedulers = [
             config.scheduler
             for config in trainer.lr_scheduler_configs
-            if getattr(config.scheduler, "optimizer", None) is optimizer
+            if getattr(config.scheduler, "optimizer", None) is not None and schedules(config.scheduler, optimizer)
         ]
         scale_lr(optimizer, ratio, schedulers)
 

@@ -62,6 +62,9 @@ class KeptBatch:
 
 def not_replayable(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptBatch | None) -> str:
     """Why this step cannot be replayed (empty when it can)."""
+    unavailable = getattr(pl_module, "replay_unavailable", "")  # the plain loop's Guard: it never sees the batch
+    if unavailable:
+        return str(unavailable)
     if not pl_module.automatic_optimization:
         return (
             "manual optimization: this step's forward and backward ran inside training_step together with the other "

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_overflow._validation import check_float, check_type
 
-__all__ = ["GROUP_LR_KEYS", "SCHEDULER_LR_LISTS", "scale_lr", "scheduler_tree"]
+__all__ = ["GROUP_LR_KEYS", "SCHEDULER_LR_LISTS", "scale_lr", "scheduler_tree", "schedules"]
 
 GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 """Param-group keys holding a learning rate (``initial_lr``: every ``LRScheduler``; ``max_lr``/``min_lr``:
@@ -104,9 +104,17 @@ def scale_lr(optimizer: torch.optim.Optimizer, factor: float, schedulers: Iterab
                 group[key] = _scaled(group[key], factor, seen)
     for root in schedulers:
         for scheduler in scheduler_tree(root):
-            if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            if not schedules(scheduler, optimizer):
                 continue
             _scale_scheduler(scheduler, factor, seen)
+
+
+def schedules(scheduler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scheduler`` sets the learning rates of ``optimizer``: it was built on it, or on a wrapper that shares
+    its param groups (Lightning Fabric's ``_FabricOptimizer``, on which litgpt-style loops build their scheduler).
+    A scheduler without an ``optimizer`` attribute is taken to be ``optimizer``'s."""
+    own = getattr(scheduler, "optimizer", optimizer)
+    return own is optimizer or getattr(own, "param_groups", None) is optimizer.param_groups
 
 
 def _scale_scheduler(scheduler: Any, factor: float, seen: set[int]) -> None:

@@ -1,0 +1,638 @@
+"""The suite in a plain PyTorch loop or under Lightning Fabric: :class:`Guard`.
+
+The decisions are the Trainer callbacks' own: a :class:`Guard` drives the suite's callbacks (``default_callbacks()``
+unless given others) through the hooks Lightning would call, in Lightning's order, with a small host object
+(:class:`LoopHost`) standing where the Trainer stands. No rule is written twice: a skip, a clip, a backoff and a
+rollback are those a ``Trainer(callbacks=default_callbacks())`` fit makes at the same steps.
+
+One optimizer step of the loop::
+
+    loss = compute_loss(model, batch)
+    loss.backward()                  # or fabric.backward(loss); or scaler.scale(loss).backward()
+    outcome = guard.step(loss)       # the hooks, then optimizer.step() (or not), scheduler.step(), zero_grad()
+
+:meth:`Guard.step` runs, for the callbacks, what the Trainer runs after the backward pass:
+``on_before_backward(loss)``, ``on_after_backward``, ``on_before_optimizer_step`` (where the suite judges the step:
+skip, clip or nothing), then ``optimizer.step()`` unless the step was skipped (a skipped step is a true no-op: the
+optimizer is not called, the scheduler is not stepped, the buffers the forward wrote are put back), the scheduler,
+``on_train_batch_end`` (where ``LRBackoff`` and ``Rollback`` act on the batch's signals), ``zero_grad``, and
+``on_train_batch_start`` of the next batch, before its forward pass (the buffers are copied there, so that a skip can
+put them back). ``global_step`` counts every optimizer step, skipped or not, as the Trainer's does.
+
+What the plain loop cannot do: the guard is handed the loss, not the batch, so it cannot re-run a step. Hence no
+**trials**: a suspicion of divergence (the loss settled far above its best, a trend, runaway weights) is answered at
+once, with a backoff and a rollback, paced as a false alarm would be (see :mod:`lightning_overflow.policy`: "where no
+trial can run"); and no **replay** of a non-finite step to name the layer that produced it. A certain fault (inf/NaN
+loss, gradients or weights, steps that keep failing) is answered exactly as under the Trainer.
+
+Distributed: under ``torch.distributed`` (a ``DistributedDataParallel`` model, or Fabric with ``strategy="ddp"``)
+every rank builds its guard alike and calls :meth:`Guard.step` at the same steps; the decision is the same on every
+rank (one all-reduce a step), and a rollback restores every rank to the same snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pytorch_lightning.utilities.types import LRSchedulerConfig
+from torch import Tensor, nn
+
+from lightning_overflow._validation import check_choice, check_int
+from lightning_overflow.callbacks import AutoClip, LRBackoff, Rollback
+from lightning_overflow.composition import default_callbacks
+from lightning_overflow.events import Event
+from lightning_overflow.health import HealthBoard, board_for
+from lightning_overflow.numerics.norms import any_sharded
+
+__all__ = ["Guard", "LoopHost", "PlainLoopStrategy", "StepOutcome"]
+
+log = logging.getLogger("pytorch_lightning.lightning_overflow")
+
+NO_TRIALS = (
+    "Guard.step(loss) is handed the loss, not the batch: no candidate can train beside a plain loop"
+)
+NO_REPLAY = (
+    "a plain loop's step is not replayed: Guard.step(loss) is handed the loss, not the batch; check the batch of "
+    "this step and the layers it runs through"
+)
+
+
+@dataclass
+class StepOutcome:
+    """What :meth:`Guard.step` did with one optimizer step.
+
+    Attributes:
+        step: the step's index (``global_step`` before it; every step counts, skipped or not).
+        skipped: the step was a no-op (the optimizer was not called); ``skip_reason`` says why.
+        clipped: the gradients were clipped (``AutoClip`` scaled them down).
+        backed_off: the learning rate was backed off at the end of this step (``LRBackoff``).
+        rolled_back: the training state was restored to a verified snapshot (``Rollback``); the weights, optimizer
+            and scheduler state are the snapshot's now.
+        lr: every param group's learning rate after the step, as the next step trains with it.
+        events: what the suite journaled during the step (the same lines as the journal file).
+    """
+
+    step: int
+    skipped: bool = False
+    skip_reason: str = ""
+    clipped: bool = False
+    backed_off: bool = False
+    rolled_back: bool = False
+    lr: list[float] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+
+# ---- the host: what the suite reads of a Trainer ------------------------------------------------------------------
+class PlainLoopStrategy:
+    """The host's strategy: one device, or every rank of ``torch.distributed`` holding the whole model (DDP).
+
+    Its class name is among :data:`~lightning_overflow._compat.REPLICATED_STRATEGIES`."""
+
+    def __init__(self, root_device: torch.device, host: LoopHost) -> None:
+        self.root_device = root_device
+        self._host = host
+
+    @property
+    def lightning_module(self) -> nn.Module:
+        return self._host.lightning_module
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._host.lightning_module.state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    def all_reduce(self, tensor: Tensor, reduce_op: str = "sum") -> Tensor:
+        if _distributed():
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            if reduce_op in ("mean", "avg"):
+                tensor /= dist.get_world_size()
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed():
+            dist.barrier()
+
+
+class _Precision:
+    """The host's precision plugin: the ``GradScaler`` of a mixed-precision loop, if any."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+    def train_step_context(self) -> Any:
+        return nullcontext()
+
+
+class _EpochLoop:
+    def __init__(self) -> None:
+        self._batches_that_stepped = 0  # the step Lightning logs with (every optimizer step here)
+        self._results: dict[str, Any] = {}
+
+    def _should_accumulate(self) -> bool:
+        return False
+
+
+class _FitLoop:
+    def __init__(self) -> None:
+        self.epoch_loop = _EpochLoop()
+
+
+class _LoggerConnector:
+    def __init__(self, host: LoopHost) -> None:
+        self._host = host
+
+    @property
+    def should_update_logs(self) -> bool:
+        """As Lightning decides it: every ``log_every_n_steps``-th step, and once a stop was asked for."""
+        host = self._host
+        every = host.log_every_n_steps
+        if every == 0:
+            return False
+        return (host.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0 or bool(host.should_stop)
+
+
+class _LoopModule:
+    """The user's module as the suite sees a LightningModule: every attribute is the module's own (its parameters,
+    buffers, ``state_dict``, by the same names), with automatic optimization and no ``training_step`` to replay."""
+
+    automatic_optimization = True
+    replay_unavailable = NO_REPLAY
+
+    def __init__(self, module: nn.Module, host: LoopHost) -> None:
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_host", host)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    @property
+    def device(self) -> torch.device:
+        first = next(iter(self._module.parameters()), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(NO_REPLAY)
+
+    def log(self, name: str, value: Any, **_: Any) -> None:
+        """What a callback logs through the module at an epoch's end goes to the host's loggers (rank 0)."""
+        host = self._host
+        if not host.loggers or host.global_rank != 0:
+            return
+        number = float(value.detach().float().mean()) if isinstance(value, Tensor) else float(value)
+        for logger in host.loggers:
+            logger.log_metrics({name: number}, step=host.fit_loop.epoch_loop._batches_that_stepped)
+
+    def log_dict(self, values: dict[str, Any], **kwargs: Any) -> None:
+        for name, value in values.items():
+            self.log(name, value, **kwargs)
+
+
+class LoopHost:
+    """What the suite's callbacks read of a ``Trainer``, for a loop that has none (see :class:`Guard`).
+
+    Attributes:
+        global_step: optimizer steps so far (skipped ones included, as the Trainer counts them).
+        current_epoch: the epoch (moved by :meth:`Guard.end_epoch`).
+        optimizers: the (unwrapped) torch optimizer, in a list.
+        lr_scheduler_configs: the scheduler, as Lightning configures it (``interval="step"`` or ``"epoch"``).
+        callbacks: the suite callbacks the guard drives.
+        loggers: a user-supplied Lightning logger, or none.
+    """
+
+    training = True
+    accumulate_grad_batches = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str | None = None
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        scheduler_interval: str,
+        callbacks: list[Any],
+        loggers: list[Any],
+        scaler: Any,
+        default_root_dir: str,
+        log_every_n_steps: int,
+    ) -> None:
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+        self.global_rank = self.local_rank = rank
+        self.node_rank = 0
+        self.world_size = self.num_devices = world_size
+        self.global_step = 0
+        self.current_epoch = 0
+        self.callbacks = callbacks
+        self.loggers = loggers
+        self.optimizers = [optimizer]
+        self.lr_scheduler_configs = (
+            [LRSchedulerConfig(scheduler, interval=scheduler_interval)] if scheduler is not None else []
+        )
+        self.lightning_module = _LoopModule(module, self)
+        first = next(iter(module.parameters()), None)
+        self.strategy = PlainLoopStrategy(first.device if first is not None else torch.device("cpu"), self)
+        self.precision_plugin = _Precision(scaler)
+        self.fit_loop = _FitLoop()
+        self._logger_connector = _LoggerConnector(self)
+        self.callback_metrics: dict[str, Any] = {}
+        self.progress_bar_metrics: dict[str, Any] = {}
+        self.logged_metrics: dict[str, Any] = {}
+        self.default_root_dir = default_root_dir
+        self.log_every_n_steps = log_every_n_steps
+        self.should_stop = False
+        self.interrupted = False
+        self.sanity_checking = False
+        self.checkpoint_path: str | None = None
+
+    @property
+    def logger(self) -> Any:
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def log_dir(self) -> str | None:
+        logger = self.logger
+        return str(logger.log_dir) if logger is not None and hasattr(logger, "log_dir") else self.default_root_dir
+
+    def save_checkpoint(self, filepath: Any, weights_only: bool | None = None, storage_options: Any = None) -> None:
+        """Written by :meth:`Guard.save_checkpoint` (``Rollback`` checks the state first: it guards this method)."""
+        if self.global_rank == 0:
+            torch.save(self._guard._checkpoint(), filepath)
+        if _distributed():
+            dist.barrier()
+
+    _guard: Guard
+
+
+_BATCH_HOOKS = frozenset(
+    ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+     "on_before_zero_grad", "on_train_batch_end")
+)  # fmt: skip
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _unwrap_module(model: nn.Module) -> nn.Module:
+    """The module whose parameters the optimizer steps, by their own names: under Fabric's ``_FabricModule``,
+    ``DistributedDataParallel`` and ``torch.compile``'s wrapper."""
+    while True:
+        inner = getattr(model, "_original_module", None)  # lightning.fabric.wrappers._FabricModule
+        if inner is None:
+            inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)  # torch.compile
+        if not isinstance(inner, nn.Module) or inner is model:
+            return model
+        model = inner
+
+
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Fabric's ``_FabricOptimizer``."""
+    inner = getattr(optimizer, "_optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _check_strategy(model: nn.Module, module: nn.Module) -> None:
+    """The plain loop supports one device and replicated DDP; a sharded model belongs to the Trainer's
+    ``ModelParallelStrategy``."""
+    strategy = getattr(model, "_strategy", None)  # a _FabricModule's
+    name = type(strategy).__name__ if strategy is not None else ""
+    if name and name not in ("SingleDeviceStrategy", "DDPStrategy"):
+        raise NotImplementedError(
+            f"Guard supports Fabric's single-device and DDP strategies (got {name}); a sharded model needs the "
+            "Trainer with ModelParallelStrategy (FSDP2) and default_callbacks()"
+        )
+    if any_sharded(list(module.parameters())):
+        raise NotImplementedError(
+            "Guard does not support sharded parameters (DTensor): use the Trainer with ModelParallelStrategy (FSDP2) "
+            "and default_callbacks()"
+        )
+
+
+# ---- the guard ------------------------------------------------------------------------------------------------------
+class Guard:
+    """The suite's callbacks in a plain PyTorch loop or under Lightning Fabric (see the module docstring).
+
+    Args:
+        model: the model the loop trains (a ``DistributedDataParallel`` model, or what ``fabric.setup`` returned:
+            the guard looks through the wrapper).
+        optimizer: its optimizer (or Fabric's wrapper of it). The guard calls its ``step()`` and ``zero_grad()``.
+        scheduler: a learning-rate scheduler the guard steps: after every optimizer step that was not skipped
+            (``scheduler_interval="step"``, the default), or at :meth:`end_epoch` (``"epoch"``). Step no other
+            scheduler of this optimizer yourself: ``LRBackoff`` scales the one it knows.
+        callbacks: the suite callbacks (default: ``default_callbacks()``). Another callback in the list is called
+            too, with the host as its trainer: it finds there only what the suite reads of a Trainer.
+        logger: a Lightning logger (``CSVLogger``, ``TensorBoardLogger``...) for the suite's metrics and, beside its
+            files, the journal; without one the journal goes to ``default_root_dir``.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop that calls ``scaler.scale(loss).backward()``:
+            the guard unscales the gradients before it judges them and steps through the scaler.
+        default_root_dir: where the journal goes without a logger (default: the working directory).
+        log_every_n_steps: how often the suite's metrics go to the logger (as ``Trainer(log_every_n_steps=...)``).
+        state: a :meth:`state_dict` of the guard of the run this one resumes (from :meth:`save_checkpoint`'s file):
+            the step count and every callback's state, loaded between the callbacks' ``setup`` and the start of
+            training, as a Trainer resumes from a checkpoint. Load the model, optimizer and scheduler yourself first.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> x, y = torch.randn(8, 4), torch.randn(8, 1)
+        >>> with Guard(model, optimizer, default_root_dir="/tmp/guard_doctest") as guard:
+        ...     for _ in range(3):
+        ...         loss = torch.nn.functional.mse_loss(model(x), y)
+        ...         loss.backward()
+        ...         outcome = guard.step(loss)
+        >>> guard.global_step, outcome.skipped
+        (3, False)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        callbacks: Sequence[Any] | None = None,
+        *,
+        scheduler_interval: str = "step",
+        logger: Any = None,
+        scaler: Any = None,
+        default_root_dir: str | os.PathLike[str] | None = None,
+        log_every_n_steps: int = 50,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        check_choice("scheduler_interval", scheduler_interval, ("step", "epoch"))
+        log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=0)
+        if callbacks is None:
+            callbacks = default_callbacks()
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self._interval = scheduler_interval
+        module = _unwrap_module(model)
+        _check_strategy(model, module)
+        self.callbacks = list(callbacks)
+        root = str(Path(default_root_dir)) if default_root_dir is not None else os.getcwd()
+        self.host = LoopHost(module, _unwrap_optimizer(optimizer), scheduler, scheduler_interval, self.callbacks,
+                             [logger] if logger is not None else [], scaler, root, log_every_n_steps)  # fmt: skip
+        self.host._guard = self
+        self._batch_hooks: dict[str, list[Any]] = {}
+        self._board: HealthBoard | None = None
+        self._clippers = [cb for cb in self.callbacks if isinstance(cb, AutoClip)]
+        self._backoffs = [cb for cb in self.callbacks if isinstance(cb, LRBackoff)]
+        self._rollbacks = [cb for cb in self.callbacks if isinstance(cb, Rollback)]
+        self._closed = False
+        self._batch_idx = 0
+        self._epoch_open = False
+        self._start(state)
+
+    # ---- the fit ------------------------------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The module the suite checks and restores (the model without its wrappers)."""
+        return self.host.lightning_module._module  # type: ignore[no-any-return]
+
+    @property
+    def global_step(self) -> int:
+        return self.host.global_step
+
+    @property
+    def board(self) -> HealthBoard:
+        """The board the callbacks share (their journal, the current step's record): the one they joined in
+        ``setup``, found through the host's callbacks (the guard keeps no board of its own)."""
+        board = self._board
+        if board is None or board.owner is not self.host:
+            board = self._board = board_for(self.host)
+        return board
+
+    @property
+    def events(self) -> list[Event]:
+        """Everything the suite journaled so far."""
+        return list(self.board.journal.events)
+
+    @property
+    def journal_path(self) -> Path | None:
+        return self.board.journal.path
+
+    def _hook(self, name: str, *args: Any) -> None:
+        """Call ``name`` on every callback that implements it, in order, as Lightning does (a hook a suite callback
+        muted for the fit is ``None`` and skipped). The per-batch hooks are looked up once per fit: the callbacks
+        mute theirs in ``setup`` and give them back in ``teardown`` only."""
+        hooks = self._batch_hooks.get(name)
+        if hooks is None:
+            hooks = [hook for callback in self.callbacks if callable(hook := getattr(callback, name, None))]
+            if name in _BATCH_HOOKS:
+                self._batch_hooks[name] = hooks
+        host, module = self.host, self.host.lightning_module
+        for hook in hooks:
+            hook(host, module, *args)
+
+    @contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """An error raised inside the hooks ends the fit as the Trainer ends it: ``on_exception``, then teardown."""
+        try:
+            yield
+        except BaseException as error:
+            if not self._closed:
+                self._closed = True
+                self.host.interrupted = True
+                try:
+                    self._hook("on_exception", error)
+                finally:
+                    self._hook("teardown", "fit")
+                    self._batch_hooks.clear()
+            raise
+
+    def _start(self, state: dict[str, Any] | None) -> None:
+        with self._guarded():
+            self._hook("setup", "fit")
+            if state is not None:
+                self._load(state)
+            self._hook("on_fit_start")
+            self._hook("on_train_start")
+            trials = self.board.trials
+            if trials.config is not None and not trials.unavailable:
+                trials.unavailable = NO_TRIALS
+                if self.host.global_rank == 0:
+                    log.info(f"lightning_overflow: no trials in this loop ({NO_TRIALS}): a suspicion of divergence "
+                             "backs off and rolls back at once")  # fmt: skip
+            self._begin_batch()
+
+    def _begin_batch(self) -> None:
+        if not self._epoch_open:
+            self._hook("on_train_epoch_start")
+            self._epoch_open = True
+        self._hook("on_train_batch_start", None, self._batch_idx)
+
+    def step(self, loss: Tensor | Sequence[Tensor]) -> StepOutcome:
+        """Judge the step whose gradients the loop has just computed, then step (or skip) it.
+
+        Call it once per optimizer step, after the backward pass(es), instead of ``optimizer.step()``,
+        ``scheduler.step()`` and ``optimizer.zero_grad()``.
+
+        Args:
+            loss: the loss the backward pass started from (as computed, before any scaling), or, under gradient
+                accumulation, the list of the micro-batches' losses.
+
+        Returns:
+            what happened (:class:`StepOutcome`). An error the suite raises (``DivergenceError``, a
+            ``NonFiniteError`` under ``NonFiniteDetector(action="raise")``) ends the guard, as it ends a Trainer fit.
+        """
+        if self._closed:
+            raise RuntimeError("this Guard is closed: build a new one to guard another run")
+        host, board = self.host, self.board
+        losses = [loss] if isinstance(loss, Tensor) else list(loss)
+        step = host.global_step
+        events = board.journal.events
+        journaled = len(events)
+        counts = self._counts()
+        with self._guarded():
+            for value in losses:
+                self._hook("on_before_backward", value)
+            self._hook("on_after_backward")
+            scaler = self.scaler
+            if scaler is not None:
+                scaler.unscale_(host.optimizers[0])  # the suite judges the true gradients, as under the Trainer
+            self._hook("on_before_optimizer_step", host.optimizers[0])
+            record = board.current
+            skipped = record is not None and record.step == step and record.skipped
+            if scaler is not None:
+                # A skipped step has no gradients left: the scaler's step is then a no-op, and its update lowers
+                # the scale when the unscale found inf/NaN, as under the Trainer.
+                scaler.step(self.optimizer)
+                scaler.update()
+            elif not skipped:
+                self.optimizer.step()
+            host.global_step += 1
+            if self.scheduler is not None and self._interval == "step" and not skipped:
+                self.scheduler.step()
+            self._hook("on_train_batch_end", {"loss": losses[-1]}, None, self._batch_idx)
+            self._hook("on_before_zero_grad", host.optimizers[0])
+            self.optimizer.zero_grad(set_to_none=True)
+            host.fit_loop.epoch_loop._batches_that_stepped += 1
+            self._batch_idx += 1
+            self._begin_batch()
+        after = self._counts()
+        return StepOutcome(
+            step=step,
+            skipped=skipped,
+            skip_reason=record.skip_reason if skipped and record is not None else "",
+            clipped=after[0] > counts[0],
+            backed_off=after[1] > counts[1],
+            rolled_back=after[2] > counts[2],
+            lr=[float(group["lr"]) for group in host.optimizers[0].param_groups],
+            events=events[journaled:] if len(events) > journaled else [],
+        )
+
+    def _counts(self) -> tuple[int, int, int]:
+        """How many steps were clipped, backoffs made and rollbacks made so far (the callbacks' public counts)."""
+        clipped = sum(clipper.clipped_steps for clipper in self._clippers)
+        backoffs = sum(1 for cb in self._backoffs for entry in cb.history if entry["action"] == "backoff")
+        rollbacks = sum(rollback.rollbacks for rollback in self._rollbacks)
+        return clipped, backoffs, rollbacks
+
+    def end_epoch(self) -> None:
+        """An epoch ended: the callbacks' epoch aggregates are logged, an ``interval="epoch"`` scheduler steps, and
+        ``current_epoch`` moves on (optional: without it the whole run is epoch 0)."""
+        if self._closed:
+            return
+        with self._guarded():
+            self._hook("on_train_epoch_end")
+            if self.scheduler is not None and self._interval == "epoch":
+                self.scheduler.step()
+            self.host.current_epoch += 1
+            self._epoch_open = False
+            self._batch_idx = 0
+
+    def close(self) -> None:
+        """End the run: the state is checked once more (inf/NaN left in it is restored or said), the fit summary is
+        printed, the journal is written and uploaded, and the callbacks are released. Idempotent."""
+        if self._closed:
+            return
+        with self._guarded():
+            if self._epoch_open:
+                self._hook("on_train_epoch_end")
+                self._epoch_open = False
+            self._hook("on_train_end")
+            self._hook("on_fit_end")
+            self._closed = True
+            self._hook("teardown", "fit")
+            self._batch_hooks.clear()
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if error is None:
+            self.close()
+        elif not self._closed:  # an error of the loop's own: the callbacks hear of it, as under the Trainer
+            self._closed = True
+            self.host.interrupted = True
+            try:
+                self._hook("on_exception", error)
+            finally:
+                self._hook("teardown", "fit")
+
+    # ---- checkpoints ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's own state for a checkpoint: the step count and every callback's state (snapshots on disk are
+        listed; those in memory are not kept)."""
+        host = self.host
+        return {
+            "global_step": host.global_step,
+            "current_epoch": host.current_epoch,
+            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks if hasattr(cb, "state_key")},
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        host = self.host
+        host.global_step = int(state["global_step"])
+        host.fit_loop.epoch_loop._batches_that_stepped = host.global_step
+        host.current_epoch = int(state.get("current_epoch", 0))
+        saved = state.get("callbacks", {})
+        for callback in self.callbacks:
+            key = getattr(callback, "state_key", None)
+            if key in saved:
+                callback.load_state_dict(saved[key])
+
+    def save_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
+        """Write the model, optimizer, scheduler and guard state to ``filepath`` (rank 0). ``Rollback`` checks the
+        state first: inf/NaN in it is rolled back before anything is written, or nothing is written."""
+        with self._guarded():
+            self.host.save_checkpoint(str(filepath))
+
+    def _checkpoint(self) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.host.optimizers[0].state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "guard": self.state_dict(),
+        }

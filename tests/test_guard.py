@@ -1,0 +1,353 @@
+"""The plain-loop and Fabric entry (``Guard``): the Trainer callbacks' decisions, at the same steps, without a Trainer.
+
+Every run here trains ``TinyRegressor``'s network and data; the plain loop and the Fabric loop use the module as a
+plain ``nn.Module`` (its ``forward``), with the optimizer its ``configure_optimizers`` builds, so that the same fault
+can be compared with a ``Trainer(callbacks=default_callbacks())`` fit of the same model step for step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, assert_optimizer_state_equal, make_trainer, optimizer_state, weights
+from torch import nn
+from torch.optim import lr_scheduler as sched
+
+from lightning_overflow import (
+    DivergenceError,
+    Guard,
+    LossSpikeDetector,
+    LRBackoff,
+    NonFiniteDetector,
+    Rollback,
+    default_callbacks,
+    read_journal,
+)
+from lightning_overflow.guard import StepOutcome
+from lightning_overflow.health import board_for
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+
+FAULT_STEP = 7
+
+
+def warmup(optimizer: torch.optim.Optimizer) -> Any:
+    return sched.LinearLR(optimizer, 0.05, total_iters=100)
+
+
+@dataclass
+class Run:
+    model: TinyRegressor
+    optimizer: torch.optim.Optimizer
+    guard: Guard | None
+    outcomes: list[StepOutcome] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)  # the rate each step trained with
+    before: dict[int, dict[str, Any]] = field(default_factory=dict)  # the state at the start of each step
+    after: dict[int, dict[str, Any]] = field(default_factory=dict)  # the state after each guard.step
+
+    def events(self) -> list[tuple[int, str]]:
+        assert self.guard is not None
+        return [(e.step, e.kind) for e in self.guard.events]
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": weights(model), "optimizer": optimizer_state(optimizer)}
+
+
+def loop(
+    steps: int,
+    callbacks: list[Any] | None,
+    tmp_path: Path,
+    *,
+    fault: str | None = None,
+    at: int = FAULT_STEP,
+    fabric: bool = False,
+    keep: Callable[[int], bool] = lambda step: False,
+    **model_kwargs: Any,
+) -> Run:
+    """Train ``TinyRegressor`` for ``steps`` optimizer steps in a plain loop (or a Fabric loop) with ``Guard`` (or
+    bare, ``callbacks=None``), injecting ``fault`` at step ``at`` as ``FaultInjector`` does under the Trainer."""
+    pl.seed_everything(0, verbose=False)
+    factory = model_kwargs.pop("scheduler", None)
+    model = TinyRegressor(**model_kwargs)
+    optimizer = model.configure_optimizers()
+    scheduler = factory(optimizer) if factory is not None else None
+    loader = model.train_dataloader()
+    trained, stepper = model, optimizer
+    if fabric:
+        from lightning.fabric import Fabric
+
+        runner = Fabric(accelerator="cpu", devices=1)
+        trained, stepper = runner.setup(model, optimizer)
+    guard = None
+    if callbacks is not None:
+        guard = Guard(trained, stepper, scheduler, callbacks, default_root_dir=tmp_path)
+    run = Run(model, optimizer, guard)
+    step = 0
+    while step < steps:
+        for x, y in loader:
+            if keep(step):
+                run.before[step] = _state(model, optimizer)
+            if fault == "nan_weight" and step == at:
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] = float("nan")
+            run.lrs.append(float(optimizer.param_groups[0]["lr"]))
+            loss = nn.functional.mse_loss(trained(x), y)
+            if fault == "nan_loss" and step == at:
+                loss = loss * float("nan")
+            if fabric:
+                runner.backward(loss)
+            else:
+                loss.backward()
+            if guard is not None:
+                run.outcomes.append(guard.step(loss))
+            else:
+                stepper.step()
+                if scheduler is not None:
+                    scheduler.step()
+                stepper.zero_grad()
+            step += 1
+            if keep(step - 1):
+                run.after[step - 1] = _state(model, optimizer)
+            if step == steps:
+                break
+    if guard is not None:
+        guard.close()
+    return run
+
+
+def trainer_events(steps: int, callbacks: list[Any], tmp_path: Path, fault: str | None = None, **model_kwargs: Any
+                   ) -> list[tuple[int, str]]:  # fmt: skip
+    """The same model under ``Trainer``, the fault injected by ``FaultInjector`` at the same step."""
+    pl.seed_everything(0, verbose=False)
+    extra = [FaultInjector(Fault(FAULT_STEP, fault))] if fault is not None else []
+    trainer = make_trainer([*callbacks, *extra], max_steps=steps, default_root_dir=str(tmp_path / "trainer"))
+    trainer.fit(TinyRegressor(**model_kwargs))
+    return [(e.step, e.kind) for e in board_for(trainer).journal.events]
+
+
+# ---- a non-finite loss: the step is a true no-op ---------------------------------------------------------------------
+def test_a_nan_loss_at_step_k_skips_that_step_leaving_the_state_bit_identical(tmp_path: Path) -> None:
+    run = loop(20, default_callbacks(), tmp_path, fault="nan_loss", batch_norm=True, scheduler=warmup,
+               keep=lambda step: step == FAULT_STEP)  # fmt: skip
+    outcome = run.outcomes[FAULT_STEP]
+    assert outcome.skipped and not outcome.rolled_back and "loss" in outcome.skip_reason
+    assert [o.step for o in run.outcomes if o.skipped] == [FAULT_STEP]
+    before, after = run.before[FAULT_STEP], run.after[FAULT_STEP]
+    assert_bit_identical(before["model"], after["model"])  # the BatchNorm statistics the forward moved included
+    assert_optimizer_state_equal(before["optimizer"], after["optimizer"])
+    assert run.lrs[FAULT_STEP + 1] == run.lrs[FAULT_STEP]  # the schedule did not move either
+    assert run.guard is not None and run.guard.global_step == 20  # the run went on
+    assert all(math.isfinite(v.float().sum()) for v in weights(run.model).values())
+    assert (FAULT_STEP, "skip") in run.events()
+    assert run.guard.journal_path == tmp_path / "overflow_events.jsonl"
+    journaled = [(e["step"], e["kind"]) for e in read_journal(tmp_path / "overflow_events.jsonl")]
+    assert (FAULT_STEP, "skip") in journaled
+
+
+def test_the_fit_summary_tells_the_skip(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+        loop(12, default_callbacks(), tmp_path, fault="nan_loss")
+    summary = [r.getMessage() for r in caplog.records if "what happened in this fit" in r.getMessage()]
+    assert len(summary) == 1
+    assert f"1 step skipped: the loss was inf/NaN at step {FAULT_STEP}" in summary[0]
+
+
+# ---- a NaN weight: restored to the last verified snapshot ------------------------------------------------------------
+def test_a_nan_weight_is_restored_to_the_last_verified_snapshot(tmp_path: Path) -> None:
+    callbacks = default_callbacks(snapshot_every_n_steps=5)
+    rollback = next(cb for cb in callbacks if isinstance(cb, Rollback))
+    at = 13
+    run = loop(20, callbacks, tmp_path, fault="nan_weight", at=at, keep=lambda step: True)
+    assert [o.step for o in run.outcomes if o.rolled_back] == [at]
+    target = rollback.history[0]["snapshot_step"]
+    assert target == 10  # snapshots at 0, 5, 10: the last one verified finite before the fault
+    restored = run.after[at]
+    snapshot = run.before[target]  # the state at the start of step 10 is what the snapshot of step 10 holds
+    assert_bit_identical(snapshot["model"], restored["model"])
+    assert_optimizer_state_equal(snapshot["optimizer"], restored["optimizer"])
+    assert all(math.isfinite(v.float().sum()) for v in weights(run.model).values())
+    assert {(at, "nonfinite"), (at, "backoff")} <= set(run.events())
+
+
+# ---- a learning rate too high: backed off ----------------------------------------------------------------------------
+def diverging(**extra: Any) -> dict[str, Any]:
+    """SGD at 0.2 where 0.02 trains, warmed up over 100 steps: the loss takes off near step 140 and ends NaN bare."""
+    return {"optimizer": "sgd", "lr": 0.2, "scheduler": warmup, **extra}
+
+
+def test_a_learning_rate_too_high_is_backed_off_by_factor_against_the_unprotected_run(tmp_path: Path) -> None:
+    steps = 200
+    bare = loop(steps, None, tmp_path, **diverging())
+    x, y = bare.model.data.tensors
+    with torch.no_grad():
+        assert math.isnan(nn.functional.mse_loss(bare.model(x), y).item())
+    guarded = loop(steps, default_callbacks(lr_factor=0.5), tmp_path, **diverging())
+    backoffs = [o.step for o in guarded.outcomes if o.backed_off]
+    assert backoffs, "the divergence was not answered"
+    first = backoffs[0]
+    later = backoffs[1] if len(backoffs) > 1 else steps - 1
+    assert first > 100  # a real divergence after the warm-up, not an LR that overflows at once
+    for step in range(first + 1, later + 1):
+        assert guarded.lrs[step] == 0.5 * bare.lrs[step], step
+    with torch.no_grad():
+        final = nn.functional.mse_loss(guarded.model(x), y).item()
+    assert math.isfinite(final) and final < 0.05
+
+
+# ---- a healthy run: bit-identical ------------------------------------------------------------------------------------
+def test_a_healthy_plain_loop_is_bit_identical_with_and_without_the_guard(tmp_path: Path) -> None:
+    options: dict[str, Any] = {"batch_norm": True, "dropout": 0.1, "optimizer": "adamw", "scheduler": warmup}
+    bare = loop(40, None, tmp_path, **options)
+    guarded = loop(40, default_callbacks(), tmp_path, **options)
+    assert_bit_identical(weights(bare.model), weights(guarded.model))
+    assert_optimizer_state_equal(optimizer_state(bare.optimizer), optimizer_state(guarded.optimizer))
+    assert bare.lrs == guarded.lrs
+    assert guarded.guard is not None and guarded.guard.events == []
+    assert not any(o.skipped or o.clipped or o.backed_off or o.rolled_back for o in guarded.outcomes)
+
+
+# ---- Fabric, and the Trainer: the same decisions at the same steps ---------------------------------------------------
+FAULTS = {
+    "nan_loss": ({}, 16),
+    "nan_weight": ({}, 16),
+    "lr_too_high": (diverging(), 160),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fabric_makes_the_plain_loops_decisions(tmp_path: Path, fault: str) -> None:
+    options, steps = FAULTS[fault]
+    kind = None if fault == "lr_too_high" else fault
+    plain = loop(steps, default_callbacks(), tmp_path / "plain", fault=kind, **options)
+    fabric = loop(steps, default_callbacks(), tmp_path / "fabric", fault=kind, fabric=True, **options)
+    assert plain.events() and plain.events() == fabric.events()
+    assert_bit_identical(weights(plain.model), weights(fabric.model))
+
+
+@pytest.mark.parametrize(
+    ("fault", "trials"), [("nan_loss", True), ("nan_weight", True), *((f, False) for f in FAULTS)]
+)
+def test_the_trainer_makes_the_same_decisions_at_the_same_steps(tmp_path: Path, fault: str, trials: bool) -> None:
+    """The same events at the same steps as a ``Trainer`` fit of the same model. A certain fault is answered alike
+    whether the Trainer runs trials or not; the guard, which cannot re-run a step, answers a suspicion at once, as
+    the Trainer does with ``default_callbacks(trial=None)``."""
+    options, steps = FAULTS[fault]
+    kind = None if fault == "lr_too_high" else fault
+    plain = loop(steps, default_callbacks(), tmp_path / "plain", fault=kind, **options)
+    fabric = loop(steps, default_callbacks(), tmp_path / "fabric", fault=kind, fabric=True, **options)
+    settings = {} if trials else {"trial": None}
+    trainer = trainer_events(steps, default_callbacks(**settings), tmp_path, kind, **options)
+    assert plain.events() and plain.events() == fabric.events() == trainer
+
+
+# ---- the rest of the surface -----------------------------------------------------------------------------------------
+def test_a_divergence_error_ends_the_guard_as_it_ends_a_fit(tmp_path: Path) -> None:
+    callbacks = [NonFiniteDetector(), LRBackoff(triggers=("nonfinite_burst",), min_scale=0.5, cooldown=0, trial=None)]
+    with pytest.raises(DivergenceError):
+        loop(30, callbacks, tmp_path, fault=None, **diverging(lr=5.0))
+    guard = Guard(nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1), default_root_dir=tmp_path)
+    guard.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        guard.step(torch.zeros(()))
+
+
+def test_suspicions_are_answered_at_once_without_trials(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Linear(2, 1)
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+        guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), default_root_dir=tmp_path)
+    assert "not the batch" in guard.board.trials.unavailable and not guard.board.trials.runs
+    assert any("no trials in this loop" in r.getMessage() for r in caplog.records)
+    guard.close()
+
+
+def test_a_checkpoint_resumes_the_guard(tmp_path: Path) -> None:
+    callbacks = default_callbacks(snapshot_every_n_steps=5, dirpath=tmp_path / "snapshots")
+    run = loop(12, callbacks, tmp_path, fault="nan_loss")
+    assert run.guard is not None
+    path = tmp_path / "run.ckpt"
+    guard = Guard(run.model, run.optimizer, callbacks=default_callbacks(snapshot_every_n_steps=5,
+                  dirpath=tmp_path / "snapshots"), default_root_dir=tmp_path,
+                  state=run.guard.state_dict())  # fmt: skip
+    assert guard.global_step == 12
+    guard.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    assert saved["guard"]["global_step"] == 12 and set(saved) >= {"model", "optimizer", "guard"}
+    detector = next(cb for cb in guard.callbacks if isinstance(cb, NonFiniteDetector))
+    assert detector.skipped_steps == 1  # carried over
+    guard.close()
+
+
+def test_a_nonfinite_checkpoint_is_rolled_back_before_it_is_written(tmp_path: Path) -> None:
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = weights(model)  # the snapshot the guard takes when it starts
+    with Guard(model, optimizer, default_root_dir=tmp_path) as guard:
+        loss = model(torch.ones(2, 3)).sum()
+        loss.backward()
+        guard.step(loss)
+        with torch.no_grad():
+            model.weight.view(-1)[0] = float("nan")
+        guard.save_checkpoint(tmp_path / "c.ckpt")
+    saved = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    assert_bit_identical(saved["model"], start)  # rolled back first, then written
+    assert_bit_identical(weights(model), start)
+
+
+def test_the_guard_looks_through_wrappers_and_refuses_sharding() -> None:
+    model = nn.Linear(2, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[NonFiniteDetector()],
+                  default_root_dir="/tmp")  # fmt: skip
+    assert guard.module is model and guard.host.strategy.root_device == torch.device("cpu")
+    assert dict(guard.host.lightning_module.named_parameters()) == dict(model.named_parameters())
+    guard.close()
+    with pytest.raises(ValueError, match="scheduler_interval"):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler_interval="batch")
+
+
+def test_loss_spike_detector_alone_in_a_plain_loop(tmp_path: Path) -> None:
+    detector = LossSpikeDetector(warmup=5)
+    run = loop(30, [detector], tmp_path, fault=None)
+    assert run.guard is not None and not [o for o in run.outcomes if o.skipped]
+
+
+def test_a_grad_scaler_skip_lowers_the_scale_and_leaves_the_weights(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    with Guard(model, optimizer, scaler=scaler, default_root_dir=tmp_path) as guard:
+        for step in range(8):
+            loss = nn.functional.mse_loss(model(x), y) * (float("nan") if step == 5 else 1.0)
+            before = weights(model)
+            scaler.scale(loss).backward()
+            outcome = guard.step(loss)
+            assert outcome.skipped == (step == 5)
+            if step == 5:
+                assert_bit_identical(before, weights(model))
+                assert scaler.get_scale() == 2.0**9  # the scaler saw the inf/NaN gradients, as under the Trainer
+
+
+def test_the_readme_snippet_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Plain PyTorch and Fabric\n") :]
+    snippet = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)  # type: ignore[union-attr]
+    monkeypatch.chdir(tmp_path)
+    model = TinyRegressor()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    before = weights(model)
+    namespace = {"model": model, "optimizer": optimizer, "scheduler": sched.StepLR(optimizer, 4),
+                 "loader": model.train_dataloader(), "loss_fn": nn.functional.mse_loss}  # fmt: skip
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    assert namespace["guard"].global_step == 8 and not namespace["outcome"].skipped
+    assert any(not torch.equal(a, b) for a, b in zip(before.values(), weights(model).values()))

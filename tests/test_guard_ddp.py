@@ -1,0 +1,124 @@
+"""``Guard`` in a plain DDP loop, 2 CPU processes on gloo: a fault on rank 1 only leads to the same decision on both
+ranks, and the replicas stay identical."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
+
+STEPS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _digest(module: nn.Module) -> str:
+    """The parameters' bytes (BatchNorm's running statistics are each rank's own under DDP: not compared)."""
+    params = [p.detach().cpu().numpy().tobytes() for p in module.parameters()]
+    return hashlib.sha256(b"".join(params)).hexdigest()
+
+
+def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    report: dict[str, Any] = {"rank": rank, "error": None}
+    try:
+        from lightning_overflow import Guard, default_callbacks
+        from lightning_overflow.testing import regression_data
+
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 1))
+        model = DistributedDataParallel(module)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        x, y = regression_data(n_samples=64).tensors
+        x, y = x[rank::2], y[rank::2]  # each rank its own half of the data
+        guard = Guard(model, optimizer, callbacks=default_callbacks(snapshot_every_n_steps=4),
+                      default_root_dir=directory)  # fmt: skip
+        outcomes, snapshots = [], {}
+        for step in range(STEPS):
+            snapshots[step] = _digest(module)
+            if scenario == "nan_weight" and step == 6 and rank == 1:
+                with torch.no_grad():
+                    module[0].weight.view(-1)[0] = float("nan")
+            batch = slice((step % 4) * 8, (step % 4) * 8 + 8)
+            loss = nn.functional.mse_loss(model(x[batch]), y[batch])
+            if scenario == "nan_loss" and step == 3 and rank == 1:
+                loss = loss * float("nan")
+            loss.backward()
+            outcome = guard.step(loss)
+            if outcome.rolled_back:
+                report["restored"] = _digest(module)
+            outcomes.append([outcome.step, outcome.skipped, outcome.rolled_back, outcome.backed_off,
+                             [e.kind for e in outcome.events]])  # fmt: skip
+        guard.close()
+        report.update(
+            outcomes=outcomes,
+            digest=_digest(module),
+            snapshots=snapshots,
+            global_step=guard.global_step,
+            finite=all(bool(torch.isfinite(v).all()) for v in module.state_dict().values() if v.is_floating_point()),
+        )
+    except Exception:
+        report["error"] = traceback.format_exc()
+    finally:
+        Path(directory, f"rank{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+def run(tmp_path: Path, scenario: str) -> list[dict[str, Any]]:
+    context = mp.get_context("fork")
+    processes = [context.Process(target=_worker, args=(r, _free_port_once(tmp_path), str(tmp_path), scenario))
+                 for r in range(2)]  # fmt: skip
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(150)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["error"] for r in reports] == [None, None], reports
+    return reports
+
+
+def _free_port_once(tmp_path: Path) -> int:
+    """One port for both ranks of a run."""
+    marker = tmp_path / "port"
+    if not marker.exists():
+        marker.write_text(str(_free_port()))
+    return int(marker.read_text())
+
+
+def test_a_nan_loss_on_rank_1_only_is_skipped_on_both_ranks(tmp_path: Path) -> None:
+    reports = run(tmp_path, "nan_loss")
+    assert reports[0]["outcomes"] == reports[1]["outcomes"]
+    assert [o[0] for o in reports[0]["outcomes"] if o[1]] == [3]
+    assert reports[0]["digest"] == reports[1]["digest"]
+    assert all(r["finite"] and r["global_step"] == STEPS for r in reports)
+    journal = [json.loads(line) for line in (tmp_path / "overflow_events.jsonl").read_text().splitlines()]
+    assert journal[0]["kind"] == "nonfinite" and journal[0]["details"]["ranks"] == [1]
+
+
+def test_a_nan_weight_on_rank_1_only_rolls_both_ranks_back_to_the_same_snapshot(tmp_path: Path) -> None:
+    reports = run(tmp_path, "nan_weight")
+    assert reports[0]["outcomes"] == reports[1]["outcomes"]
+    rolled = [o[0] for o in reports[0]["outcomes"] if o[2]]
+    assert rolled == [6]
+    assert reports[0]["restored"] == reports[1]["restored"] == reports[0]["snapshots"]["4"]  # the snapshot of step 4
+    assert reports[0]["digest"] == reports[1]["digest"]
+    assert all(r["finite"] for r in reports)
