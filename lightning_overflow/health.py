@@ -44,7 +44,7 @@ from lightning_overflow import _compat
 from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import read_packed, sum_and_read
 from lightning_overflow.events import Event, Journal, MetricBuffer, WarningCache
-from lightning_overflow.fit_summary import LossEnding, behind_a_restore, opened_because, plain_lines
+from lightning_overflow.fit_summary import LossEnding, behind_a_restore, left_alone, opened_because, plain_lines
 from lightning_overflow.loggers import (
     StepMerge,
     journal_location,
@@ -507,10 +507,15 @@ class HealthBoard:
         for stopper in _early_stops_on_nonfinite(trainer):
             self.record(Event(step=int(trainer.global_step), kind="stopped", rank=0, source="lightning_overflow",
                               message=stopper[0], details=stopper[1]))  # fmt: skip
-        behind = behind_a_restore([asdict(e) for e in self.journal.events], int(trainer.global_step))
+        events = [asdict(e) for e in self.journal.events]
+        behind = behind_a_restore(events, int(trainer.global_step))
         if behind is not None:
             self.record(Event(step=int(trainer.global_step), kind="behind", rank=0, source="lightning_overflow",
                               message=behind[0], details=behind[1]))  # fmt: skip
+        alone = left_alone(events)  # suspicions nothing was left to answer: the journal says so, as the summary does
+        if alone is not None:
+            self.record(Event(step=int(trainer.global_step), kind="left_alone", rank=0, source="lightning_overflow",
+                              message=alone[0], details=alone[1]))  # fmt: skip
 
     def answers(self, kind: str) -> bool:
         """Whether a participant acts on signals of ``kind`` (it lists it among its ``triggers``)."""

@@ -14,7 +14,11 @@ from conftest import fit
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_overflow import DivergenceError, NonFiniteDetector, default_callbacks
+from lightning_overflow import DivergenceError, LRBackoff, NonFiniteDetector, default_callbacks, read_journal
+from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
+from lightning_overflow.health import StepHealth
+from lightning_overflow.policy import StepAction
+from lightning_overflow.testing import TinyRegressor
 
 _SUMMARY = "lightning_overflow: what happened in this fit"
 
@@ -111,3 +115,39 @@ def test_a_run_the_full_suite_keeps_finite_but_far_above_its_best_says_so_at_its
 
     (ending,) = [e for e in read_journal(tmp_path) if e["kind"] == "ending"]
     assert (ending["details"]["against"], ending["details"]["best"], ending["details"]["last"]) == ("best", 1.0, after)
+
+
+
+class _JournaledSuspect(SuiteCallback):
+    """A detector that suspects the loss at exact steps and journals it, as LossSpikeDetector does."""
+
+    stage = DETECTOR
+
+    def __init__(self, *steps: int) -> None:
+        self.steps = set(steps)
+
+    @property
+    def state_key(self) -> str:
+        return "JournaledSuspect"
+
+    def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
+        if record.step in self.steps:
+            self._signal(trainer, "loss_divergence", f"suspected at step {record.step}", onset=record.step)
+            self._event(trainer, "loss_divergence", f"suspected at step {record.step}", step=record.step)
+
+
+def test_suspicions_left_alone_at_the_learning_rate_floor_are_journaled_at_the_end(tmp_path: Any) -> None:
+    backoff = LRBackoff(trial=None, min_scale=0.25, cooldown=0)
+    suspect = _JournaledSuspect(*range(10, 200, 5))  # acted on at once (no trials), paced as false alarms are
+    fit(TinyRegressor(), [suspect, backoff], max_steps=200, default_root_dir=str(tmp_path))
+    journal = list(read_journal(tmp_path / "overflow_events.jsonl"))
+    backoffs = [(e["step"], e["details"]["scale"], e["details"]["floor"]) for e in journal if e["kind"] == "backoff"]
+    assert backoffs == [(10, 0.5, 0.25), (50, 0.25, 0.25)]
+    (alone,) = [e for e in journal if e["kind"] == "left_alone"]
+    assert alone["step"] == 200 and alone["details"]["why"] == "lr_floor"
+    assert alone["details"]["scale"] == 0.25 and alone["details"]["floor"] == 0.25
+    assert alone["details"]["steps"] == [s for s in range(55, 200, 5)]
+    assert alone["message"].endswith(
+        "(the loss settled far above its best): the learning rate was already at its floor (0.25x its schedule), the "
+        "lowest LRBackoff may set; try starting at a lower learning rate"
+    )

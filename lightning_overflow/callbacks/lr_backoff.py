@@ -255,7 +255,7 @@ class LRBackoff(SuiteCallback):
             )
             self._event(
                 trainer, "backoff", message, step=first.step, **_details(entry), previous_scale=old,
-                lrs=_lrs(trainer, index), escalated=escalated,
+                lrs=_lrs(trainer, index), escalated=escalated, floor=self._floor(trainer, index),
             )
             if trainer.global_rank == 0:
                 log.info(message)
@@ -306,7 +306,7 @@ class LRBackoff(SuiteCallback):
         """Remember, journal and log backoffs taken back (``undo``) on ``signal``; the new scale is in place."""
         entry = self._remember("undo", signal.step, index, signal.kind, signal.reason, self.scales[index])
         self._event(trainer, "undo", message, step=signal.step, **_details(entry), previous_scale=old,
-                    lrs=_lrs(trainer, index), **details)  # fmt: skip
+                    lrs=_lrs(trainer, index), floor=self._floor(trainer, index), **details)  # fmt: skip
         if trainer.global_rank == 0:
             log.info(message)
 
@@ -442,7 +442,8 @@ class LRBackoff(SuiteCallback):
                 f"group LRs {_lrs(trainer, index)}): {reason}."
             )
             self._event(trainer, entry["action"], message, step=step, **_details(entry), previous_scale=old,
-                        lrs=_lrs(trainer, index), escalated=False, trial=True)  # fmt: skip
+                        lrs=_lrs(trainer, index), escalated=False, trial=True,
+                        floor=self._floor(trainer, index))  # fmt: skip
             if trainer.global_rank == 0:
                 log.info(message)
         self._unless_bounded(trainer, outcome.remedy.extras.get(self.state_key, {}))
