@@ -37,6 +37,10 @@ in ``NO_PROGRESS_STEPS`` healthy steps  learned, the fit's first) at the       (
 none, every ``every_n_steps``           a trial of the backed-off rate from    a rate too high for a run that did
 (opt-in)                                the current state                      learn (it plateaus above what a lower
                                                                                rate reaches) raises no suspicion
+the fit ends during a trial, the run    the remedy finite on those batches     no later step is left to answer the
+as it is inf/NaN on trial batches       takes over (else the verdict so far)   overflow, and a skipped step keeps the
+where a remedy was finite                                                      state that overflowed (the demo's
+                                                                               transformer: validation NaN otherwise)
 ======================================  =====================================  =========================================
 
 A suspicion is acted on at once, as a certain fault is, where no trial can run: trials off (``trial=None``), or a

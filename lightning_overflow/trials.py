@@ -375,7 +375,31 @@ class TrialRunner:
         assert self.trial is not None
         verdict = self.trial.verdict()
         ended = f" (the fit ended after {len(self.trial.incumbent)} of {self.trial.config.steps} steps)" if early else ""
-        self._finish(trainer, board, step, verdict.winner, verdict, verdict.reason + ended, last=early)
+        winner, why = verdict.winner, verdict.reason + ended
+        if early and winner is None and not self._frozen:
+            winner, why = self._finite_where_the_run_was_not(why)
+        self._finish(trainer, board, step, winner, verdict, why, last=early)
+
+    def _finite_where_the_run_was_not(self, why: str) -> tuple[int | None, str]:
+        """At the fit's end, with no winner yet: the weights the fit returns must not be those that gave inf/NaN
+        losses where a remedy, on the same batches, gave finite ones (a skipped step keeps the state that overflowed;
+        no later step is left to answer it). The remedy finite on all of those batches, and lowest over its last
+        three, takes over; otherwise the run as it was stays."""
+        assert self.trial is not None
+        incumbent = self.trial.incumbent
+        failed = [i for i, loss in enumerate(incumbent) if not math.isfinite(loss)]
+        if not failed:
+            return None, why
+        finite = [j for j, scores in enumerate(self.trial.remedies)
+                  if all(math.isfinite(scores[i]) for i in failed) and all(map(math.isfinite, scores[-3:]))]  # fmt: skip
+        winner = min(finite, key=lambda j: sum(self.trial.remedies[j][-3:]), default=None)  # type: ignore[union-attr]
+        if winner is None:
+            return None, why
+        return winner, (
+            f"{why}; but the run as it was had inf/NaN losses on {len(failed)} of its {len(incumbent)} trial batches "
+            f"where the learning rate x{self.trial.lr_factors[winner]:g} had finite ones, and the fit ends here: "
+            "that remedy takes over"
+        )
 
     def _end_on_fault(self, trainer: pl.Trainer, board: _Board, fault: Signal, step: int) -> None:
         """A certain fault of the live state ends the trial. In ``"ab"`` mode the live state is the incumbent: the

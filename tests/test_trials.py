@@ -15,7 +15,9 @@ import pytorch_lightning as pl
 import torch
 from conftest import assert_bit_identical, fit, make_trainer, weights
 
-from lightning_overflow import LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback, TrialConfig, read_journal
+from lightning_overflow import (
+    LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback, TrialConfig, read_journal, side_run,
+)
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
 from lightning_overflow.policy import StepAction
@@ -269,6 +271,46 @@ def test_a_certain_fault_during_a_trial_hands_the_run_to_a_healthy_remedy(tmp_pa
     assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == [(36, 30)]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert _lr(trainer) < model.lr
+
+
+class _LiveRunOverflows(TinyRegressor):
+    """A NaN loss at exact steps of the run's own training, never in a trial's candidate (whose state did not reach
+    the overflow)."""
+
+    def __init__(self, *steps: int) -> None:
+        super().__init__()
+        self.overflow_at = set(steps)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.nan if side_run() is None and self.trainer.global_step in self.overflow_at else loss
+
+
+def test_a_run_that_was_inf_nan_where_a_remedy_was_finite_is_not_returned_when_the_fit_ends_mid_trial(
+    tmp_path: Path,
+) -> None:
+    """A trial opened at step 30 (20 steps) is still under way when the fit ends at step 40; the live run's loss was
+    NaN at steps 33 and 37 (skipped, so its state is the one that overflowed), the remedies' losses finite on those
+    batches: the fit returns the remedy, not the state that overflowed."""
+    model = _LiveRunOverflows(33, 37)
+    suite = [NonFiniteDetector(diagnose=False), Suspect(30), LRBackoff(), Rollback(every_n_steps=10)]
+    trainer = fit(model, suite, max_steps=40, default_root_dir=str(tmp_path))
+    (trial,) = _trials(tmp_path)
+    assert trial["step"] == 40 and trial["details"]["kept"] and trial["details"]["steps"] == 9
+    assert "(the fit ended after 9 of 20 steps); but the run as it was had inf/NaN losses on 2 of its 9 trial " \
+           "batches where the learning rate x" in trial["message"]
+    assert trial["message"].endswith("had finite ones, and the fit ends here: that remedy takes over.")
+    assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == [(40, 30)]
+    assert _lr(trainer) < model.lr
+
+
+def test_a_fit_that_ends_mid_trial_with_finite_losses_keeps_the_run_as_it_was(tmp_path: Path) -> None:
+    model = TinyRegressor()
+    suite = [NonFiniteDetector(), Suspect(30), LRBackoff(), Rollback(every_n_steps=10)]
+    trainer = fit(model, suite, max_steps=40, default_root_dir=str(tmp_path))
+    (trial,) = _trials(tmp_path)
+    assert trial["step"] == 40 and not trial["details"]["kept"] and "takes over" not in trial["message"]
+    assert suite[-1].history == [] and _lr(trainer) == model.lr
 
 
 class Hinge(pl.LightningModule):
