@@ -9,11 +9,6 @@ what happened (signal)                  what the suite does                    w
 a non-finite loss or gradient           skip the step, at once                 a skipped step changes nothing: nothing
 (``nonfinite``)                         (NonFiniteDetector)                    can be lost by it
 a gradient-norm outlier                 clip it, at once (AutoClip)            the step without the outlier is the step
-``rebaseline_after`` steps in a row     the z-score statistics start again     a level the run moved to (a harder task)
-clipped by the z-score past its         from the new level, with a new         is otherwise clipped for 160 steps; an
-warm-up, the norm not grown over them   warm-up (AutoClip); a norm that        explosion held by the clip keeps growing
-(``rebaseline``)                        keeps growing, or clips by the         (SGD at 8-16x its rate rebaselined,
-                                        warm-up's cap, never rebaseline        level after level, up to norms of 1e19)
 non-finite weights, moments or          restore the last verified snapshot,    inf/NaN state never heals: doing nothing
 buffers (``nonfinite_state``); DDP      at once, and back the learning rate    cannot be better (replicas that differ
 replicas that differ                    off (Rollback, LRBackoff)              are no fault of the learning rate: no

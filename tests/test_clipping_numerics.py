@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-import re
 import os
 import subprocess
 import sys
@@ -35,7 +34,6 @@ from lightning_overflow.numerics.clipping import (
     clip_coefficient,
     clip_grad_norm_,
     host_clip_coefficient,
-    level_settled,
     percentile_threshold,
     scale_grads_,
     zscore_threshold,
@@ -846,33 +844,3 @@ def test_agc_on_all_units_at_once_equals_parameter_by_parameter_bit_for_bit(
         assert batched.shape == single.shape and batched.dtype == single.dtype
         torch.testing.assert_close(batched, single, rtol=0, atol=0, equal_nan=True)
     assert smallest_coefficient(together[0]).item() < 1.0
-
-
-# ---- a level that stopped growing --------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("norms", "settled"),
-    [
-        ([3.0, 3.2, 2.9], True),  # flat, the newest below the first: a level
-        ([3.0, 3.2, 3.0], True),  # equal counts as not grown
-        ([9.0, 6.0, 4.0], True),  # falling: the run learns the new level
-        ([3.0, 30.0, 300.0], False),  # a factor each step
-        ([20.0, 200.0, 100.0], False),  # a swing whose newest is still above where the streak began
-        ([3.0, 3.1], False),  # too short
-        ([5.0, 300.0, 30.0, 3.0], True),  # only the last ``steps`` count: 300 -> 3
-        ([3.0, 2.0, NAN], False),  # non-finite never settles
-        ([NAN, 2.0, 1.0], False),  # nor does an unknown start (a streak loaded from an older checkpoint)
-        ([3.0, 2.0, INF], False),
-    ],
-)
-def test_a_level_is_settled_when_its_newest_norm_did_not_grow(norms: list[float], settled: bool) -> None:
-    assert level_settled(norms, 3) is settled
-
-
-def test_a_norm_that_grows_every_step_never_settles_at_any_length() -> None:
-    growing = [1.01**k for k in range(500)]
-    assert not any(level_settled(growing[: n + 1], steps) for n in range(500) for steps in (2, 3, 10))
-
-
-def test_level_settled_rejects_a_span_below_two() -> None:
-    with pytest.raises(ValueError, match=re.escape("'steps' must be >= 2 (got 1)")):
-        level_settled([1.0, 1.0], 1)

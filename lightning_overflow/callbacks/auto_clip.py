@@ -21,7 +21,7 @@ from lightning_overflow.distributed import sum_and_read
 from lightning_overflow.health import StepHealth, log, metric_key
 from lightning_overflow.numerics import parameters_of, scale_grads_
 from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
-from lightning_overflow.numerics.clipping import HostPercentile, HostZScore, host_clip_coefficient, level_settled
+from lightning_overflow.numerics.clipping import HostPercentile, HostZScore, host_clip_coefficient
 from lightning_overflow.numerics.norms import FP32_MAX, squared_norm_share
 from lightning_overflow.policy import UPDATE_BOUND, ClipPlan, StepAction, Verdict
 
@@ -40,8 +40,7 @@ class _Clip:
         stats: the statistics that take ``learned`` in once the step went ahead.
         learned: what the statistics take in: the norm, or the anchor's cap during the z-score warm-up.
         threshold: the threshold applied.
-        adaptive: whether the statistics, past their warm-up, set the threshold (not the warm-up's cap, not
-            ``max_norm``, not the update bound).
+        adaptive: whether the statistics set the threshold (not ``max_norm``, not the update bound).
 
     A step that no threshold could clip, whatever the last bits of the z-score's root (rounded as torch rounds it,
     a tensor op), gets ``threshold`` and ``adaptive`` from ``exact`` when first asked: only a logged step asks.
@@ -178,15 +177,12 @@ class AutoClip(SuiteCallback):
             ``"agc"`` mode, which bounds every unit by its weights already.
         restart_steps: the update bound arms when a restored state diverged again within this many optimizer
             steps (default 10: the loss tests confirm a divergence over 3 steps, after the loss has climbed).
-        rebaseline_after: ``"zscore"`` mode: after this many steps in a row clipped by the statistics past their
-            warm-up (not by the warm-up's cap, ``max_norm`` nor the update bound), with the last norm no larger than
-            the first of them, the norms have a new level, not outliers (new data, a harder task): the statistics
-            start again from it, with a new warm-up, and the event is journaled (``"rebaseline"``; default 3, at
-            least 2; ``None``: never). A norm that keeps growing over them is an explosion the clip holds back: it
-            stays clipped, however long the streak (before, SGD at 8-16x its stable rate rebaselined level after
-            level, up to norms of 1e19). Measured on the rescue benchmark's harmless runs: without it a task whose
+        rebaseline_after: ``"zscore"`` mode: after this many steps in a row clipped by the statistics (not by
+            ``max_norm`` nor the update bound), the norms have a new level, not outliers (new data, a harder task):
+            the statistics start again from it, with a new warm-up, and the event is journaled (``"rebaseline"``;
+            default 3; ``None``: never). Measured on the rescue benchmark's harmless runs: without it a task whose
             targets grow 3x is clipped for 160 steps and ends up to 1.11x the unprotected run; with it, within
-            1.05x on every seed.
+            1.05x on every seed. A run whose norms keep growing is clipped again at each new warm-up's cap.
         if_trainer_clips: what to do when the Trainer clips too (``gradient_clip_val``): ``"raise"`` (default) refuses
             the double clipping at setup; ``"defer"`` keeps the user's clipping and leaves this fit's gradients to it,
             said once at setup, as it does for a LightningModule that clips in its own
@@ -268,7 +264,7 @@ class AutoClip(SuiteCallback):
         self.event_below = check_float("event_below", event_below, low=0.0, high=1.0)
         self.update_ratio = check_float("update_ratio", update_ratio, low=0.0, high=1.0, low_open=True, optional=True)
         self.restart_steps = check_int("restart_steps", restart_steps, minimum=1)
-        self.rebaseline_after = check_int("rebaseline_after", rebaseline_after, minimum=2, optional=True)
+        self.rebaseline_after = check_int("rebaseline_after", rebaseline_after, minimum=1, optional=True)
         self.if_trainer_clips = check_choice("if_trainer_clips", if_trainer_clips, ("raise", "defer"))
         self._deferred = False  # this fit's gradients are the Trainer's gradient_clip_val's to clip
         self._reset()
@@ -286,8 +282,7 @@ class AutoClip(SuiteCallback):
         self._bounds: dict[int, tuple[float, float]] = {}  # optimizer index -> (update ratio, weight norm)
         self._last_restore: tuple[int, int] | None = None  # (steps of the snapshot restored, self.steps then)
         self._largest_update: dict[int, float] = {}  # optimizer index -> largest lr x norm since the last restore
-        self._streaks: dict[int, list[float]] = {}  # optimizer index -> the norms of its latest streak of clips by
-        # the statistics (the last rebaseline_after of them)
+        self._streaks: dict[int, int] = {}  # optimizer index -> steps in a row its adaptive threshold clipped
         self._fit_clipped, self._fit_steps, self._smallest = 0, 0, 1.0  # this fit's clips, told at its end
 
     @property
@@ -399,32 +394,22 @@ class AutoClip(SuiteCallback):
             self._log(trainer, metrics, record.log_step)
 
     def _weigh_streak(self, trainer: pl.Trainer, index: int, clip: _Clip) -> None:
-        """``"zscore"`` mode: an outlier is one step; ``rebaseline_after`` steps in a row clipped by the statistics past
-        their warm-up, whose norm has not grown over them, are a new level of the norms (new data, a harder task): the
-        statistics start again from it, with a new warm-up, rather than clip the run for as long as they take to creep
-        up (measured: a task whose targets grow 3x was clipped for 160 steps, and ended 1.11x the unclipped run). A
-        norm that keeps growing is an explosion held back by the clip, never a level (:func:`level_settled`), and the
-        warm-up's cap is the anchor's, not the statistics': neither rebaselines. ``"percentile"`` mode clips most
-        steps by design."""
+        """``"zscore"`` mode: an outlier is one step; ``rebaseline_after`` steps in a row clipped by the statistics are a
+        new level of the norms (new data, a harder task): the statistics start again from it, with a new warm-up,
+        rather than clip the run for as long as they take to creep up (measured: a task whose targets grow 3x was
+        clipped for 160 steps, and ended 1.11x the unclipped run). ``"percentile"`` mode clips most steps by design."""
         by_statistics = clip.coef < 1.0 and isinstance(clip.stats, HostZScore) and clip.adaptive
-        streak = self._streaks.setdefault(index, [])
-        if not by_statistics:
-            streak.clear()
+        self._streaks[index] = self._streaks.get(index, 0) + 1 if by_statistics else 0
+        if self.rebaseline_after is None or self._streaks[index] < self.rebaseline_after:
             return
-        if self.rebaseline_after is None:
-            return
-        streak.append(clip.total)
-        del streak[: -self.rebaseline_after]
-        if not level_settled(streak, self.rebaseline_after):
-            return
-        streak.clear()
+        self._streaks[index] = 0
         self._stats.pop(index, None)
         self._first.pop(index, None)
         self._event(
             trainer, "rebaseline",
             f"AutoClip({self.mode}): the gradient norm of optimizer {index} stayed above the clip threshold for "
-            f"{self.rebaseline_after} steps in a row without growing (last {clip.total:.4g}, threshold "
-            f"{clip.threshold:.4g}) at step {clip.step}: a new level, not outliers; the statistics start again from it.",
+            f"{self.rebaseline_after} steps in a row (last {clip.total:.4g}, threshold {clip.threshold:.4g}) at step "
+            f"{clip.step}: a new level, not outliers; the statistics start again from it.",
             what="grad_norm", value=clip.total, optimizer=index,
         )  # fmt: skip
 
@@ -490,8 +475,7 @@ class AutoClip(SuiteCallback):
             learned = min(learned, bound)
         if self.max_norm is not None:
             threshold = min(threshold, self.max_norm)
-        past_warmup = not isinstance(stats, HostZScore) or stats.count >= self.warmup_steps
-        return threshold, threshold == adaptive and past_warmup, learned, stats
+        return threshold, threshold == adaptive, learned, stats
 
     def _threshold(self, index: int, total: float) -> tuple[float, float, Stats | None]:
         """The threshold for a total norm of ``total`` from optimizer ``index``'s statistics, the value they would
@@ -634,7 +618,7 @@ class AutoClip(SuiteCallback):
             "epoch": {index: list(counts) for index, counts in self._epoch.items()},
             "first": {index: list(norms) for index, norms in self._first.items()},
             "bounds": {index: list(bound) for index, bound in self._bounds.items()},
-            "streaks": {index: list(norms) for index, norms in self._streaks.items()},
+            "streaks": dict(self._streaks),
         })  # fmt: skip
 
     @override
@@ -645,7 +629,7 @@ class AutoClip(SuiteCallback):
         self._epoch = state.get("epoch", lambda v: {int(i): [int(c) for c in counts] for i, counts in v.items()})
         self._first = state.get("first", lambda v: {int(i): [float(n) for n in norms] for i, norms in v.items()})
         self._bounds = state.get("bounds", lambda v: {int(i): (float(r), float(w)) for i, (r, w) in v.items()})
-        self._streaks = state.get("streaks", lambda v: {int(i): _streak(n) for i, n in v.items()}, old={})
+        self._streaks = state.get("streaks", lambda v: {int(i): int(n) for i, n in v.items()}, old={})
         state.get("mode", str)
         state.get("stats", dict)
         self._load_stats(state_dict)
@@ -705,14 +689,6 @@ class AutoClip(SuiteCallback):
                         weight_norm=norm)  # fmt: skip
             if previous is None:  # the backoffs answered the out-of-scale gradients: the bound does that now
                 self._signal(trainer, UPDATE_BOUND, message, index)
-
-
-def _streak(saved: Any) -> list[float]:
-    """A saved streak: its norms; an older release saved only its length (its norms unknown: none counts as settled
-    until the streak has moved past them)."""
-    if isinstance(saved, int) and not isinstance(saved, bool):
-        return [math.nan] * saved
-    return [float(v) for v in saved]
 
 
 def _largest_lr(optimizer: torch.optim.Optimizer) -> float:

@@ -65,7 +65,6 @@ __all__ = [
     "clip_coefficient",
     "clip_grad_norm_",
     "host_clip_coefficient",
-    "level_settled",
     "percentile_threshold",
     "scale_grads_",
     "zscore_threshold",
@@ -125,31 +124,6 @@ def host_clip_coefficient(total: float, threshold: float) -> float:
     if not (math.isfinite(total) and total > threshold):
         return 1.0
     return min(max(_float64.div(threshold, total), FP32_TINY), 1.0)
-
-
-def level_settled(norms: Sequence[float], steps: int) -> bool:
-    """Whether a run of clipped norms (oldest first) is a level that has stopped growing: at least ``steps`` of them,
-    and the newest no larger than the one ``steps - 1`` before it.
-
-    A norm that is clipped step after step is a new level or an explosion held back by the clip. A new level
-    (another task, larger targets) is flat or falls as the run learns it; an explosion keeps growing, by a factor
-    each step or in swings whose peaks climb. Only the first may be taken for the run's level: statistics that take
-    a growing norm in follow it up (measured: SGD at 8-16x its stable rate rebaselined, level after level, up to
-    gradient norms of 1e19).
-
-    Args:
-        norms: the clipped steps' total norms, oldest first (non-finite values never count as settled).
-        steps: how many steps the level must span, at least 2.
-
-    Example:
-        >>> level_settled([3.0, 3.2, 2.9], 3), level_settled([3.0, 30.0, 300.0], 3), level_settled([3.0, 3.2], 3)
-        (True, False, False)
-    """
-    check_int("steps", steps, minimum=2)
-    if len(norms) < steps:
-        return False
-    oldest, newest = norms[-steps], norms[-1]
-    return math.isfinite(newest) and newest <= oldest
 
 
 def scale_grads_(grads: Sequence[Tensor], coef: Tensor | float) -> None:
