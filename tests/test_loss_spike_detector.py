@@ -570,7 +570,7 @@ def test_a_loss_that_never_leaves_its_start_level_is_suspected_of_not_learning_a
         evidence.observe(loss, spike=False, **LEVEL, no_progress=True)
     kind, reason = evidence.observe(4.0, spike=False, **LEVEL, no_progress=True)
     assert kind == "no_progress" and reason == (
-        "has not come down from its starting level: its level over about 4 healthy steps is 4, 1x its starting "
+        "has stalled short of half its starting level: its level over about 4 healthy steps is 4, 1x its starting "
         "level 4, with no new low by 0.05x that level in 50 healthy steps (the last low 4)"
     )
 

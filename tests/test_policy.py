@@ -529,7 +529,7 @@ def test_a_rate_at_which_the_loss_never_leaves_its_start_is_tried_from_the_start
     events = _journal(tmp_path)
     (suspicion,) = [e for e in events if e["kind"] == "no_progress"]
     assert (suspicion["step"], suspicion["details"]["since"]) == (69, 0)
-    assert "has not come down from its starting level" in suspicion["message"]
+    assert "has stalled short of half its starting level" in suspicion["message"]
     assert _trial_facts(events) == [(110, 69, 0, True, 40), (130, 110, None, False, 20)]
     kept = next(e for e in events if e["kind"] == "trial")
     assert kept["details"]["kept_lr_factor"] == 0.5 and kept["details"]["signal"] == "no_progress"

@@ -730,7 +730,7 @@ class DivergenceEvidence:
         averages a window of losses before it), which a trial's remedy goes back before."""
         self.judged, self.span = self.level, self.progress.stalled + window
         return "no_progress", (
-            f"has not come down from its starting level: its level over about {window} healthy steps is "
+            f"has stalled short of half its starting level: its level over about {window} healthy steps is "
             f"{self.level:.4g}, {self.level / self.start:.3g}x its starting level {self.start:.4g}, with no new low by "
             f"{NO_PROGRESS_MARGIN:g}x that level in {NO_PROGRESS_STEPS} healthy steps (the last low "
             f"{self.progress.mark:.4g})"
