@@ -252,8 +252,7 @@ class LoopHost:
             [LRSchedulerConfig(scheduler, interval=scheduler_interval)] if scheduler is not None else []
         )
         self.lightning_module = _LoopModule(module, self)
-        first = next(iter(module.parameters()), None)
-        self.strategy = PlainLoopStrategy(first.device if first is not None else torch.device("cpu"), self)
+        self.strategy = PlainLoopStrategy(self.lightning_module.device, self)
         self.precision_plugin = _Precision(scaler)
         self.fit_loop = _FitLoop()
         self._logger_connector = _LoggerConnector(self)
@@ -460,15 +459,24 @@ class Guard:
         try:
             yield
         except BaseException as error:
-            if not self._closed:
-                self._closed = True
-                self.host.interrupted = True
-                try:
-                    self._hook("on_exception", error)
-                finally:
-                    self._hook("teardown", "fit")
-                    self._batch_hooks.clear()
+            self._end_on(error)
             raise
+
+    def _end_on(self, error: BaseException) -> None:
+        """The callbacks hear of ``error`` (``on_exception``: Rollback restores a finite state), then the fit ends."""
+        if self._closed:
+            return
+        self._closed = True  # before the hooks: an error they raise is not told twice
+        self.host.interrupted = True
+        try:
+            self._hook("on_exception", error)
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        self._closed = True
+        self._hook("teardown", "fit")
+        self._batch_hooks.clear()  # the callbacks give their muted hooks back in teardown
 
     def _start(self, state: dict[str, Any] | None) -> None:
         with self._guarded():
@@ -582,9 +590,7 @@ class Guard:
                 self._epoch_open = False
             self._hook("on_train_end")
             self._hook("on_fit_end")
-            self._closed = True
-            self._hook("teardown", "fit")
-            self._batch_hooks.clear()
+            self._teardown()
 
     def __enter__(self) -> Guard:
         return self
@@ -592,13 +598,8 @@ class Guard:
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
         if error is None:
             self.close()
-        elif not self._closed:  # an error of the loop's own: the callbacks hear of it, as under the Trainer
-            self._closed = True
-            self.host.interrupted = True
-            try:
-                self._hook("on_exception", error)
-            finally:
-                self._hook("teardown", "fit")
+        else:  # an error of the loop's own: the callbacks hear of it, as under the Trainer
+            self._end_on(error)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

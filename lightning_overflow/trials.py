@@ -32,6 +32,7 @@ gradients are averaged across ranks, and its loss rides on the step's one all-re
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -390,9 +391,7 @@ class TrialRunner:
         failed = [i for i, loss in enumerate(incumbent) if not math.isfinite(loss)]
         if not failed:
             return None, why
-        finite = [j for j, scores in enumerate(self.trial.remedies)
-                  if all(math.isfinite(scores[i]) for i in failed) and all(map(math.isfinite, scores[-3:]))]  # fmt: skip
-        winner = min(finite, key=lambda j: sum(self.trial.remedies[j][-3:]), default=None)  # type: ignore[union-attr]
+        winner = self._healthiest_remedy(also_finite_at=failed)
         if winner is None:
             return None, why
         return winner, (
@@ -409,9 +408,7 @@ class TrialRunner:
         assert self.trial is not None
         winner: int | None = None
         if not self._frozen:
-            healthy = [j for j, scores in enumerate(self.trial.remedies)
-                       if scores[-3:] and all(map(math.isfinite, scores[-3:]))]  # fmt: skip
-            winner = min(healthy, key=lambda j: sum(self.trial.remedies[j][-3:]), default=None)  # type: ignore[union-attr]
+            winner = self._healthiest_remedy()
         if self._frozen or winner is not None:
             board.signals.remove(fault)
         if self._frozen:
@@ -422,6 +419,16 @@ class TrialRunner:
         else:
             then = "no remedy's own losses were finite either: the fault is answered at once"
         self._finish(trainer, board, step, winner, None, f"{named(fault.kind)} at step {fault.step} ended the trial: {then}")
+
+    def _healthiest_remedy(self, also_finite_at: Sequence[int] = ()) -> int | None:
+        """The remedy whose last three losses were finite and lowest (and finite on the batches ``also_finite_at``);
+        ``None`` when none was."""
+        assert self.trial is not None
+        remedies = self.trial.remedies
+        healthy = [j for j, scores in enumerate(remedies)
+                   if scores[-3:] and all(map(math.isfinite, scores[-3:]))
+                   and all(math.isfinite(scores[i]) for i in also_finite_at)]  # fmt: skip
+        return min(healthy, key=lambda j: sum(remedies[j][-3:]), default=None)
 
     def _finish(
         self, trainer: pl.Trainer, board: _Board, step: int, winner: int | None, verdict: TrialVerdict | None,

@@ -351,6 +351,17 @@ def test_a_hinge_loss_rising_from_zero_is_left_alone_by_every_composition(tmp_pa
         assert all(not e["details"]["kept"] for e in _trials(tmp_path / str(index)))
 
 
+def _checkpoint_at_step_40(tmp_path: Path, suite: list[Any]) -> Path:
+    """The checkpoint a ``Sabotaged`` fit with ``suite`` saves at step 40 (one every epoch)."""
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=BATCHES_PER_EPOCH,
+                                               save_top_k=-1)  # fmt: skip
+    torch.manual_seed(0)
+    fit(Sabotaged(), [*suite, checkpoints], max_steps=40, default_root_dir=str(tmp_path / "first"),
+        enable_checkpointing=True)  # fmt: skip
+    (path,) = [p for p in (tmp_path / "ckpt").glob("*.ckpt") if "step=40" in p.name]
+    return path
+
+
 def test_a_checkpoint_saved_during_a_trial_resumes_it_exactly(tmp_path: Path) -> None:
     """A checkpoint at step 40, inside the trial opened at the end of step 35's batch (10 steps), holds the run as it
     is and the trial: the remedies' state and their scores so far. Resumed, the run reaches the same verdict at step
@@ -363,12 +374,7 @@ def test_a_checkpoint_saved_during_a_trial_resumes_it_exactly(tmp_path: Path) ->
     torch.manual_seed(0)
     whole = Sabotaged()
     fit(whole, suite(), max_steps=64, default_root_dir=str(tmp_path / "whole"))
-    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=BATCHES_PER_EPOCH,
-                                               save_top_k=-1)  # fmt: skip
-    torch.manual_seed(0)
-    fit(Sabotaged(), [*suite(), checkpoints], max_steps=40, default_root_dir=str(tmp_path / "first"),
-        enable_checkpointing=True)  # fmt: skip
-    (path,) = [p for p in (tmp_path / "ckpt").glob("*.ckpt") if "step=40" in p.name]
+    path = _checkpoint_at_step_40(tmp_path, suite())
     saved = torch.load(path, weights_only=True)
     state = next(v for k, v in saved["callbacks"].items() if k.startswith("Rollback"))
     assert state["trial"]["trial"]["step"] == 35 and len(state["trial"]["sides"]) == 2
@@ -397,12 +403,7 @@ def test_the_first_trial_of_a_run_that_does_not_learn_runs_twice_as_long_and_res
     facts = [(e["step"], e["details"]["opened_at"], e["details"]["steps"], e["details"]["kept"])
              for e in _trials(tmp_path / "whole")]  # fmt: skip
     assert facts[:2] == [(56, 35, 20, True), (66, 56, 10, False)]
-    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=BATCHES_PER_EPOCH,
-                                               save_top_k=-1)  # fmt: skip
-    torch.manual_seed(0)
-    fit(Sabotaged(), [*suite(), checkpoints], max_steps=40, default_root_dir=str(tmp_path / "first"),
-        enable_checkpointing=True)  # fmt: skip
-    (path,) = [p for p in (tmp_path / "ckpt").glob("*.ckpt") if "step=40" in p.name]
+    path = _checkpoint_at_step_40(tmp_path, suite())
     resumed = Sabotaged()
     make_trainer(suite(), max_steps=80, default_root_dir=str(tmp_path / "resumed")).fit(resumed, ckpt_path=str(path))
     assert_bit_identical(weights(resumed), weights(whole))
