@@ -56,18 +56,15 @@ from lightning_overflow.numerics.snapshots import (
     synchronize,
     take_snapshot,
 )
-from lightning_overflow.numerics.state import (
-    optimizer_state_tensors,
-    parameters_of,
-)
+from lightning_overflow.numerics.state import parameters_of
 
 __all__ = [
     "FP32_MAX",
     "GROUP_LR_KEYS",
+    "SCHEDULER_LR_LISTS",
     "HostPercentile",
     "HostRunningStats",
     "HostZScore",
-    "SCHEDULER_LR_LISTS",
     "NormReport",
     "PercentileState",
     "RunningStats",
@@ -86,7 +83,6 @@ __all__ = [
     "nonfinite_indices",
     "nonfinite_paths",
     "norm_status",
-    "optimizer_state_tensors",
     "parameters_of",
     "percentile_threshold",
     "refine_norms",

@@ -33,7 +33,7 @@ from lightning_overflow.numerics.clipping import FP32_TINY
 __all__ = ["agc_", "agc_coefficients", "agc_coefficients_and_norms", "smallest_coefficient", "unitwise_norms"]
 
 
-def unitwise_norms(tensors: Sequence[Tensor], exact: bool = False) -> list[Tensor]:
+def unitwise_norms(tensors: Sequence[Tensor], exact: bool) -> list[Tensor]:
     """The L2 norm of each unit (output row) of each tensor, broadcastable against it.
 
     A unit is a slice along the first dimension (an output neuron or channel, as ``nn.Linear`` and ``nn.Conv*``
@@ -41,7 +41,7 @@ def unitwise_norms(tensors: Sequence[Tensor], exact: bool = False) -> list[Tenso
     ``exact=True`` (for values above about 1e19, whose FP32 squares overflow) and for float64 tensors.
 
     Example:
-        >>> unitwise_norms([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([7.0, 24.0])])
+        >>> unitwise_norms([torch.tensor([[3.0, 4.0], [0.0, 1.0]]), torch.tensor([7.0, 24.0])], exact=False)
         [tensor([[5.],
                 [1.]]), tensor(25.)]
     """
@@ -92,7 +92,7 @@ def agc_coefficients(
 
 
 def agc_coefficients_and_norms(
-    params: Sequence[Tensor], clipping: float = 0.01, eps: float = 1e-3, exact: bool = False
+    params: Sequence[Tensor], clipping: float, eps: float, exact: bool
 ) -> tuple[list[Tensor], list[Tensor]]:
     """AGC's coefficients (as :func:`agc_coefficients`) and the L2 norm each gradient will have once multiplied by
     them, from the same pass over the gradients; nothing is changed.
@@ -107,7 +107,7 @@ def agc_coefficients_and_norms(
     Example:
         >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
         >>> w.grad = torch.tensor([[70.0, 240.0], [0.0, 0.1]])
-        >>> coefs, norms = agc_coefficients_and_norms([w], clipping=0.2)
+        >>> coefs, norms = agc_coefficients_and_norms([w], clipping=0.2, eps=1e-3, exact=False)
         >>> norms  # row 1 clipped to 0.2 * 5 = 1, row 2 within 0.2 * 1: sqrt(1 + 0.01)
         [tensor(1.0050)]
     """

@@ -200,7 +200,7 @@ class PercentileState:
     count: Tensor
 
     @classmethod
-    def empty(cls, window: int = 1000, device: torch.device | str | None = None) -> PercentileState:
+    def empty(cls, window: int, device: torch.device | str | None = None) -> PercentileState:
         """A state with no history yet, keeping the last ``window`` norms."""
         check_int("window", window, minimum=1)
         history = torch.full((window,), float("nan"), dtype=torch.float64, device=device)
@@ -287,8 +287,8 @@ class HostPercentile:
     update one removal and one insertion, where the tensor form sorts the whole window every step.
 
     Args:
-        window: the number of recent norms kept (default 1000).
-        percentile: the percentile of the norms to clip to, in ``[0, 100]`` (default 10).
+        window: the number of recent norms kept (AutoClip keeps 1000).
+        percentile: the percentile of the norms to clip to, in ``[0, 100]`` (the paper's is 10).
 
     Attributes:
         count: the number of norms accepted so far.
@@ -302,7 +302,7 @@ class HostPercentile:
         [1.0, 1.5, 2.0, 2.5, 3.5]
     """
 
-    def __init__(self, window: int = 1000, percentile: float = 10.0) -> None:
+    def __init__(self, window: int, percentile: float) -> None:
         self.window = check_int("window", window, minimum=1)
         self.percentile = check_float("percentile", percentile, low=0.0, high=100.0)
         self._q = self.percentile / 100.0
@@ -528,7 +528,7 @@ class HostZScore:
         TypeError, ValueError: an argument is not a number (an int for ``warmup_steps``) in its range.
 
     Example:
-        >>> stats = HostZScore(warmup_steps=3)
+        >>> stats = HostZScore(alpha=0.97, z_threshold=2.5, warmup_steps=3)
         >>> for norm in [1.0, 2.0, 3.0]:
         ...     stats.update(norm)
         >>> stats.mean, round(stats.var, 6)
@@ -537,9 +537,7 @@ class HostZScore:
         2.5208
     """
 
-    def __init__(
-        self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25, eps: float = 1e-6
-    ) -> None:
+    def __init__(self, alpha: float, z_threshold: float, warmup_steps: int, eps: float = 1e-6) -> None:
         self.alpha = check_float("alpha", alpha, low=0.0, high=1.0, low_open=True, high_open=True)
         self.z_threshold = check_float("z_threshold", z_threshold, low=0.0, low_open=True)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=2)

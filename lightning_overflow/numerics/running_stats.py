@@ -1,10 +1,11 @@
 """Running mean and standard deviation that no inf/NaN and no spike can poison, and the spike test built on them.
 
-Pure torch, no Lightning, sync-free: the statistics are device tensors, updated with ``torch.where`` rather than
-branches, so a training loop on a GPU never waits for them. A value enters the statistics only when it is finite
-and not itself a spike. The reference implementations of ZClip and AutoClip, and llm-foundry's ``KillLossSpike``,
-let one NaN into their moving average or history, where it stays for ever and disables the detector; and a
-statistic that takes in the spikes it is meant to find raises its own threshold while the run diverges.
+Pure torch, no Lightning. The functions below are sync-free: the statistics are tensors on any device, updated with
+``torch.where`` rather than branches, so a training loop on a GPU never waits for them. A value enters the statistics
+only when it is finite and not itself a spike. The reference implementations of ZClip and AutoClip, and
+llm-foundry's ``KillLossSpike``, let one NaN into their moving average or history, where it stays for ever and
+disables the detector; and a statistic that takes in the spikes it is meant to find raises its own threshold while
+the run diverges.
 
 The statistics are an exponential moving average with the span of a ``window`` (``alpha = 2 / (window + 1)``, the
 same centre of mass as a window of that many steps), bias-free from the first value: while the count ``n`` of values
@@ -23,18 +24,10 @@ OLMo-core) and the relative rise (``r`` times the mean, as llm-foundry's ``2x`` 
 exceeded. The z-score adapts to the noise of the series; the ratio keeps a near-constant series, whose standard
 deviation is almost zero, from calling every tiny wobble a spike.
 
-Two forms compute the same statistics: :class:`RunningStats` and the functions below on tensors (sync-free, any
-device), and :class:`HostRunningStats` on Python floats, for values that are already on the host (the suite reads
-its loss and gradient norm back once per step): the same float64 values, bit for bit, without a tensor op per
+Two forms compute the same statistics: the functions below on tensors (:class:`RunningStats` runs them on float64
+CPU tensors), and :class:`HostRunningStats` on Python floats, for values that are already on the host (the suite
+reads its loss and gradient norm back once per step): the same float64 values, bit for bit, without a tensor op per
 arithmetic step.
-
-Example (a plain PyTorch loop)::
-
-    stats = RunningStats(channels=1, window=128, warmup=50, device=device)
-    for batch in loader:
-        loss = model(batch)
-        spike = stats.observe(loss.detach().reshape(1), sigmas=6.0, ratio=1.5)  # device bool, no sync
-        ...
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_overflow._validation import check_float, check_int, check_type
+from lightning_overflow._validation import check_float, check_int
 from lightning_overflow.numerics import _float64
 
 __all__ = ["HostRunningStats", "RunningStats", "ema_alpha", "spike_flags", "spike_threshold", "update_running_stats"]
@@ -148,55 +141,39 @@ def spike_flags(
 
 
 class RunningStats:
-    """NaN-safe, spike-proof running mean and standard deviation of one or more series, on any device.
+    """NaN-safe, spike-proof running mean and standard deviation of one or more series, as float64 CPU tensors: the
+    functions above, step by step (the reference that :class:`HostRunningStats` is checked against).
 
     Args:
         channels: how many series are tracked side by side (e.g. 2: the loss and the gradient norm).
-        window: the span of the moving average in steps (default 128, OLMo-core's window).
-        warmup: values taken in before a channel tests for spikes (default 50).
-        device, dtype: where the statistics live (default CPU, float64: a loss of 1e4 and its 1e-3 wobble both
-            stay exact).
+        window: the span of the moving average in steps (OLMo-core's is 128).
+        warmup: values taken in before a channel tests for spikes.
 
     Attributes:
         mean, var, count: the statistics (1-D tensors of ``channels`` entries).
 
     Raises:
-        TypeError: ``channels``, ``window`` or ``warmup`` is not an int, or ``dtype`` not a ``torch.dtype``.
-        ValueError: one of them is below 1, or ``dtype`` is not a floating-point type.
+        TypeError: ``channels``, ``window`` or ``warmup`` is not an int.
+        ValueError: one of them is below 1.
 
     Example:
         >>> stats = RunningStats(channels=1, window=128, warmup=3)
         >>> for loss in (1.0, 1.1, 0.9, float("nan"), 50.0, 1.0):
-        ...     spike = stats.observe(torch.tensor([loss]), sigmas=6.0, ratio=1.5)
+        ...     value = torch.tensor([loss])
+        ...     spike = stats.spikes(value, sigmas=6.0, ratio=1.5)
+        ...     stats.update(value, include=~spike)
         >>> spike, stats.count  # 50.0 was a spike and NaN was ignored: neither entered the statistics
         (tensor([False]), tensor([4.], dtype=torch.float64))
     """
 
-    def __init__(
-        self,
-        channels: int = 1,
-        window: int = 128,
-        warmup: int = 50,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float64,
-    ) -> None:
+    def __init__(self, channels: int, window: int, warmup: int) -> None:
         channels = check_int("channels", channels, minimum=1)
         self.alpha = ema_alpha(window)
         self.window = window
         self.warmup = check_int("warmup", warmup, minimum=1)
-        if not check_type("dtype", dtype, torch.dtype, "a torch.dtype").is_floating_point:
-            raise ValueError(f"'dtype' must be a floating-point torch.dtype (got {dtype})")
-        self.mean = torch.zeros(channels, dtype=dtype, device=device)
+        self.mean = torch.zeros(channels, dtype=torch.float64)
         self.var = torch.zeros_like(self.mean)
         self.count = torch.zeros_like(self.mean)
-
-    @property
-    def std(self) -> Tensor:
-        return torch.sqrt(torch.clamp(self.var, min=0.0))
-
-    def threshold(self, sigmas: Tensor | float, ratio: Tensor | float) -> Tensor:
-        """The current spike threshold of each channel (see :func:`spike_threshold`)."""
-        return spike_threshold(self.mean, self.var, sigmas, ratio)
 
     def spikes(self, value: Tensor, sigmas: Tensor | float, ratio: Tensor | float) -> Tensor:
         """Which channels of ``value`` are spikes against the current statistics (no update)."""
@@ -208,32 +185,9 @@ class RunningStats:
             self.mean, self.var, self.count, value, self.alpha, include
         )
 
-    def observe(self, value: Tensor, sigmas: Tensor | float, ratio: Tensor | float) -> Tensor:
-        """Test ``value`` for spikes, then take in the channels that are finite and not spikes. Returns the flags."""
-        flags = self.spikes(value, sigmas, ratio)
-        self.update(value, include=~flags)
-        return flags
-
-    def reset(self, channels: Tensor | None = None) -> None:
-        """Forget the statistics (of the channels where the bool mask ``channels`` is set; all by default): the
-        warm-up starts again from the next value."""
-        keep = torch.zeros_like(self.count, dtype=torch.bool) if channels is None else ~channels.to(self.count.device)
-        zero = torch.zeros_like(self.mean)
-        self.mean = torch.where(keep, self.mean, zero)
-        self.var = torch.where(keep, self.var, zero)
-        self.count = torch.where(keep, self.count, zero)
-
     def state_dict(self) -> dict[str, Any]:
         """Plain Python lists (loadable with ``torch.load(weights_only=True)``). Reads the statistics to the host."""
         return {"mean": self.mean.tolist(), "var": self.var.tolist(), "count": self.count.tolist()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name in ("mean", "var", "count"):
-            current: Tensor = getattr(self, name)
-            loaded = torch.as_tensor(state[name], dtype=current.dtype).to(current.device)
-            if loaded.shape != current.shape:
-                raise ValueError(f"'{name}' must have {current.numel()} channels (got {loaded.numel()})")
-            setattr(self, name, loaded)
 
 
 class HostRunningStats:
@@ -245,7 +199,7 @@ class HostRunningStats:
 
     Attributes:
         mean, var, count: the statistics (lists of ``channels`` floats; ``count`` holds whole numbers as floats,
-            as :class:`RunningStats` does, so that either class loads the other's :meth:`state_dict`).
+            as :class:`RunningStats` does, so that the two :meth:`state_dict` formats are one).
 
     Raises:
         TypeError: ``channels``, ``window`` or ``warmup`` is not an int.
@@ -254,12 +208,13 @@ class HostRunningStats:
     Example:
         >>> stats = HostRunningStats(channels=1, window=128, warmup=3)
         >>> for loss in (1.0, 1.1, 0.9, float("nan"), 50.0, 1.0):
-        ...     spike = stats.observe([loss], sigmas=6.0, ratio=1.5)
+        ...     spike = stats.spikes([loss], sigmas=6.0, ratio=1.5)
+        ...     stats.update([loss], include=[not spike[0]])
         >>> spike, stats.count  # 50.0 was a spike and NaN was ignored: neither entered the statistics
         ([False], [4.0])
     """
 
-    def __init__(self, channels: int = 1, window: int = 128, warmup: int = 50) -> None:
+    def __init__(self, channels: int, window: int, warmup: int) -> None:
         self.channels = check_int("channels", channels, minimum=1)
         self.alpha = ema_alpha(window)
         self.window = window
@@ -280,9 +235,7 @@ class HostRunningStats:
     def threshold(self, sigmas: float, ratio: float | Sequence[float]) -> list[float]:
         """The current spike threshold of each channel (see :func:`spike_threshold`; ``ratio`` may be per channel)."""
         ratios = [ratio] * self.channels if isinstance(ratio, (int, float)) else list(ratio)
-        return [
-            m + _float64.maximum(sigmas * s, (r - 1.0) * abs(m)) for m, s, r in zip(self.mean, self.std, ratios)
-        ]
+        return [m + _float64.maximum(sigmas * s, (r - 1.0) * abs(m)) for m, s, r in zip(self.mean, self.std, ratios)]
 
     def spikes(self, values: Sequence[float], sigmas: float, ratio: float | Sequence[float]) -> list[bool]:
         """Which channels of ``values`` are spikes against the current statistics (no update).
@@ -321,12 +274,6 @@ class HostRunningStats:
             self.mean[c] = mean + step
             self.var[c] = (1.0 - weight) * (self.var[c] + delta * step)
             self.count[c] = count
-
-    def observe(self, values: Sequence[float], sigmas: float, ratio: float | Sequence[float]) -> list[bool]:
-        """Test ``values`` for spikes, then take in the channels that are finite and not spikes. Returns the flags."""
-        flags = self.spikes(values, sigmas, ratio)
-        self.update(values, include=[not f for f in flags])
-        return flags
 
     def reset(self, channels: Sequence[bool] | None = None) -> None:
         """Forget the statistics (of the channels where ``channels`` is set; all by default): the warm-up starts

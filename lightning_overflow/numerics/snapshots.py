@@ -31,8 +31,7 @@ Facts that shape it (torch 2.13):
   and dtype, which costs no memory, keeps the layout checks working, and which :func:`restore_state_` leaves for the
   rank that holds the tensor to broadcast.
 - An optimizer state's 0-d entries are step counters (Adam's ``step``, kept on the CPU even when the moments live on
-  a GPU); checks of optimizer states pass ``scalars=False`` to leave them out, as
-  :func:`~lightning_overflow.numerics.state.optimizer_state_tensors` does.
+  a GPU); checks of optimizer states pass ``scalars=False`` to leave them out.
 
 Example:
     >>> model = torch.nn.Linear(2, 1)
@@ -377,9 +376,7 @@ def nonfinite_flag(
     return flag if device is None else _moved(flag, torch.device(device))
 
 
-def nonfinite_suspect(
-    tensors: Sequence[Tensor], device: torch.device | str | None = None, *, scalars: bool = True
-) -> Tensor:
+def nonfinite_suspect(tensors: Sequence[Tensor], *, scalars: bool = True) -> Tensor:
     """``1.0`` when some floating-point tensor may hold inf or NaN, else ``0.0``; no host read: the first look of a
     state check, a read of each tensor (about half of :func:`nonfinite_flag`'s max-abs on the CPU).
 
@@ -389,7 +386,7 @@ def nonfinite_suspect(
     one fused L1 norm elsewhere; half-precision tensors are summed in float32.
 
     Args:
-        tensors, device, scalars: as for :func:`nonfinite_flag`.
+        tensors, scalars: as for :func:`nonfinite_flag`.
 
     Example:
         >>> nonfinite_suspect([torch.tensor([3.0, 4.0]), torch.tensor([1.0, float("nan")])])
@@ -399,11 +396,11 @@ def nonfinite_suspect(
     """
     checked = [local_shard(t.detach()) for t in tensors if _checked(t, scalars)]
     if not checked:
-        return torch.zeros((), dtype=torch.float64, device=device or "cpu")
+        return torch.zeros((), dtype=torch.float64, device="cpu")
     by_device: dict[torch.device, list[Tensor]] = {}
     for t in checked:
         by_device.setdefault(t.device, []).append(real_values(t))
-    out = torch.device(device) if device is not None else next(iter(by_device))
+    out = next(iter(by_device))
     moved = out.type not in ("cpu", "meta")  # to an accelerator: asynchronously
     flags = [_sums_nonfinite(group).to(out, non_blocking=moved) for group in by_device.values()]
     flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
