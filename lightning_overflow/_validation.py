@@ -16,6 +16,7 @@ it, and ``import lightning_overflow.numerics`` must stay free of Lightning.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Collection, Iterable
@@ -30,6 +31,7 @@ __all__ = [
     "check_names",
     "check_norm_type",
     "check_type",
+    "refuse_removed",
 ]
 
 # Checked by identity first: the numerics check their arguments on every optimizer step, and an isinstance against
@@ -296,6 +298,39 @@ def check_type(name: str, value: Any, types: type | tuple[type, ...], what: str,
     if not isinstance(value, types):
         raise TypeError(f"'{name}' must be {what}{' or None' if optional else ''} (got {value!r})")
     return value
+
+
+def refuse_removed(owner: type, given: dict[str, Any], removed: dict[str, str | None]) -> None:
+    """Refuse keyword arguments that are no setting of ``owner``. A setting of an earlier release (``removed``: its
+    name -> the constant of :mod:`lightning_overflow.policy` that holds its value now, or ``None`` where the option went
+    with its feature) is named with the value the suite now uses, ``owner``'s class attribute of the same name.
+
+    Raises:
+        TypeError: ``given`` is not empty.
+
+    Example:
+        >>> class Detector:
+        ...     level_factor = 2.0
+        ...     def __init__(self, window: int = 128, **removed: object) -> None:
+        ...         refuse_removed(Detector, removed, {"level_factor": "LEVEL_FACTOR"})
+        >>> Detector(level_factor=3.0)
+        Traceback (most recent call last):
+        ...
+        TypeError: Detector(level_factor=3.0): 'level_factor' is no longer a setting: the value is fixed at 2.0 \
+(lightning_overflow.policy.LEVEL_FACTOR). The settings are: 'window'
+    """
+    if not given:
+        return
+    name, value = next(iter(given.items()))
+    if name not in removed:
+        why = "not a setting"
+    elif removed[name] is None:
+        why = "no longer a setting: the option was removed with its feature (see lightning_overflow.policy)"
+    else:
+        fixed = getattr(owner, name)
+        why = f"no longer a setting: the value is fixed at {fixed!r} (lightning_overflow.policy.{removed[name]})"
+    settings = [p.name for p in inspect.signature(owner).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    raise TypeError(f"{owner.__name__}({name}={value!r}): {name!r} is {why}. The settings are: {_listed(settings)}")
 
 
 def _items(name: str, value: Any, noun: str, allow_empty: bool) -> tuple[Any, ...]:

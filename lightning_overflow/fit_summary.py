@@ -39,7 +39,6 @@ SIGNAL_WORDS = {
 SUSPICION_WORDS = {
     "loss_divergence": "the loss settled far above its best",
     "loss_trend": "the loss kept rising",
-    "loss_plateau": "the loss stopped falling",
     "no_progress": "the loss stalled short of half its start",
     "weight_growth": "the weights kept growing while the loss did not fall",
     "scaler_collapse": "the GradScaler's scale collapsed",

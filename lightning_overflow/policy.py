@@ -105,7 +105,6 @@ SIGNAL_KINDS = (
     "grad_spike",
     "loss_divergence",
     "loss_trend",
-    "loss_plateau",
     "no_progress",
     "weight_growth",
     "replica_mismatch",
@@ -126,7 +125,7 @@ CERTAIN_SIGNALS = ("nonfinite_persistent", "nonfinite_state", "replica_mismatch"
 """Faults that need no verdict: the state cannot train, or is corrupt. Answered at once."""
 
 SUSPICION_SIGNALS = (
-    "loss_divergence", "loss_trend", "loss_plateau", "no_progress", "weight_growth", "scaler_collapse"
+    "loss_divergence", "loss_trend", "no_progress", "weight_growth", "scaler_collapse"
 )
 """Evidence that the state may diverge, or may not learn at its rate: tried where a trial can run, answered at once
 where none can (by the interventions whose triggers name it)."""
@@ -253,3 +252,123 @@ def decide_step(verdicts: Sequence[tuple[Any, Verdict | None]]) -> StepAction:
             return StepAction(skip_reason=verdict.skip, skipped_by=participant)
     clips = [(p, v.clip) for p, v in verdicts if v is not None and v.clip is not None]
     return StepAction(clips=clips)
+
+
+# ---- Fixed values ---------------------------------------------------------------------------------------------
+# The detectors' and interventions' thresholds that are no setting: each was measured on the rescue benchmark (healthy
+# runs beside the faults) and is the value every configuration of the suite uses. A callback reads them as class
+# attributes of the same name in lower case; a setting of an earlier release that names one is refused at
+# construction with the value it now has (see ``REMOVED_SETTINGS``).
+
+# NonFiniteDetector
+MAX_SCALER_OVERFLOWS = 20
+"""Consecutive GradScaler overflows taken as calibration: the scale falls from 65536 to 1 in 16."""
+MIN_LOSS_SCALE = 1e-4
+"""A GradScaler scale below this is a detection (``scaler_collapse``)."""
+BURST_COUNT, BURST_WINDOW = 3, 50
+"""Detections within optimizer steps that make a burst (``nonfinite_burst``); an isolated one is absorbed by the skip
+alone: one corrupt sample must not cost the learning rate."""
+PERSIST_AFTER = 3
+"""Consecutive non-finite steps on clean batches after which the state, not the data, produces them
+(``nonfinite_persistent``)."""
+MAX_SKIPPED_SHARE, SKIP_WINDOW = 0.5, 20
+"""The skip budget: more than this share of the last optimizer steps skipped (not counting data faults) is a run that
+does not train, in a row or not (``nonfinite_persistent``)."""
+HEADROOM_WARN_DECADES = 20.0
+"""Warn when the largest magnitude of a step comes within this many decades of FP32's limit: below about 19.3 any
+square of the value (a variance, an L2 norm, an MSE) overflows."""
+
+# LossSpikeDetector
+LOSS_RATIO, GRAD_RATIO = 1.2, 2.0
+"""A spike also exceeds its mean by this ratio (loss; the heavier-tailed gradient norm): a near-constant series, whose
+sigma is close to 0, does not call every wobble a spike."""
+SPIKE_REBASELINE_AFTER = 100
+"""Consecutive spikes of one series after which its level has moved (new data): its statistics restart."""
+CONFIRM_STEPS = 3
+"""Consecutive steps above the reference before the loss counts as diverging: one spike is one bad batch, or one a
+clip already neutralised."""
+RUNAWAY_FACTOR = 100.0
+"""A loss above this many times the anchor is above its reference whatever the statistics say: a run diverging
+inside the warm-up, or one whose statistics drifted along."""
+ANCHOR_STEPS = 8
+"""Finite losses whose median (at most the first) is the run's anchor, its starting level."""
+MIN_RISE = 0.1
+"""A loss spike, and a trend, must also rise this many times the anchor: a loss that sat at 0 and rises a little is
+no spike."""
+TREND_WINDOW, TREND_PROBABILITY, TREND_MARGIN = 200, 0.999, 0.5
+"""The trend test: every ``TREND_WINDOW`` healthy losses, ``P(slope > 0)`` of their least-squares line above
+``TREND_PROBABILITY`` (dlib's trainer) with the window's mean ``TREND_MARGIN`` times above the best window mean: a loss
+that plateaus higher after a change of data is no divergence."""
+LEVEL_WINDOW, LEVEL_FACTOR, LEVEL_FRACTION, LEVEL_SIGMAS = 20, 2.0, 0.5, 3.0
+"""The level test: the moving level of ``LEVEL_WINDOW`` healthy losses above ``LEVEL_FACTOR`` times the best level
+and having given back ``LEVEL_FRACTION`` of the progress from the anchor, averages allowed ``LEVEL_SIGMAS`` standard
+errors of chance; a rise of less than half the progress made (new data, a harder task) is no divergence."""
+GROWTH_WINDOW, GROWTH_FACTOR, GROWTH_PROGRESS, GROWTH_RUNAWAY_FACTOR = 50, 2.0, 0.2, 10.0
+"""The weight-growth test: the weight norm grew ``GROWTH_FACTOR`` times within ``GROWTH_WINDOW`` steps while the loss
+median did not fall by ``GROWTH_PROGRESS``, or a loss ran beyond ``GROWTH_RUNAWAY_FACTOR`` times the anchor (at a
+stable rate the runs measured grow theirs at most 1.25x in 50 steps)."""
+
+# AutoClip
+PERCENTILE_WINDOW = 1000
+"""``"percentile"`` mode: recent norms kept (the paper keeps all)."""
+ZSCORE_ALPHA = 0.97
+"""``"zscore"`` mode: the EMA's smoothing factor (ZClip's)."""
+WARMUP_ANCHOR_FACTOR, WARMUP_ANCHOR_STEPS = 10.0, 3
+"""``"zscore"`` mode: during the warm-up, the norm is capped at this many times the median of the first norms;
+healthy runs stay within 6x of their first norms there."""
+ZSCORE_MIN_RATIO = 5.0
+"""``"zscore"`` mode: after the warm-up the threshold is at least this many times the running mean; small noisy
+batches put about one healthy step in a hundred at 3-5x the mean, and clipping those protects nothing."""
+AGC_EPS = 1e-3
+"""``"agc"`` mode: the floor on a unit's weight norm (the paper's), so zero-initialised weights still move."""
+CLIP_EVENT_BELOW = 0.1
+"""A clip that shrinks the gradients more than tenfold is journaled (at most once every ``AutoClip.EVENT_GAP``)."""
+UPDATE_RATIO, RESTART_STEPS = 0.01, 10
+"""The update bound: armed when a restored state diverged again within ``RESTART_STEPS`` steps after updates beyond
+``UPDATE_RATIO`` times its weight norm; then ``lr x norm`` is held within that share of the weights."""
+CLIP_REBASELINE_AFTER = 3
+"""``"zscore"`` mode: steps in a row clipped by the statistics that make a new level, not outliers: without it a task
+whose targets grow 3x is clipped for 160 steps and ends 1.11x the unprotected run; with it within 1.05x."""
+
+# LRBackoff
+WINDOW_GROWTH = 2.0
+"""A backoff soon after a regrowth doubles the steps the next regrowth waits: it came too early."""
+
+# Rollback
+ROLLBACK_WINDOW = 1000
+"""The optimizer steps within which ``max_rollbacks`` counts rollbacks."""
+
+# TrialConfig
+TRIAL_SIGMAS, TRIAL_MIN_GAIN, TRIAL_JUDGED_SHARE = 2.0, 0.02, 0.5
+"""A remedy wins by more than ``TRIAL_SIGMAS`` standard errors of the paired differences and a mean of
+``TRIAL_MIN_GAIN`` (a loss about 4% lower), judged on the last ``TRIAL_JUDGED_SHARE`` of the trial's pairs: its first
+batches measure where an older state starts from, the last ones where each candidate is going."""
+
+REMOVED_SETTINGS = {
+    "NonFiniteDetector": {"max_scaler_overflows": "MAX_SCALER_OVERFLOWS", "min_loss_scale": "MIN_LOSS_SCALE",
+                          "burst_count": "BURST_COUNT", "burst_window": "BURST_WINDOW",
+                          "persist_after": "PERSIST_AFTER", "max_skipped_share": "MAX_SKIPPED_SHARE",
+                          "skip_window": "SKIP_WINDOW", "headroom_warn_decades": "HEADROOM_WARN_DECADES"},
+    "LossSpikeDetector": {"loss_ratio": "LOSS_RATIO", "grad_ratio": "GRAD_RATIO",
+                          "rebaseline_after": "SPIKE_REBASELINE_AFTER", "confirm_steps": "CONFIRM_STEPS",
+                          "runaway_factor": "RUNAWAY_FACTOR", "anchor_steps": "ANCHOR_STEPS", "min_rise": "MIN_RISE",
+                          "trend_window": "TREND_WINDOW", "trend_probability": "TREND_PROBABILITY",
+                          "trend_margin": "TREND_MARGIN", "level_window": "LEVEL_WINDOW",
+                          "level_factor": "LEVEL_FACTOR", "level_fraction": "LEVEL_FRACTION",
+                          "level_sigmas": "LEVEL_SIGMAS", "growth_window": "GROWTH_WINDOW",
+                          "growth_factor": "GROWTH_FACTOR", "growth_progress": "GROWTH_PROGRESS",
+                          "growth_runaway_factor": "GROWTH_RUNAWAY_FACTOR",
+                          "plateau_steps": None},
+    "AutoClip": {"window": "PERCENTILE_WINDOW", "alpha": "ZSCORE_ALPHA", "anchor_factor": "WARMUP_ANCHOR_FACTOR",
+                 "anchor_steps": "WARMUP_ANCHOR_STEPS", "min_ratio": "ZSCORE_MIN_RATIO", "eps": "AGC_EPS",
+                 "event_below": "CLIP_EVENT_BELOW", "update_ratio": "UPDATE_RATIO", "restart_steps": "RESTART_STEPS",
+                 "rebaseline_after": "CLIP_REBASELINE_AFTER"},
+    "LRBackoff": {"window_growth": "WINDOW_GROWTH", "escalate_within": None, "min_lr": None, "per_optimizer": None},
+    "Rollback": {"window": "ROLLBACK_WINDOW", "skip_batches": None},
+    "TrialConfig": {"sigmas": "TRIAL_SIGMAS", "min_gain": "TRIAL_MIN_GAIN", "judged_share": "TRIAL_JUDGED_SHARE"},
+}  # fmt: skip
+"""The settings of earlier releases, by the callback that had them: the constant that holds the value now, or
+``None`` for an option gone with its feature (the loss plateau test, which measured 5 of 18 long healthy runs better
+at a lower rate, left to ``no_progress`` and scheduled trials; the escalation of a backoff and the absolute LR floor,
+which no configuration of the benchmark used; batches skipped after a rollback, which restoring already answers; one
+backoff for every optimizer together, where each optimizer's own signals are the evidence)."""

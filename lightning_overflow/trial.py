@@ -19,21 +19,22 @@ less is a tie, and a tie goes to the incumbent: the run goes on as if nothing ha
 This module is pure: host floats in, a verdict out. :mod:`lightning_overflow.trials` runs trials in a Lightning fit.
 
 Example:
-    >>> trial = Trial(kind="loss_divergence", step=40, config=TrialConfig(steps=4, judged_share=1.0))
+    >>> trial = Trial(kind="loss_divergence", step=40, config=TrialConfig(steps=4))
     >>> for incumbent, remedy in [(2.0, 1.0), (2.2, 1.1), (1.9, 1.0), (2.4, 1.2)]:
     ...     trial.add(incumbent, remedy)
     >>> verdict = trial.verdict()
     >>> verdict.winner, round(verdict.comparisons[0].mean, 3)
-    (0, 0.328)
+    (0, 0.322)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, Literal
 
 from lightning_overflow._validation import check_choice, check_float, check_int
+from lightning_overflow.policy import TRIAL_JUDGED_SHARE, TRIAL_MIN_GAIN, TRIAL_SIGMAS
 
 __all__ = ["DEFAULT_TRIAL", "MODES", "Comparison", "Trial", "TrialConfig", "TrialVerdict", "paired_score"]
 
@@ -53,18 +54,18 @@ class TrialConfig:
             ``factor**3``, ``factor**5``... (``LRBackoff``'s factor; 0.5 and 0.125 by default), each from the same
             start. One rate may be too little where a run diverges at many times its stable rate; the trial then
             measures a stronger one at once instead of waiting for the next suspicion. ``"frozen"`` mode runs one.
-        sigmas: how many standard errors of the paired differences a remedy must win by (default 2).
-        min_gain: the least mean relative difference a remedy must win by (default 0.02: a loss about 4% lower);
-            below it a remedy is not worth the batches the incumbent trained on since its snapshot.
-        judged_share: the share of the trial's steps, its last ones, whose pairs are judged (default 0.5). A remedy
-            restarts from an older state: its first batches measure where it starts from, behind the incumbent by
-            the steps since its snapshot; the last ones, where each candidate is going.
         mode: ``"ab"`` (default) or ``"frozen"`` (see :data:`MODES`).
         max_share: trials opened by suspicions may take at most this share of the fit's optimizer steps so far
             (default 0.25; the first is always allowed, and so is the next rung of a ladder, see
             :mod:`lightning_overflow.trials`).
         every_n_steps: also open a trial every this many optimizer steps without a suspicion, testing whether a
             lower learning rate does better from the current state (default ``None``: off; needs ``LRBackoff``).
+
+    How a remedy wins is the policy's (no setting): by more than ``sigmas`` (``TRIAL_SIGMAS``, 2) standard errors of
+    the paired differences and a mean of ``min_gain`` (``TRIAL_MIN_GAIN``, 0.02: a loss about 4% lower; below it a
+    remedy is not worth the batches the incumbent trained on since its snapshot), judged on the last ``judged_share``
+    (``TRIAL_JUDGED_SHARE``, half) of the trial's pairs: a remedy restarts from an older state, so its first batches
+    measure where it starts from, the last ones where each candidate is going.
 
     What a trial costs, in ``"ab"`` mode: ``steps`` optimizer steps of compute per remedy (a forward, a backward and
     an optimizer step on the same batches), and one more copy of the weights, buffers and optimizer state per remedy
@@ -73,19 +74,16 @@ class TrialConfig:
 
     steps: int = 20
     remedies: int = 2
-    sigmas: float = 2.0
-    min_gain: float = 0.02
-    judged_share: float = 0.5
     mode: Literal["ab", "frozen"] = "ab"
     max_share: float = 0.25
     every_n_steps: int | None = None
+    sigmas: ClassVar[float] = TRIAL_SIGMAS
+    min_gain: ClassVar[float] = TRIAL_MIN_GAIN
+    judged_share: ClassVar[float] = TRIAL_JUDGED_SHARE
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps, minimum=2)
         check_int("remedies", self.remedies, minimum=1)
-        check_float("sigmas", self.sigmas, low=0.0)
-        check_float("min_gain", self.min_gain, low=0.0, high=1.0, high_open=True)
-        check_float("judged_share", self.judged_share, low=0.0, high=1.0, low_open=True)
         check_choice("mode", self.mode, MODES)
         check_float("max_share", self.max_share, low=0.0, high=1.0, low_open=True)
         check_int("every_n_steps", self.every_n_steps, minimum=1, optional=True)
@@ -239,7 +237,9 @@ class Trial:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Trial:
         values = dict(state)
-        values["config"] = TrialConfig(**values["config"])
+        # A config of an earlier release may hold settings that are the policy's now (``TRIAL_SIGMAS``...).
+        names = {f.name for f in fields(TrialConfig)}
+        values["config"] = TrialConfig(**{k: v for k, v in values["config"].items() if k in names})
         values["lr_factors"] = [float(v) for v in values["lr_factors"]]
         values["incumbent"] = [float(v) for v in values["incumbent"]]
         values["remedies"] = [[float(v) for v in scores] for scores in values["remedies"]]

@@ -40,6 +40,16 @@ def fit(model: pl.LightningModule, callbacks: list[Any] | None = None, **kwargs:
     return trainer
 
 
+def tuned(callback: Any, **values: Any) -> Any:
+    """``callback`` with some of the policy's fixed values (its class attributes of the same names) changed on this
+    instance only: a test that needs a shorter window or a sharper threshold than the suite's."""
+    for name, value in values.items():
+        if not hasattr(type(callback), name):
+            raise AttributeError(f"{type(callback).__name__} has no fixed value {name!r}")
+        setattr(callback, name, value)
+    return callback
+
+
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -36,9 +36,6 @@ def test_composition_and_options() -> None:
     assert clip.mode == "agc"
     rollback = next(c for c in default_callbacks(snapshot_every_n_steps=7, max_rollbacks=2) if isinstance(c, Rollback))
     assert (rollback.every_n_steps, rollback.max_rollbacks) == (7, 2)
-    # A remedy is measured in a trial, rung by rung, instead of backed off twice on a guess.
-    backoff = next(c for c in default_callbacks(snapshot_every_n_steps=7) if isinstance(c, LRBackoff))
-    assert backoff.escalate_within is None
     # The two remedy providers share one trial setting; None answers suspicions at once.
     trial = TrialConfig(steps=12, remedies=1)
     assert {c.trial for c in default_callbacks(trial=trial) if isinstance(c, (LRBackoff, Rollback))} == {trial}

@@ -42,12 +42,8 @@ CASES: dict[type, Case] = {
             ({"action": "ignore"}, ValueError, "'action' must be one of 'skip', 'raise', 'warn' (got 'ignore')"),
             ({"max_consecutive_skips": 0}, ValueError, "'max_consecutive_skips' must be >= 1 (got 0)"),
             ({"check_weights_every_n_steps": -1}, ValueError, "'check_weights_every_n_steps' must be >= 0 (got -1)"),
-            ({"min_loss_scale": 0}, ValueError, "'min_loss_scale' must be in (0, inf) (got 0)"),
-            ({"burst_window": True}, TypeError, "'burst_window' must be an int (got True)"),
             ({"diagnose": "yes"}, TypeError, "'diagnose' must be a bool (got 'yes')"),
             ({"headroom_every_n_steps": -1}, ValueError, "'headroom_every_n_steps' must be >= 0 (got -1)"),
-            ({"headroom_warn_decades": 0}, ValueError, "'headroom_warn_decades' must be in (0, 38.5318] (got 0)"),
-            ({"headroom_warn_decades": "20"}, TypeError, "'headroom_warn_decades' must be a number (got '20')"),
         ],
     ),
     LossSpikeDetector: Case(
@@ -84,7 +80,7 @@ CASES: dict[type, Case] = {
                 {"triggers": ("boom",)},
                 ValueError,
                 "'triggers' must be one of 'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', "
-                "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend', 'loss_plateau', "
+                "'scaler_collapse', 'loss_spike', 'grad_spike', 'loss_divergence', 'loss_trend', "
                 "'no_progress', 'weight_growth', "
                 "'replica_mismatch' (got 'boom')",
             ),

@@ -18,7 +18,7 @@ from lightning_overflow import LRBackoff, NonFiniteDetector, read_journal
 from lightning_overflow.cli import main
 from lightning_overflow.fit_summary import LossEnding, left_alone, plain_lines
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
-from tests.conftest import fit
+from tests.conftest import fit, tuned
 
 SUMMARY_LOGGER = "pytorch_lightning.lightning_overflow"
 
@@ -73,7 +73,7 @@ def test_a_data_fault_is_one_line_naming_the_batch_and_row(caplog: pytest.LogCap
 def test_a_backoff_series_says_where_the_learning_rate_ended(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     faults = FaultInjector(*(Fault(step, "nan_loss") for step in (3, 6, 9)))
     callbacks = [
-        NonFiniteDetector(burst_count=1),
+        tuned(NonFiniteDetector(), burst_count=1),
         LRBackoff(triggers=("nonfinite_burst",), cooldown=0, regrow_after=None, trial=None),
         faults,
     ]

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import MemoryLogger
+from conftest import MemoryLogger, tuned
 from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from torch import nn
@@ -344,11 +344,11 @@ def test_a_nan_weight_in_one_ranks_shard_is_found_by_every_rank(tmp_path: Path) 
 @pytest.mark.parametrize("mode", ["fixed", "percentile", "zscore"])
 def test_autoclip_clips_by_the_global_norm_with_thresholds_identical_on_both_ranks(tmp_path: Path, mode: str) -> None:
     logger = MemoryLogger(str(tmp_path))
-    zscore = {"warmup_steps": 2, "min_ratio": 1.0}  # the paper's rule: clips as soon as the warm-up is over
-    options = {"fixed": {"max_norm": 1.0}, "percentile": {"percentile": 50.0}, "zscore": zscore}[mode]
+    options = {"fixed": {"max_norm": 1.0}, "percentile": {"percentile": 50.0}, "zscore": {"warmup_steps": 2}}[mode]
+    # min_ratio 1, the paper's rule: clips as soon as the warm-up is over
+    autoclip = tuned(AutoClip(mode=mode, **options), min_ratio=1.0)
     spike = FaultInjector(Fault(4, "loss_spike", factor=10.0))  # on both ranks: a gradient ten times the usual
-    reports = fit_sharded([AutoClip(mode=mode, **options), spike], tmp_path, logger=logger, log_every_n_steps=1,
-                          max_steps=8)
+    reports = fit_sharded([autoclip, spike], tmp_path, logger=logger, log_every_n_steps=1, max_steps=8)
     assert [r["error"] for r in reports] == [None, None]
     assert reports[0]["metrics"]["clip/threshold"] == reports[1]["metrics"]["clip/threshold"]
     assert reports[0]["metrics"]["clip/coef"] == reports[1]["metrics"]["clip/coef"]
@@ -434,7 +434,7 @@ def test_the_weight_growth_test_reads_the_norm_of_the_full_parameters_on_every_r
     """Each rank adds its shards' squares: the norm every rank reads is that of the gathered parameters, as the
     unsharded DDP run reads it."""
     def callbacks() -> list[Any]:
-        return [LossSpikeDetector(growth_every_n_steps=1, growth_window=4)]
+        return [tuned(LossSpikeDetector(growth_every_n_steps=1), growth_window=4)]
 
     sharded = fit_sharded(callbacks(), tmp_path / "fsdp", max_steps=6)
     replicated = fit_ddp(callbacks(), tmp_path / "ddp", max_steps=6)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import MemoryLogger, assert_bit_identical, fit, weights
+from conftest import MemoryLogger, assert_bit_identical, fit, tuned, weights
 from ddp_utils import run_ddp
 from torch import Tensor, nn
 
@@ -107,8 +107,8 @@ def test_a_healthy_model_has_ample_headroom_and_no_warning() -> None:
     assert detector.last_headroom.decades > 35
 
 
-def test_the_threshold_is_configurable() -> None:
-    detector = NonFiniteDetector(headroom_every_n_steps=1, headroom_warn_decades=38.5)
+def test_the_warning_threshold_is_the_policy_s() -> None:
+    detector = tuned(NonFiniteDetector(headroom_every_n_steps=1), headroom_warn_decades=38.5)
     pattern = r"at step 0: the gradient norm reached .* \(the largest activation, .*, came out of net\.0 \(Linear\)\)"
     with pytest.warns(OverflowWarning, match=pattern):
         fit(TinyRegressor(), [detector], max_steps=1)

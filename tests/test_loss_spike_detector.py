@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import assert_bit_identical, make_trainer, weights
+from conftest import assert_bit_identical, make_trainer, tuned, weights
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
@@ -64,9 +64,7 @@ def test_500_healthy_noisy_steps_give_no_spike_at_the_default_thresholds(tmp_pat
     spread = [s / m for s, m in zip(stats.std, stats.mean)]
     assert min(spread) > 0.3, "the run must be noisy for this test to mean anything"
     assert detector.spikes == 0 and _journal(trainer, "spike") == []
-    # A run that settles raises plateau suspicions (its trials, were LRBackoff and Rollback present, would be
-    # judged); nothing else.
-    assert {s.kind for s in signals.signals} <= {"loss_plateau"}
+    assert signals.signals == []  # nor a suspicion of divergence, a trend, growth or a run that does not learn
 
 
 def test_a_loss_spike_is_found_at_its_exact_step_and_journaled(tmp_path: Path) -> None:
@@ -147,7 +145,7 @@ def test_a_gradient_norm_beyond_fp32_never_enters_the_statistics(
 ) -> None:
     """Gradients of 1e38 are finite, their norm 1e39 is not an FP32 number: an overflow, kept out of the statistics
     during the warm-up as after it (where it is still a spike)."""
-    detector = LossSpikeDetector(warmup=warmup, grad_ratio=2.0)
+    detector = LossSpikeDetector(warmup=warmup)  # GRAD_RATIO 2
     signals = SignalLog()
     overflow = FaultInjector(Fault(step=spike_at, kind="loss_spike", factor=1e38))
     _fit(tmp_path, [detector, overflow, signals], OnesModel(), max_steps=16)
@@ -175,7 +173,7 @@ def test_only_a_rising_spike_signals_again_and_every_spike_is_counted(tmp_path: 
 
 
 def test_a_lasting_level_shift_rebaselines_the_statistics(tmp_path: Path) -> None:
-    detector = LossSpikeDetector(warmup=10, rebaseline_after=4, check_grad_norm=False)
+    detector = tuned(LossSpikeDetector(warmup=10, check_grad_norm=False), rebaseline_after=4)
     shift = FaultInjector(*(Fault(step=s, kind="loss_spike", factor=100.0) for s in range(30, 50)))
     trainer = _fit(tmp_path, [detector, shift], TinyRegressor(batch_size=64), max_steps=50)  # full batch: smooth
     assert [e["step"] for e in _journal(trainer, "spike")] == [30, 31, 32, 33]
@@ -251,7 +249,7 @@ class RecordSpy(pl.Callback):
 
 def test_the_statistics_are_bit_identical_to_the_tensor_running_stats(tmp_path: Path) -> None:
     """The detector's host statistics against the documented tensor class, fed the values the suite read."""
-    detector, spy = LossSpikeDetector(warmup=8, min_rise=0.0), RecordSpy()  # min_rise 0: no floor above the threshold
+    detector, spy = tuned(LossSpikeDetector(warmup=8), min_rise=0.0), RecordSpy()  # min_rise 0: no floor above the threshold
     faults = FaultInjector(Fault(step=14, kind="loss_spike", factor=50.0), Fault(step=18, kind="nan_loss"),
                            Fault(step=22, kind="loss_spike", factor=1e25))  # a spike, NaN, gradients beyond FP32 norms
     _fit(tmp_path, [NonFiniteDetector(), detector, spy, faults], max_steps=30)
@@ -292,27 +290,10 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path: Path) -> No
         ({"window": 1}, ValueError, "'window' must be >= 2 (got 1)"),
         ({"warmup": 0}, ValueError, "'warmup' must be >= 1 (got 0)"),
         ({"sigmas": 0}, ValueError, "'sigmas' must be in (0, inf) (got 0)"),
-        ({"loss_ratio": 0.5}, ValueError, "'loss_ratio' must be in [1, inf) (got 0.5)"),
-        ({"grad_ratio": "2"}, TypeError, "'grad_ratio' must be a number (got '2')"),
         ({"check_grad_norm": 1}, TypeError, "'check_grad_norm' must be a bool (got 1)"),
-        ({"rebaseline_after": 0}, ValueError, "'rebaseline_after' must be >= 1 (got 0)"),
-        ({"level_window": 0}, ValueError, "'level_window' must be >= 1 (got 0)"),
-        ({"level_factor": 1.0}, ValueError, "'level_factor' must be in (1, inf) (got 1)"),
-        ({"level_fraction": 0}, ValueError, "'level_fraction' must be in (0, 1] (got 0)"),
-        ({"level_fraction": "half"}, TypeError, "'level_fraction' must be a number (got 'half')"),
-        ({"level_sigmas": -1}, ValueError, "'level_sigmas' must be in [0, inf) (got -1)"),
-        ({"plateau_steps": 0}, ValueError, "'plateau_steps' must be >= 1 (got 0)"),
-        ({"plateau_steps": 2.5}, TypeError, "'plateau_steps' must be an int or None (got 2.5)"),
         ({"growth_every_n_steps": 0}, ValueError, "'growth_every_n_steps' must be >= 1 (got 0)"),
-        ({"growth_window": 0}, ValueError, "'growth_window' must be >= 1 (got 0)"),
-        ({"growth_window": 5}, ValueError,
-         "'growth_window' must be at least 'growth_every_n_steps' (10): the window compares two weight samples "
-         "(got 5)"),
-        ({"growth_factor": 1.0}, ValueError, "'growth_factor' must be in (1, inf) (got 1)"),
-        ({"growth_progress": 1.0}, ValueError, "'growth_progress' must be in [0, 1) (got 1)"),
-        ({"growth_progress": "some"}, TypeError, "'growth_progress' must be a number (got 'some')"),
-        ({"growth_runaway_factor": 1.0}, ValueError, "'growth_runaway_factor' must be in (1, inf) (got 1)"),
-        ({"growth_runaway_factor": None}, TypeError, "'growth_runaway_factor' must be a number (got None)"),
+        ({"growth_every_n_steps": 60}, ValueError, "'growth_every_n_steps' must be at most the growth test's window, "
+                                                    "50 steps: the test compares two weight samples within it (got 60)"),
     ],
 )
 def test_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
@@ -542,7 +523,7 @@ def test_without_a_level_window_there_is_no_level_test() -> None:
 
 
 def test_with_several_optimizers_the_level_test_is_off(tmp_path: Path) -> None:
-    detector = LossSpikeDetector(warmup=5, level_window=2)
+    detector = tuned(LossSpikeDetector(warmup=5), level_window=2)
     fit_gan = make_trainer([detector], default_root_dir=str(tmp_path), max_steps=40)
     fit_gan.fit(TinyGAN())
     assert all(e.level_count == 0 for e in detector._evidence.values())

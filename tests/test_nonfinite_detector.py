@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import MemoryLogger, assert_bit_identical, assert_optimizer_state_equal, fit, optimizer_state, weights
+from conftest import (
+    MemoryLogger,
+    assert_bit_identical,
+    assert_optimizer_state_equal,
+    fit,
+    optimizer_state,
+    tuned,
+    weights,
+)
 from pytorch_lightning.plugins import MixedPrecision
 
 from lightning_overflow import (
@@ -192,7 +200,7 @@ def test_routine_gradscaler_overflow_is_not_reported() -> None:
 
 def test_persistent_gradscaler_overflow_is_reported() -> None:
     faults = FaultInjector(*[Fault(s, "inf_grad") for s in range(12)])
-    detector = NonFiniteDetector(action="raise", max_scaler_overflows=4)
+    detector = tuned(NonFiniteDetector(action="raise"), max_scaler_overflows=4)
     with pytest.raises(NonFiniteError, match=r"5 consecutive GradScaler overflows") as info:
         fit(TinyRegressor(), [detector, faults], max_steps=12, plugins=[MixedPrecision("16-mixed", "cpu")])
     assert "bf16-mixed" in info.value.hint
@@ -285,7 +293,7 @@ def test_a_run_that_only_skips_is_stopped_by_the_skip_budget_when_nothing_can_re
     """The loss is NaN on every step from step 5 and ``max_consecutive_skips`` is out of reach: the 11th skipped step
     of the last 20, step 15, stops the run with what happened, where, and what to try."""
     faults = FaultInjector(*(Fault(step, "nan_loss") for step in range(5, 100)))
-    detector = NonFiniteDetector(max_consecutive_skips=1000, burst_count=2)
+    detector = tuned(NonFiniteDetector(max_consecutive_skips=1000), burst_count=2)
     with pytest.raises(DivergenceError) as caught:
         fit(TinyRegressor(), [detector, faults], max_steps=100, default_root_dir=str(tmp_path))
     assert caught.value.step == 15
@@ -314,7 +322,7 @@ def test_the_skip_budget_escalates_to_the_remedies_present_and_stops_when_they_a
     """The issue's composition: one backoff on the first three skips, then one for each budget spent, and at
     LRBackoff's floor the run stops, with every backoff listed."""
     faults = FaultInjector(*(Fault(step, "nan_loss") for step in range(5, 100)))
-    suite = [NonFiniteDetector(max_consecutive_skips=1000, burst_count=2), LRBackoff(min_scale=0.25, cooldown=2)]
+    suite = [tuned(NonFiniteDetector(max_consecutive_skips=1000), burst_count=2), LRBackoff(min_scale=0.25, cooldown=2)]
     with pytest.raises(DivergenceError) as caught:
         fit(TinyRegressor(), [*suite, faults], max_steps=100, default_root_dir=str(tmp_path))
     assert caught.value.step == 26

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import pickle
 from pathlib import Path
 
 import pytest
 
 import lightning_overflow
-from lightning_overflow import DivergenceError, NonFiniteError, OverflowWarning, RollbackError
+from lightning_overflow import DivergenceError, NonFiniteError, OverflowWarning, RollbackError, policy
+from lightning_overflow.policy import REMOVED_SETTINGS
 
 MODULES = ["lightning_overflow", "lightning_overflow.numerics", "lightning_overflow.testing",
            "lightning_overflow.callbacks", "lightning_overflow.exceptions", "lightning_overflow.events",
@@ -89,3 +91,34 @@ def test_fault_arguments_are_checked() -> None:
                          enable_checkpointing=False, callbacks=[FaultInjector(Fault(0, "nan_grad", parameter="nope"))])
     with pytest.raises(ValueError, match=r"'parameter' must name a parameter of the model \(got 'nope'"):
         trainer.fit(TinyRegressor())
+
+
+@pytest.mark.parametrize(
+    ("owner", "name"), [(owner, name) for owner, names in REMOVED_SETTINGS.items() for name in names]
+)
+def test_a_setting_of_an_earlier_release_is_refused_with_the_value_it_now_has(owner: str, name: str) -> None:
+    cls = getattr(lightning_overflow, owner)
+    constant = REMOVED_SETTINGS[owner][name]
+    with pytest.raises(TypeError) as info:
+        cls(**{name: 1})
+    if owner == "TrialConfig":  # a dataclass: Python's own message, and the value on the class
+        assert str(info.value) == f"TrialConfig.__init__() got an unexpected keyword argument {name!r}"
+        assert getattr(cls, name) == getattr(policy, constant)
+        return
+    settings = ", ".join(repr(p) for p in inspect.signature(cls).parameters if p != "removed")
+    if constant is None:
+        why = "the option was removed with its feature (see lightning_overflow.policy)"
+    else:
+        value = getattr(policy, constant)
+        assert getattr(cls, name) == value  # the class reads the policy's value, written once
+        why = f"the value is fixed at {value!r} (lightning_overflow.policy.{constant})"
+    assert str(info.value) == f"{owner}({name}=1): {name!r} is no longer a setting: {why}. The settings are: {settings}"
+
+
+def test_an_unknown_keyword_is_refused_with_the_settings() -> None:
+    with pytest.raises(TypeError) as info:
+        lightning_overflow.LRBackoff(factr=0.5)
+    assert str(info.value) == (
+        "LRBackoff(factr=0.5): 'factr' is not a setting. The settings are: 'factor', 'triggers', 'cooldown', "
+        "'min_scale', 'regrow_after', 'trial'"
+    )

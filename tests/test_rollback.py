@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import assert_bit_identical, assert_optimizer_state_equal, fit, make_trainer, optimizer_state, weights
+from conftest import (
+    assert_bit_identical,
+    assert_optimizer_state_equal,
+    fit,
+    make_trainer,
+    optimizer_state,
+    tuned,
+    weights,
+)
 from fsspec.implementations.local import LocalFileSystem
 from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from pytorch_lightning.plugins import MixedPrecision
@@ -147,8 +155,6 @@ def assert_checkpoint_finite(path: Path) -> None:
         ({"every_n_steps": 0}, ValueError, "'every_n_steps' must be >= 1 (got 0)"),
         ({"keep": 1.5}, TypeError, "'keep' must be an int (got 1.5)"),
         ({"max_rollbacks": 0}, ValueError, "'max_rollbacks' must be >= 1 (got 0)"),
-        ({"window": -1}, ValueError, "'window' must be >= 1 (got -1)"),
-        ({"skip_batches": -1}, ValueError, "'skip_batches' must be >= 0 (got -1)"),
         ({"dirpath": 3}, TypeError, "'dirpath' must be a path or None (got 3)"),
         ({"dirpath": ""}, ValueError, "'dirpath' must be a non-empty path or None (got '')"),
         ({"triggers": "loss_spike"}, TypeError, "'triggers' must be a collection of signal kinds (got 'loss_spike')"),
@@ -220,8 +226,8 @@ def test_without_a_detector_the_snapshot_check_finds_the_nan() -> None:
     assert all_finite(weights(trainer.lightning_module))
 
 
-def test_poison_batch_is_rolled_back_and_the_next_batches_skipped() -> None:
-    rollback, probe = Rollback(every_n_steps=2, skip_batches=2, triggers=("loss_spike",)), Probe()
+def test_poison_batch_is_rolled_back_and_training_goes_on_from_the_snapshot() -> None:
+    rollback, probe = Rollback(every_n_steps=2, triggers=("loss_spike",)), Probe()
     injector = FaultInjector(Fault(step=6, kind="loss_spike", factor=1e4))
     trainer = fit(TinyRegressor(scheduler=step_lr), [SpikeSignal(), rollback, probe, injector], max_steps=12)
 
@@ -229,13 +235,10 @@ def test_poison_batch_is_rolled_back_and_the_next_batches_skipped() -> None:
         {"step": 7, "reason": "loss_spike", "trigger_step": 6, "snapshot_step": 6, "source": "memory"}
     ]
     assert_same_state(probe.at[7], probe.at[6])
-    # Steps 7 and 8 are skipped: nothing moves, the scheduler is held; step 9 trains again.
-    assert_same_state(probe.at[8], probe.at[6])
-    assert_same_state(probe.at[9], probe.at[6])
-    assert not torch.equal(probe.at[10]["weights"]["net.0.weight"], probe.at[9]["weights"]["net.0.weight"])
-    assert rollback.skipped_steps == 2
+    # Step 7 trains again from the snapshot.
+    assert not torch.equal(probe.at[8]["weights"]["net.0.weight"], probe.at[7]["weights"]["net.0.weight"])
     events = rollback.board(trainer).journal.events
-    assert [(e.kind, e.step) for e in events if e.source == "Rollback"] == [("rollback", 7), ("skip", 7), ("skip", 8)]
+    assert [(e.kind, e.step) for e in events if e.source == "Rollback"] == [("rollback", 7)]
 
 
 def test_a_second_rollback_to_the_same_snapshot_goes_further_back() -> None:
@@ -247,7 +250,7 @@ def test_a_second_rollback_to_the_same_snapshot_goes_further_back() -> None:
 
 
 def test_budget_runs_out_with_divergence_error_naming_every_rollback() -> None:
-    rollback, probe = Rollback(every_n_steps=2, max_rollbacks=2, window=100), Probe()
+    rollback, probe = tuned(Rollback(every_n_steps=2, max_rollbacks=2), window=100), Probe()
     model = TinyRegressor()
     trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(3, 7, 11)], max_steps=14)
     with pytest.raises(DivergenceError) as info:
@@ -268,7 +271,7 @@ def test_budget_runs_out_with_divergence_error_naming_every_rollback() -> None:
 
 
 def test_rollbacks_outside_the_window_do_not_count() -> None:
-    rollback = Rollback(every_n_steps=2, max_rollbacks=1, window=4)
+    rollback = tuned(Rollback(every_n_steps=2, max_rollbacks=1), window=4)
     trainer = fit(TinyRegressor(), [NonFiniteDetector(), rollback, nan_at(2, 8)], max_steps=12)
     assert [h["step"] for h in rollback.history] == [3, 9] and trainer.global_step == 12
 
@@ -318,16 +321,16 @@ def test_huge_but_finite_adam_moments_are_no_reason_to_roll_back(tmp_path: Path)
 
 
 def test_a_reused_instance_starts_every_fit_afresh() -> None:
-    rollback = Rollback(every_n_steps=2, max_rollbacks=1, skip_batches=3)
+    rollback = Rollback(every_n_steps=2, max_rollbacks=1)
     fit(TinyRegressor(), [NonFiniteDetector(), rollback, nan_at(3)], max_steps=5)
-    assert [h["step"] for h in rollback.history] == [4] and rollback.skipped_steps == 1  # two skips still due
+    assert [h["step"] for h in rollback.history] == [4]
 
     # A second fit: the budget is whole again (the first fit's rollback is not in its window).
     fit(TinyRegressor(), [NonFiniteDetector(), rollback, nan_at(3)], max_steps=5)
     assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(4, 2)]
-    assert rollback.rollbacks == 1 and rollback.skipped_steps == 1
+    assert rollback.rollbacks == 1
 
-    # A third, healthy fit: no skip left over from the second; bit-identical with a fit without Rollback.
+    # A third, healthy fit: nothing left over from the second; bit-identical with a fit without Rollback.
     pl.seed_everything(0, verbose=False)
     plain = TinyRegressor()
     fit(plain, [], max_steps=5)
@@ -335,7 +338,7 @@ def test_a_reused_instance_starts_every_fit_afresh() -> None:
     guarded = TinyRegressor()
     fit(guarded, [rollback], max_steps=5)
     assert_bit_identical(weights(plain), weights(guarded))
-    assert rollback.history == [] and rollback.rollbacks == 0 and rollback.skipped_steps == 0
+    assert rollback.history == [] and rollback.rollbacks == 0
     assert rollback.snapshot_steps == [2, 4]
 
 
@@ -413,23 +416,12 @@ def test_manual_optimization_restores_both_optimizers() -> None:
     assert trainer.global_step == 12 and all_finite(weights(model))
 
 
-def test_manual_optimization_skips_both_steps_of_a_batch() -> None:
-    rollback, probe = Rollback(every_n_steps=2, skip_batches=1), Probe()
-    fit(TinyGAN(), [NonFiniteDetector(), rollback, probe, nan_at(4, parameter="generator.0.weight")], max_steps=10)
-    assert [h["snapshot_step"] for h in rollback.history] == [4]
-    assert_same_state(probe.at[8], probe.at[4])  # the batch after the rollback: neither optimizer stepped
-    assert rollback.skipped_steps == 2
-
-
 def test_gradient_accumulation() -> None:
-    rollback, probe = Rollback(every_n_steps=2, skip_batches=1), Probe()
+    rollback, probe = Rollback(every_n_steps=2), Probe()
     model = TinyRegressor(scheduler=step_lr)
     trainer = fit(model, [NonFiniteDetector(), rollback, probe, nan_at(3)], max_steps=8, accumulate_grad_batches=2)
     assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(4, 2)]
     assert_same_state(probe.at[4], probe.at[2])
-    # The accumulation window after the rollback (two batches) ends without a step.
-    assert_same_state(probe.at[5], probe.at[2])
-    assert rollback.skipped_steps == 1
     assert trainer.global_step == 8 and all_finite(weights(model))
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import fit
+from conftest import fit, tuned
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -87,7 +87,7 @@ def test_gradients_out_of_scale_are_bounded_and_the_backoffs_taken_back(tmp_path
 def test_without_the_bound_the_same_run_backs_off_to_its_floor(tmp_path: Path) -> None:
     from lightning_overflow import DivergenceError
 
-    suite = [AutoClip(update_ratio=None) if isinstance(c, AutoClip) else c for c in default_callbacks()]
+    suite = [tuned(c, update_ratio=None) if isinstance(c, AutoClip) else c for c in default_callbacks()]
     with pytest.raises(DivergenceError, match="already at its floor"):
         fit(ExplodingRNN(), suite, max_steps=60, default_root_dir=str(tmp_path))
 
@@ -103,7 +103,7 @@ def _restore(trainer: pl.Trainer, autoclip: AutoClip, extras: dict[str, Any], st
 
 
 def test_the_bound_arms_on_a_second_quick_return_after_updates_beyond_it_and_halves_at_each_next() -> None:
-    autoclip = AutoClip(restart_steps=5)
+    autoclip = tuned(AutoClip(), restart_steps=5)
     model = TinyRegressor()
     trainer = fit(model, [autoclip], max_steps=6)
     extras = board_for(trainer).snapshot_extras(trainer)

@@ -30,7 +30,7 @@ KINDS = ("nonfinite", "loss_spike", "grad_spike")
 LISTED = "'nonfinite', 'loss_spike', 'grad_spike'"
 SIGNALS = (
     "'nonfinite', 'nonfinite_burst', 'nonfinite_persistent', 'nonfinite_state', 'scaler_collapse', 'loss_spike'"
-    ", 'grad_spike', 'loss_divergence', 'loss_trend', 'loss_plateau', 'no_progress', 'weight_growth'"
+    ", 'grad_spike', 'loss_divergence', 'loss_trend', 'no_progress', 'weight_growth'"
     ", 'replica_mismatch'"
 )
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import fit
+from conftest import fit, tuned
 
 from lightning_overflow import LossSpikeDetector
 from lightning_overflow.numerics.growth import GrowthFinding, WeightGrowth
@@ -209,7 +209,7 @@ class WeightNorms(pl.Callback):
 
 
 def test_the_weight_norm_covers_every_parameter_of_the_optimizer_with_a_gradient_or_not(tmp_path: Path) -> None:
-    detector, weights = LossSpikeDetector(growth_every_n_steps=5, growth_window=10), WeightNorms()
+    detector, weights = tuned(LossSpikeDetector(growth_every_n_steps=5), growth_window=10), WeightNorms()
     fit(SometimesUnused(), [detector, weights], max_steps=21, default_root_dir=str(tmp_path))
     samples = detector.state_dict()["growth"]["0"]["samples"]  # steps 10, 15, 20: odd and even alike
     assert [sample[0] for sample in samples] == [10, 15, 20]

@@ -13,7 +13,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_overflow import _compat
-from lightning_overflow._validation import check_choice, check_float, check_int, check_names
+from lightning_overflow._validation import check_choice, check_float, check_int, check_names, refuse_removed
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import CLIPPER, SuiteCallback
 from lightning_overflow.candidate import Clip
@@ -23,7 +23,23 @@ from lightning_overflow.numerics import parameters_of, scale_grads_
 from lightning_overflow.numerics.agc import agc_coefficients_and_norms, smallest_coefficient
 from lightning_overflow.numerics.clipping import HostPercentile, HostZScore, host_clip_coefficient
 from lightning_overflow.numerics.norms import FP32_MAX, squared_norm_share
-from lightning_overflow.policy import UPDATE_BOUND, ClipPlan, StepAction, Verdict
+from lightning_overflow.policy import (
+    AGC_EPS,
+    CLIP_EVENT_BELOW,
+    CLIP_REBASELINE_AFTER,
+    PERCENTILE_WINDOW,
+    REMOVED_SETTINGS,
+    RESTART_STEPS,
+    UPDATE_BOUND,
+    UPDATE_RATIO,
+    WARMUP_ANCHOR_FACTOR,
+    WARMUP_ANCHOR_STEPS,
+    ZSCORE_ALPHA,
+    ZSCORE_MIN_RATIO,
+    ClipPlan,
+    StepAction,
+    Verdict,
+)
 
 __all__ = ["AutoClip"]
 
@@ -106,16 +122,16 @@ class AutoClip(SuiteCallback):
     - ``"fixed"``: clip the total norm to ``max_norm``, like ``Trainer(gradient_clip_val=...)`` but overflow-safe:
       finite gradients whose FP32 norm overflows are scaled to ``max_norm`` (``clip_grad_norm_`` zeroes them).
     - ``"percentile"``: AutoClip (Seetharaman et al., MLSP 2020): the threshold is the ``percentile``-th percentile
-      of the total norms seen so far, this step's included, over the last ``window`` steps.
+      of the total norms seen so far, this step's included, over the last ``PERCENTILE_WINDOW`` steps.
     - ``"zscore"``: ZClip (Kumar et al., 2025): EMA mean and variance of the total norm (after ``warmup_steps`` norms
       that only build them); a norm more than ``z_threshold`` standard deviations above the mean is clipped to
       ``mean + z_threshold**2 * std / z``, and the statistics are updated with the clipped value. During the
-      warm-up the norm is capped at ``anchor_factor`` times the run's anchor (the median of its first
-      ``anchor_steps`` norms), and the statistics take the capped value in: a run whose norms explode inside the
+      warm-up the norm is capped at ``WARMUP_ANCHOR_FACTOR`` times the run's anchor (the median of its first
+      ``WARMUP_ANCHOR_STEPS`` norms), and the statistics take the capped value in: a run whose norms explode inside the
       warm-up (a learning rate far too high) is held to where it started instead of teaching the statistics the
       diverged regime.
     - ``"agc"``: unit-wise adaptive gradient clipping (Brock et al., ICML 2021): each unit's gradient norm is kept
-      within ``clipping`` times its weight norm, floored at ``eps`` so that zero-initialised weights still move.
+      within ``clipping`` times its weight norm, floored at ``AGC_EPS`` so that zero-initialised weights still move.
 
     A step with no gradient at all (a total norm of exactly 0: a hinge loss at 0) is left out of the statistics and
     of the anchor: fed zeros, the percentile and the z-score statistics fall to 0, and every later gradient is an
@@ -127,11 +143,11 @@ class AutoClip(SuiteCallback):
     the unit-wise clipping left it above.
 
     The update bound (``"fixed"``, ``"percentile"``, ``"zscore"``): when ``Rollback`` restores the same snapshot
-    twice in a row, and the state restored the first time diverged again within ``restart_steps`` optimizer steps
-    after updates beyond ``update_ratio`` times its weight norm (the learning rate times the gradient norm applied:
+    twice in a row, and the state restored the first time diverged again within ``RESTART_STEPS`` optimizer steps
+    after updates beyond ``UPDATE_RATIO`` times its weight norm (the learning rate times the gradient norm applied:
     the size an SGD step has), at a learning rate ``LRBackoff`` had already lowered, the gradients, not the rate,
     are out of scale (a recurrent net whose first gradients are 1e8, where halving the rate ten times cannot help).
-    From then on the total norm is capped so that the learning rate times the norm stays within ``update_ratio``
+    From then on the total norm is capped so that the learning rate times the norm stays within ``UPDATE_RATIO``
     times the weight norm of the restored state, and each further such return halves the ratio. The bound holds
     for the rest of the fit, journaled (``update_bound``) once per change; the statistics take the capped norms in.
     When it arms, ``LRBackoff`` returns to the snapshot's learning rate (the ``update_bound`` signal). A state that
@@ -149,45 +165,35 @@ class AutoClip(SuiteCallback):
             (default ``None``: no cap).
         percentile: ``"percentile"`` mode: the percentile of past norms to clip to, in ``[0, 100]`` (default 10,
             the paper's: most steps are clipped a little).
-        window: ``"percentile"`` mode: the number of recent norms kept (default 1000; the paper keeps all).
-        alpha: ``"zscore"`` mode: EMA smoothing factor (default 0.97, the paper's).
         z_threshold: ``"zscore"`` mode: z-score above which a norm is clipped (default 2.5, the paper's).
         warmup_steps: ``"zscore"`` mode: norms that only build the statistics before clipping starts (default 25,
             the paper's; at least 2, since a variance needs two norms).
-        anchor_factor: ``"zscore"`` mode: during the warm-up, clip the norm to this many times the anchor (default
-            10; healthy runs stay within 6x of their first norms there; ``None``: no clip during the warm-up, as in
-            the paper).
-        anchor_steps: ``"zscore"`` mode: the first norms whose median is the anchor (default 3); the warm-up's
-            cap applies from the next step on.
-        min_ratio: ``"zscore"`` mode: after the warm-up, the threshold is at least ``min_ratio`` times the running
-            mean (default 5; 1 is the paper's rule). Small noisy batches put about one healthy step in a hundred
-            beyond 2.5 standard deviations, at 3-5x the mean; clipping those changes a healthy run's trajectory and
-            protects nothing.
         clipping: ``"agc"`` mode: the largest ratio of unit gradient norm to unit weight norm (default 0.01, the
             paper's at batch size 4096; larger batches want smaller values).
-        eps: ``"agc"`` mode: floor on the unit weight norm (default 1e-3, the paper's).
         exclude: ``"agc"`` mode: parameter names, or module names as prefixes, left out of unit-wise clipping (the
             paper leaves out the final classifier; default: none). Sparse gradients (``nn.Embedding(sparse=True)``)
             are always left out of the unit-wise step; ``max_norm`` still caps them.
-        event_below: a clip whose coefficient is below this (default 0.1: the gradients shrunk tenfold) is written
-            to the journal, at most once every :attr:`EVENT_GAP` optimizer steps per optimizer; the event counts
-            those in between.
-        update_ratio: the update bound's ratio of ``lr x total norm`` to the weight norm (default 0.01: an update
-            of at most 1% of the weights, a few times what healthy steps make; ``None``: no update bound). Not in
-            ``"agc"`` mode, which bounds every unit by its weights already.
-        restart_steps: the update bound arms when a restored state diverged again within this many optimizer
-            steps (default 10: the loss tests confirm a divergence over 3 steps, after the loss has climbed).
-        rebaseline_after: ``"zscore"`` mode: after this many steps in a row clipped by the statistics (not by
-            ``max_norm`` nor the update bound), the norms have a new level, not outliers (new data, a harder task):
-            the statistics start again from it, with a new warm-up, and the event is journaled (``"rebaseline"``;
-            default 3; ``None``: never). Measured on the rescue benchmark's harmless runs: without it a task whose
-            targets grow 3x is clipped for 160 steps and ends up to 1.11x the unprotected run; with it, within
-            1.05x on every seed. A run whose norms keep growing is clipped again at each new warm-up's cap.
         if_trainer_clips: what to do when the Trainer clips too (``gradient_clip_val``): ``"raise"`` (default) refuses
             the double clipping at setup; ``"defer"`` keeps the user's clipping and leaves this fit's gradients to it,
             said once at setup, as it does for a LightningModule that clips in its own
             ``configure_gradient_clipping`` (``default_callbacks()`` defers: a training script's own clipping is kept
             when the suite is added to it).
+
+    Fixed values (constants of :mod:`lightning_overflow.policy`, no settings): ``"percentile"`` mode keeps the last
+    ``PERCENTILE_WINDOW`` (1000) norms; ``"zscore"`` mode smooths with ``ZSCORE_ALPHA`` (0.97, the paper's), caps the
+    warm-up at ``WARMUP_ANCHOR_FACTOR`` (10) times the median of the first ``WARMUP_ANCHOR_STEPS`` (3) norms (healthy
+    runs stay within 6x of their first norms there), keeps its threshold at least ``ZSCORE_MIN_RATIO`` (5) times the
+    running mean after the warm-up (small noisy batches put about one healthy step in a hundred beyond 2.5 standard
+    deviations, at 3-5x the mean; clipping those changes a healthy run's trajectory and protects nothing), and after
+    ``CLIP_REBASELINE_AFTER`` (3) steps in a row clipped by its statistics (not by ``max_norm`` nor the update bound)
+    takes the norms for a new level, not outliers (new data, a harder task): the statistics start again from it,
+    with a new warm-up, journaled as ``"rebaseline"`` (a task whose targets grow 3x is otherwise clipped for 160 steps
+    and ends up to 1.11x the unprotected run; with it, within 1.05x on every seed); ``"agc"`` mode floors a unit's
+    weight norm at ``AGC_EPS`` (1e-3, the paper's) so zero-initialised weights still move. A clip whose coefficient
+    is below ``CLIP_EVENT_BELOW`` (0.1: the gradients shrunk tenfold) is journaled, at most once every
+    :attr:`EVENT_GAP` optimizer steps per optimizer; the event counts those in between. The update bound's ratio is
+    ``UPDATE_RATIO`` (0.01: an update of at most 1% of the weights, a few times what healthy steps make), armed when a
+    restored state diverged again within ``RESTART_STEPS`` (10) optimizer steps.
 
     Attributes:
         steps: optimizer steps that went ahead with AutoClip's coefficient applied.
@@ -222,49 +228,40 @@ class AutoClip(SuiteCallback):
     stage = CLIPPER
     one_per_trainer = True  # acts on the whole run: a second one would act twice (refused at setup)
 
+    window = PERCENTILE_WINDOW
+    alpha = ZSCORE_ALPHA
+    anchor_factor, anchor_steps = WARMUP_ANCHOR_FACTOR, WARMUP_ANCHOR_STEPS
+    min_ratio = ZSCORE_MIN_RATIO
+    eps = AGC_EPS
+    event_below = CLIP_EVENT_BELOW
+    update_ratio, restart_steps = UPDATE_RATIO, RESTART_STEPS
+    rebaseline_after = CLIP_REBASELINE_AFTER
+
     def __init__(
         self,
         mode: Mode = "zscore",
         max_norm: float | None = None,
         percentile: float = 10.0,
-        window: int = 1000,
-        alpha: float = 0.97,
         z_threshold: float = 2.5,
         warmup_steps: int = 25,
-        anchor_factor: float | None = 10.0,
-        anchor_steps: int = 3,
-        min_ratio: float = 5.0,
         clipping: float = 0.01,
-        eps: float = 1e-3,
         exclude: Sequence[str] = (),
-        event_below: float = 0.1,
-        update_ratio: float | None = 0.01,
-        restart_steps: int = 10,
-        rebaseline_after: int | None = 3,
         if_trainer_clips: Literal["raise", "defer"] = "raise",
+        **removed: Any,
     ) -> None:
+        refuse_removed(AutoClip, removed, REMOVED_SETTINGS["AutoClip"])
         self.mode: Mode = check_choice("mode", mode, MODES)  # type: ignore[assignment]
         self.max_norm = check_float("max_norm", max_norm, low=0.0, low_open=True, optional=True)
         if self.mode == "fixed" and self.max_norm is None:
             raise ValueError("'max_norm' must be set when mode='fixed' (got None)")
         self.percentile = check_float("percentile", percentile, low=0.0, high=100.0)
-        self.window = check_int("window", window, minimum=1)
-        self.alpha = check_float("alpha", alpha, low=0.0, high=1.0, low_open=True, high_open=True)
         self.z_threshold = check_float("z_threshold", z_threshold, low=0.0, low_open=True)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=2)
-        self.anchor_factor = check_float("anchor_factor", anchor_factor, low=1.0, optional=True)
-        self.anchor_steps = check_int("anchor_steps", anchor_steps, minimum=1)
-        self.min_ratio = check_float("min_ratio", min_ratio, low=1.0)
         self.clipping = check_float("clipping", clipping, low=0.0, low_open=True)
-        self.eps = check_float("eps", eps, low=0.0, low_open=True)
         exclude = check_names("exclude", exclude, what="parameter names")
         if exclude and self.mode != "agc":
             raise ValueError(f"'exclude' applies to mode='agc' only (got mode={self.mode!r})")
         self.exclude = tuple(exclude)
-        self.event_below = check_float("event_below", event_below, low=0.0, high=1.0)
-        self.update_ratio = check_float("update_ratio", update_ratio, low=0.0, high=1.0, low_open=True, optional=True)
-        self.restart_steps = check_int("restart_steps", restart_steps, minimum=1)
-        self.rebaseline_after = check_int("rebaseline_after", rebaseline_after, minimum=1, optional=True)
         self.if_trainer_clips = check_choice("if_trainer_clips", if_trainer_clips, ("raise", "defer"))
         self._deferred = False  # this fit's gradients are the Trainer's gradient_clip_val's to clip
         self._reset()
@@ -394,10 +391,11 @@ class AutoClip(SuiteCallback):
             self._log(trainer, metrics, record.log_step)
 
     def _weigh_streak(self, trainer: pl.Trainer, index: int, clip: _Clip) -> None:
-        """``"zscore"`` mode: an outlier is one step; ``rebaseline_after`` steps in a row clipped by the statistics are a
-        new level of the norms (new data, a harder task): the statistics start again from it, with a new warm-up,
-        rather than clip the run for as long as they take to creep up (measured: a task whose targets grow 3x was
-        clipped for 160 steps, and ended 1.11x the unclipped run). ``"percentile"`` mode clips most steps by design."""
+        """``"zscore"`` mode: an outlier is one step; ``CLIP_REBASELINE_AFTER`` steps in a row clipped by the statistics
+        are a new level of the norms (new data, a harder task): the statistics start again from it, with a new
+        warm-up, rather than clip the run for as long as they take to creep up (measured: a task whose targets grow 3x
+        was clipped for 160 steps, and ended 1.11x the unclipped run). ``"percentile"`` mode clips most steps by
+        design."""
         by_statistics = clip.coef < 1.0 and isinstance(clip.stats, HostZScore) and clip.adaptive
         self._streaks[index] = self._streaks.get(index, 0) + 1 if by_statistics else 0
         if self.rebaseline_after is None or self._streaks[index] < self.rebaseline_after:
@@ -511,7 +509,7 @@ class AutoClip(SuiteCallback):
         return clip
 
     def _warmup_cap(self, index: int, stats: Stats | None) -> float | None:
-        """The z-score warm-up's cap, ``anchor_factor`` times the median of the first norms (``None``: none)."""
+        """The z-score warm-up's cap, ``WARMUP_ANCHOR_FACTOR`` times the median of the first norms (``None``: none)."""
         if self.anchor_factor is None or not isinstance(stats, HostZScore) or stats.count >= self.warmup_steps:
             return None
         first = self._first.get(index, [])

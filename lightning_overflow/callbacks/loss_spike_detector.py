@@ -9,7 +9,7 @@ from typing import Any
 import pytorch_lightning as pl
 from typing_extensions import override
 
-from lightning_overflow._validation import check_bool, check_float, check_int
+from lightning_overflow._validation import check_bool, check_float, check_int, refuse_removed
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
@@ -18,7 +18,31 @@ from lightning_overflow.numerics.growth import WeightGrowth
 from lightning_overflow.numerics.norms import squared_norm_share
 from lightning_overflow.numerics.running_stats import HostRunningStats
 from lightning_overflow.numerics.trend import Progress, loss_scatter, slope_probability
-from lightning_overflow.policy import NO_PROGRESS_LEVEL, NO_PROGRESS_MARGIN, NO_PROGRESS_STEPS, StepAction
+from lightning_overflow.policy import (
+    ANCHOR_STEPS,
+    CONFIRM_STEPS,
+    GRAD_RATIO,
+    GROWTH_FACTOR,
+    GROWTH_PROGRESS,
+    GROWTH_RUNAWAY_FACTOR,
+    GROWTH_WINDOW,
+    LEVEL_FACTOR,
+    LEVEL_FRACTION,
+    LEVEL_SIGMAS,
+    LEVEL_WINDOW,
+    LOSS_RATIO,
+    MIN_RISE,
+    NO_PROGRESS_LEVEL,
+    NO_PROGRESS_MARGIN,
+    NO_PROGRESS_STEPS,
+    REMOVED_SETTINGS,
+    RUNAWAY_FACTOR,
+    SPIKE_REBASELINE_AFTER,
+    TREND_MARGIN,
+    TREND_PROBABILITY,
+    TREND_WINDOW,
+    StepAction,
+)
 from lightning_overflow.trials import TrialOutcome
 
 __all__ = ["LossSpikeDetector"]
@@ -44,9 +68,9 @@ class LossSpikeDetector(SuiteCallback):
 
     Non-finite values (left to ``NonFiniteDetector``) never enter the statistics, nor do gradient norms beyond the
     FP32 range (3.4e38: finite gradients that ``NonFiniteDetector`` treats as an overflow; they are still tested),
-    nor spikes, so a diverging run cannot raise its own threshold. After ``rebaseline_after`` consecutive spikes the
-    level itself has moved (a new data mixture, a deliberate change of the schedule): the statistics of that series
-    start again, with a new warm-up, and the event is journaled.
+    nor spikes, so a diverging run cannot raise its own threshold. After ``SPIKE_REBASELINE_AFTER`` consecutive spikes
+    the level itself has moved (a new data mixture, a deliberate change of the schedule): the statistics of that
+    series start again, with a new warm-up, and the event is journaled.
 
     The loss is the mean finite training loss of the step over its micro-batches and all ranks, and the gradient
     norm is taken after the DDP all-reduce (both gathered by the suite's one read per step), so every rank decides
@@ -71,110 +95,65 @@ class LossSpikeDetector(SuiteCallback):
         warmup: values each series takes in before it is tested (default 50: early training is where losses fall
             fastest and where statistics are thinnest).
         sigmas: standard deviations above the mean for a spike (default 6).
-        loss_ratio: the loss must also exceed ``loss_ratio`` times its mean (default 1.2; for a negative loss the
-            margin is ``(loss_ratio - 1) * |mean|``).
-        grad_ratio: the gradient norm must also exceed ``grad_ratio`` times its mean (default 2).
         check_grad_norm: also test the gradient norm (default ``True``; signal ``grad_spike``).
-        rebaseline_after: consecutive spikes of one series after which its statistics restart from the new level
-            (default 100; ``None`` never restarts them).
-        confirm_steps: consecutive steps whose loss stays above its reference (the spike threshold, or the
-            runaway bound) before the loss counts as diverging (default 3). A single spike is one bad batch, or one
-            that a clip already neutralised: it is journaled, and signals ``loss_spike`` only.
-        runaway_factor: a loss above this many times the run's anchor (the median magnitude of its first
-            ``anchor_steps`` finite losses, and at most the first one) is above its reference whatever the
-            statistics say (default 100): the absolute anchor that catches a run diverging inside the warm-up, or one
-            whose statistics drifted along.
-        anchor_steps: finite losses that make the anchor (default 8).
-        min_rise: a loss spike must also exceed the mean by ``min_rise`` times the anchor (default 0.1), so that a
-            loss that sat at exactly 0 (zero mean, zero spread) and rises a little is no spike; a trend must have
-            risen as far above the best window mean.
-        trend_window: healthy losses tested for a slow upward trend, every ``trend_window`` steps (default 200;
-            ``None`` disables the test).
-        trend_probability: ``P(slope > 0)`` of the window's least-squares line above which the loss trends up
-            (default 0.999, the test of dlib's trainer); the window's mean must also stand ``trend_margin`` times
-            above the best window mean so far (default 0.5): a loss that plateaus higher after a change of data is
-            no divergence; and ``min_rise`` times the anchor above it: a loss near 0 (a hinge loss at 1e-6 that
-            creeps to 5e-5) or one that has fallen a hundredfold and creeps back by a fraction of a percent of its
-            first losses (Adam at its stable rate, after 1400 steps: 0.027 -> 0.043 from an anchor of 2.5) is no
-            divergence.
-        level_window: span, in healthy steps, of the moving level of the loss behind the level test (default 20;
-            ``None`` disables the test). The level is the mean of the first ``level_window`` healthy losses, then
-            their exponential moving average; its lowest value so far (plus the allowance of ``level_sigmas``) is
-            the run's best level.
-        level_factor: the level stands far above its best when it exceeds ``level_factor`` times the best level
-            (default 2) **and** has given back ``level_fraction`` of the progress from the anchor down to the best
-            level (default 0.5): ``level > max(level_factor * min(best, anchor), best + level_fraction * (anchor -
-            best))``; a run that never went below its anchor is thus measured against twice its first losses. Held
-            for ``confirm_steps`` consecutive healthy steps, with most of those steps' own losses above the bound
-            too (one outlier that the spike test let through lifts the level for many steps), that is divergence
-            (``loss_divergence``): a run whose loss went down and settles back up at a collapsed level (its
-            predictor dead, its moments blown) is not coming back at this learning rate, spike or no spike. A rise
-            of less than half the progress made (new data, a harder task) is no divergence. The level starts again
-            after the signal and after a rollback, so a run that diverges again at the backed-off rate is caught
-            again; the best level stays. A state restored above the bound (the fit's first snapshot, when no later
-            one exists yet) is on its way down, not diverged: until its level has come back within the bound it is
-            judged against the fit's first loss instead. With several
-            optimizers (manual optimization) the test is off: each loss is one player's in a game (a GAN's
-            generator loss rises as its discriminator improves). It is off as well while the anchor is 0 (no scale
-            to measure a rise by) and once the level went negative (a log-likelihood: no ratio means anything).
-        level_fraction: see ``level_factor``, in (0, 1].
-        level_sigmas: how far the level test lets averages stand off by chance, in standard errors (default 3).
-            With ``s`` the scatter of the healthy losses when the best level was reached (``loss_scatter`` of the
-            last five windows of them, taken once a window), the best level is the least level plus
-            ``level_sigmas * s / sqrt(level_window)``, the level is judged less that, and the anchor is taken plus
-            ``level_sigmas * s / sqrt(anchor_steps)``. So a run whose losses scatter widely (a small batch, a
-            heavy-tailed loss) but whose mean does not move never stands far above its best, while a loss that
-            scatters little is judged as if the allowance were 0 (0 turns it off).
-        plateau_steps: healthy steps without a new low of the loss's level (the moving average of ``level_window``
-            losses) after which the run is suspected of sitting on a plateau its learning rate keeps it on
-            (``loss_plateau``; default ``None``: off). Only a suspicion: it opens a trial of the last verified
-            snapshot at lower rates, and the same suspicion waits twice as long after each trial the run wins. Opt-in,
-            because a converged healthy run often does better at a lower rate too (annealing): measured at 100 steps,
-            5 of 18 long healthy runs kept a lower rate (0.95-1.03x their final loss), where the suite must leave a
-            healthy run bit-identical; on the rescue benchmark it reaches runs stuck on a plateau that nothing else
-            signals (a transformer or Adam at several times its stable rate: 88 -> 90 of 102 runs end within 1.5x of a
-            fault-free run's loss).
-            Off with several optimizers.
         growth_every_n_steps: how often the weight-growth test samples the norm of the weights (default 10; ``None``
-            disables the test). The sample joins the step's one read (one norm of the weights every 10 steps). A
-            learning rate far too high can overshoot without overflowing or spiking: the weights grow step after step
-            while the loss hovers where it began. The test (:class:`~lightning_overflow.numerics.growth.WeightGrowth`)
-            signals ``weight_growth`` when the norm grew ``growth_factor`` times or more within ``growth_window`` steps
-            (from the oldest sample at most that far back: a run that overshoots from its first steps, single losses
-            running away, is caught at its first samples) while the median of the losses did not fall by
-            ``growth_progress`` and stands 10% above the best median since the test started (a median of at least
-            ``growth_every_n_steps`` losses: the fit's first loss alone may be one easy batch's, no level the run
-            reached), or a loss since the window's first sample ran beyond ``growth_runaway_factor`` times the anchor
-            (the median of a run that never learned stays at its best, its first losses, while it overshoots); weights
-            that grow out of a small initialisation as the loss falls are learning, not divergence. The signal names
-            the window's start, so ``Rollback`` returns to a snapshot from before the growth. Off with several
-            optimizers (each player of a game moves its weights as the game goes); it measures every parameter of the
-            optimizer, with a gradient or not, and starts again after a finding, after a rollback and when parameters
-            join the optimizer.
-        growth_window: how far back the weight sample compared with the newest may lie, in steps (default 50; at
-            least ``growth_every_n_steps``).
-        growth_factor: the growth of the weight norm over the window that counts as running away (default 2.0;
-            at a stable learning rate the runs measured grow theirs at most 1.25x in 50 steps; those that grow
-            theirs faster while they learn also lower their loss).
-        growth_progress: the least fraction by which the loss median must have fallen over the window for the growth
-            to be the price of learning, in [0, 1) (default 0.2).
-        growth_runaway_factor: a loss beyond this many times the anchor within the window shows the overshoot
-            directly: the growth counts even while the loss median stands at its best (default 10). Not the loss of a
-            step whose gradients a clip shrank more than tenfold: that batch was an outlier the clip neutralised (a
-            poison batch while the weights grow out of a small initialisation); its loss tells of the batch.
-            Measured: Adam at 12-16x its stable rate grows its weights 4-6x in 10 steps with single losses 21-325x
-            the anchor and the median at its first level; runs that grow theirs 4-9x out of a small initialisation,
-            at the same median, stay within 2x the anchor; healthy runs whose single losses reach 80x (batches of 2)
-            grow no weights.
+            disables the test; at most ``GROWTH_WINDOW``). The sample joins the step's one read.
+
+    The tests behind the signals; their thresholds are constants of :mod:`lightning_overflow.policy` (no settings),
+    named here in capitals:
+
+    - **Spikes**: a loss must also exceed ``LOSS_RATIO`` (1.2) times its mean (for a negative loss the margin is
+      ``(LOSS_RATIO - 1) * |mean|``), a gradient norm ``GRAD_RATIO`` (2) times its mean, and a loss its mean by
+      ``MIN_RISE`` (0.1) times the anchor, so that a loss that sat at exactly 0 and rises a little is no spike. After
+      ``SPIKE_REBASELINE_AFTER`` (100) consecutive spikes of one series its statistics restart from the new level.
+    - **Divergence**: ``CONFIRM_STEPS`` (3) consecutive steps whose loss stays above its reference (the spike
+      threshold, or the runaway bound). A single spike is one bad batch, or one that a clip already neutralised: it
+      is journaled, and signals ``loss_spike`` only. A loss above ``RUNAWAY_FACTOR`` (100) times the run's anchor (the
+      median magnitude of its first ``ANCHOR_STEPS`` (8) finite losses, and at most the first one) is above its
+      reference whatever the statistics say: the absolute anchor that catches a run diverging inside the warm-up, or
+      one whose statistics drifted along.
+    - **Trend**: every ``TREND_WINDOW`` (200) healthy losses, ``P(slope > 0)`` of their least-squares line above
+      ``TREND_PROBABILITY`` (0.999, the test of dlib's trainer), with the window's mean ``TREND_MARGIN`` (0.5) times
+      above the best window mean so far (a loss that plateaus higher after a change of data is no divergence) and
+      ``MIN_RISE`` times the anchor above it (a hinge loss at 1e-6 that creeps to 5e-5, or one that has fallen a
+      hundredfold and creeps back by a fraction of a percent of its first losses, is no divergence).
+    - **Level**: the moving level of the healthy losses (the mean of the first ``LEVEL_WINDOW`` (20), then their
+      exponential moving average) stands far above its best when it exceeds ``LEVEL_FACTOR`` (2) times the best level
+      **and** has given back ``LEVEL_FRACTION`` (0.5) of the progress from the anchor down to the best level:
+      ``level > max(LEVEL_FACTOR * min(best, anchor), best + LEVEL_FRACTION * (anchor - best))``; a run that never
+      went below its anchor is thus measured against twice its first losses. Held for ``CONFIRM_STEPS`` consecutive
+      healthy steps, with most of those steps' own losses above the bound too (one outlier that the spike test let
+      through lifts the level for many steps), that is divergence (``loss_divergence``): a run whose loss went down
+      and settles back up at a collapsed level (its predictor dead, its moments blown) is not coming back at this
+      learning rate. A rise of less than half the progress made (new data, a harder task) is no divergence. Averages
+      are allowed ``LEVEL_SIGMAS`` (3) standard errors of chance, measured by the scatter of the healthy losses when
+      the best level was reached, so a run whose losses scatter widely but whose mean does not move never stands far
+      above its best. The level starts again after the signal and after a rollback; the best level stays. A state
+      restored above the bound (the fit's first snapshot) is on its way down, not diverged: until its level has come
+      back within the bound it is judged against the fit's first loss instead. With several optimizers (manual
+      optimization) the test is off: each loss is one player's in a game. It is off as well while the anchor is 0
+      and once the level went negative (a log-likelihood: no ratio means anything).
+    - **Weight growth** (:class:`~lightning_overflow.numerics.growth.WeightGrowth`): a learning rate far too high can
+      overshoot without overflowing or spiking: the weights grow step after step while the loss hovers where it
+      began. Signal ``weight_growth`` when the weight norm grew ``GROWTH_FACTOR`` (2) times or more within
+      ``GROWTH_WINDOW`` (50) steps while the median of the losses did not fall by ``GROWTH_PROGRESS`` (0.2) and stands
+      10% above the best median since the test started, or a loss since the window's first sample ran beyond
+      ``GROWTH_RUNAWAY_FACTOR`` (10) times the anchor (not the loss of a step whose gradients a clip shrank more than
+      tenfold: that batch was an outlier the clip neutralised). Weights that grow out of a small initialisation as
+      the loss falls are learning, not divergence. The signal names the window's start, so ``Rollback`` returns to a
+      snapshot from before the growth. Off with several optimizers; it measures every parameter of the optimizer,
+      and starts again after a finding, after a rollback and when parameters join the optimizer. Measured: Adam at
+      12-16x its stable rate grows its weights 4-6x in 10 steps with single losses 21-325x the anchor; at a stable
+      rate the runs measured grow theirs at most 1.25x in 50 steps.
 
     Signals (read by interventions): ``loss_divergence`` when the loss stays above its reference for
-    ``confirm_steps`` steps, ``loss_trend`` for a slow rise with no spike, ``weight_growth`` for weights that run
+    ``CONFIRM_STEPS`` steps, ``loss_trend`` for a slow rise with no spike, ``weight_growth`` for weights that run
     away while the loss does not fall, ``loss_spike`` and ``grad_spike`` at the first step of a spike and again at
     each step that climbs above the highest value of the same spike. The default interventions act on
     ``loss_divergence``, ``loss_trend`` and ``weight_growth``: the evidence that the training state itself degrades;
     a spike alone is the batch's business.
 
-    ``no_progress`` when the run does not learn: its level (see ``level_window``) has not come down to half the
+    ``no_progress`` when the run does not learn: its level (see **Level**) has not come down to half the
     anchor of its first losses and has made no new low by 5% of that anchor in 50 healthy steps (the constants
     ``NO_PROGRESS_*`` of :mod:`lightning_overflow.policy`, no setting). A learning rate too high that never overflows
     leaves the loss at its start, or stalled far above what the run could reach, with no best to diverge from. Only a
@@ -209,68 +188,39 @@ class LossSpikeDetector(SuiteCallback):
 
     stage = DETECTOR
 
+    loss_ratio, grad_ratio = LOSS_RATIO, GRAD_RATIO
+    rebaseline_after = SPIKE_REBASELINE_AFTER
+    confirm_steps = CONFIRM_STEPS
+    runaway_factor = RUNAWAY_FACTOR
+    anchor_steps = ANCHOR_STEPS
+    min_rise = MIN_RISE
+    trend_window, trend_probability, trend_margin = TREND_WINDOW, TREND_PROBABILITY, TREND_MARGIN
+    level_window, level_factor, level_fraction, level_sigmas = LEVEL_WINDOW, LEVEL_FACTOR, LEVEL_FRACTION, LEVEL_SIGMAS
+    growth_window, growth_factor = GROWTH_WINDOW, GROWTH_FACTOR
+    growth_progress, growth_runaway_factor = GROWTH_PROGRESS, GROWTH_RUNAWAY_FACTOR
+
     def __init__(
         self,
         window: int = 128,
         warmup: int = 50,
         sigmas: float = 6.0,
-        loss_ratio: float = 1.2,
-        grad_ratio: float = 2.0,
         check_grad_norm: bool = True,
-        rebaseline_after: int | None = 100,
-        confirm_steps: int = 3,
-        runaway_factor: float = 100.0,
-        anchor_steps: int = 8,
-        min_rise: float = 0.1,
-        trend_window: int | None = 200,
-        trend_probability: float = 0.999,
-        trend_margin: float = 0.5,
-        level_window: int | None = 20,
-        level_factor: float = 2.0,
-        level_fraction: float = 0.5,
-        level_sigmas: float = 3.0,
-        plateau_steps: int | None = None,
         growth_every_n_steps: int | None = 10,
-        growth_window: int = 50,
-        growth_factor: float = 2.0,
-        growth_progress: float = 0.2,
-        growth_runaway_factor: float = 10.0,
+        **removed: Any,
     ) -> None:
+        refuse_removed(LossSpikeDetector, removed, REMOVED_SETTINGS["LossSpikeDetector"])
         self.window = check_int("window", window, minimum=2)
         self.warmup = check_int("warmup", warmup, minimum=1)
         self.sigmas = check_float("sigmas", sigmas, low=0.0, low_open=True)
-        self.loss_ratio = check_float("loss_ratio", loss_ratio, low=1.0)
-        self.grad_ratio = check_float("grad_ratio", grad_ratio, low=1.0)
         self.check_grad_norm = check_bool("check_grad_norm", check_grad_norm)
-        self.rebaseline_after = check_int("rebaseline_after", rebaseline_after, minimum=1, optional=True)
-        self.confirm_steps = check_int("confirm_steps", confirm_steps, minimum=1)
-        self.runaway_factor = check_float("runaway_factor", runaway_factor, low=1.0, low_open=True)
-        self.anchor_steps = check_int("anchor_steps", anchor_steps, minimum=1)
-        self.min_rise = check_float("min_rise", min_rise, low=0.0)
-        self.trend_window = check_int("trend_window", trend_window, minimum=3, optional=True)
-        self.trend_probability = check_float(
-            "trend_probability", trend_probability, low=0.5, high=1.0, low_open=True, high_open=True
-        )
-        self.trend_margin = check_float("trend_margin", trend_margin, low=0.0)
-        self.level_window = check_int("level_window", level_window, minimum=1, optional=True)
-        self.level_factor = check_float("level_factor", level_factor, low=1.0, low_open=True)
-        self.level_fraction = check_float("level_fraction", level_fraction, low=0.0, high=1.0, low_open=True)
-        self.level_sigmas = check_float("level_sigmas", level_sigmas, low=0.0)
-        self.plateau_steps = check_int("plateau_steps", plateau_steps, minimum=1, optional=True)
         self.growth_every_n_steps = check_int("growth_every_n_steps", growth_every_n_steps, minimum=1, optional=True)
-        self.growth_window = check_int("growth_window", growth_window, minimum=1)
-        self.growth_factor = check_float("growth_factor", growth_factor, low=1.0, low_open=True)
-        self.growth_progress = check_float("growth_progress", growth_progress, low=0.0, high=1.0, high_open=True)
-        self.growth_runaway_factor = check_float("growth_runaway_factor", growth_runaway_factor, low=1.0,
-                                                 low_open=True)
-        if self.growth_every_n_steps is not None and self.growth_window < self.growth_every_n_steps:
+        if self.growth_every_n_steps is not None and self.growth_every_n_steps > self.growth_window:
             raise ValueError(
-                f"'growth_window' must be at least 'growth_every_n_steps' ({self.growth_every_n_steps}): the window "
-                f"compares two weight samples (got {self.growth_window})"
+                f"'growth_every_n_steps' must be at most the growth test's window, {self.growth_window} steps: the "
+                f"test compares two weight samples within it (got {self.growth_every_n_steps})"
             )
         self._growth: dict[int, WeightGrowth] = {}
         self._evidence: dict[int, DivergenceEvidence] = {}
-        self._ratios = [self.loss_ratio, self.grad_ratio]
         self._stats: dict[int, HostRunningStats] = {}
         self._streaks: dict[int, list[int]] = {}
         self._peaks: dict[int, list[float]] = {}
@@ -326,7 +276,7 @@ class LossSpikeDetector(SuiteCallback):
         evidence = self._evidence.get(record.optimizer_index)
         if evidence is None:  # not setdefault: a new DivergenceEvidence every step would cost more than its use
             evidence = self._evidence[record.optimizer_index] = DivergenceEvidence()
-        found = stats.spikes(values, self.sigmas, self._ratios)
+        found = stats.spikes(values, self.sigmas, [self.loss_ratio, self.grad_ratio])
         # A reference of zero mean and zero spread gives no threshold of its own: the anchor sets the least rise.
         found[0] = found[0] and values[0] > stats.mean[0] + self.min_rise * evidence.anchor
         if any(found):
@@ -356,7 +306,6 @@ class LossSpikeDetector(SuiteCallback):
             level_factor=self.level_factor,
             level_fraction=self.level_fraction,
             level_sigmas=self.level_sigmas,
-            plateau_steps=self.plateau_steps if record.n_optimizers == 1 else None,
             no_progress=record.n_optimizers == 1,
         )
         if finding is None:
@@ -430,7 +379,7 @@ class LossSpikeDetector(SuiteCallback):
         self, trainer: pl.Trainer, record: StepHealth, stats: HostRunningStats, values: list[float], found: list[bool]
     ) -> None:
         means, stds = list(stats.mean), stats.std
-        thresholds = stats.threshold(self.sigmas, self._ratios)
+        thresholds = stats.threshold(self.sigmas, [self.loss_ratio, self.grad_ratio])
         peaks = self._peaks[record.optimizer_index]
         for channel, name in enumerate(_CHANNELS):
             if not found[channel]:
@@ -616,7 +565,6 @@ class DivergenceEvidence:
         level_factor: float = 2.0,
         level_fraction: float = 0.5,
         level_sigmas: float = 0.0,
-        plateau_steps: int | None = None,
         no_progress: bool = False,
     ) -> tuple[str, str] | None:
         """Take one step's loss; return ``(signal kind, reason)`` when it is evidence of divergence, or
@@ -642,14 +590,12 @@ class DivergenceEvidence:
             return "loss_divergence", f"{where}, for {confirm_steps} consecutive steps"
         if spike or runaway:
             return None  # a spike's losses stay out of the trend window and the level
-        level = self._level(
-            loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas, plateau_steps, no_progress
-        )
+        level = self._level(loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas, no_progress)
         return level or self._trend(loss, trend_window, trend_probability, trend_margin, min_rise)
 
     def _level(
         self, loss: float, window: int | None, factor: float, fraction: float, confirm_steps: int, sigmas: float,
-        plateau: int | None = None, no_progress: bool = False,
+        no_progress: bool = False,
     ) -> tuple[str, str] | None:
         """The level test: the moving level of the healthy losses far above the best level the run reached.
 
@@ -682,13 +628,6 @@ class DivergenceEvidence:
             self.lowest_level, self.since_lowest = self.level, 0
         else:
             self.since_lowest += 1
-        if plateau is not None and self.since_lowest >= plateau:
-            self.since_lowest = 0
-            self.judged, self.span = self.level, plateau
-            return "loss_plateau", (
-                f"has reached no new low in {plateau} healthy steps: its level over about {window} steps is "
-                f"{self.level:.4g}, its lowest {self.lowest_level:.4g}"
-            )
         best = self.best_level
         allowance = sigmas * self.best_scatter / math.sqrt(window)
         if self.anchor <= 0.0 or best < 0.0:

@@ -10,7 +10,7 @@ from typing import Any
 import pytorch_lightning as pl
 from typing_extensions import override
 
-from lightning_overflow._validation import check_bool, check_choices, check_float, check_int, check_type
+from lightning_overflow._validation import check_choices, check_float, check_int, check_type, refuse_removed
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.diagnosis.hints import divergence_hint
@@ -20,9 +20,11 @@ from lightning_overflow.numerics.lr_scaling import scale_lr, schedules
 from lightning_overflow.policy import (
     DEFAULT_BACKOFF_TRIGGERS,
     REGROWTH,
+    REMOVED_SETTINGS,
     SIGNAL_KINDS,
     SUSPICION_SIGNALS,
     UPDATE_BOUND,
+    WINDOW_GROWTH,
     Signal,
 )
 from lightning_overflow.snapshot_store import Snapshot
@@ -59,15 +61,11 @@ class LRBackoff(SuiteCallback):
 
     - **Backoff**: ``scale *= factor``. Further triggers within ``cooldown`` optimizer steps of a backoff belong to
       the same burst and are ignored.
-    - **Escalation**: a backoff within ``escalate_within`` optimizer steps of the previous one multiplies the scale
-      by ``factor ** 2``: the LR just backed off diverged again before it had held, so one factor was not enough
-      (a run at 16x its stable LR, restored, trains for a few dozen steps at 8x and diverges again). Not when the
-      state diverges again within ``cooldown`` steps of a rollback: then the restored snapshot held the fault.
-    - **Floor**: the scale never goes below ``min_scale`` (nor a base LR below ``min_lr``); a trigger once the scale
+    - **Floor**: the scale never goes below ``min_scale``; a trigger once the scale
       sits on the floor raises :class:`DivergenceError` with the history of every backoff.
     - **Regrowth**: after ``regrow_after`` optimizer steps without a trigger, ``scale /= factor`` (at most 1: never
       above the configured schedule), as ``GradScaler`` grows its loss scale. A backoff within the growth window
-      after a regrowth means the regrowth came too early: the window is multiplied by ``window_growth`` (metaseq's
+      after a regrowth means the regrowth came too early: the window is multiplied by ``WINDOW_GROWTH`` (2; metaseq's
       adaptive loss-scale window), so the run does not oscillate between two learning rates.
     - **Undo**: once ``AutoClip`` bounds every update (``update_bound``) and a kept remedy returned to its snapshot,
       the backoffs made since that snapshot are taken back: they answered gradients out of scale, not the rate.
@@ -84,21 +82,9 @@ class LRBackoff(SuiteCallback):
         cooldown: optimizer steps after a backoff during which further triggers are part of the same burst
             (default 10: a burst of non-finite steps or a spike lasting a few steps costs one backoff, while a
             divergence that goes on after it gets the next one soon).
-        escalate_within: optimizer steps after a backoff within which the next backoff applies ``factor`` twice
-            (default ``None``: every backoff applies ``factor`` once). ``default_callbacks()`` sets it to two of
-            Rollback's snapshot intervals: a restored state that diverges again before the run has taken its second
-            snapshot at the new LR was not helped enough by the first backoff. With a small ``factor`` (0.125: 64x
-            at once when escalated) leave it ``None``.
         min_scale: the smallest scale, in (0, 1] (default 1e-3, about ten halvings).
-        min_lr: optional floor on the backed-off base learning rate of every param group (its ``initial_lr``, or its
-            ``lr`` without a scheduler, times the scale).
         regrow_after: optimizer steps without a trigger before the scale grows back by ``1 / factor`` (default
             1000; ``None`` never regrows).
-        window_growth: multiplier of the growth window after a backoff that follows a regrowth within the window
-            (default 2).
-        per_optimizer: ``True`` (default): each optimizer backs off on its own signals (a GAN's discriminator
-            diverging leaves the generator's LR alone); ``False``: a trigger from any optimizer backs off all of
-            them together, keeping the ratio of their learning rates.
 
     Attributes:
         scales: the current LR multiplier of each optimizer (1.0 = as configured).
@@ -128,29 +114,24 @@ class LRBackoff(SuiteCallback):
 
     stage = BACKOFF
     one_per_trainer = True  # acts on the whole run: a second one would act twice (refused at setup)
+    window_growth = WINDOW_GROWTH
 
     def __init__(
         self,
         factor: float = 0.5,
         triggers: Sequence[str] = DEFAULT_TRIGGERS,
         cooldown: int = 10,
-        escalate_within: int | None = None,
         min_scale: float = 1e-3,
-        min_lr: float | None = None,
         regrow_after: int | None = 1000,
-        window_growth: float = 2.0,
-        per_optimizer: bool = True,
         trial: TrialConfig | None = DEFAULT_TRIAL,
+        **removed: Any,
     ) -> None:
+        refuse_removed(LRBackoff, removed, REMOVED_SETTINGS["LRBackoff"])
         self.factor = check_float("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
         self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
         self.cooldown = check_int("cooldown", cooldown, minimum=0)
-        self.escalate_within = check_int("escalate_within", escalate_within, minimum=1, optional=True)
         self.min_scale = check_float("min_scale", min_scale, low=0.0, high=1.0, low_open=True)
-        self.min_lr = check_float("min_lr", min_lr, low=0.0, low_open=True, optional=True)
         self.regrow_after = check_int("regrow_after", regrow_after, minimum=1, optional=True)
-        self.window_growth = check_float("window_growth", window_growth, low=1.0)
-        self.per_optimizer = check_bool("per_optimizer", per_optimizer)
         self.trial = check_type("trial", trial, TrialConfig, "a TrialConfig", optional=True)
         self._reset()
 
@@ -160,7 +141,6 @@ class LRBackoff(SuiteCallback):
         self._stable_since: list[int] = []
         self._windows: list[int] = []
         self._last_regrowth: list[int] = []
-        self._restored_at: list[int] = []
         self.history: list[dict[str, Any]] = []
 
     @property
@@ -168,7 +148,8 @@ class LRBackoff(SuiteCallback):
         try:
             return self._state_key  # built once: Lightning reads it often, its arguments never change
         except AttributeError:
-            self._state_key: str = self._generate_state_key(factor=self.factor, per_optimizer=self.per_optimizer)
+            # per_optimizer=True: the key of earlier releases, whose backoff could act on every optimizer together
+            self._state_key: str = self._generate_state_key(factor=self.factor, per_optimizer=True)
             return self._state_key
 
     # ---- wiring -----------------------------------------------------------------------------------------------
@@ -206,13 +187,9 @@ class LRBackoff(SuiteCallback):
                 self._regrow(trainer, index, step)
 
     def _fired(self, signals: Sequence[Signal], n_optimizers: int) -> dict[int, list[Signal]]:
-        """The trigger signals of this batch, by the optimizer they concern (all optimizers together when
-        ``per_optimizer=False``)."""
+        """The trigger signals of this batch, by the optimizer they concern: each optimizer backs off on its own
+        signals (a GAN's discriminator diverging leaves the generator's rate alone)."""
         relevant = [s for s in signals if s.kind in self.triggers and s.optimizer_index < n_optimizers]
-        if not relevant:
-            return {}
-        if not self.per_optimizer:
-            return {index: relevant for index in range(n_optimizers)}
         fired: dict[int, list[Signal]] = {}
         for signal in relevant:
             fired.setdefault(signal.optimizer_index, []).append(signal)
@@ -222,7 +199,7 @@ class LRBackoff(SuiteCallback):
     def _back_off(self, trainer: pl.Trainer, due: dict[int, list[Signal]]) -> None:
         # A suspicion at the floor is left alone: only what is certain may stop a run (a suspicion that is answered
         # at once, where no trial can run, has no verdict to stop it on).
-        at_floor = {index for index in due if self.scales[index] <= self._floor(trainer, index) * (1 + _AT_FLOOR)}
+        at_floor = {index for index in due if self.scales[index] <= self.min_scale * (1 + _AT_FLOOR)}
         due = {index: signals for index, signals in due.items()
                if index not in at_floor or any(s.kind not in SUSPICION_SIGNALS for s in signals)}  # fmt: skip
         # Check every floor first: either every optimizer concerned backs off or the run stops, never half of it.
@@ -232,10 +209,7 @@ class LRBackoff(SuiteCallback):
         for index, signals in due.items():
             old = self.scales[index]
             first = min(signals, key=lambda s: s.step)
-            previous = self._last_backoff(index)
-            held = None if previous is None else first.step - previous
-            escalated = self._escalates(index, first.step, previous)
-            new = max(old * self.factor ** (2 if escalated else 1), self._floor(trainer, index))
+            new = max(old * self.factor, self.min_scale)
             self._apply(trainer, index, new / old)
             self.scales[index] = new
             self._cooldown_until[index] = first.step + self.cooldown
@@ -243,49 +217,17 @@ class LRBackoff(SuiteCallback):
             if last_regrowth >= 0 and first.step - last_regrowth <= self._windows[index]:
                 self._windows[index] = math.ceil(self._windows[index] * self.window_growth)
             entry = self._remember("backoff", first.step, index, _kinds(signals), first.reason, new)
-            twice = (
-                f"; factor {self.factor:g} twice: the backoff at step {previous} held for only {held} steps"
-                if escalated
-                else ""
-            )
             message = (
                 f"LRBackoff: {entry['kinds']} at step {first.step}: the learning rate of optimizer {index} is now "
-                f"{new:.4g} x its schedule (was {old:.4g} x{twice}; group LRs {_lrs(trainer, index)}). "
+                f"{new:.4g} x its schedule (was {old:.4g} x; group LRs {_lrs(trainer, index)}). "
                 f"Cause: {first.reason}"
             )
             self._event(
                 trainer, "backoff", message, step=first.step, **_details(entry), previous_scale=old,
-                lrs=_lrs(trainer, index), escalated=escalated, floor=self._floor(trainer, index),
+                lrs=_lrs(trainer, index), floor=self.min_scale,
             )
             if trainer.global_rank == 0:
                 log.info(message)
-
-    def _escalates(self, index: int, step: int, previous: int | None) -> bool:
-        """Whether the backoff at ``step`` applies the factor twice: the LR backed off at ``previous`` diverged again
-        within ``escalate_within`` steps, after the state it was applied to (the one restored since, if any) had
-        trained for longer than ``cooldown`` steps. A state restored from a snapshot that diverges again within
-        ``cooldown`` steps held the fault itself (Rollback goes further back for that): no reason to lower the LR
-        further."""
-        if previous is None or self.escalate_within is None or step - previous > self.escalate_within:
-            return False
-        return step - max(previous, self._restored_at[index]) > self.cooldown
-
-    def _last_backoff(self, index: int) -> int | None:
-        """The step of this optimizer's last backoff that stands (``None``: none yet, or every one undone)."""
-        entries, standing = self._standing_backoffs(index)
-        return entries[standing[-1]]["step"] if standing else None
-
-    def _standing_backoffs(self, index: int) -> tuple[list[dict[str, Any]], list[int]]:
-        """This optimizer's history, and the positions in it of the backoffs that stand: each undo takes back the
-        last one standing."""
-        entries = [h for h in self.history if h["optimizer"] == index]
-        standing: list[int] = []
-        for position, entry in enumerate(entries):
-            if entry["action"] == "backoff":
-                standing.append(position)
-            elif entry["action"] == "undo" and standing:
-                standing.pop()
-        return entries, standing
 
     # ---- undo -------------------------------------------------------------------------------------------------
     def _take_back(self, trainer: pl.Trainer, index: int, scale: float, bound: Signal) -> None:
@@ -306,21 +248,9 @@ class LRBackoff(SuiteCallback):
         """Remember, journal and log backoffs taken back (``undo``) on ``signal``; the new scale is in place."""
         entry = self._remember("undo", signal.step, index, signal.kind, signal.reason, self.scales[index])
         self._event(trainer, "undo", message, step=signal.step, **_details(entry), previous_scale=old,
-                    lrs=_lrs(trainer, index), floor=self._floor(trainer, index), **details)  # fmt: skip
+                    lrs=_lrs(trainer, index), floor=self.min_scale, **details)  # fmt: skip
         if trainer.global_rank == 0:
             log.info(message)
-
-    def _floor(self, trainer: pl.Trainer, index: int) -> float:
-        """The smallest scale allowed: ``min_scale``, or higher where ``min_lr`` says so."""
-        floor = self.min_scale
-        if self.min_lr is None:
-            return floor
-        scale = self.scales[index]
-        for group in trainer.optimizers[index].param_groups:
-            base = float(group.get("initial_lr", group["lr"])) / scale  # the configured base LR
-            if base > 0:
-                floor = max(floor, self.min_lr / base)
-        return floor
 
     def _diverged(self, trainer: pl.Trainer, index: int, signals: list[Signal]) -> DivergenceError:
         first = min(signals, key=lambda s: s.step)
@@ -331,8 +261,7 @@ class LRBackoff(SuiteCallback):
         message = (
             f"LRBackoff: {entry['kinds']} at step {first.step} on rank {trainer.global_rank} (every rank stops "
             f"together) while the learning rate of optimizer {index} was already at its floor "
-            f"({self.scales[index]:.4g} x its schedule; min_scale={self.min_scale:g}"
-            f"{'' if self.min_lr is None else f', min_lr={self.min_lr:g}'}). Backoffs so far: {done}. "
+            f"({self.scales[index]:.4g} x its schedule; min_scale={self.min_scale:g}). Backoffs so far: {done}. "
             f"Cause: {first.reason} HINT: {divergence_hint(board.present(), board.cause)}."
         )
         self._event(trainer, "abort", message, step=first.step, **_details(entry))
@@ -370,7 +299,6 @@ class LRBackoff(SuiteCallback):
             self._stable_since.append(step)
             self._windows.append(self.regrow_after or 0)
             self._last_regrowth.append(-1)
-            self._restored_at.append(-1)
 
     def _apply(self, trainer: pl.Trainer, index: int, ratio: float) -> None:
         if ratio == 1.0:
@@ -394,17 +322,17 @@ class LRBackoff(SuiteCallback):
         self, trainer: pl.Trainer, snapshot: Snapshot | None, signal: Signal | None, power: int
     ) -> tuple[list[float], float] | None:
         """The remedy's learning rate: ``factor ** power`` times the current scale of the optimizer concerned (all
-        of them with ``per_optimizer=False``), never below the floor. The live state is the snapshot just restored
-        (its own scale then) or the current state."""
+        of them for a trial opened without a signal), never below the floor. The live state is the snapshot just
+        restored (its own scale then) or the current state."""
         step = int(trainer.global_step)
         self._track(len(trainer.optimizers), step)
         concerned = range(len(self.scales))
-        if self.per_optimizer and signal is not None:
+        if signal is not None:
             concerned = range(signal.optimizer_index, signal.optimizer_index + 1)
         then = [float(s) for s in snapshot.extras.get(self.state_key, {}).get("scales", [])] if snapshot else []
         scales = list(self.scales)
         for index in concerned:  # a negative power grows the rate back, never above the schedule
-            scales[index] = min(1.0, max(self.scales[index] * self.factor**power, self._floor(trainer, index)))
+            scales[index] = min(1.0, max(self.scales[index] * self.factor**power, self.min_scale))
         for index, scale in enumerate(scales):
             was = then[index] if index < len(then) else (1.0 if snapshot is not None else self.scales[index])
             self._apply(trainer, index, scale / was)
@@ -434,7 +362,6 @@ class LRBackoff(SuiteCallback):
                 self._last_regrowth[index] = step
             else:
                 self._cooldown_until[index] = step
-                self._restored_at[index] = step
             reason = f"a trial opened {opened_because(trial.kind, trial.step)} kept the remedy: {outcome.why}"
             entry = self._remember("regrowth" if new > old else "backoff", step, index, trial.kind, reason, new)
             message = (
@@ -443,7 +370,7 @@ class LRBackoff(SuiteCallback):
             )
             self._event(trainer, entry["action"], message, step=step, **_details(entry), previous_scale=old,
                         lrs=_lrs(trainer, index), escalated=False, trial=True,
-                        floor=self._floor(trainer, index))  # fmt: skip
+                        floor=self.min_scale)  # fmt: skip
             if trainer.global_rank == 0:
                 log.info(message)
         self._unless_bounded(trainer, outcome.remedy.extras.get(self.state_key, {}))
@@ -456,7 +383,7 @@ class LRBackoff(SuiteCallback):
         snapshot = [float(s) for s in extra.get("scales", [])]
         for index, scale in enumerate(list(self.scales)):
             then = snapshot[index] if index < len(snapshot) else 1.0
-            bound = [s for s in bounds if s.optimizer_index == index or not self.per_optimizer]
+            bound = [s for s in bounds if s.optimizer_index == index]
             if bound and then > scale:
                 self._apply(trainer, index, then / scale)
                 self._take_back(trainer, index, then, bound[0])
@@ -491,7 +418,7 @@ class LRBackoff(SuiteCallback):
         bounds = [s for s in self.board(trainer).signals if s.kind == UPDATE_BOUND]
         for index, scale in enumerate(self.scales):
             then = snapshot[index] if index < len(snapshot) else 1.0
-            bound = [s for s in bounds if s.optimizer_index == index or not self.per_optimizer]
+            bound = [s for s in bounds if s.optimizer_index == index]
             if bound and then > scale:
                 self._take_back(trainer, index, then, bound[0])  # the restored state carries the snapshot's rate
             else:
@@ -499,7 +426,6 @@ class LRBackoff(SuiteCallback):
             # The state that diverged is undone: a divergence of the restored state at this scale is new evidence,
             # and backs off further at once rather than waiting out the cooldown of the backoff just made.
             self._cooldown_until[index] = min(self._cooldown_until[index], step)
-            self._restored_at[index] = step
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -509,7 +435,6 @@ class LRBackoff(SuiteCallback):
             "stable_since": list(self._stable_since),
             "windows": list(self._windows),
             "last_regrowth": list(self._last_regrowth),
-            "restored_at": list(self._restored_at),
             "history": [dict(h) for h in self.history],
             "trial": self._trial_state(),
         })  # fmt: skip
@@ -531,10 +456,9 @@ class LRBackoff(SuiteCallback):
         self._stable_since = state.get("stable_since", per_optimizer)
         self._windows = state.get("windows", per_optimizer)
         self._last_regrowth = state.get("last_regrowth", per_optimizer)
-        self._restored_at = state.get("restored_at", per_optimizer)
         self.history = state.get("history", lambda v: [dict(h) for h in v])
         self._load_trial_state(state.get("trial", lambda v: v, old=None))
-        state.finish()
+        state.finish(ignored=("restored_at",))  # the escalation's, written by earlier releases
 
 
 def _details(entry: dict[str, Any]) -> dict[str, Any]:

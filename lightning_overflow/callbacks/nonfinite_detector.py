@@ -3,7 +3,6 @@ where it came from; warn before the run reaches the FP32 limit."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -12,7 +11,7 @@ import torch
 from typing_extensions import override
 
 from lightning_overflow import _compat
-from lightning_overflow._validation import check_bool, check_choice, check_float, check_int
+from lightning_overflow._validation import check_bool, check_choice, check_int, refuse_removed
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
@@ -30,9 +29,21 @@ from lightning_overflow.health import (
     nonfinite_at_end,
     state_flags,
 )
-from lightning_overflow.numerics import FP32_MAX, parameters_of
+from lightning_overflow.numerics import parameters_of
 from lightning_overflow.numerics.snapshots import nonfinite_flag
-from lightning_overflow.policy import StepAction, Verdict
+from lightning_overflow.policy import (
+    BURST_COUNT,
+    BURST_WINDOW,
+    HEADROOM_WARN_DECADES,
+    MAX_SCALER_OVERFLOWS,
+    MAX_SKIPPED_SHARE,
+    MIN_LOSS_SCALE,
+    PERSIST_AFTER,
+    REMOVED_SETTINGS,
+    SKIP_WINDOW,
+    StepAction,
+    Verdict,
+)
 from lightning_overflow.preserve import capture_rng
 from lightning_overflow.replicas import checksum, compare, differing_parameters
 from lightning_overflow.training_state import StateCheck
@@ -68,7 +79,7 @@ class NonFiniteDetector(SuiteCallback):
     and the verdict is identical on every rank.
 
     Under ``16-mixed`` the GradScaler overflows routinely while it calibrates its scale; such steps are left to the
-    scaler. Only ``max_scaler_overflows`` consecutive overflows, or a scale below ``min_loss_scale``, count.
+    scaler. Only ``MAX_SCALER_OVERFLOWS`` (20) consecutive overflows, or a scale below ``MIN_LOSS_SCALE`` (1e-4), count.
 
     An intervention when ``action="skip"``: a non-finite step becomes a true no-op (``zero_grad(set_to_none=True)``:
     weights, moments, weight decay and the optimizer's step counts untouched) and the step-interval LR schedulers
@@ -91,26 +102,6 @@ class NonFiniteDetector(SuiteCallback):
         check_weights_every_n_steps: check weights and optimizer state every this many steps (default 100; ``None``
             or 0 disables). They are also checked whenever the loss or the gradients are non-finite, to name the
             cause.
-        max_scaler_overflows: under a GradScaler, consecutive overflow steps tolerated as calibration (default 20;
-            the scale falls from 65536 to 1 in 16).
-        min_loss_scale: under a GradScaler, a scale below this is a detection (default 1e-4).
-        burst_count, burst_window: ``burst_count`` detections within ``burst_window`` optimizer steps are a burst,
-            which interventions (LRBackoff, Rollback) treat as divergence (defaults 3 in 50). An isolated detection
-            is absorbed by the skip alone: one corrupt sample must not cost the learning rate.
-        persist_after: consecutive non-finite steps on batches that hold no inf/NaN (nor values above 1e15) after
-            which the state itself, not the data, produces them: signal ``nonfinite_persistent``, which the default
-            interventions treat as divergence (default 3). Batches that do hold them are data faults: skipped,
-            journaled as ``data_fault`` events (the batch's index in its epoch, the rows that hold them), and never
-            held against the state, however often they recur (this needs ``diagnose=True``, which measures the
-            batch).
-        max_skipped_share, skip_window: the skip budget. When more than ``max_skipped_share`` of the last
-            ``skip_window`` optimizer steps were skipped (by any suite callback, for any reason but a data fault:
-            bad batches say nothing about the state; defaults half of the last 20), the run is not training, whether
-            its skips come in a row or not: signal
-            ``nonfinite_persistent`` (so ``LRBackoff`` and ``Rollback`` back off and restore at once, and raise
-            :class:`~lightning_overflow.DivergenceError` once nothing is left to try), and count afresh. With no
-            callback that answers that signal, raise :class:`~lightning_overflow.DivergenceError` here, naming the
-            step, the ranks, the counts and what to try.
         diagnose: on a non-finite loss or gradient, replay the step's batch with hooks on every module and op
             (the idea of fairseq's ``NanDetector``) and ask whether it reproduces (the idea of Megatron-LM's rerun
             machinery): the first module and op whose output (forward) or gradient (backward) became inf/NaN, its
@@ -124,9 +115,26 @@ class NonFiniteDetector(SuiteCallback):
         headroom_every_n_steps: every this many optimizer steps (default 100; ``None`` or 0 disables), measure how
             many decades separate the largest magnitude of the step (loss, gradient norm, and activations sampled
             with forward hooks on that step only) from the FP32 limit, and log it.
-        headroom_warn_decades: warn once (naming the module with the largest activation) when the headroom falls
-            below this many decades (default 20: below about 19.3 decades any square of the value, as in a
-            variance, an L2 norm or an MSE, overflows FP32).
+
+    The rest is the policy's (constants of :mod:`lightning_overflow.policy`, no settings):
+
+    - ``BURST_COUNT`` detections within ``BURST_WINDOW`` optimizer steps (3 in 50) are a burst, which
+      interventions treat as divergence when their triggers name ``nonfinite_burst``. An isolated detection is
+      absorbed by the skip alone: one corrupt sample must not cost the learning rate.
+    - ``PERSIST_AFTER`` (3) consecutive non-finite steps on batches that hold no inf/NaN (nor values above 1e15):
+      the state itself, not the data, produces them: signal ``nonfinite_persistent``, which the default
+      interventions treat as divergence. Batches that do hold them are data faults: skipped, journaled as
+      ``data_fault`` events (the batch's index in its epoch, the rows that hold them), and never held against the
+      state, however often they recur (this needs ``diagnose=True``, which measures the batch).
+    - The skip budget: when more than ``MAX_SKIPPED_SHARE`` of the last ``SKIP_WINDOW`` optimizer steps (half of the
+      last 20) were skipped, by any suite callback, for any reason but a data fault, the run is not training,
+      whether its skips come in a row or not: signal ``nonfinite_persistent`` (so ``LRBackoff`` and ``Rollback``
+      back off and restore at once, and raise :class:`~lightning_overflow.DivergenceError` once nothing is left to
+      try), and count afresh. With no callback that answers that signal, raise
+      :class:`~lightning_overflow.DivergenceError` here, naming the step, the ranks, the counts and what to try.
+    - Headroom: a warning, once, naming the module with the largest activation, when the headroom falls below
+      ``HEADROOM_WARN_DECADES`` (20: below about 19.3 decades any square of the value, as in a variance, an L2 norm
+      or an MSE, overflows FP32).
 
     Signals (read by interventions): ``nonfinite`` on every detection, ``nonfinite_burst`` on a burst,
     ``nonfinite_persistent`` when the state keeps producing non-finite steps, ``replica_mismatch`` when the DDP
@@ -167,23 +175,24 @@ class NonFiniteDetector(SuiteCallback):
 
     stage = DETECTOR
 
+    max_scaler_overflows = MAX_SCALER_OVERFLOWS
+    min_loss_scale = MIN_LOSS_SCALE
+    burst_count, burst_window = BURST_COUNT, BURST_WINDOW
+    persist_after = PERSIST_AFTER
+    max_skipped_share, skip_window = MAX_SKIPPED_SHARE, SKIP_WINDOW
+    headroom_warn_decades = HEADROOM_WARN_DECADES
+
     def __init__(
         self,
         action: Action = "skip",
         max_consecutive_skips: int = 20,
         check_weights_every_n_steps: int | None = 100,
         check_replicas_every_n_steps: int | None = None,
-        max_scaler_overflows: int = 20,
-        min_loss_scale: float = 1e-4,
-        burst_count: int = 3,
-        burst_window: int = 50,
-        persist_after: int = 3,
-        max_skipped_share: float = 0.5,
-        skip_window: int = 20,
         diagnose: bool = True,
         headroom_every_n_steps: int | None = 100,
-        headroom_warn_decades: float = 20.0,
+        **removed: Any,
     ) -> None:
+        refuse_removed(NonFiniteDetector, removed, REMOVED_SETTINGS["NonFiniteDetector"])
         self.action = check_choice("action", action, ("skip", "raise", "warn"))
         self.max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, minimum=1)
         self.check_weights_every_n_steps = (
@@ -192,20 +201,9 @@ class NonFiniteDetector(SuiteCallback):
         self.check_replicas_every_n_steps = (
             check_int("check_replicas_every_n_steps", check_replicas_every_n_steps, minimum=0, optional=True) or None
         )
-        self.max_scaler_overflows = check_int("max_scaler_overflows", max_scaler_overflows, minimum=1)
-        self.min_loss_scale = check_float("min_loss_scale", min_loss_scale, low=0.0, low_open=True)
-        self.burst_count = check_int("burst_count", burst_count, minimum=1)
-        self.burst_window = check_int("burst_window", burst_window, minimum=1)
-        self.persist_after = check_int("persist_after", persist_after, minimum=1)
-        self.max_skipped_share = check_float("max_skipped_share", max_skipped_share, low=0.0, high=1.0,
-                                             low_open=True, high_open=True)  # fmt: skip
-        self.skip_window = check_int("skip_window", skip_window, minimum=2)
         self.diagnose = check_bool("diagnose", diagnose)
         self.headroom_every_n_steps = (
             check_int("headroom_every_n_steps", headroom_every_n_steps, minimum=0, optional=True) or None
-        )
-        self.headroom_warn_decades = check_float(
-            "headroom_warn_decades", headroom_warn_decades, low=0.0, high=math.log10(FP32_MAX), low_open=True
         )
         self.last_diagnosis: Diagnosis | None = None
         self.last_headroom: Headroom | None = None

@@ -37,22 +37,22 @@ import torch
 from typing_extensions import override
 
 from lightning_overflow import _compat
-from lightning_overflow._validation import check_choices, check_int, check_type
+from lightning_overflow._validation import check_choices, check_int, check_type, refuse_removed
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import ROLLBACK, SuiteCallback
 from lightning_overflow.diagnosis.hints import divergence_hint
 from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
-from lightning_overflow.health import MAX_NAMES, StepHealth
+from lightning_overflow.health import MAX_NAMES
 from lightning_overflow.numerics.snapshots import without_placeholders
 from lightning_overflow.policy import (
     DEFAULT_ROLLBACK_TRIGGERS,
+    REMOVED_SETTINGS,
+    ROLLBACK_WINDOW,
     SIGNAL_KINDS,
     SUSPICION_SIGNALS,
     Signal,
-    StepAction,
-    Verdict,
 )
 from lightning_overflow.replicas import checksum
 from lightning_overflow.snapshot_store import Snapshot, SnapshotFiles, SnapshotRing, snapshot_name
@@ -76,9 +76,9 @@ DEFAULT_TRIGGERS = DEFAULT_ROLLBACK_TRIGGERS
 
 _SUITE_ERRORS = (DivergenceError, NonFiniteError, RollbackError)  # raised on every rank together
 HINT = (
-    "Rollback's own settings: skip_batches skips the batches after a rollback, max_rollbacks and window set the "
-    "budget (LRBackoff backs off on the detectors' divergence signals outside its cooldown; it hears nothing of a "
-    "rollback that Rollback starts itself for a state that failed its check)"
+    "Rollback's own settings: max_rollbacks sets the budget (LRBackoff backs off on the detectors' divergence "
+    "signals outside its cooldown; it hears nothing of a rollback that Rollback starts itself for a state that "
+    "failed its check)"
 )
 
 
@@ -87,8 +87,8 @@ class Rollback(SuiteCallback):
 
     An intervention. On a rollback it restores, in place, the LightningModule's whole ``state_dict`` (parameters,
     buffers, ``get_extra_state`` values), every optimizer's state, every LR scheduler's state and the GradScaler's,
-    clears the gradients, and tells the other suite callbacks (``LRBackoff`` keeps the scale it holds now). With
-    ``skip_batches`` the next batches are consumed without an optimizer step. A healthy run is left bit-identical.
+    clears the gradients, and tells the other suite callbacks (``LRBackoff`` keeps the scale it holds now). A healthy
+    run is left bit-identical.
 
     Snapshots: the state the fit starts from, then one every ``every_n_steps`` healthy optimizer steps (no detector
     signal, not skipped), each verified finite on every rank first (parameters and optimizer moments strictly;
@@ -123,11 +123,9 @@ class Rollback(SuiteCallback):
             pruned to ``keep``; on several ranks each rank writes the part it holds into ``<dirpath>/rank=<r>``).
             A fit resumed with ``ckpt_path`` can roll back to the files listed in its checkpoint. Checked in
             ``setup`` (``None``, the default: memory only).
-        max_rollbacks: rollbacks allowed within ``window`` steps (default 3); the next need raises
+        max_rollbacks: rollbacks allowed within ``ROLLBACK_WINDOW`` (1000) steps (default 3); the next need raises
             :class:`DivergenceError`. A rollback whose settings differ from the previous rollback's (the LR backed
             off since) is progress and is not counted: the backoff's floor bounds those.
-        window: the window in optimizer steps for ``max_rollbacks`` (default 1000).
-        skip_batches: after a rollback, consume this many training batches without an optimizer step (default 0).
         triggers: the signal kinds that cause a rollback, at least one (default :data:`DEFAULT_TRIGGERS`).
 
     Attributes:
@@ -135,7 +133,6 @@ class Rollback(SuiteCallback):
         history: one dict per rollback: ``step``, ``reason`` (signal kind), ``trigger_step``, ``snapshot_step``,
             ``source`` (``"memory"``/``"disk"``). The journal's ``rollback`` event also says whether it was
             ``counted`` in the budget.
-        skipped_steps: optimizer steps skipped after rollbacks.
         snapshot_steps: the steps of the snapshots kept in memory, oldest first.
         snapshot_nbytes: host bytes this rank's snapshots in memory hold.
         restores_state: ``False`` when ``"nonfinite_state"`` is not among the triggers (``NonFiniteDetector`` then
@@ -150,15 +147,14 @@ class Rollback(SuiteCallback):
         NotImplementedError: in ``setup``, under a strategy the suite refuses (``FSDPStrategy``,
             ``XLAFSDPStrategy``, ``DeepSpeedStrategy``) or ``XLAStrategy``; with a ``ZeroRedundancyOptimizer``.
 
-    Logged keys: ``overflow/rollbacks`` (cumulative rollbacks), ``overflow/skipped_steps`` (cumulative skipped
-    optimizer steps, with other callbacks'). Journal events: ``rollback``, ``skip``, ``snapshot_refused``,
+    Logged keys: ``overflow/rollbacks`` (cumulative rollbacks). Journal events: ``rollback``, ``snapshot_refused``,
     ``snapshot_unusable``, ``snapshot_write_failed``, ``checkpoint_refused``, ``abort``, ``exit_restore``.
 
     Example:
         >>> import pytorch_lightning as pl
         >>> from lightning_overflow import NonFiniteDetector
         >>> trainer = pl.Trainer(
-        ...     callbacks=[NonFiniteDetector(), Rollback(every_n_steps=50, skip_batches=10)], logger=False
+        ...     callbacks=[NonFiniteDetector(), Rollback(every_n_steps=50, max_rollbacks=5)], logger=False
         ... )
     """
 
@@ -166,6 +162,7 @@ class Rollback(SuiteCallback):
     one_per_trainer = True  # acts on the whole run: a second one would act twice (refused at setup)
 
     restores_state = True
+    window = ROLLBACK_WINDOW
 
     def __init__(
         self,
@@ -173,11 +170,11 @@ class Rollback(SuiteCallback):
         keep: int = 2,
         dirpath: str | os.PathLike[str] | None = None,
         max_rollbacks: int = 3,
-        window: int = 1000,
-        skip_batches: int = 0,
         triggers: Iterable[str] = DEFAULT_TRIGGERS,
         trial: TrialConfig | None = DEFAULT_TRIAL,
+        **removed: Any,
     ) -> None:
+        refuse_removed(Rollback, removed, REMOVED_SETTINGS["Rollback"])
         self.every_n_steps = check_int("every_n_steps", every_n_steps, minimum=1)
         self.keep = check_int("keep", keep, minimum=1)
         if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
@@ -186,8 +183,6 @@ class Rollback(SuiteCallback):
             raise ValueError(f"'dirpath' must be a non-empty path or None (got {dirpath!r})")
         self.dirpath = dirpath
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, minimum=1)
-        self.window = check_int("window", window, minimum=1)
-        self.skip_batches = check_int("skip_batches", skip_batches, minimum=0)
         self.triggers = check_choices("triggers", triggers, SIGNAL_KINDS, what="signal kinds")
         self.trial = check_type("trial", trial, TrialConfig, "a TrialConfig", optional=True)
         if "nonfinite_state" not in self.triggers:
@@ -197,10 +192,9 @@ class Rollback(SuiteCallback):
         self._reset()
 
     def _reset(self) -> None:
-        """Forget every fit so far: snapshots, budget, history, pending skips."""
+        """Forget every fit so far: snapshots, budget, history."""
         self.rollbacks = 0
         self.history: list[dict[str, Any]] = []
-        self.skipped_steps = 0
         self._memory = SnapshotRing(self.keep)
         self._writer: SnapshotFiles | None = None  # this rank's folder of dirpath (dirpath itself on one process)
         self._disk: list[dict[str, Any]] = []  # files written, oldest first: {"step", "file"}
@@ -208,8 +202,6 @@ class Rollback(SuiteCallback):
         self._healthy = 0
         self._last_step = 0
         self._fit_start = 0  # the step this fit started (or resumed) from
-        self._skip_left = 0
-        self._skipping = False
         self._last_target: int | None = None
         self._last_settings: tuple[float, ...] = ()
         self._retries = 0  # rollbacks in a row to the last target after the first
@@ -253,19 +245,7 @@ class Rollback(SuiteCallback):
 
     @override
     def _wants_record(self) -> bool:
-        return self._skip_left > 0  # only to skip the batches after a rollback
-
-    @override
-    def _judge(self, trainer: pl.Trainer, record: StepHealth) -> Verdict | None:
-        if self._skip_left <= 0:
-            return None
-        self._skipping = True
-        return Verdict(skip="skipped after a rollback")
-
-    @override
-    def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
-        if self._skipping and action.skipped_by is self:
-            self._journal_skip(trainer, record)
+        return False  # it acts on the detectors' signals at batch end, never on a step's values
 
     @override
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
@@ -273,8 +253,7 @@ class Rollback(SuiteCallback):
         self._last_step = int(trainer.global_step)
         board = self.board(trainer)
         current = board.current  # a suite callback may have skipped this batch's step
-        skipped = self._end_skip()
-        skipped = skipped or (current is not None and current.skipped and current.step >= self._last_step - steps)
+        skipped = current is not None and current.skipped and current.step >= self._last_step - steps
         fired = [signal for signal in board.signals if signal.kind in self.triggers]
         if fired:
             self._roll_back(trainer, fired[0])
@@ -333,23 +312,6 @@ class Rollback(SuiteCallback):
         refused = self._take(trainer, start=True, keep=bool(self._before_restart), counting=resumed)
         if refused is not None:
             self._warnings.warn("start", refused.reason)
-
-    def _journal_skip(self, trainer: pl.Trainer, record: StepHealth) -> None:
-        self.skipped_steps += 1
-        nth, after = self.skip_batches - self._skip_left + 1, self.history[-1]["step"] if self.history else "?"
-        message = (
-            f"Rollback: skipped optimizer step {record.step} (batch {nth} of {self.skip_batches} skipped after "
-            f"the rollback at step {after})"
-        )
-        self._event(trainer, "skip", message, reason="rollback", optimizer=record.optimizer_index)
-
-    def _end_skip(self) -> bool:
-        """Whether this batch was one of the batches skipped after a rollback (and count it)."""
-        if not self._skipping:
-            return False
-        self._skipping = False
-        self._skip_left -= 1
-        return True
 
     def _count_healthy(self, trainer: pl.Trainer, steps: int) -> None:
         self._healthy += steps
@@ -611,9 +573,7 @@ class Rollback(SuiteCallback):
         self._last_target = target
         self._last_settings = settings
         self._healthy = 0
-        self._skip_left = self.skip_batches
         left = max(0, self.max_rollbacks - len(recent) - (not progress))
-        skip = f"; the next {self.skip_batches} batch(es) will be skipped" if self.skip_batches else ""
         what = (
             f"a trial kept the remedy that started from the snapshot of step {target}, at step {step},"
             if source == "trial"
@@ -625,7 +585,7 @@ class Rollback(SuiteCallback):
             else "This one is counted"
         )
         message = (
-            f"Rollback: {what} after {signal.kind} at step {signal.step} ({signal.reason}){skip}. {counted}: {left} "
+            f"Rollback: {what} after {signal.kind} at step {signal.step} ({signal.reason}). {counted}: {left} "
             f"more allowed within {self.window} steps (max_rollbacks={self.max_rollbacks}; one that follows a backoff "
             f"of the learning rate is not counted)."
         )
@@ -785,15 +745,13 @@ class Rollback(SuiteCallback):
     # ---- counters and state -----------------------------------------------------------------------------------
     @override
     def _counters(self) -> dict[str, float]:
-        return {"overflow/rollbacks": self.rollbacks, "overflow/skipped_steps": self.skipped_steps}
+        return {"overflow/rollbacks": self.rollbacks}
 
     @override
     def state_dict(self) -> dict[str, Any]:
         return versioned({
             "rollbacks": self.rollbacks,
             "history": [dict(h) for h in self.history],
-            "skipped_steps": self.skipped_steps,
-            "skip_left": self._skip_left,
             "healthy_steps": self._healthy,
             "disk": [dict(e) for e in self._disk],
             "free": sorted(self._free),  # the rollbacks of history that spent no budget (progress)
@@ -814,8 +772,6 @@ class Rollback(SuiteCallback):
         )  # fmt: skip
         self.rollbacks = state.get("rollbacks", int)
         self.history = state.get("history", lambda v: [dict(h) for h in v])
-        self.skipped_steps = state.get("skipped_steps", int)
-        self._skip_left = state.get("skip_left", int)
         self._healthy = state.get("healthy_steps", int)
         self._disk = state.get("disk", lambda v: [{"step": int(e["step"]), "file": str(e["file"])} for e in v])
         self._free = state.get("free", lambda v: _indices(v, len(self.history)))
@@ -825,7 +781,7 @@ class Rollback(SuiteCallback):
         self._rollback_settings = state.get("rollback_settings", lambda v: None if v is None else _floats(v), old=None)
         self._resumed = True
         self._load_trial_state(state.get("trial", lambda v: v, old=None))
-        state.finish()
+        state.finish(ignored=("skipped_steps", "skip_left"))  # skip_batches', written by earlier releases
 
 
 def _optional_int(value: Any) -> int | None:
