@@ -563,7 +563,22 @@ def targets(results: Results) -> list[Check]:
         *[_never_worse_than(results, ours, part) for part in PARTS],
         *_stable_checks(results),
         harmless_target(results),
+        _far_off_endings_said(ours),
     ]
+
+
+FAR_OFF = 10.0
+"""A finite ending this many times the family's reference or more is far off: the run must say so at its end."""
+SAID = ("ending", "left_alone", "behind", "nonfinite_at_end", "stopped")
+"""The journal's kinds that say at a fit's end that it did not end well."""
+
+
+def _far_off_endings_said(ours: dict[tuple[str, int], Run]) -> Check:
+    far = [r for r in ours.values() if r.ended_finite and not r.raised and r.ratio >= FAR_OFF]
+    unsaid = [f"{r.scenario} seed {r.seed} ({r.ratio:.3g}x)" for r in far if not any(r.journal.get(k) for k in SAID)]
+    line = f"far-off endings said: {OURS} said so on {len(far) - len(unsaid)}/{len(far)} finite runs {FAR_OFF:g}x " \
+           "their reference or more"
+    return _where(not unsaid, line, "unsaid", unsaid) if far else (None, line)
 
 
 def target_share(results: Results) -> float:

@@ -44,7 +44,14 @@ from lightning_overflow import _compat
 from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import read_packed, sum_and_read
 from lightning_overflow.events import Event, Journal, MetricBuffer, WarningCache
-from lightning_overflow.fit_summary import LossEnding, behind_a_restore, left_alone, opened_because, plain_lines
+from lightning_overflow.fit_summary import (
+    DEAD_SHARE,
+    LossEnding,
+    behind_a_restore,
+    left_alone,
+    opened_because,
+    plain_lines,
+)
 from lightning_overflow.loggers import (
     StepMerge,
     journal_location,
@@ -386,6 +393,19 @@ def nonfinite_at_end(trainer: pl.Trainer, check: StateCheck, who: str = "lightni
         "nothing restored them. HINT: add Rollback (default_callbacks()) to restore the last state verified finite, "
         "and look at what wrote them (a BatchNorm statistic fed a NaN sample, a buffer updated outside the step)."
     )
+
+
+def _silent(record: StepHealth) -> tuple[tuple[int, int] | None, list[str]]:
+    """``(gradient tensors exactly 0, tensors)`` of the step, and the names of a few of them where they are most (a
+    dead network: :class:`~lightning_overflow.fit_summary.LossEnding`); a host count over the norms already read."""
+    norms = record.exact_grad_norms if record.exact_grad_norms is not None else (
+        record.value("grad_norms") if record.has("grad_norms") else None)  # fmt: skip
+    if norms is None:
+        return None, []
+    zeros = norms.count(0.0)
+    if zeros < DEAD_SHARE * len(norms):
+        return (zeros, len(norms)), []
+    return (zeros, len(norms)), [n for n, v in zip(record.names, norms) if v == 0.0][:MAX_NAMES]
 
 
 def metric_key(key: str, optimizer_index: int, n_optimizers: int) -> str:
@@ -879,7 +899,7 @@ class HealthBoard:
         for participant in self.in_stage("_after_step"):
             participant._after_step(trainer, record, action)
         if record.optimizer_index == 0:
-            self.ending.add(record.step, record.loss_mean)
+            self.ending.add(record.step, record.loss_mean, *_silent(record))
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> StepHealth:
         """The step's record with the gradients' norms (device values, read with the rest of the step's)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger
 from torch import Tensor
@@ -126,6 +127,50 @@ def test_a_run_that_went_wrong_before_it_had_a_best_is_measured_against_its_star
         "  - the training loss ended 1e6x above where it started (median 1e6 over steps 80-119, 1 over its first 5 "
         "steps)" + ADVICE
     ]
+
+
+class KillFirstLayer(pl.Callback):
+    """At step ``at``, saturate the first layer: tanh of -1e4 is -1 exactly, and its derivative 0 exactly, so the layer
+    passes no gradient back from then on (a dead layer, as a ReLU layer whose outputs are all 0)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.at:
+            with torch.no_grad():
+                pl_module.net[0].bias.fill_(-1e4)
+
+
+def test_a_network_that_died_says_so_with_its_silent_tensors(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+        fit(TinyRegressor(), [NonFiniteDetector(), KillFirstLayer(10)], max_steps=60, default_root_dir=tmp_path)
+    (event,) = read_journal(tmp_path)
+    assert (event["step"], event["kind"]) == (60, "ending")
+    assert event["details"] == {"silent_tensors": 2, "tensors": 4, "silent_steps": 50, "silent_from": 10,
+                                "names": ["net.0.weight", "net.0.bias"], "block": 40}  # fmt: skip
+    assert _summary(caplog)[1:] == [
+        "  - the network died: 2 of its 4 parameter tensors got no gradient at all on each of the fit's last 50 steps "
+        "(from step 10 on; they had one before), among them net.0.weight, net.0.bias: units whose outputs are 0 for "
+        "every input (a dead ReLU layer) pass nothing back: it learns no more, and its weights are not worth keeping; "
+        "try a lower learning rate, a smaller initialisation (std = gain / sqrt(fan_in)) or a normalisation layer "
+        "between the layers"
+    ]
+
+
+def test_a_network_dead_for_fewer_than_a_block_of_steps_or_silent_from_its_start_is_not_called_dead() -> None:
+    def ending(silent: list[tuple[int, int]]) -> LossEnding:
+        tracked = LossEnding()
+        for step, counts in enumerate(silent):
+            tracked.add(step, 1.0, counts)
+        return tracked
+
+    assert ending([(0, 4)] * 10 + [(2, 4)] * 39).event_details() is None  # 39 silent steps: not yet a block
+    assert ending([(0, 4)] * 10 + [(2, 4)] * 40).event_details() == {
+        "silent_tensors": 2, "tensors": 4, "silent_steps": 40, "silent_from": 10, "names": [], "block": 40}
+    assert ending([(3, 4)] * 100).event_details() is None  # frozen by design: its tensors never had a gradient
+    assert ending([(0, 4)] * 10 + [(1, 4)] * 100).event_details() is None  # a quarter silent: alive
+    assert ending([(0, 4)] * 10 + [(2, 4)] * 60 + [(0, 4)]).event_details() is None  # alive again at the end
 
 
 def test_a_healthy_run_says_nothing(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
