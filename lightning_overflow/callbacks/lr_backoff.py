@@ -61,8 +61,8 @@ class LRBackoff(SuiteCallback):
 
     - **Backoff**: ``scale *= factor``. Further triggers within ``cooldown`` optimizer steps of a backoff belong to
       the same burst and are ignored.
-    - **Floor**: the scale never goes below ``min_scale``; a trigger once the scale
-      sits on the floor raises :class:`DivergenceError` with the history of every backoff.
+    - **Floor**: the scale never goes below ``min_scale``; a trigger once the scale sits on the floor raises
+      :class:`DivergenceError` with the history of every backoff.
     - **Regrowth**: after ``regrow_after`` optimizer steps without a trigger, ``scale /= factor`` (at most 1: never
       above the configured schedule), as ``GradScaler`` grows its loss scale. A backoff within the growth window
       after a regrowth means the regrowth came too early: the window is multiplied by ``WINDOW_GROWTH`` (2; metaseq's
@@ -369,8 +369,7 @@ class LRBackoff(SuiteCallback):
                 f"group LRs {_lrs(trainer, index)}): {reason}."
             )
             self._event(trainer, entry["action"], message, step=step, **_details(entry), previous_scale=old,
-                        lrs=_lrs(trainer, index), escalated=False, trial=True,
-                        floor=self.min_scale)  # fmt: skip
+                        lrs=_lrs(trainer, index), trial=True, floor=self.min_scale)  # fmt: skip
             if trainer.global_rank == 0:
                 log.info(message)
         self._unless_bounded(trainer, outcome.remedy.extras.get(self.state_key, {}))
