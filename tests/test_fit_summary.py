@@ -301,6 +301,20 @@ def test_plain_lines_group_shuffled_data_faults_and_tell_trials() -> None:
     ]
 
 
+def test_a_run_that_does_not_learn_and_ties_its_trial_is_not_called_a_false_alarm() -> None:
+    def trial(step: int, signal: str) -> dict[str, Any]:
+        return {"step": step, "kind": "trial", "epoch": 0, "source": "x", "message": "", "details": {
+            "signal": signal, "opened_at": step - 40, "kept": False, "false_alarm": True, "extra_steps": 80,
+            "comparisons": []}}  # fmt: skip
+
+    assert plain_lines([trial(161, "no_progress"), trial(300, "loss_trend")]) == [
+        "2 suspicions tried against doing nothing on the same unseen batches (the loss stalled short of half its "
+        "start; the loss kept rising): 1 where a lower learning rate did no better (the run went on untouched: its "
+        "rate is not what holds it back), 1 false alarm (the run went on untouched); the trials cost 160 extra steps "
+        "of compute"
+    ]
+
+
 def test_plain_lines_name_who_started_afresh_and_what_a_warning_only_detector_found() -> None:
     def event(step: int, kind: str, source: str, **details: Any) -> dict[str, Any]:
         return {"step": step, "kind": kind, "epoch": 0, "source": source, "message": "", "details": details}
