@@ -76,7 +76,8 @@ class LossEnding:
     :meth:`event_details` says whether the run ended far above either, or on a stretch of inf/NaN losses.
 
     Also fed how many of the step's gradient tensors were exactly 0 (``silent``): a network where most of them got no
-    gradient at all on each of the last ``ENDING_BLOCK`` steps, after a step where most did, has died (ReLU units whose
+    gradient at all on each of the last ``ENDING_BLOCK`` steps while some still had one (the loss still asks for a
+    change that most of the network cannot make), after a step where most did, has died (ReLU units whose
     outputs are 0 for every input pass nothing back: measured, a 10-layer ReLU net drawn at 2.2x Kaiming's scale and
     restored at a lower rate ended with 17 of its 22 tensors silent, predicting a constant at 10x the loss of one drawn
     right, with a finite loss far below where it started). A run frozen by design never had its tensors alive.
@@ -105,6 +106,8 @@ class LossEnding:
         if silent is not None and silent[1] > 0:
             if silent[0] < DEAD_SHARE * silent[1]:
                 self._lived, self.silent_tail = True, 0
+            elif silent[0] == silent[1]:
+                self.silent_tail = 0  # no gradient anywhere: nothing to learn on this batch (a hinge loss at 0)
             elif self._lived:
                 self.silent_from = step if self.silent_tail == 0 else self.silent_from
                 self.silent_tail += 1

@@ -171,6 +171,7 @@ def test_a_network_dead_for_fewer_than_a_block_of_steps_or_silent_from_its_start
     assert ending([(3, 4)] * 100).event_details() is None  # frozen by design: its tensors never had a gradient
     assert ending([(0, 4)] * 10 + [(1, 4)] * 100).event_details() is None  # a quarter silent: alive
     assert ending([(0, 4)] * 10 + [(2, 4)] * 60 + [(0, 4)]).event_details() is None  # alive again at the end
+    assert ending([(0, 4)] * 10 + [(4, 4)] * 60).event_details() is None  # no gradient anywhere: a hinge loss at 0
 
 
 def test_a_healthy_run_says_nothing(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
