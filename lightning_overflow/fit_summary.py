@@ -19,8 +19,8 @@ from typing import Any
 
 from lightning_overflow.policy import REGROWTH, SCHEDULED
 
-__all__ = ["DEAD_SHARE", "ENDING_BLOCK", "ENDING_RATIO", "ENDING_START", "LossEnding", "ending_words", "left_alone", "named",
-           "opened_because", "plain_lines"]
+__all__ = ["DEAD_SHARE", "ENDING_BLOCK", "ENDING_RATIO", "ENDING_START", "LossEnding", "ending_words", "left_alone",
+           "named", "opened_because", "plain_lines"]
 
 Event = Mapping[str, Any]
 
@@ -155,7 +155,8 @@ class LossEnding:
                     "last_finite_step": self.last_step, "block": ENDING_BLOCK}  # fmt: skip
         if self.silent_tail >= ENDING_BLOCK:
             return {"silent_tensors": self.silent[0], "tensors": self.silent[1], "silent_steps": self.silent_tail,
-                    "silent_from": self.silent_from, "names": list(self.silent_names), "block": ENDING_BLOCK}  # fmt: skip
+                    "silent_from": self.silent_from, "names": list(self.silent_names),
+                    "block": ENDING_BLOCK}  # fmt: skip
         last = self.last
         if not math.isfinite(last):
             return None
@@ -447,7 +448,8 @@ def _endings(endings: list[Event], by_kind: dict[str, list[Event]]) -> list[str]
     after = ", after what the suite did above" if acted else ""
     if "silent_tensors" in details:
         return [f"{message}{after}: it learns no more, and its weights are not worth keeping; try a lower learning "
-                f"rate, a smaller initialisation (std = gain / sqrt(fan_in)) or a normalisation layer between the layers"]
+                "rate, a smaller initialisation (std = gain / sqrt(fan_in)) or a normalisation layer between the "
+                "layers"]
     return [f"{message}{after}: look at the loss curve before using these weights; if the data did not change, try a "
             f"lower learning rate"]
 

@@ -322,7 +322,9 @@ batches put about one healthy step in a hundred at 3-5x the mean, and clipping t
 AGC_EPS = 1e-3
 """``"agc"`` mode: the floor on a unit's weight norm (the paper's), so zero-initialised weights still move."""
 CLIP_EVENT_BELOW = 0.1
-"""A clip that shrinks the gradients more than tenfold is journaled (at most once every ``AutoClip.EVENT_GAP``)."""
+"""A clip that shrinks the gradients more than tenfold neutralised its batch: it is journaled (at most once every
+``AutoClip.EVENT_GAP``), and that step's loss tells of the batch, not of the weights (the weight-growth test leaves
+it out)."""
 UPDATE_RATIO, RESTART_STEPS = 0.01, 10
 """The update bound: armed when a restored state diverged again within ``RESTART_STEPS`` steps after updates beyond
 ``UPDATE_RATIO`` times its weight norm; then ``lr x norm`` is held within that share of the weights."""
@@ -338,7 +340,10 @@ WINDOW_GROWTH = 2.0
 ROLLBACK_WINDOW = 1000
 """The optimizer steps within which ``max_rollbacks`` counts rollbacks."""
 
-# TrialConfig
+# Trials
+TAKEOVER_LOSSES = 3
+"""A trial ended by a certain fault (or by the fit's end, the run as it is inf/NaN) hands the run to the remedy whose
+last this many losses were finite and lowest: one finite loss can be luck, a whole trial's are not all there yet."""
 TRIAL_SIGMAS, TRIAL_MIN_GAIN, TRIAL_JUDGED_SHARE = 2.0, 0.02, 0.5
 """A remedy wins by more than ``TRIAL_SIGMAS`` standard errors of the paired differences and a mean of
 ``TRIAL_MIN_GAIN`` (a loss about 4% lower), judged on the last ``TRIAL_JUDGED_SHARE`` of the trial's pairs: its first

@@ -46,6 +46,7 @@ from lightning_overflow.policy import (
     REGROWTH,
     SCHEDULED,
     SUSPICION_SIGNALS,
+    TAKEOVER_LOSSES,
     TRIAL_STEPS_FACTOR,
     Signal,
 )
@@ -421,14 +422,14 @@ class TrialRunner:
         self._finish(trainer, board, step, winner, None, f"{named(fault.kind)} at step {fault.step} ended the trial: {then}")
 
     def _healthiest_remedy(self, also_finite_at: Sequence[int] = ()) -> int | None:
-        """The remedy whose last three losses were finite and lowest (and finite on the batches ``also_finite_at``);
-        ``None`` when none was."""
+        """The remedy whose last ``TAKEOVER_LOSSES`` losses were finite and lowest (and finite on the batches
+        ``also_finite_at``); ``None`` when none was."""
         assert self.trial is not None
-        remedies = self.trial.remedies
+        remedies, last = self.trial.remedies, TAKEOVER_LOSSES
         healthy = [j for j, scores in enumerate(remedies)
-                   if scores[-3:] and all(map(math.isfinite, scores[-3:]))
+                   if scores[-last:] and all(map(math.isfinite, scores[-last:]))
                    and all(math.isfinite(scores[i]) for i in also_finite_at)]  # fmt: skip
-        return min(healthy, key=lambda j: sum(remedies[j][-3:]), default=None)
+        return min(healthy, key=lambda j: sum(remedies[j][-last:]), default=None)
 
     def _finish(
         self, trainer: pl.Trainer, board: _Board, step: int, winner: int | None, verdict: TrialVerdict | None,

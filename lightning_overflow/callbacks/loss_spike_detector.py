@@ -20,6 +20,7 @@ from lightning_overflow.numerics.running_stats import HostRunningStats
 from lightning_overflow.numerics.trend import Progress, loss_scatter, slope_probability
 from lightning_overflow.policy import (
     ANCHOR_STEPS,
+    CLIP_EVENT_BELOW,
     CONFIRM_STEPS,
     GRAD_RATIO,
     GROWTH_FACTOR,
@@ -49,7 +50,6 @@ __all__ = ["LossSpikeDetector"]
 
 _CHANNELS = ("loss", "grad_norm")
 _SCATTER_WINDOWS = 5  # the level test's scatter is measured over this many of its windows of losses
-_NEUTRALISED = 0.1  # a clip coefficient below this neutralised its batch (AutoClip journals such clips by default)
 _SIGNALS = {"loss": "loss_spike", "grad_norm": "grad_spike"}
 _WHAT = {"loss": "the training loss", "grad_norm": "the gradient norm"}
 
@@ -332,7 +332,7 @@ class LossSpikeDetector(SuiteCallback):
             growth = self._growth[record.optimizer_index] = self._new_growth()
         # A batch whose gradients a clip shrank more than tenfold was an outlier the clip neutralised (a poison
         # batch): its loss tells of the batch, not of the weights.
-        neutralised = any(plan.coef < _NEUTRALISED for _, plan in action.clips)
+        neutralised = any(plan.coef < CLIP_EVENT_BELOW for _, plan in action.clips)
         runaway = not neutralised and evidence.runaway(record.loss_mean, self.growth_runaway_factor)
         growth.add_loss(record.loss_mean, runaway=runaway)
         if not record.has("weight_squares"):
