@@ -378,8 +378,7 @@ def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
     # A run that does not learn and ties its trial may not be learning all the same: a lower rate is not its cure.
     stalled = [e for e in false if e["details"].get("signal") == "no_progress"]
     if stalled:
-        outcome.append(f"{len(stalled)} where a lower learning rate did no better (the run went on untouched: its rate "
-                       f"is not what holds it back)")
+        outcome.append(f"{len(stalled)} where a lower learning rate did no better (the run went on untouched)")
     if len(false) > len(stalled):
         n = len(false) - len(stalled)
         outcome.append(f"{n} false alarm{'s' if n > 1 else ''} (the run went on untouched)")
