@@ -6,6 +6,7 @@ import ast
 import importlib
 import inspect
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,15 @@ def test_an_unknown_keyword_is_refused_with_the_settings() -> None:
         "LRBackoff(factr=0.5): 'factr' is not a setting. The settings are: 'factor', 'triggers', 'cooldown', "
         "'min_scale', 'regrow_after', 'trial'"
     )
+
+
+def test_docs_policy_lists_every_fixed_value_with_its_value_and_former_setting() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "policy.md").read_text(encoding="utf-8")
+    rows = {m[0]: m[1:] for m in re.findall(r"^\| `([A-Z_]+)` \| ([^|]+) \| `(\w+)` \| `(\w+)` \|$", doc, re.M)}
+    expected = {
+        constant: (repr(getattr(policy, constant)), owner, setting)
+        for owner, names in REMOVED_SETTINGS.items()
+        for setting, constant in names.items()
+        if constant is not None
+    }
+    assert {name: (value.strip(), owner, setting) for name, (value, owner, setting) in rows.items()} == expected
