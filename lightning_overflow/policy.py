@@ -75,19 +75,62 @@ from typing import Any
 from torch import Tensor
 
 __all__ = [
+    "AGC_EPS",
+    "ANCHOR_STEPS",
+    "BURST_COUNT",
+    "BURST_WINDOW",
     "CERTAIN_SIGNALS",
+    "CLIP_EVENT_BELOW",
+    "CLIP_REBASELINE_AFTER",
+    "CONFIRM_STEPS",
     "DEFAULT_BACKOFF_TRIGGERS",
     "DEFAULT_ROLLBACK_TRIGGERS",
     "DIVERGENCE_SIGNALS",
+    "GRAD_RATIO",
+    "GROWTH_FACTOR",
+    "GROWTH_PROGRESS",
+    "GROWTH_RUNAWAY_FACTOR",
+    "GROWTH_WINDOW",
+    "HEADROOM_WARN_DECADES",
+    "LEVEL_FACTOR",
+    "LEVEL_FRACTION",
+    "LEVEL_SIGMAS",
+    "LEVEL_WINDOW",
+    "LOSS_RATIO",
+    "MAX_SCALER_OVERFLOWS",
+    "MAX_SKIPPED_SHARE",
+    "MIN_LOSS_SCALE",
+    "MIN_RISE",
     "NO_PROGRESS_LEVEL",
     "NO_PROGRESS_MARGIN",
     "NO_PROGRESS_STEPS",
+    "PERCENTILE_WINDOW",
+    "PERSIST_AFTER",
     "REGROWTH",
+    "REMOVED_SETTINGS",
+    "RESTART_STEPS",
+    "ROLLBACK_WINDOW",
+    "RUNAWAY_FACTOR",
     "SCHEDULED",
     "SIGNAL_KINDS",
+    "SKIP_WINDOW",
+    "SPIKE_REBASELINE_AFTER",
     "SUSPICION_SIGNALS",
+    "TAKEOVER_LOSSES",
+    "TREND_MARGIN",
+    "TREND_PROBABILITY",
+    "TREND_WINDOW",
+    "TRIAL_JUDGED_SHARE",
+    "TRIAL_MIN_GAIN",
+    "TRIAL_SIGMAS",
     "TRIAL_STEPS_FACTOR",
     "UPDATE_BOUND",
+    "UPDATE_RATIO",
+    "WARMUP_ANCHOR_FACTOR",
+    "WARMUP_ANCHOR_STEPS",
+    "WINDOW_GROWTH",
+    "ZSCORE_ALPHA",
+    "ZSCORE_MIN_RATIO",
     "ClipPlan",
     "Signal",
     "StepAction",
@@ -256,8 +299,8 @@ def decide_step(verdicts: Sequence[tuple[Any, Verdict | None]]) -> StepAction:
 
 # ---- Fixed values ---------------------------------------------------------------------------------------------
 # The detectors' and interventions' thresholds that are no setting: each was measured on the rescue benchmark (healthy
-# runs beside the faults) and is the value every configuration of the suite uses. A callback reads them as class
-# attributes of the same name in lower case; a setting of an earlier release that names one is refused at
+# runs beside the faults) and is the value every configuration of the suite uses. A callback reads each as a class
+# attribute named as the setting it replaces; a setting of an earlier release that names one is refused at
 # construction with the value it now has (see ``REMOVED_SETTINGS``).
 
 # NonFiniteDetector
