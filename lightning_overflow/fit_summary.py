@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_overflow.policy import REGROWTH, SCHEDULED
+from lightning_overflow.policy import NO_PROGRESS_LEVEL, REGROWTH, SCHEDULED
 
 __all__ = ["DEAD_SHARE", "ENDING_BLOCK", "ENDING_RATIO", "ENDING_START", "LossEnding", "ending_words", "left_alone",
-           "named", "opened_because", "plain_lines"]
+           "named", "opened_because", "plain_lines", "stalled_ending"]
 
 Event = Mapping[str, Any]
 
@@ -177,6 +177,23 @@ class LossEnding:
         return ending_words(facts)
 
 
+def stalled_ending(events: Iterable[Event], ending: LossEnding) -> dict[str, Any] | None:
+    """The facts of an ``ending`` event for a run suspected of not learning whose trial found no better rate (and no
+    later trial kept a remedy), and whose loss still ended at ``NO_PROGRESS_LEVEL`` of its start or above: it learned
+    little, and not for want of a lower rate. ``None`` otherwise."""
+    trials = [e for e in events if e["kind"] == "trial"]
+    tied = [e for e in trials if e["details"].get("signal") == "no_progress" and e["details"].get("false_alarm")]
+    if not tied or any(e["details"].get("kept") and e["step"] > tied[-1]["step"] for e in trials):
+        return None
+    last, start = ending.last, ending.start
+    if not (math.isfinite(last) and start > 0 and last >= NO_PROGRESS_LEVEL * start):
+        return None
+    return {"against": "start", "stalled": True, "last": last, "last_from": ending._recent[0][0],
+            "last_step": ending.last_step, "start": start, "start_steps": ENDING_START, "start_step": ending.start_step,
+            "ratio": last / start, "trial_step": tied[-1]["details"].get("opened_at", tied[-1]["step"]),
+            "block": ENDING_BLOCK}  # fmt: skip
+
+
 def ending_words(facts: Mapping[str, Any]) -> str:
     """The facts of an ``ending`` event in words: how far above its best (or its start) the training loss ended, and
     the two levels with the steps they are the medians of."""
@@ -190,6 +207,10 @@ def ending_words(facts: Mapping[str, Any]) -> str:
                 f"{facts['silent_from']} on; they had one before){f', among them {names}' if names else ''}: units "
                 "whose outputs are 0 for every input (a dead ReLU layer) pass nothing back")
     last = f"median {_number(facts['last'])} over steps {facts.get('last_from', '?')}-{facts['last_step']}"
+    if facts.get("stalled"):
+        return (f"the training loss ended at {facts['ratio']:.2g}x where it started ({last}, "
+                f"{_number(facts['start'])} over its first {facts['start_steps']} steps), never below half of it, and a "
+                f"lower learning rate did no better (the trial of the stall at step {facts['trial_step']})")
     if facts.get("against") == "start":
         return (f"the training loss ended {_ratio(facts['ratio'])} above where it started ({last}, "
                 f"{_number(facts['start'])} over its first {facts['start_steps']} steps)")  # fmt: skip
@@ -445,6 +466,9 @@ def _endings(endings: list[Event], by_kind: dict[str, list[Event]]) -> list[str]
     details = last.get("details") or {}
     message = ending_words(details) if _ending_facts(details) else str(last["message"])
     after = ", after what the suite did above" if acted else ""
+    if details.get("stalled"):
+        return [f"{message}: the run learned little; if it should learn more, look at the model, its initialisation "
+                "or the data"]
     if "silent_tensors" in details:
         return [f"{message}{after}: it learns no more, and its weights are not worth keeping; try a lower learning "
                 "rate, a smaller initialisation (std = gain / sqrt(fan_in)) or a normalisation layer between the "
@@ -459,6 +483,8 @@ def _ending_facts(details: Mapping[str, Any]) -> bool:
         return "nonfinite_from" in details
     if "silent_tensors" in details:
         return all(key in details for key in ("tensors", "silent_steps", "silent_from"))
+    if details.get("stalled"):
+        return all(key in details for key in ("last", "last_step", "ratio", "start", "start_steps", "trial_step"))
     needed = ("last", "last_step", "ratio", "start", "start_steps") if details.get("against") == "start" else (
         "last", "last_step", "ratio", "best", "best_step")  # fmt: skip
     return all(key in details for key in needed)

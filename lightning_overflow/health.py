@@ -48,9 +48,11 @@ from lightning_overflow.fit_summary import (
     DEAD_SHARE,
     LossEnding,
     behind_a_restore,
+    ending_words,
     left_alone,
     opened_because,
     plain_lines,
+    stalled_ending,
 )
 from lightning_overflow.loggers import (
     StepMerge,
@@ -520,10 +522,10 @@ class HealthBoard:
     def note_ending(self, trainer: pl.Trainer) -> None:
         """Journal a training loss that ended far above its best (:class:`~lightning_overflow.fit_summary.LossEnding`):
         finite is not the same as well."""
-        details = self.ending.event_details()
+        details = self.ending.event_details() or stalled_ending([asdict(e) for e in self.journal.events], self.ending)
         if details is not None:
             self.record(Event(step=int(trainer.global_step), kind="ending", rank=0, source="lightning_overflow",
-                              message=self.ending.message(), details=details))  # fmt: skip
+                              message=ending_words(details), details=details))  # fmt: skip
         for stopper in _early_stops_on_nonfinite(trainer):
             self.record(Event(step=int(trainer.global_step), kind="stopped", rank=0, source="lightning_overflow",
                               message=stopper[0], details=stopper[1]))  # fmt: skip

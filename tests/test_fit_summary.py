@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_overflow import LRBackoff, NonFiniteDetector, read_journal
 from lightning_overflow.cli import main
-from lightning_overflow.fit_summary import LossEnding, left_alone, plain_lines
+from lightning_overflow.fit_summary import LossEnding, left_alone, plain_lines, stalled_ending
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 from tests.conftest import fit, tuned
 
@@ -172,6 +172,28 @@ def test_a_network_dead_for_fewer_than_a_block_of_steps_or_silent_from_its_start
     assert ending([(0, 4)] * 10 + [(1, 4)] * 100).event_details() is None  # a quarter silent: alive
     assert ending([(0, 4)] * 10 + [(2, 4)] * 60 + [(0, 4)]).event_details() is None  # alive again at the end
     assert ending([(0, 4)] * 10 + [(4, 4)] * 60).event_details() is None  # no gradient anywhere: a hinge loss at 0
+
+
+def test_a_run_that_stalled_above_half_its_start_and_tied_its_trial_says_it_learned_little() -> None:
+    def trial(step: int, signal: str, kept: bool = False) -> dict[str, Any]:
+        return {"step": step, "kind": "trial", "epoch": 0, "source": "x", "message": "", "details": {
+            "signal": signal, "opened_at": step - 40, "kept": kept, "false_alarm": not kept, "extra_steps": 80}}
+
+    stalled = _ended([2.0] * 5 + [1.5] * 95)  # the start 2, the last level 1.5: 0.75x
+    tie = trial(100, "no_progress")
+    facts = stalled_ending([tie], stalled)
+    assert facts == {"against": "start", "stalled": True, "last": 1.5, "last_from": 60, "last_step": 99, "start": 2.0,
+                     "start_steps": 5, "start_step": 4, "ratio": 0.75, "trial_step": 60, "block": 40}  # fmt: skip
+    ending = {"step": 100, "kind": "ending", "epoch": 0, "source": "lightning_overflow", "message": "",
+              "details": facts}  # fmt: skip
+    assert plain_lines([tie, ending])[-1] == (
+        "the training loss ended at 0.75x where it started (median 1.5 over steps 60-99, 2 over its first 5 steps), "
+        "never below half of it, and a lower learning rate did no better (the trial of the stall at step 60): the run "
+        "learned little; if it should learn more, look at the model, its initialisation or the data"
+    )
+    assert stalled_ending([tie, trial(150, "loss_divergence", kept=True)], stalled) is None  # a remedy kept since
+    assert stalled_ending([trial(100, "loss_trend")], stalled) is None  # no suspicion of a run that does not learn
+    assert stalled_ending([tie], _ended([2.0] * 5 + [0.9] * 95)) is None  # below half its start: it learned
 
 
 def test_a_healthy_run_says_nothing(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
