@@ -467,8 +467,8 @@ def _endings(endings: list[Event], by_kind: dict[str, list[Event]]) -> list[str]
     message = ending_words(details) if _ending_facts(details) else str(last["message"])
     after = ", after what the suite did above" if acted else ""
     if details.get("stalled"):
-        return [f"{message}: the run learned little; if it should learn more, look at the model, its initialisation "
-                "or the data"]
+        return [f"{message}: if it should come down further, look at the model, its initialisation or the data rather "
+                "than the learning rate"]
     if "silent_tensors" in details:
         return [f"{message}{after}: it learns no more, and its weights are not worth keeping; try a lower learning "
                 "rate, a smaller initialisation (std = gain / sqrt(fan_in)) or a normalisation layer between the "
