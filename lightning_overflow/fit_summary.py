@@ -144,6 +144,11 @@ class LossEnding:
     def last_step(self) -> int:
         return self._recent[-1][0] if self._recent else -1
 
+    @property
+    def last_from(self) -> int:
+        """The step of the first of the last ``ENDING_BLOCK`` finite losses (``-1`` before any)."""
+        return self._recent[0][0] if self._recent else -1
+
     def event_details(self) -> dict[str, Any] | None:
         """The facts of an ``ending`` event, ``None`` when there is nothing to tell: the last ``ENDING_BLOCK`` losses
         or more were all inf/NaN (``"nonfinite_steps"``), or the last level is ``ENDING_RATIO`` times the best or more
@@ -160,7 +165,7 @@ class LossEnding:
         last = self.last
         if not math.isfinite(last):
             return None
-        facts = {"last": last, "last_from": self._recent[0][0], "last_step": self.last_step, "block": ENDING_BLOCK}
+        facts = {"last": last, "last_from": self.last_from, "last_step": self.last_step, "block": ENDING_BLOCK}
         if self.best > 0 and math.isfinite(self.best) and last >= ENDING_RATIO * self.best and not (
             self.start > 0 and self.start < self.best
         ):
@@ -179,8 +184,8 @@ class LossEnding:
 
 def stalled_ending(events: Iterable[Event], ending: LossEnding) -> dict[str, Any] | None:
     """The facts of an ``ending`` event for a run suspected of not learning whose trial found no better rate (and no
-    later trial kept a remedy), and whose loss still ended at ``NO_PROGRESS_LEVEL`` of its start or above: it learned
-    little, and not for want of a lower rate. ``None`` otherwise."""
+    later trial kept a remedy), and whose loss still ended at ``NO_PROGRESS_LEVEL`` of its start or above: it did not
+    come down far, and not for want of a lower rate. ``None`` otherwise."""
     trials = [e for e in events if e["kind"] == "trial"]
     tied = [e for e in trials if e["details"].get("signal") == "no_progress" and e["details"].get("false_alarm")]
     if not tied or any(e["details"].get("kept") and e["step"] > tied[-1]["step"] for e in trials):
@@ -188,7 +193,7 @@ def stalled_ending(events: Iterable[Event], ending: LossEnding) -> dict[str, Any
     last, start = ending.last, ending.start
     if not (math.isfinite(last) and start > 0 and last >= NO_PROGRESS_LEVEL * start):
         return None
-    return {"against": "start", "stalled": True, "last": last, "last_from": ending._recent[0][0],
+    return {"against": "start", "stalled": True, "last": last, "last_from": ending.last_from,
             "last_step": ending.last_step, "start": start, "start_steps": ENDING_START, "start_step": ending.start_step,
             "ratio": last / start, "trial_step": tied[-1]["details"].get("opened_at", tied[-1]["step"]),
             "block": ENDING_BLOCK}  # fmt: skip
