@@ -176,11 +176,6 @@ class LossEnding:
                     "start_step": self.start_step, "ratio": last / self.start}  # fmt: skip
         return None
 
-    def message(self) -> str:
-        facts = self.event_details()
-        assert facts is not None
-        return ending_words(facts)
-
 
 def stalled_ending(events: Iterable[Event], ending: LossEnding) -> dict[str, Any] | None:
     """The facts of an ``ending`` event for a run suspected of not learning whose trial found no better rate (and no
@@ -214,8 +209,8 @@ def ending_words(facts: Mapping[str, Any]) -> str:
     last = f"median {_number(facts['last'])} over steps {facts.get('last_from', '?')}-{facts['last_step']}"
     if facts.get("stalled"):
         return (f"the training loss ended at {facts['ratio']:.2g}x where it started ({last}, "
-                f"{_number(facts['start'])} over its first {facts['start_steps']} steps), never below half of it, and a "
-                f"lower learning rate did no better (the trial of the stall at step {facts['trial_step']})")
+                f"{_number(facts['start'])} over its first {facts['start_steps']} steps), never below half of it, "
+                f"and a lower learning rate did no better (the trial of the stall at step {facts['trial_step']})")
     if facts.get("against") == "start":
         return (f"the training loss ended {_ratio(facts['ratio'])} above where it started ({last}, "
                 f"{_number(facts['start'])} over its first {facts['start_steps']} steps)")  # fmt: skip
@@ -505,7 +500,7 @@ def left_alone(events: Iterable[Event]) -> tuple[str, dict[str, Any]] | None:
     by_kind: dict[str, list[Event]] = {}
     for event in events:
         by_kind.setdefault(str(event["kind"]), []).append(event)
-    alone: list[tuple[Event, str]] = []
+    alone: list[tuple[Event, str, Event]] = []  # (the suspicion, why nothing answered it, the event that says why)
     for event in events:
         if event["kind"] not in SUSPICION_WORDS or event["kind"] in (SCHEDULED, REGROWTH) or _answered(event, by_kind):
             continue
@@ -513,28 +508,26 @@ def left_alone(events: Iterable[Event]) -> tuple[str, dict[str, Any]] | None:
         rate = next((e for e in reversed(before) if e["kind"] in ("backoff", "undo")), None)
         restore = next((e for e in reversed(before) if e["kind"] == "rollback"), None)
         if rate is not None and _at_floor(rate["details"]):
-            alone.append((event, "lr_floor"))
+            alone.append((event, "lr_floor", rate))
         elif restore is not None and restore["details"].get("budget_left") == 0:
-            alone.append((event, "rollback_budget"))
+            alone.append((event, "rollback_budget", restore))
     if not alone:
         return None
-    steps = [int(e["step"]) for e, _ in alone]
-    signals = list(dict.fromkeys(str(e["kind"]) for e, _ in alone))
-    why = alone[-1][1]
+    steps = [int(e["step"]) for e, _, _ in alone]
+    signals = list(dict.fromkeys(str(e["kind"]) for e, _, _ in alone))
+    _, why, cause = alone[-1]
     whats = "; ".join(_words(kind) for kind in signals)
     count = _count(len(alone), "suspicion")
     if why == "lr_floor":
-        rate = next(e for e in reversed(events[: position[id(alone[-1][0])]]) if e["kind"] in ("backoff", "undo"))
-        scale = float(rate["details"].get("scale", math.nan))
+        scale = float(cause["details"].get("scale", math.nan))
         reason = (f"the learning rate was already at its floor ({scale:g}x its schedule), the lowest LRBackoff may "
                   f"set; try starting at a lower learning rate")  # fmt: skip
-        facts: dict[str, Any] = {"why": why, "scale": scale, "floor": rate["details"].get("floor")}
+        facts: dict[str, Any] = {"why": why, "scale": scale, "floor": cause["details"].get("floor")}
     else:
-        restore = next(e for e in reversed(events[: position[id(alone[-1][0])]]) if e["kind"] == "rollback")
-        reason = (f"Rollback had spent its budget (its last allowed rollback was at step {restore['step']}); try a "
+        reason = (f"Rollback had spent its budget (its last allowed rollback was at step {cause['step']}); try a "
                   f"lower learning rate, or more rollbacks (Rollback(max_rollbacks=...))")  # fmt: skip
-        facts = {"why": why, "rollback_step": int(restore["step"])}
-    message = f"{count} left alone at {_at([e for e, _ in alone])} ({whats}): {reason}"
+        facts = {"why": why, "rollback_step": int(cause["step"])}
+    message = f"{count} left alone at {_at([e for e, _, _ in alone])} ({whats}): {reason}"
     return message, {**facts, "steps": steps, "signals": signals}
 
 

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from lightning_overflow._validation import check_choice, check_int
 from lightning_overflow.callbacks import AutoClip, LRBackoff, Rollback
 from lightning_overflow.composition import default_callbacks
+from lightning_overflow.distributed import world
 from lightning_overflow.events import Event
 from lightning_overflow.health import HealthBoard, board_for
 from lightning_overflow.numerics.norms import any_sharded
@@ -239,7 +240,7 @@ class LoopHost:
         default_root_dir: str,
         log_every_n_steps: int,
     ) -> None:
-        rank, world_size = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+        rank, world_size = world()
         self.global_rank = self.local_rank = rank
         self.node_rank = 0
         self.world_size = self.num_devices = world_size

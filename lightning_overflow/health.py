@@ -522,14 +522,15 @@ class HealthBoard:
     def note_ending(self, trainer: pl.Trainer) -> None:
         """Journal a training loss that ended far above its best (:class:`~lightning_overflow.fit_summary.LossEnding`):
         finite is not the same as well."""
-        details = self.ending.event_details() or stalled_ending([asdict(e) for e in self.journal.events], self.ending)
+        # The fit's events, taken once: what reads them below reads none of the end's own (ending, stopped).
+        events = [asdict(e) for e in self.journal.events]
+        details = self.ending.event_details() or stalled_ending(events, self.ending)
         if details is not None:
             self.record(Event(step=int(trainer.global_step), kind="ending", rank=0, source="lightning_overflow",
                               message=ending_words(details), details=details))  # fmt: skip
         for stopper in _early_stops_on_nonfinite(trainer):
             self.record(Event(step=int(trainer.global_step), kind="stopped", rank=0, source="lightning_overflow",
                               message=stopper[0], details=stopper[1]))  # fmt: skip
-        events = [asdict(e) for e in self.journal.events]
         behind = behind_a_restore(events, int(trainer.global_step))
         if behind is not None:
             self.record(Event(step=int(trainer.global_step), kind="behind", rank=0, source="lightning_overflow",

@@ -386,7 +386,7 @@ class TrialRunner:
         """At the fit's end, with no winner yet: the weights the fit returns must not be those that gave inf/NaN
         losses where a remedy, on the same batches, gave finite ones (a skipped step keeps the state that overflowed;
         no later step is left to answer it). The remedy finite on all of those batches, and lowest over its last
-        three, takes over; otherwise the run as it was stays."""
+        ``TAKEOVER_LOSSES``, takes over; otherwise the run as it was stays."""
         assert self.trial is not None
         incumbent = self.trial.incumbent
         failed = [i for i, loss in enumerate(incumbent) if not math.isfinite(loss)]

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_overflow import LRBackoff, NonFiniteDetector, read_journal
 from lightning_overflow.cli import main
-from lightning_overflow.fit_summary import LossEnding, left_alone, plain_lines, stalled_ending
+from lightning_overflow.fit_summary import LossEnding, ending_words, left_alone, plain_lines, stalled_ending
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 from tests.conftest import fit, tuned
 
@@ -246,7 +246,9 @@ def test_a_fit_that_ends_on_inf_or_nan_losses_says_so() -> None:
     ending.add(139, math.inf)
     assert ending.event_details() == {"nonfinite_steps": 40, "nonfinite_from": 100, "last_finite_step": 99,
                                       "block": 40}  # fmt: skip
-    assert ending.message() == "the training loss was inf/NaN on each of the fit's last 40 steps (from step 100 on)"
+    assert ending_words(ending.event_details()) == (  # type: ignore[arg-type]
+        "the training loss was inf/NaN on each of the fit's last 40 steps (from step 100 on)"
+    )
 
 
 def test_the_ending_line_is_made_from_the_event_facts() -> None:

@@ -522,8 +522,6 @@ class DivergenceEvidence:
         self.level = 0.0
         self.level_count = 0
         self.best_level = math.inf
-        self.lowest_level = math.inf  # the lowest level itself (no allowance), and the healthy steps since
-        self.since_lowest = 0
         self.level_streak = 0
         self.level_armed = True  # the level has been within its bound since the last restore
         # The last healthy losses since the level started: over a few of its windows for their scatter, and at least
@@ -624,10 +622,6 @@ class DivergenceEvidence:
         error = sigmas * self.scatter / math.sqrt(window)
         if self.level + error < self.best_level:
             self.best_level, self.best_scatter = self.level + error, self.scatter
-        if self.level < self.lowest_level:
-            self.lowest_level, self.since_lowest = self.level, 0
-        else:
-            self.since_lowest += 1
         best = self.best_level
         allowance = sigmas * self.best_scatter / math.sqrt(window)
         if self.anchor <= 0.0 or best < 0.0:
@@ -720,17 +714,15 @@ class DivergenceEvidence:
                 "best_level": self.best_level, "level_streak": self.level_streak, "judged": self.judged,
                 "streak_low": self.streak_low, "level_armed": self.level_armed,
                 "level_losses": list(self.level_losses), "scatter": self.scatter,
-                "best_scatter": self.best_scatter, "lowest_level": self.lowest_level,
-                "since_lowest": self.since_lowest, "start": self.start,
+                "best_scatter": self.best_scatter, "start": self.start,
                 "progress": self.progress.state_dict()}  # fmt: skip
 
     @classmethod
     def from_state(cls, saved: dict[str, Any], version: int) -> DivergenceEvidence:
-        """The evidence :meth:`state_dict` wrote, in a state of ``version`` (0.2's: without the plateau count, which
-        starts afresh)."""
+        """The evidence :meth:`state_dict` wrote, in a state of ``version``."""
         # The progress clock came within version 2 (counted as 3 here): a version-2 state without it starts it afresh.
         state = StateReader("LossSpikeDetector's evidence", saved, version=version,
-                            since={"lowest_level": 2, "since_lowest": 2, "start": 3, "progress": 3})  # fmt: skip
+                            since={"start": 3, "progress": 3})  # fmt: skip
         evidence = cls()
         evidence.first = state.get("first", _floats)
         evidence.anchor = state.get("anchor", float)
@@ -747,13 +739,12 @@ class DivergenceEvidence:
         evidence.level_losses = state.get("level_losses", _floats)
         evidence.scatter = state.get("scatter", float)
         evidence.best_scatter = state.get("best_scatter", float)
-        evidence.lowest_level = state.get("lowest_level", float, old=math.inf)
-        evidence.since_lowest = state.get("since_lowest", int, old=0)
         evidence.start = state.get("start", float, old=0.0)
         progress = state.get("progress", dict, old=None)
         if progress is not None:
             evidence.progress.load_state_dict(progress)
-        state.finish(ignored=("recent",))  # 0.2 kept the last losses for its probe
+        # 0.2 kept the last losses for its probe; the lowest level and the steps since were the plateau test's
+        state.finish(ignored=("recent", "lowest_level", "since_lowest"))
         return evidence
 
 
