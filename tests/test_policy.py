@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import assert_bit_identical, fit, weights
+from conftest import assert_bit_identical, fit, tuned, weights
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_overflow import AutoClip, LossSpikeDetector, default_callbacks, read_journal
@@ -274,13 +274,32 @@ def test_under_ddp_both_ranks_try_the_new_task_and_leave_it_alone_at_the_same_st
 RUNAWAY = [Fault(step, "scale_weight", parameter="net.0.weight", factor=1.15) for step in range(60, 70)]  # 4.05x
 
 
+def _growth_only(suite: list[Any]) -> list[Any]:
+    """``suite`` with its loss-level test off: the loss climbs back past twice its best as the weights run away, and
+    the level test finds that first (:func:`test_runaway_weights_whose_loss_climbs_back_are_found_by_the_level_first`);
+    off, the weight-growth test is what answers the weights."""
+    for callback in suite:
+        if isinstance(callback, LossSpikeDetector):
+            tuned(callback, level_window=None)
+    return suite
+
+
+def test_runaway_weights_whose_loss_climbs_back_are_found_by_the_level_first(tmp_path: Path) -> None:
+    suite = default_callbacks(snapshot_every_n_steps=25)
+    fit(TinyRegressor(), [*suite, FaultInjector(*RUNAWAY)], max_steps=70, default_root_dir=str(tmp_path))
+    # Its trial, opened there, is cut short by the fit's end at step 70.
+    assert _kinds(_journal(tmp_path), "weight_growth", "loss_divergence", "trial") == [
+        (68, "loss_divergence"), (70, "trial")
+    ]  # fmt: skip
+
+
 def test_weights_that_run_away_while_the_loss_climbs_back_are_tried_from_before_the_growth(tmp_path: Path) -> None:
     """The first layer grows 1.15x a step over steps 60-69, its units saturate and the loss climbs back: at the
     weight sample of step 80 the norm stands 2x or more above the sample of step 30 with the loss above its best.
     The snapshots of steps 50 and 75 are kept: 75 holds the runaway weights, so the trial's remedies start from 50;
     they win, and 75 is dropped with the run they replace."""
     model, before, after = TinyRegressor(), WeightsAtBatchEnd(), WeightsAtBatchEnd()
-    suite = default_callbacks(snapshot_every_n_steps=25)
+    suite = _growth_only(default_callbacks(snapshot_every_n_steps=25))
     trainer = fit(model, [before, *suite, FaultInjector(*RUNAWAY), after], max_steps=120,
                   default_root_dir=str(tmp_path))  # fmt: skip
     events = _journal(tmp_path)
@@ -310,7 +329,7 @@ def test_weights_that_run_away_while_the_loss_climbs_back_are_tried_from_before_
 
 def test_the_snapshot_taken_during_the_growth_is_dropped_from_disk_too(tmp_path: Path) -> None:
     """A resumed run must not find the runaway weights either: the file of step 75 goes with its memory copy."""
-    suite = default_callbacks(snapshot_every_n_steps=25, dirpath=tmp_path / "snaps")
+    suite = _growth_only(default_callbacks(snapshot_every_n_steps=25, dirpath=tmp_path / "snaps"))
     fit(TinyRegressor(), [*suite, FaultInjector(*RUNAWAY)], max_steps=110, default_root_dir=str(tmp_path))
     assert _kinds(_journal(tmp_path), "rollback") == [(101, "rollback")]
     assert sorted(p.name for p in (tmp_path / "snaps").glob("*.pt")) == [snapshot_name(50)]
@@ -445,7 +464,7 @@ def test_a_loss_that_ran_away_on_a_batch_a_clip_neutralised_tells_of_the_batch(t
 def test_under_ddp_both_ranks_find_the_runaway_weights_and_roll_back_together(tmp_path: Path) -> None:
     from ddp_utils import run_ddp
 
-    suite = default_callbacks(snapshot_every_n_steps=25)
+    suite = _growth_only(default_callbacks(snapshot_every_n_steps=25))
     reports = run_ddp(TinyRegressor(), [*suite, FaultInjector(*RUNAWAY)], tmp_path, max_steps=110)
     assert [r["error"] for r in reports] == [None, None]
     assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]

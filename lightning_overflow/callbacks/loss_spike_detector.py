@@ -28,7 +28,6 @@ from lightning_overflow.policy import (
     GROWTH_RUNAWAY_FACTOR,
     GROWTH_WINDOW,
     LEVEL_FACTOR,
-    LEVEL_FRACTION,
     LEVEL_SIGMAS,
     LEVEL_WINDOW,
     LOSS_RATIO,
@@ -118,21 +117,21 @@ class LossSpikeDetector(SuiteCallback):
       ``MIN_RISE`` times the anchor above it (a hinge loss at 1e-6 that creeps to 5e-5, or one that has fallen a
       hundredfold and creeps back by a fraction of a percent of its first losses, is no divergence).
     - **Level**: the moving level of the healthy losses (the mean of the first ``LEVEL_WINDOW`` (20), then their
-      exponential moving average) stands far above its best when it exceeds ``LEVEL_FACTOR`` (2) times the best level
-      **and** has given back ``LEVEL_FRACTION`` (0.5) of the progress from the anchor down to the best level:
-      ``level > max(LEVEL_FACTOR * min(best, anchor), best + LEVEL_FRACTION * (anchor - best))``; a run that never
-      went below its anchor is thus measured against twice its first losses. Held for ``CONFIRM_STEPS`` consecutive
-      healthy steps, with most of those steps' own losses above the bound too (one outlier that the spike test let
-      through lifts the level for many steps), that is divergence (``loss_divergence``): a run whose loss went down
-      and settles back up at a collapsed level (its predictor dead, its moments blown) is not coming back at this
-      learning rate. A rise of less than half the progress made (new data, a harder task) is no divergence. Averages
-      are allowed ``LEVEL_SIGMAS`` (3) standard errors of chance, measured by the scatter of the healthy losses when
-      the best level was reached, so a run whose losses scatter widely but whose mean does not move never stands far
-      above its best. The level starts again after the signal and after a rollback; the best level stays. A state
-      restored above the bound (the fit's first snapshot) is on its way down, not diverged: until its level has come
-      back within the bound it is judged against the fit's first loss instead. With several optimizers (manual
-      optimization) the test is off: each loss is one player's in a game. It is off as well while the anchor is 0
-      and once the level went negative (a log-likelihood: no ratio means anything).
+      exponential moving average) stands far above its best when it exceeds ``LEVEL_FACTOR`` (2) times the best level:
+      ``level > max(LEVEL_FACTOR * min(best, anchor), MIN_RISE * anchor)``; a run that never went below its anchor is
+      thus measured against twice its first losses, and a level below a tenth of the anchor is never far above its best
+      (a loss that sat at 0 and rises a little). Held for ``CONFIRM_STEPS`` consecutive healthy steps, with most of
+      those steps' own losses above the bound too (one outlier that the spike test let through lifts the level for many
+      steps), that is divergence (``loss_divergence``): a run whose loss went down and settles back up at a collapsed
+      level (its predictor dead, its moments blown) is not coming back at this learning rate. A harmless rise as large
+      (new data, a harder task) is a trial's false alarm: the run goes on as it is. Averages are allowed
+      ``LEVEL_SIGMAS`` (3) standard errors of chance, measured by the scatter of the healthy losses when the best level
+      was reached, so a run whose losses scatter widely but whose mean does not move never stands far above its best.
+      The level starts again after the signal and after a rollback; the best level stays. A state restored above the
+      bound (the fit's first snapshot) is on its way down, not diverged: until its level has come back within the bound
+      it is judged against the fit's first loss instead. With several optimizers (manual optimization) the test is off:
+      each loss is one player's in a game. It is off as well while the anchor is 0 and once the level went negative (a
+      log-likelihood: no ratio means anything).
     - **Weight growth** (:class:`~lightning_overflow.numerics.growth.WeightGrowth`): a learning rate far too high can
       overshoot without overflowing or spiking: the weights grow step after step while the loss hovers where it
       began. Signal ``weight_growth`` when the weight norm grew ``GROWTH_FACTOR`` (2) times or more within
@@ -195,7 +194,7 @@ class LossSpikeDetector(SuiteCallback):
     anchor_steps = ANCHOR_STEPS
     min_rise = MIN_RISE
     trend_window, trend_probability, trend_margin = TREND_WINDOW, TREND_PROBABILITY, TREND_MARGIN
-    level_window, level_factor, level_fraction, level_sigmas = LEVEL_WINDOW, LEVEL_FACTOR, LEVEL_FRACTION, LEVEL_SIGMAS
+    level_window, level_factor, level_sigmas = LEVEL_WINDOW, LEVEL_FACTOR, LEVEL_SIGMAS
     growth_window, growth_factor = GROWTH_WINDOW, GROWTH_FACTOR
     growth_progress, growth_runaway_factor = GROWTH_PROGRESS, GROWTH_RUNAWAY_FACTOR
 
@@ -304,7 +303,6 @@ class LossSpikeDetector(SuiteCallback):
             # With several optimizers each loss is one player's in a game (a GAN): its level rises as the game goes.
             level_window=self.level_window if record.n_optimizers == 1 else None,
             level_factor=self.level_factor,
-            level_fraction=self.level_fraction,
             level_sigmas=self.level_sigmas,
             no_progress=record.n_optimizers == 1,
         )
@@ -561,7 +559,6 @@ class DivergenceEvidence:
         min_rise: float = 0.0,
         level_window: int | None = None,
         level_factor: float = 2.0,
-        level_fraction: float = 0.5,
         level_sigmas: float = 0.0,
         no_progress: bool = False,
     ) -> tuple[str, str] | None:
@@ -588,11 +585,11 @@ class DivergenceEvidence:
             return "loss_divergence", f"{where}, for {confirm_steps} consecutive steps"
         if spike or runaway:
             return None  # a spike's losses stay out of the trend window and the level
-        level = self._level(loss, level_window, level_factor, level_fraction, confirm_steps, level_sigmas, no_progress)
+        level = self._level(loss, level_window, level_factor, confirm_steps, level_sigmas, min_rise, no_progress)
         return level or self._trend(loss, trend_window, trend_probability, trend_margin, min_rise)
 
     def _level(
-        self, loss: float, window: int | None, factor: float, fraction: float, confirm_steps: int, sigmas: float,
+        self, loss: float, window: int | None, factor: float, confirm_steps: int, sigmas: float, min_rise: float,
         no_progress: bool = False,
     ) -> tuple[str, str] | None:
         """The level test: the moving level of the healthy losses far above the best level the run reached.
@@ -630,7 +627,9 @@ class DivergenceEvidence:
         # The anchor is a median of fewer losses than the level averages: its allowance grows as the square root.
         anchor = self.anchor + allowance * math.sqrt(window / len(self.first))
         # A run that never went below its anchor is measured against the anchor: settled at twice its first losses.
-        bound = max(factor * min(best, anchor), best + fraction * (anchor - best))
+        # A level below ``min_rise`` times the anchor rose less than that from anything, as a spike must: a loss that
+        # sat at 0 and rises a little has not diverged.
+        bound = max(factor * min(best, anchor), min_rise * self.anchor)
         level = self.level - allowance
         # A state restored above the bound (the fit's first snapshot, restored before any later one exists) is on
         # its way down from the first losses, not diverged: it is judged against the first loss until it trained
@@ -649,8 +648,9 @@ class DivergenceEvidence:
         within = f" ({level:.4g} once their usual scatter is allowed for)" if allowance > 0.0 else ""
         return "loss_divergence", (
             f"settled far above its best level: its level over about {window} healthy steps is {self.judged:.4g}"
-            f"{within}, above {bound:.4g} (the best level {best:.4g} times {factor:g}, and {fraction:g} of the way "
-            f"back up to its starting level {anchor:.4g}) for {confirm_steps} consecutive steps"
+            f"{within}, above {bound:.4g} ({factor:g} times the lower of its best level {best:.4g} and its starting "
+            f"level {anchor:.4g}, and at least {min_rise:g}x its starting level) for {confirm_steps} consecutive "
+            f"steps"
         )
 
     def _stalled(self) -> bool:
