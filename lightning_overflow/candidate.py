@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_overflow import _compat
+from lightning_overflow.distributed import world
 from lightning_overflow.numerics import tensor_norms
 from lightning_overflow.preserve import (
     ModuleAttributes,
@@ -436,12 +437,12 @@ def _clone_optimizer_state(state: Any) -> Any:
 
 def _average_across_ranks(grads: list[Tensor]) -> None:
     """Average the candidate's gradients across ranks, as DDP does for the loop (one all-reduce per tensor)."""
-    if not grads or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    world_size = world()[1]
+    if not grads or world_size == 1:
         return
-    world = dist.get_world_size()
     for grad in grads:
         dist.all_reduce(grad)
-        grad.div_(world)
+        grad.div_(world_size)
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_overflow.policy import NO_PROGRESS_LEVEL, REGROWTH, SCHEDULED
+from lightning_overflow.policy import NO_PROGRESS_LEVEL, REGROWTH, SCHEDULED, at_floor
 
 __all__ = ["DEAD_SHARE", "ENDING_BLOCK", "ENDING_RATIO", "ENDING_START", "LossEnding", "ending_words", "left_alone",
            "named", "opened_because", "plain_lines", "stalled_ending"]
@@ -533,7 +533,7 @@ def left_alone(events: Iterable[Event]) -> tuple[str, dict[str, Any]] | None:
 
 def _at_floor(details: Mapping[str, Any]) -> bool:
     floor, scale = details.get("floor"), details.get("scale")
-    return _finite(floor) and _finite(scale) and float(scale) <= float(floor) * (1 + 1e-6)
+    return _finite(floor) and _finite(scale) and at_floor(float(scale), float(floor))
 
 
 def _left_alone(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:

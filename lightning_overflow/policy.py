@@ -134,6 +134,7 @@ __all__ = [
     "Signal",
     "StepAction",
     "Verdict",
+    "at_floor",
     "decide_step",
 ]
 
@@ -294,6 +295,17 @@ def decide_step(verdicts: Sequence[tuple[Any, Verdict | None]]) -> StepAction:
             return StepAction(skip_reason=verdict.skip, skipped_by=participant)
     clips = [(p, v.clip) for p, v in verdicts if v is not None and v.clip is not None]
     return StepAction(clips=clips)
+
+
+def at_floor(scale: float, floor: float) -> bool:
+    """Whether a backoff's scale has come down to its floor (``LRBackoff(min_scale=...)``), where a suspicion is left
+    alone: the scale is a product of factors, which may round a hair above the floor it equals.
+
+    Example:
+        >>> at_floor(0.5 ** 10, 0.5 ** 10), at_floor(0.5 ** 9, 0.5 ** 10)
+        (True, False)
+    """
+    return scale <= floor * (1 + 1e-9)
 
 
 # ---- Fixed values ---------------------------------------------------------------------------------------------

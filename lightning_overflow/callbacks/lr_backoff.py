@@ -26,6 +26,7 @@ from lightning_overflow.policy import (
     UPDATE_BOUND,
     WINDOW_GROWTH,
     Signal,
+    at_floor,
 )
 from lightning_overflow.snapshot_store import Snapshot
 from lightning_overflow.trial import DEFAULT_TRIAL, TrialConfig
@@ -38,9 +39,6 @@ log = logging.getLogger("pytorch_lightning.lightning_overflow")
 DEFAULT_TRIGGERS = DEFAULT_BACKOFF_TRIGGERS
 """The signals that mean divergence (see the ladder in :mod:`lightning_overflow.policy`): a lone non-finite step,
 a burst of them on bad data, or a single spike never costs the LR."""
-
-_AT_FLOOR = 1e-9  # relative slack when comparing a scale with its floor
-
 
 class LRBackoff(SuiteCallback):
     """Multiply the learning rate by ``factor`` when the run diverges; grow it back after a stable stretch.
@@ -199,12 +197,12 @@ class LRBackoff(SuiteCallback):
     def _back_off(self, trainer: pl.Trainer, due: dict[int, list[Signal]]) -> None:
         # A suspicion at the floor is left alone: only what is certain may stop a run (a suspicion that is answered
         # at once, where no trial can run, has no verdict to stop it on).
-        at_floor = {index for index in due if self.scales[index] <= self.min_scale * (1 + _AT_FLOOR)}
+        floored = {index for index in due if at_floor(self.scales[index], self.min_scale)}
         due = {index: signals for index, signals in due.items()
-               if index not in at_floor or any(s.kind not in SUSPICION_SIGNALS for s in signals)}  # fmt: skip
+               if index not in floored or any(s.kind not in SUSPICION_SIGNALS for s in signals)}  # fmt: skip
         # Check every floor first: either every optimizer concerned backs off or the run stops, never half of it.
         for index, signals in due.items():
-            if index in at_floor:
+            if index in floored:
                 raise self._diverged(trainer, index, signals)
         for index, signals in due.items():
             old = self.scales[index]

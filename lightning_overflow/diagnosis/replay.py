@@ -26,6 +26,7 @@ from lightning_overflow import _compat
 from lightning_overflow.diagnosis.hints import HUGE_INPUT, batch_hint, origin_hint
 from lightning_overflow.diagnosis.records import Diagnosis, Replay, Trace
 from lightning_overflow.diagnosis.tracer import NonFiniteTracer, floating_tensors
+from lightning_overflow.distributed import world
 from lightning_overflow.preserve import RngState, preserved_state
 from lightning_overflow.training_step import loss_of, signature_parameters, silenced_logging, takes_batch_idx
 
@@ -277,8 +278,9 @@ def batch_stats(batch: Any) -> BatchStats:
 
 def _gather(local: Replay) -> list[Replay]:
     """Every rank's replay, by rank: one collective that every rank enters together."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    world_size = world()[1]
+    if world_size == 1:
         return [local]
-    gathered: list[Any] = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, local)
     return sorted(gathered, key=lambda r: r.rank)
