@@ -40,6 +40,7 @@ DEFAULT_TRIGGERS = DEFAULT_BACKOFF_TRIGGERS
 """The signals that mean divergence (see the ladder in :mod:`lightning_overflow.policy`): a lone non-finite step,
 a burst of them on bad data, or a single spike never costs the LR."""
 
+
 class LRBackoff(SuiteCallback):
     """Multiply the learning rate by ``factor`` when the run diverges; grow it back after a stable stretch.
 
