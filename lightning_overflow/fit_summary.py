@@ -182,7 +182,7 @@ def stalled_ending(events: Iterable[Event], ending: LossEnding) -> dict[str, Any
     later trial kept a remedy), and whose loss still ended at ``NO_PROGRESS_LEVEL`` of its start or above: it did not
     come down far, and not for want of a lower rate. ``None`` otherwise."""
     trials = [e for e in events if e["kind"] == "trial"]
-    tied = [e for e in trials if e["details"].get("signal") == "no_progress" and e["details"].get("false_alarm")]
+    tied = [e for e in trials if _tied_stall(e)]
     if not tied or any(e["details"].get("kept") and e["step"] > tied[-1]["step"] for e in trials):
         return None
     last, start = ending.last, ending.start
@@ -192,6 +192,12 @@ def stalled_ending(events: Iterable[Event], ending: LossEnding) -> dict[str, Any
             "last_step": ending.last_step, "start": start, "start_steps": ENDING_START, "start_step": ending.start_step,
             "ratio": last / start, "trial_step": tied[-1]["details"].get("opened_at", tied[-1]["step"]),
             "block": ENDING_BLOCK}  # fmt: skip
+
+
+def _tied_stall(trial: Event) -> bool:
+    """Whether a ``trial`` event is that of a run suspected of not learning whose lower rates did no better: no false
+    alarm as others are, since such a run may not be learning all the same (a lower rate is not its cure)."""
+    return trial["details"].get("signal") == "no_progress" and bool(trial["details"].get("false_alarm"))
 
 
 def ending_words(facts: Mapping[str, Any]) -> str:
@@ -396,8 +402,7 @@ def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
                              if e["details"].get("snapshot_step") is not None else "")
                           for e in kept[:MAX_STEPS])  # fmt: skip
         outcome.append(f"{len(kept)} kept the remedy ({steps})")
-    # A run that does not learn and ties its trial may not be learning all the same: a lower rate is not its cure.
-    stalled = [e for e in false if e["details"].get("signal") == "no_progress"]
+    stalled = [e for e in false if _tied_stall(e)]
     if stalled:
         outcome.append(f"{len(stalled)} where a lower learning rate did no better (the run went on untouched)")
     if len(false) > len(stalled):
@@ -496,15 +501,14 @@ def left_alone(events: Iterable[Event]) -> tuple[str, dict[str, Any]] | None:
     was spent (a ``rollback`` whose ``budget_left`` was 0). Such a run was left to go on as it was, and it is said
     in plain words (the message and the facts of a ``left_alone`` event); ``None`` when there are none."""
     events = list(events)
-    position = {id(e): i for i, e in enumerate(events)}
     by_kind: dict[str, list[Event]] = {}
     for event in events:
         by_kind.setdefault(str(event["kind"]), []).append(event)
     alone: list[tuple[Event, str, Event]] = []  # (the suspicion, why nothing answered it, the event that says why)
-    for event in events:
+    for index, event in enumerate(events):
         if event["kind"] not in SUSPICION_WORDS or event["kind"] in (SCHEDULED, REGROWTH) or _answered(event, by_kind):
             continue
-        before = [e for e in events[: position[id(event)]] if e["kind"] in ("backoff", "undo", "rollback")]
+        before = [e for e in events[:index] if e["kind"] in ("backoff", "undo", "rollback")]
         rate = next((e for e in reversed(before) if e["kind"] in ("backoff", "undo")), None)
         restore = next((e for e in reversed(before) if e["kind"] == "rollback"), None)
         if rate is not None and _at_floor(rate["details"]):
