@@ -28,7 +28,9 @@ level has not come down to half its     verified snapshot from before the      o
 starting level and made no progress     last progress (for a run that never    from, and damages the state it holds
 in ``NO_PROGRESS_STEPS`` healthy steps  learned, the fit's first) at the       (a lower rate from there does not
 (``no_progress``)                       backed-off rate against the run as     learn either); a slow starter about
-                                        it is                                  to learn ties, and goes on as it is
+                                        it is; once the run restarted from     to learn ties, and goes on as it is;
+                                        there, the current state               a restarted run learned since
+                                        (``RESTART_ONCE``)
 none, every ``every_n_steps``           a trial of the backed-off rate from    a rate too high for a run that did
 (opt-in)                                the current state                      learn (it plateaus above what a lower
                                                                                rate reaches) raises no suspicion
@@ -107,6 +109,7 @@ __all__ = [
     "PERSIST_AFTER",
     "REGROWTH",
     "REMOVED_SETTINGS",
+    "RESTART_ONCE",
     "RESTART_STEPS",
     "ROLLBACK_WINDOW",
     "RUNAWAY_FACTOR",
@@ -178,6 +181,14 @@ TRIAL_STEPS_FACTOR = {"no_progress": 2}
 stopped making progress, often the fit's start, and needs longer to show where it goes (a post-norm transformer at 8x
 its stable rate, started again at half of it: 3% lower losses than the run as it is over steps 10-20, 13% over
 40-50)."""
+
+RESTART_ONCE = frozenset({"no_progress"})
+"""Suspicions whose remedy restarts from a snapshot only once: where the snapshot it would start from is no newer
+than the one the run last restarted from (a kept remedy or a rollback), the run has learned from there at a lower
+rate, and a stall since is tried from the current state at a lower rate still. Going back again throws that learning
+away: a post-norm transformer at 40x its stable rate, restarted at step 163 and stalled again at 232, tried again
+from the fit's start ends at 2.2x its reference loss; tried from where it stood, at 1.6x (seeds 0-5 of every set of
+the rescue benchmark, 492 runs: no run crossed its reference either way)."""
 
 NO_PROGRESS_STEPS = 50
 """Healthy steps without progress that make a run suspected of not learning: a run that learns makes a new low by the

@@ -28,13 +28,14 @@ BATCHES_PER_EPOCH = 8  # TinyRegressor: 64 samples, batch size 8, no shuffling
 
 
 class Suspect(SuiteCallback):
-    """A detector that suspects the state at exact steps (``kind``, onset the step itself)."""
+    """A detector that suspects the state at exact steps (``kind``, onset ``onset`` or else the step itself)."""
 
     stage = DETECTOR
 
-    def __init__(self, *steps: int, kind: str = "loss_divergence") -> None:
+    def __init__(self, *steps: int, kind: str = "loss_divergence", onset: int | None = None) -> None:
         self.steps = set(steps)
         self.kind = kind
+        self.onset = onset
 
     @property
     def state_key(self) -> str:
@@ -42,7 +43,8 @@ class Suspect(SuiteCallback):
 
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
         if record.step in self.steps:
-            self._signal(trainer, self.kind, f"suspected at step {record.step}", onset=record.step)
+            onset = record.step if self.onset is None else self.onset
+            self._signal(trainer, self.kind, f"suspected at step {record.step}", onset=onset)
 
 
 class WeightsAtBatchEnd(pl.Callback):
@@ -409,6 +411,26 @@ def test_the_first_trial_of_a_run_that_does_not_learn_runs_twice_as_long_and_res
     make_trainer(suite(), max_steps=80, default_root_dir=str(tmp_path / "resumed")).fit(resumed, ckpt_path=str(path))
     assert_bit_identical(weights(resumed), weights(whole))
     assert [(e["step"], e["details"]["steps"]) for e in _trials(tmp_path / "resumed")][:2] == [(56, 20), (66, 10)]
+
+def test_a_run_that_stalls_again_after_a_restart_is_tried_from_where_it_stands(tmp_path: Path) -> None:
+    """Both suspicions that the run does not learn date its last progress to step 30. The first (step 35) restarts
+    from the snapshot of step 30 at a lower rate (kept at step 56; its follow-up ties at 66). The second (step 70)
+    would go back to that snapshot or past it (a rollback would go to step 20): the run restarted from there and
+    learned at the lower rate since, so its remedies are the lower rates from the current state, and no second
+    rollback is made. A divergence dated the same would go back (``RESTART_ONCE`` names only the stall)."""
+    trial = TrialConfig(steps=10, max_share=1.0)
+    torch.manual_seed(0)
+    suspect = Suspect(35, 70, kind="no_progress", onset=30)
+    suite = [suspect, LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial)]
+    fit(Sabotaged(), suite, max_steps=100, default_root_dir=str(tmp_path))
+    facts = [(e["step"], e["details"]["opened_at"], e["details"]["snapshot_step"], e["details"]["kept"])
+             for e in _trials(tmp_path)]  # fmt: skip
+    assert facts == [(56, 35, 30, True), (66, 56, None, False), (91, 70, None, False)]
+    assert "(no_progress at step 70) tried the current state at the learning rate x0.5 and x0.125" in (
+        _trials(tmp_path)[-1]["message"]
+    )
+    assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == [(56, 30)]
+
 
 @pytest.mark.ddp
 @pytest.mark.timeout(180)

@@ -49,6 +49,7 @@ from lightning_overflow.numerics.snapshots import without_placeholders
 from lightning_overflow.policy import (
     DEFAULT_ROLLBACK_TRIGGERS,
     REMOVED_SETTINGS,
+    RESTART_ONCE,
     ROLLBACK_WINDOW,
     SIGNAL_KINDS,
     SUSPICION_SIGNALS,
@@ -496,11 +497,14 @@ class Rollback(SuiteCallback):
     @override
     def _remedy_start(self, trainer: pl.Trainer, signal: Signal) -> Snapshot | None:
         """Restore the snapshot a rollback for ``signal`` would go to, quietly: the start of a trial's remedy. None
-        when there is no snapshot, or the budget is spent and nothing changed since the last rollback."""
+        when there is no snapshot, the budget is spent and nothing changed since the last rollback, or the suspicion
+        restarts only once (``RESTART_ONCE``) and that snapshot is no newer than the one the run last restarted from."""
         settings = self.board(trainer).settings()
         if not self._budget_left(int(trainer.global_step), settings) or not self._candidates():
             return None
         candidates, _ = self._targets(settings, signal.onset)
+        if signal.kind in RESTART_ONCE and self.history and candidates[0].step <= self.history[-1]["snapshot_step"]:
+            return None  # back to or past the last restart: the remedy is a lower rate from where the run stands
         restored = self._restore_first(trainer, candidates, notify=False)
         return restored[0] if restored is not None else None
 
