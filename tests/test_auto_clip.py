@@ -16,6 +16,7 @@ from ddp_utils import run_ddp
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import Logger
 from pytorch_lightning.plugins import MixedPrecision
+from reference_numerics import PercentileState, ZScoreState, percentile_threshold, zscore_threshold
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -25,13 +26,7 @@ from lightning_overflow.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.health import board_for
 from lightning_overflow.numerics.agc import agc_coefficients
-from lightning_overflow.numerics.clipping import (
-    PercentileState,
-    ZScoreState,
-    clip_coefficient,
-    percentile_threshold,
-    zscore_threshold,
-)
+from lightning_overflow.numerics.clipping import clip_coefficient
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 
 

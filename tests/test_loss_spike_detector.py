@@ -15,13 +15,13 @@ import torch
 from conftest import assert_bit_identical, make_trainer, tuned, weights
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
+from reference_numerics import RunningStats
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_overflow import NonFiniteDetector, default_callbacks
 from lightning_overflow.callbacks.loss_spike_detector import DivergenceEvidence, LossSpikeDetector
 from lightning_overflow.events import read_journal
 from lightning_overflow.health import Signal, board_for
-from lightning_overflow.numerics.running_stats import RunningStats
 from lightning_overflow.numerics.trend import loss_scatter
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 

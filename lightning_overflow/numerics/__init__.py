@@ -10,14 +10,10 @@ from lightning_overflow.numerics.agc import (
 from lightning_overflow.numerics.clipping import (
     HostPercentile,
     HostZScore,
-    PercentileState,
-    ZScoreState,
     clip_coefficient,
     clip_grad_norm_,
     host_clip_coefficient,
-    percentile_threshold,
     scale_grads_,
-    zscore_threshold,
 )
 from lightning_overflow.numerics.lr_scaling import (
     GROUP_LR_KEYS,
@@ -36,11 +32,7 @@ from lightning_overflow.numerics.norms import (
 )
 from lightning_overflow.numerics.running_stats import (
     HostRunningStats,
-    RunningStats,
     ema_alpha,
-    spike_flags,
-    spike_threshold,
-    update_running_stats,
 )
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
@@ -66,10 +58,7 @@ __all__ = [
     "HostRunningStats",
     "HostZScore",
     "NormReport",
-    "PercentileState",
-    "RunningStats",
     "SnapshotError",
-    "ZScoreState",
     "agc_",
     "agc_coefficients",
     "agc_coefficients_and_norms",
@@ -84,7 +73,6 @@ __all__ = [
     "nonfinite_paths",
     "norm_status",
     "parameters_of",
-    "percentile_threshold",
     "refine_norms",
     "restore_optimizer_",
     "restore_state_",
@@ -92,8 +80,6 @@ __all__ = [
     "scale_lr",
     "scheduler_tree",
     "smallest_coefficient",
-    "spike_flags",
-    "spike_threshold",
     "state_matches",
     "state_nbytes",
     "state_tensors",
@@ -102,6 +88,4 @@ __all__ = [
     "tensor_norms",
     "total_norm",
     "unitwise_norms",
-    "update_running_stats",
-    "zscore_threshold",
 ]

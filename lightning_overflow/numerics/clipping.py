@@ -1,10 +1,14 @@
 """Gradient clipping of the total norm that survives overflow and NaN: fixed, percentile (AutoClip), z-score (ZClip).
 
-Pure torch, no Lightning. Every tensor function here is sync-free: thresholds and coefficients stay on the device, the
-coefficient is clamped and always multiplied (never ``if coef < 1:``), so nothing is read back to the host. The
-adaptive statistics are small frozen dataclasses of tensors; each update returns a new state, which makes it easy
-to drop an update (a step that was skipped after all) and to checkpoint the state. Unit-wise clipping (AGC) lives
-in :mod:`~lightning_overflow.numerics.agc` and follows the same rules.
+Pure torch, no Lightning. The tensor functions (:func:`clip_coefficient`, :func:`scale_grads_`,
+:func:`clip_grad_norm_`) are sync-free: the coefficient stays on the device, clamped and always multiplied (never
+``if coef < 1:``), so nothing is read back to the host. Unit-wise clipping (AGC) lives in
+:mod:`~lightning_overflow.numerics.agc` and follows the same rules. The adaptive thresholds, :class:`HostZScore`
+and :class:`HostPercentile`, take the total norm as a host float: the suite reads it back once per step anyway, and
+plain Python computes a threshold in a few microseconds where tensor ops on 0-d tensors dispatch dozens of kernels
+(the one op left is ZClip's square root, taken by torch once per update, since torch's CPU root is not always
+correctly rounded). Their arithmetic is the papers' in float64; the tests check it, bit for bit, against the same
+algorithms written as tensor ops.
 
 Three rules hold throughout:
 
@@ -18,21 +22,14 @@ Three rules hold throughout:
   :func:`~lightning_overflow.numerics.grad_norm_report` or the suite's step record). A coefficient below the
   smallest normal FP32 number (a norm above about ``8.5e37 * threshold``) would flush to zero; it is clamped there.
 
-Where the total norm is already a host float (read back once per step, as the suite's callbacks have it), the
-host forms :class:`HostZScore`, :class:`HostPercentile` and :func:`host_clip_coefficient` compute the same
-thresholds and coefficients in plain Python: the same float64 values, bit for bit, in a few microseconds a step
-where the tensor forms dispatch dozens of ops on 0-d tensors (the one op left is ZClip's square root, taken by
-torch once per update, since torch's CPU root is not always correctly rounded).
-
 A plain PyTorch loop::
 
-    state = ZScoreState.empty()
+    zclip = HostZScore(alpha=0.97, z_threshold=2.5, warmup_steps=25)  # the paper's values
     for batch in loader:
         model(batch).backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        total = total_norm(tensor_norms(grads))  # or grad_norm_report(grads).total: exact beyond FP32, one read
-        threshold, state = zscore_threshold(state, total)
-        scale_grads_(grads, clip_coefficient(total, threshold))
+        total = grad_norm_report(grads).total  # exact beyond FP32, one read
+        scale_grads_(grads, host_clip_coefficient(total, zclip.observe(total)))
         optimizer.step()
 
 Papers:
@@ -47,27 +44,22 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_overflow._validation import check_float, check_int, check_type
+from lightning_overflow._validation import check_float, check_int
 from lightning_overflow.numerics import _float64
 from lightning_overflow.numerics.norms import FP32_MAX, tensor_norms, total_norm
 
 __all__ = [
     "HostPercentile",
     "HostZScore",
-    "PercentileState",
-    "ZScoreState",
     "clip_coefficient",
     "clip_grad_norm_",
     "host_clip_coefficient",
-    "percentile_threshold",
     "scale_grads_",
-    "zscore_threshold",
 ]
 
 FP32_TINY = float(torch.finfo(torch.float32).tiny)
@@ -77,11 +69,6 @@ FP32_TINY = float(torch.finfo(torch.float32).tiny)
 def _as_total(total: Tensor | float, like: Tensor | None = None) -> Tensor:
     device = like.device if like is not None else (total.device if isinstance(total, Tensor) else None)
     return torch.as_tensor(total, dtype=torch.float64, device=device).reshape(())
-
-
-def _accepted(total: Tensor) -> Tensor:
-    """Whether a total norm may enter the statistics: finite and within the FP32 range."""
-    return torch.isfinite(total) & (total <= FP32_MAX)
 
 
 def clip_coefficient(total: Tensor | float, threshold: Tensor | float) -> Tensor:
@@ -187,104 +174,20 @@ def clip_grad_norm_(
 
 
 # ---- percentile (AutoClip) ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PercentileState:
-    """The bounded history of total norms behind :func:`percentile_threshold`.
-
-    Attributes:
-        history: float64 ring buffer of the last ``window`` accepted norms; ``nan`` marks an empty slot.
-        count: int64 0-d tensor, the number of norms accepted so far (the next slot is ``count % window``).
-    """
-
-    history: Tensor
-    count: Tensor
-
-    @classmethod
-    def empty(cls, window: int, device: torch.device | str | None = None) -> PercentileState:
-        """A state with no history yet, keeping the last ``window`` norms."""
-        check_int("window", window, minimum=1)
-        history = torch.full((window,), float("nan"), dtype=torch.float64, device=device)
-        return cls(history, torch.zeros((), dtype=torch.int64, device=device))
-
-    @property
-    def window(self) -> int:
-        return self.history.numel()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The state as primitives (one host read): the accepted norms oldest first, and the count.
-
-        Loadable with ``torch.load(weights_only=True)``, writable as JSON, comparable with ``==``.
-        """
-        n = min(int(self.count), self.window)
-        slots = [(int(self.count) - n + i) % self.window for i in range(n)]
-        values = self.history.tolist()
-        return {"window": self.window, "history": [values[i] for i in slots], "count": int(self.count)}
-
-    @classmethod
-    def from_dict(
-        cls, state: dict[str, Any], window: int | None = None, device: torch.device | str | None = None
-    ) -> PercentileState:
-        """Rebuild a state from :meth:`to_dict`; with another ``window``, the most recent norms that fit are kept."""
-        window = int(state["window"]) if window is None else window
-        count = int(state["count"])
-        history = [float(v) for v in state["history"]][-window:]
-        if len(history) < min(count, window):  # the window grew: fewer norms are known than would fit
-            count = len(history)
-        rebuilt = cls.empty(window, device)
-        n = len(history)
-        for i, value in enumerate(history):
-            rebuilt.history[(count - n + i) % window] = value
-        return cls(rebuilt.history, torch.tensor(count, dtype=torch.int64, device=device))
-
-
-def percentile_threshold(
-    state: PercentileState, total: Tensor | float, percentile: float = 10.0
-) -> tuple[Tensor, PercentileState]:
-    """AutoClip's threshold: the ``percentile``-th percentile of the norms seen so far, this step's included.
-
-    The history is bounded to the state's window (the paper keeps every norm). Percentiles interpolate linearly, as
-    ``numpy.percentile`` does. A norm that is not accepted (inf/NaN, or beyond the FP32 range) is neither added nor
-    counted; the threshold then comes from the history alone (``inf`` while it is empty).
-
-    Args:
-        state: the current history.
-        total: this step's total gradient norm, pre-clip.
-        percentile: in ``[0, 100]``; the paper's default 10 clips about nine steps in ten, gently.
-
-    Returns:
-        ``(threshold, new_state)``: a float64 0-d tensor and the updated history.
-
-    Example:
-        >>> state = PercentileState.empty(window=4)
-        >>> for norm in [1.0, 2.0, 3.0, 4.0]:
-        ...     threshold, state = percentile_threshold(state, torch.tensor(norm), percentile=50.0)
-        >>> threshold
-        tensor(2.5000, dtype=torch.float64)
-    """
-    check_type("state", state, PercentileState, "a PercentileState")
-    percentile = check_float("percentile", percentile, low=0.0, high=100.0)
-    history = state.history
-    total = _as_total(total, like=history)
-    ok = _accepted(total)
-    slot = torch.arange(history.numel(), device=history.device) == torch.remainder(state.count, history.numel())
-    updated = torch.where(slot & ok, total, history)
-    threshold = torch.nanquantile(updated, percentile / 100.0)
-    threshold = torch.where(torch.isnan(threshold), torch.full_like(threshold, float("inf")), threshold)
-    return threshold, PercentileState(updated, state.count + ok.to(torch.int64))
-
-
 def _accepted_host(total: float) -> bool:
-    """:func:`_accepted` of a host float."""
+    """Whether a total norm may enter the statistics: finite and within the FP32 range."""
     return math.isfinite(total) and total <= FP32_MAX
 
 
 class HostPercentile:
-    """AutoClip's bounded history and threshold on host floats: :func:`percentile_threshold` in plain Python.
+    """AutoClip's threshold on host floats: the ``percentile``-th percentile of the norms seen so far, this step's
+    included.
 
-    The same thresholds as :func:`percentile_threshold` on a float64 :class:`PercentileState`, bit for bit (also
-    the linear interpolation, which rounds as ``torch.nanquantile``'s CPU kernel does), from a ring buffer of the
-    last ``window`` norms and a sorted copy kept with :mod:`bisect`: a threshold costs two binary searches, an
-    update one removal and one insertion, where the tensor form sorts the whole window every step.
+    The history is bounded to the last ``window`` accepted norms (the paper keeps every norm). Percentiles
+    interpolate linearly, as ``numpy.percentile`` does, and round as ``torch.nanquantile``'s CPU kernel does. A norm
+    that is not accepted (inf/NaN, or beyond the FP32 range) is neither added nor counted; the threshold then comes
+    from the history alone (``inf`` while it is empty). A ring buffer and a sorted copy kept with :mod:`bisect`: a
+    threshold costs two binary searches, an update one removal and one insertion.
 
     Args:
         window: the number of recent norms kept (AutoClip keeps 1000).
@@ -358,12 +261,13 @@ class HostPercentile:
         return threshold
 
     def to_dict(self) -> dict[str, Any]:
-        """The state in :meth:`PercentileState.to_dict`'s format (either class loads the other's)."""
+        """The state as primitives: the accepted norms in the window, oldest first, and the count (loadable with
+        ``torch.load(weights_only=True)``, writable as JSON)."""
         return {"window": self.window, "history": self.history, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load :meth:`to_dict`'s (or :meth:`PercentileState.to_dict`'s) state into this window; with another
-        window size, the most recent norms that fit are kept, as :meth:`PercentileState.from_dict` does.
+        """Load :meth:`to_dict`'s state into this window; with another window size, the most recent norms that fit
+        are kept.
 
         Raises:
             ValueError: the history holds a norm that could never have been accepted, or more norms than counted.
@@ -399,48 +303,11 @@ class HostPercentile:
         return f"HostPercentile(window={self.window}, percentile={self.percentile}, count={self.count})"
 
 
-# ---- z-score (ZClip) ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ZScoreState:
-    """The running statistics behind :func:`zscore_threshold` (float64 0-d tensors).
+# ---- z-score (ZClip) -------------------------------------------------------------------------------------------------
+class HostZScore:
+    """ZClip's statistics and threshold (reciprocal z-score clipping) on host floats.
 
-    Attributes:
-        mean: the mean of the warm-up norms, then their exponential moving average.
-        var: the (population) variance of the warm-up norms, then its exponential moving average.
-        count: the number of norms accepted so far; the first ``warmup_steps`` of them only build the statistics.
-    """
-
-    mean: Tensor
-    var: Tensor
-    count: Tensor
-
-    @classmethod
-    def empty(cls, device: torch.device | str | None = None) -> ZScoreState:
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        return cls(zero, zero.clone(), zero.clone())
-
-    def to_dict(self) -> dict[str, Any]:
-        """The state as primitives (one host read); loadable with ``torch.load(weights_only=True)``, JSON-able."""
-        return {"mean": self.mean.item(), "var": self.var.item(), "count": int(self.count)}
-
-    @classmethod
-    def from_dict(cls, state: dict[str, Any], device: torch.device | str | None = None) -> ZScoreState:
-        """Rebuild a state from :meth:`to_dict`."""
-        values = (torch.tensor(float(state[k]), dtype=torch.float64, device=device) for k in ("mean", "var", "count"))
-        return cls(*values)
-
-
-def zscore_threshold(
-    state: ZScoreState,
-    total: Tensor | float,
-    alpha: float = 0.97,
-    z_threshold: float = 2.5,
-    warmup_steps: int = 25,
-    eps: float = 1e-6,
-) -> tuple[Tensor, ZScoreState]:
-    """ZClip's threshold for this step (reciprocal z-score clipping) and the updated statistics.
-
-    During warm-up the norms only build the mean and variance (threshold ``inf``). After it, with
+    During warm-up the norms only build the mean and (population) variance (threshold ``inf``). After it, with
     ``z = (g - mean) / (std + eps)``: an outlier (``z > z_threshold``) is clipped to
     ``mean + z_threshold**2 * std / z``, so the larger the spike the harder the clip; otherwise the threshold is the
     detection boundary ``mean + z_threshold * (std + eps)``, which ``g`` does not exceed. The EMAs are then updated
@@ -449,80 +316,19 @@ def zscore_threshold(
         mean <- alpha * mean + (1 - alpha) * g_clipped
         var  <- alpha * var  + (1 - alpha) * (g_clipped - mean) ** 2
 
-    Norms that are not accepted (inf/NaN, or beyond the FP32 range) leave the state as it is.
+    Norms that are not accepted (inf/NaN, or beyond the FP32 range) leave the statistics as they are. One tensor op
+    per update: the standard deviation's root, rounded as torch rounds it.
 
     Args:
-        state: the current statistics.
-        total: this step's total gradient norm, pre-clip.
         alpha: EMA smoothing factor, in (0, 1) (paper: 0.97).
         z_threshold: z-score above which a norm is an outlier, in (0, inf) (paper: 2.5).
         warmup_steps: norms collected before clipping starts, at least 2: a variance needs two norms, and with a
             variance of 0 every norm above the mean would be clipped to it (paper: 25).
         eps: added to the standard deviation in the z-score, in [0, inf) (paper: 1e-6).
 
-    Returns:
-        ``(threshold, new_state)``: a float64 0-d tensor and the updated statistics.
-
-    Raises:
-        TypeError, ValueError: an argument is not a number (an int for ``warmup_steps``) in its range.
-
-    Example:
-        >>> state = ZScoreState.empty()
-        >>> for norm in [1.0, 2.0, 3.0]:
-        ...     _, state = zscore_threshold(state, torch.tensor(norm), warmup_steps=3)
-        >>> state.mean.item(), round(state.var.item(), 6)
-        (2.0, 0.666667)
-        >>> threshold, _ = zscore_threshold(state, torch.tensor(10.0), warmup_steps=3)
-        >>> round(threshold.item(), 4)
-        2.5208
-    """
-    check_type("state", state, ZScoreState, "a ZScoreState")
-    alpha = check_float("alpha", alpha, low=0.0, high=1.0, low_open=True, high_open=True)
-    z_threshold = check_float("z_threshold", z_threshold, low=0.0, low_open=True)
-    check_int("warmup_steps", warmup_steps, minimum=2)
-    eps = check_float("eps", eps, low=0.0)
-    mean, var, count = state.mean, state.var, state.count
-    total = _as_total(total, like=mean)
-    ok = _accepted(total)
-    g = torch.where(ok, total, mean)  # keeps inf/NaN out of the arithmetic below
-
-    # Warm-up: Welford's running mean and population variance (equal to the batch values at the end).
-    n1 = count + 1
-    warm_mean = mean + (g - mean) / n1
-    warm_var = (var * count + (g - mean) * (g - warm_mean)) / n1
-
-    # After warm-up: reciprocal z-score clipping, then the EMA update with the clipped norm.
-    std = var.sqrt()
-    z = (total - mean) / (std + eps)
-    outlier = torch.isfinite(total) & (z > z_threshold)
-    safe_z = torch.where(outlier, z, torch.ones_like(z))
-    target = mean + z_threshold**2 * std / safe_z
-    boundary = torch.maximum(mean + z_threshold * (std + eps), g)  # at least g: an inlier is never touched
-    adaptive = torch.where(outlier, target, boundary)
-    clipped = torch.where(outlier, target, g)
-    ema_mean = alpha * mean + (1.0 - alpha) * clipped
-    ema_var = alpha * var + (1.0 - alpha) * (clipped - ema_mean) ** 2
-
-    warming = count < warmup_steps
-    threshold = torch.where(warming, torch.full_like(adaptive, float("inf")), adaptive)
-    new_mean = torch.where(ok, torch.where(warming, warm_mean, ema_mean), mean)
-    new_var = torch.where(ok, torch.where(warming, warm_var, ema_var), var)
-    return threshold, ZScoreState(new_mean, new_var, count + ok.to(count.dtype))
-
-
-class HostZScore:
-    """ZClip's statistics and threshold on host floats: :func:`zscore_threshold` in plain Python.
-
-    The same thresholds and statistics as :func:`zscore_threshold` on a float64 :class:`ZScoreState` on the CPU,
-    bit for bit, with Python floats instead of 0-d tensors: for a norm that is already on the host, one tensor op
-    per update (the standard deviation's root, rounded as torch rounds it) where the tensor form dispatches a few
-    dozen.
-
-    Args:
-        alpha, z_threshold, warmup_steps, eps: as for :func:`zscore_threshold`, checked once here.
-
     Attributes:
-        mean, var, count: the statistics, as in :class:`ZScoreState`.
+        mean, var: the mean and variance of the warm-up norms, then their exponential moving averages.
+        count: the number of norms accepted so far; the first ``warmup_steps`` of them only build the statistics.
 
     Raises:
         TypeError, ValueError: an argument is not a number (an int for ``warmup_steps``) in its range.
@@ -586,16 +392,16 @@ class HostZScore:
         return threshold
 
     def to_dict(self) -> dict[str, Any]:
-        """The state in :meth:`ZScoreState.to_dict`'s format (either class loads the other's)."""
+        """The statistics as primitives (loadable with ``torch.load(weights_only=True)``, writable as JSON)."""
         return {"mean": self.mean, "var": self.var, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load :meth:`to_dict`'s (or :meth:`ZScoreState.to_dict`'s) state."""
+        """Load :meth:`to_dict`'s state."""
         self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), int(state["count"])
 
     def _step(self, total: float) -> tuple[float, float, float, bool]:
-        """``(threshold, new mean, new var, accepted)``: :func:`zscore_threshold`'s arithmetic, operation for
-        operation, taking only the branch that its ``torch.where`` selects."""
+        """``(threshold, new mean, new var, accepted)``: the warm-up's Welford update (the batch mean and population
+        variance at its end), or the clip and the EMA update with the clipped norm."""
         mean, var, count = self.mean, self.var, self.count
         accepted = _accepted_host(total)
         g = total if accepted else mean
