@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
 
 STEPS = 12
+DIVERGING_STEPS = 200
 
 
 def _free_port() -> int:
@@ -45,15 +46,24 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
         from lightning_overflow.testing import regression_data
 
         torch.manual_seed(0)
-        module = nn.Sequential(nn.Linear(4, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 1))
+        diverging = scenario.startswith("diverging")  # "diverging_bare": the same loop without the guard
+        norm = nn.Identity() if diverging else nn.BatchNorm1d(32)
+        module = nn.Sequential(nn.Linear(4, 32), norm, nn.Tanh(), nn.Linear(32, 1))
         model = DistributedDataParallel(module)
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
         x, y = regression_data(n_samples=64).tensors
         x, y = x[rank::2], y[rank::2]  # each rank its own half of the data
-        guard = Guard(model, optimizer, callbacks=default_callbacks(snapshot_every_n_steps=4),
-                      default_root_dir=directory)  # fmt: skip
-        outcomes, snapshots = [], {}
-        for step in range(STEPS):
+        scheduler = None
+        if diverging:  # SGD at 10x the rate that trains, warmed up over 100 steps
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+            scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 0.05, total_iters=100)
+            callbacks = default_callbacks(lr_factor=0.5)
+        else:
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+            callbacks = default_callbacks(snapshot_every_n_steps=4)
+        guard = None if scenario == "diverging_bare" else Guard(model, optimizer, scheduler, callbacks=callbacks,
+                                                                 default_root_dir=directory)  # fmt: skip
+        outcomes, snapshots, lrs = [], {}, []
+        for step in range(DIVERGING_STEPS if diverging else STEPS):
             snapshots[step] = _digest(module)
             if scenario == "nan_weight" and step == 6 and rank == 1:
                 with torch.no_grad():
@@ -63,17 +73,26 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
             if scenario == "nan_loss" and step == 3 and rank == 1:
                 loss = loss * float("nan")
             loss.backward()
+            lrs.append(optimizer.param_groups[0]["lr"])  # the rate this step trains with
+            if guard is None:
+                optimizer.step()
+                scheduler.step()  # type: ignore[union-attr]
+                optimizer.zero_grad()
+                continue
             outcome = guard.step(loss)
             if outcome.rolled_back:
                 report["restored"] = _digest(module)
             outcomes.append([outcome.step, outcome.skipped, outcome.rolled_back, outcome.backed_off,
                              [e.kind for e in outcome.events]])  # fmt: skip
-        guard.close()
+        if guard is not None:
+            guard.close()
         report.update(
             outcomes=outcomes,
             digest=_digest(module),
             snapshots=snapshots,
-            global_step=guard.global_step,
+            global_step=guard.global_step if guard is not None else None,
+            lrs=lrs,
+            loss=float(nn.functional.mse_loss(model(x), y)),
             finite=all(bool(torch.isfinite(v).all()) for v in module.state_dict().values() if v.is_floating_point()),
         )
     except Exception:
@@ -122,3 +141,22 @@ def test_a_nan_weight_on_rank_1_only_rolls_both_ranks_back_to_the_same_snapshot(
     assert reports[0]["restored"] == reports[1]["restored"] == reports[0]["snapshots"]["4"]  # the snapshot of step 4
     assert reports[0]["digest"] == reports[1]["digest"]
     assert all(r["finite"] for r in reports)
+
+
+def test_a_learning_rate_too_high_for_the_data_of_both_ranks_is_backed_off_on_both_at_the_same_step(
+    tmp_path: Path,
+) -> None:
+    """Each rank trains on its own half of the data, so each sees its own losses; the decision rests on what both
+    saw. Guarded, the level of the loss settles far above its best at step 161 on both ranks: both back off and roll
+    back there, then train at exactly half the unprotected loop's rate, with identical replicas, and each rank ends
+    with less than half the loss it ends with bare (2x and 6x)."""
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "guarded").mkdir()
+    bare = run(tmp_path / "bare", "diverging_bare")
+    reports = run(tmp_path / "guarded", "diverging")
+    assert reports[0]["outcomes"] == reports[1]["outcomes"] and reports[0]["digest"] == reports[1]["digest"]
+    acted = [(o[0], o[2], o[3], o[4]) for o in reports[0]["outcomes"] if o[4]]
+    assert acted == [(161, True, True, ["loss_divergence", "backoff", "rollback"])]
+    assert reports[0]["lrs"] == reports[1]["lrs"] == bare[0]["lrs"][:162] + [0.5 * lr for lr in bare[0]["lrs"][162:]]
+    assert all(r["finite"] and r["loss"] < 0.05 for r in reports)
+    assert [b["loss"] > 2 * r["loss"] for b, r in zip(bare, reports)] == [True, True]
