@@ -1,5 +1,6 @@
-"""``Guard`` in a plain DDP loop, 2 CPU processes on gloo: a fault on rank 1 only leads to the same decision on both
-ranks, and the replicas stay identical."""
+"""``Guard`` in a plain DDP loop and in a Fabric DDP loop, 2 CPU processes on gloo: a fault on rank 1 only, or a
+learning rate too high for the data of each rank, leads to the same decision on both ranks, and the replicas stay
+identical."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -160,3 +163,16 @@ def test_a_learning_rate_too_high_for_the_data_of_both_ranks_is_backed_off_on_bo
     assert reports[0]["lrs"] == reports[1]["lrs"] == bare[0]["lrs"][:162] + [0.5 * lr for lr in bare[0]["lrs"][162:]]
     assert all(r["finite"] and r["loss"] < 0.05 for r in reports)
     assert [b["loss"] > 2 * r["loss"] for b, r in zip(bare, reports)] == [True, True]
+
+
+def test_a_fabric_ddp_loop_makes_the_same_decisions_on_both_ranks(tmp_path: Path) -> None:
+    """Under Fabric's DDP strategy (2 processes, a script Fabric relaunches for rank 1): rank 1's NaN loss at step 3
+    is skipped on both ranks, its NaN weight at step 6 rolls both back; the replicas end identical and finite."""
+    script = Path(__file__).parent / "scripts" / "fabric_ddp_guard.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reports[0]["outcomes"] == reports[1]["outcomes"]
+    acted = [(o[0], o[1], o[2], o[3]) for o in reports[0]["outcomes"] if o[3]]
+    assert acted == [(3, True, False, ["nonfinite", "skip"]), (6, False, True, ["nonfinite", "backoff", "rollback"])]
+    assert reports[0]["digest"] == reports[1]["digest"] and all(r["finite"] for r in reports)
