@@ -32,7 +32,7 @@ def _accepted(total: Tensor) -> Tensor:
     return torch.isfinite(total) & (total <= FP32_MAX)
 
 
-# ---- percentile (AutoClip) ------------------------------------------------------------------------------------------
+# ---- percentile (AutoClip) ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PercentileState:
     """The bounded history of total norms behind :func:`percentile_threshold`.
@@ -119,7 +119,7 @@ def percentile_threshold(
     return threshold, PercentileState(updated, state.count + ok.to(torch.int64))
 
 
-# ---- z-score (ZClip) ------------------------------------------------------------------------------------------------
+# ---- z-score (ZClip) ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ZScoreState:
     """The running statistics behind :func:`zscore_threshold` (float64 0-d tensors).
@@ -230,7 +230,7 @@ def zscore_threshold(
     return threshold, ZScoreState(new_mean, new_var, count + ok.to(count.dtype))
 
 
-# ---- running statistics -----------------------------------------------------------------------------------------
+# ---- running statistics -------------------------------------------------------------------------------------------
 def update_running_stats(
     mean: Tensor, var: Tensor, count: Tensor, value: Tensor, alpha: float, include: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:

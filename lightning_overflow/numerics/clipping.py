@@ -303,7 +303,7 @@ class HostPercentile:
         return f"HostPercentile(window={self.window}, percentile={self.percentile}, count={self.count})"
 
 
-# ---- z-score (ZClip) -------------------------------------------------------------------------------------------------
+# ---- z-score (ZClip) ----------------------------------------------------------------------------------------------
 class HostZScore:
     """ZClip's statistics and threshold (reciprocal z-score clipping) on host floats.
 
