@@ -86,11 +86,9 @@ class PercentileState:
 def percentile_threshold(
     state: PercentileState, total: Tensor | float, percentile: float = 10.0
 ) -> tuple[Tensor, PercentileState]:
-    """AutoClip's threshold: the ``percentile``-th percentile of the norms seen so far, this step's included.
-
-    The history is bounded to the state's window (the paper keeps every norm). Percentiles interpolate linearly, as
-    ``numpy.percentile`` does. A norm that is not accepted (inf/NaN, or beyond the FP32 range) is neither added nor
-    counted; the threshold then comes from the history alone (``inf`` while it is empty).
+    """AutoClip's threshold: the ``percentile``-th percentile of the norms seen so far, this step's included, as
+    :class:`~lightning_overflow.numerics.clipping.HostPercentile` computes it (its docstring states the rules), from a
+    float64 window that ``torch.nanquantile`` sorts every step.
 
     Args:
         state: the current history.
@@ -158,27 +156,14 @@ def zscore_threshold(
     warmup_steps: int = 25,
     eps: float = 1e-6,
 ) -> tuple[Tensor, ZScoreState]:
-    """ZClip's threshold for this step (reciprocal z-score clipping) and the updated statistics.
-
-    During warm-up the norms only build the mean and variance (threshold ``inf``). After it, with
-    ``z = (g - mean) / (std + eps)``: an outlier (``z > z_threshold``) is clipped to
-    ``mean + z_threshold**2 * std / z``, so the larger the spike the harder the clip; otherwise the threshold is the
-    detection boundary ``mean + z_threshold * (std + eps)``, which ``g`` does not exceed. The EMAs are then updated
-    with the clipped norm, as the paper does, so a spike does not inflate the variance that must detect the next one::
-
-        mean <- alpha * mean + (1 - alpha) * g_clipped
-        var  <- alpha * var  + (1 - alpha) * (g_clipped - mean) ** 2
-
-    Norms that are not accepted (inf/NaN, or beyond the FP32 range) leave the state as it is.
+    """ZClip's threshold for this step (reciprocal z-score clipping) and the updated statistics: the arithmetic of
+    :class:`~lightning_overflow.numerics.clipping.HostZScore` (its docstring states the algorithm), written as tensor
+    ops that compute every branch and select one with ``torch.where``.
 
     Args:
         state: the current statistics.
         total: this step's total gradient norm, pre-clip.
-        alpha: EMA smoothing factor, in (0, 1) (paper: 0.97).
-        z_threshold: z-score above which a norm is an outlier, in (0, inf) (paper: 2.5).
-        warmup_steps: norms collected before clipping starts, at least 2: a variance needs two norms, and with a
-            variance of 0 every norm above the mean would be clipped to it (paper: 25).
-        eps: added to the standard deviation in the z-score, in [0, inf) (paper: 1e-6).
+        alpha, z_threshold, warmup_steps, eps: as for ``HostZScore`` (the defaults are the paper's).
 
     Returns:
         ``(threshold, new_state)``: a float64 0-d tensor and the updated statistics.
@@ -317,16 +302,10 @@ class RunningStats:
     functions above, step by step (the reference that :class:`HostRunningStats` is checked against).
 
     Args:
-        channels: how many series are tracked side by side (e.g. 2: the loss and the gradient norm).
-        window: the span of the moving average in steps (OLMo-core's is 128).
-        warmup: values taken in before a channel tests for spikes.
+        channels, window, warmup: as for :class:`~lightning_overflow.numerics.running_stats.HostRunningStats`.
 
     Attributes:
         mean, var, count: the statistics (1-D tensors of ``channels`` entries).
-
-    Raises:
-        TypeError: ``channels``, ``window`` or ``warmup`` is not an int.
-        ValueError: one of them is below 1.
 
     Example:
         >>> stats = RunningStats(channels=1, window=128, warmup=3)
