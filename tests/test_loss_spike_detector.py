@@ -573,15 +573,36 @@ def test_a_loss_that_stalls_above_half_its_start_is_suspected_50_steps_after_its
     assert _findings([4.0] * 20 + [2.5] * 100) == [(74, "no_progress", 54)]
 
 
-def test_a_slow_starter_that_learns_is_never_suspected_and_a_run_that_learned_never_again() -> None:
+def test_a_slow_starter_that_learns_is_never_suspected_nor_a_run_that_learned_while_below_its_start() -> None:
     # Flat for 45 steps (the clock reaches 41 of 50), then down 0.1 a step to 1: never suspected, and once the level
-    # came down to half its start the clock has stopped for good, through 300 more steps at 1.
+    # came down to half its start the clock has stopped, through 300 more steps at 1.
     slow_start = [4.0] * 45 + [4.0 - 0.1 * (k + 1) for k in range(30)] + [1.0] * 300
     assert _findings(slow_start) == []
     # Learned, then a harder task (new data) at 3, 0.75 x the start: the level test suspects that (and again after
     # each signal); never a run that does not learn.
     shifted = _findings([4.0] * 8 + [1.0] * 40 + [3.0] * 300)
     assert shifted[0] == (51, "loss_divergence", 7) and {kind for _, kind, _ in shifted} == {"loss_divergence"}
+
+
+def test_a_run_that_learned_and_came_back_to_its_start_is_suspected_50_steps_after_the_relapse() -> None:
+    # Learned (the level of the losses of 1 comes down to half the start of 4), then the losses jump to 4.5. The level
+    # (alpha 0.4, from about 1) passes the start at the 4th loss of 4.5, index 51: what was learned is lost and the
+    # clock runs again. The level falls no more, so the 50th step without a new low is index 100, resting on the 50
+    # states since the relapse and the window before it. The level test is left out here (a factor of 100): it is
+    # the other way a relapse is caught, where the losses scatter little.
+    relapse = [4.0] * 8 + [1.0] * 40 + [4.5] * 100
+    evidence = DivergenceEvidence()
+    found = []
+    for i, loss in enumerate(relapse):
+        finding = evidence.observe(loss, spike=False, **{**LEVEL, "level_factor": 100.0}, no_progress=True)
+        if finding is not None:
+            found.append((i, finding[0], evidence.span))
+    assert found == [(100, "no_progress", 54)]
+    # Short of its start (3.9 of 4) the run that learned is never suspected of not learning.
+    evidence = DivergenceEvidence()
+    for loss in [4.0] * 8 + [1.0] * 40 + [3.9] * 100:
+        finding = evidence.observe(loss, spike=False, **{**LEVEL, "level_factor": 100.0}, no_progress=True)
+        assert finding is None
 
 
 def test_the_progress_clock_outlives_a_false_alarm_and_round_trips_its_state() -> None:

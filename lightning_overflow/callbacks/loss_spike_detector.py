@@ -159,8 +159,9 @@ class LossSpikeDetector(SuiteCallback):
     suspicion: where trials run, it opens one from the snapshot before the last progress (the fit's first, for a run
     that never learned) at the backed-off rates, twice the usual length; a slow starter about to learn ties it and
     goes on as it is. The test is off where the level test is, and once the level has come down to half the anchor it
-    stops for good, so a run that learned is never suspected of it again (not after a change of data either); a false
-    alarm keeps the anchor and restarts the clock. Measured on the rescue benchmark: post-norm transformers at 8-25x
+    stops, so a run that learned is not suspected of it again (not after a change of data either) unless its level
+    comes back up to the anchor: a relapse, from which only a new low below the last one is progress; a false alarm
+    keeps the anchor and restarts the clock. Measured on the rescue benchmark: post-norm transformers at 8-25x
     their stable rate, none of whose runs any method kept within 1.5x of the stable run's loss before, end within
     1.2x of it (at 40x, 1.5-2.2x instead of 3.6x); every harmless run ends where it did, its trials all ties.
 

@@ -59,7 +59,8 @@ def loss_scatter(losses: Sequence[float]) -> float:
 
 class Progress:
     """Whether a loss level is coming down from its starting level: a clock of the steps since its last new low by
-    ``margin`` times the start, which stops for good once the level has come down to ``learned`` times the start.
+    ``margin`` times the start, which stops once the level has come down to ``learned`` times the start, and runs
+    again if the level comes back up to the start (a relapse: what the run had learned is lost).
 
     A run whose learning rate is too high to learn, but not high enough to overflow or spike, has no best to diverge
     from: its level sits at its start, or stalls far above it. :meth:`observe` answers ``True`` once ``steps``
@@ -69,7 +70,7 @@ class Progress:
     Args:
         steps: observations without progress that answer ``True``.
         margin: a new low counts as progress when it is this share of the start below the last one.
-        learned: the share of the start at which the run has learned (the clock stops for good).
+        learned: the share of the start at which the run has learned (the clock stops until a relapse).
 
     Example:
         >>> progress = Progress(steps=3, margin=0.05, learned=0.5)
@@ -77,6 +78,8 @@ class Progress:
         [False, False, False, True, False, False]
         >>> progress.observe(0.9, start=2.0), progress.learned_at is not None
         (False, True)
+        >>> [progress.observe(level, start=2.0) for level in (1.9, 2.2, 2.1, 2.0)]  # back at the start from 2.2
+        [False, False, False, True]
     """
 
     def __init__(self, steps: int, margin: float, learned: float) -> None:
@@ -90,7 +93,11 @@ class Progress:
         """Take the level of one step (``start``: the run's starting level, above 0); ``True`` when the run has made
         no progress for ``steps`` observations."""
         if self.learned_at is not None:
-            return False
+            if level < start:
+                return False
+            # A relapse: the level is back at its start. The clock runs again from here, and only a new low below the
+            # last one is progress (coming down from the relapse is not).
+            self.learned_at, self.since, self.stalled = None, 0, 0
         if level <= self.learned * start:
             self.learned_at = level
             return False
