@@ -179,14 +179,15 @@ class LossEnding:
 
 def stalled_ending(events: Iterable[Event], ending: LossEnding) -> dict[str, Any] | None:
     """The facts of an ``ending`` event for a run suspected of not learning whose trial found no better rate (and no
-    later trial kept a remedy), and whose loss still ended at ``NO_PROGRESS_LEVEL`` of its start or above: it did not
-    come down far, and not for want of a lower rate. ``None`` otherwise."""
+    later trial kept a remedy), and whose loss never came below ``NO_PROGRESS_LEVEL`` of its start: it did not come
+    down far, and not for want of a lower rate. ``None`` otherwise (a run that came down and went back up, as to a
+    harder task, learned: its trial was that of a relapse)."""
     trials = [e for e in events if e["kind"] == "trial"]
     tied = [e for e in trials if _tied_stall(e)]
     if not tied or any(e["details"].get("kept") and e["step"] > tied[-1]["step"] for e in trials):
         return None
     last, start = ending.last, ending.start
-    if not (math.isfinite(last) and start > 0 and last >= NO_PROGRESS_LEVEL * start):
+    if not (math.isfinite(last) and start > 0 and min(last, ending.best) >= NO_PROGRESS_LEVEL * start):
         return None
     return {"against": "start", "stalled": True, "last": last, "last_from": ending.last_from,
             "last_step": ending.last_step, "start": start, "start_steps": ENDING_START, "start_step": ending.start_step,

@@ -194,6 +194,9 @@ def test_a_run_that_stalled_above_half_its_start_and_tied_its_trial_says_it_lear
     assert stalled_ending([tie, trial(150, "loss_divergence", kept=True)], stalled) is None  # a remedy kept since
     assert stalled_ending([trial(100, "loss_trend")], stalled) is None  # no suspicion of a run that does not learn
     assert stalled_ending([tie], _ended([2.0] * 5 + [0.9] * 95)) is None  # below half its start: it learned
+    # It learned, then went back up above its start (a harder task): its tied trial was a relapse's, and the run
+    # did come below half its start (a block median of 0.9), which the words would deny.
+    assert stalled_ending([tie], _ended([2.0] * 5 + [0.9] * 75 + [2.5] * 80)) is None
 
 
 def test_a_healthy_run_says_nothing(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
