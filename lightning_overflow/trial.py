@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from lightning_overflow._validation import check_choice, check_float, check_int
-from lightning_overflow.policy import TRIAL_JUDGED_SHARE, TRIAL_MIN_GAIN, TRIAL_SIGMAS
+from lightning_overflow.policy import SCHEDULED, SCHEDULED_MIN_GAIN, TRIAL_JUDGED_SHARE, TRIAL_MIN_GAIN, TRIAL_SIGMAS
 
 __all__ = ["DEFAULT_TRIAL", "MODES", "Comparison", "Trial", "TrialConfig", "TrialVerdict", "paired_score"]
 
@@ -60,6 +60,9 @@ class TrialConfig:
             :mod:`lightning_overflow.trials`).
         every_n_steps: also open a trial every this many optimizer steps without a suspicion, testing whether a
             lower learning rate does better from the current state (default ``None``: off; needs ``LRBackoff``).
+            No suspicion chose the moment, so the lower rate is kept only when it does much better
+            (``SCHEDULED_MIN_GAIN``, 0.2: a loss about a third lower), and after each such trial that keeps the rate
+            the next waits twice as long as the last: a healthy run pays for a few over its fit, not one per interval.
 
     How a remedy wins is the policy's (no setting): by more than ``sigmas`` (``TRIAL_SIGMAS``, 2) standard errors of
     the paired differences and a mean of ``min_gain`` (``TRIAL_MIN_GAIN``, 0.02: a loss about 4% lower; below it a
@@ -195,6 +198,11 @@ class Trial:
             scores.append(float(value))
 
     @property
+    def min_gain(self) -> float:
+        """The least mean gain that wins: ``SCHEDULED_MIN_GAIN`` for a scheduled trial, else the config's."""
+        return SCHEDULED_MIN_GAIN if self.kind == SCHEDULED else self.config.min_gain
+
+    @property
     def done(self) -> bool:
         return len(self.incumbent) >= self.config.steps
 
@@ -208,7 +216,7 @@ class Trial:
             return Comparison(0.0, math.inf, n, 0, False)
         mean = sum(scores) / n
         stderr = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1) / n)
-        wins = mean > max(self.config.sigmas * stderr, self.config.min_gain)
+        wins = mean > max(self.config.sigmas * stderr, self.min_gain)
         return Comparison(mean, stderr, n, sum(s > 0 for s in scores), wins)
 
     def verdict(self) -> TrialVerdict:
@@ -222,7 +230,7 @@ class Trial:
             f"on average (relative; standard error {c.stderr:.3f})"
             for factor, c in zip(self.lr_factors, comparisons)
         ]
-        bound = f"{self.config.sigmas:g} standard errors and {self.config.min_gain:g}"
+        bound = f"{self.config.sigmas:g} standard errors and {self.min_gain:g}"
         if winner is None:
             reason = f"{'; '.join(parts)}: none beyond {bound}, so the run goes on as it was"
         else:

@@ -293,7 +293,8 @@ class TrialRunner:
     # ---- opening --------------------------------------------------------------------------------------------------
     def _scheduled(self, board: _Board, step: int) -> bool:
         every = self.config.every_n_steps if self.config is not None else None
-        return every is not None and not board.signals and step > 0 and step - self._last_end >= every
+        return (every is not None and not board.signals and step > 0 and step - self._last_end >= every
+                and step >= self._barred_until.get(SCHEDULED, 0))
 
     def _affordable(self, step: int) -> bool:
         """Trials opened by suspicions take at most ``max_share`` of the steps so far (the first always may)."""
@@ -454,6 +455,10 @@ class TrialRunner:
             self._false_alarms.pop(trial.kind, None)
         elif outcome.false_alarm:
             self._bar(trial.kind, self._false_alarms, step, trial.config.steps)
+        elif trial.kind == SCHEDULED and verdict is not None and self.config.every_n_steps is not None:
+            # A lower rate did no better: the next scheduled trial waits twice as long as the last (a healthy run pays
+            # for a few over its whole fit, not one per interval).
+            self._bar(SCHEDULED, self._false_alarms, step, self.config.every_n_steps)
         board.journal_trial(trainer, outcome, extra_steps=len(trial.incumbent) * len(trial.remedies))
         board.after_trial(trainer, outcome)
         if outcome.kept and not last and trial.kind not in (SCHEDULED, REGROWTH) and remedy.factor < 1.0:

@@ -94,6 +94,22 @@ def test_a_remedy_wins_only_beyond_the_noise_and_the_least_gain(monkeypatch: pyt
     assert comparison.better == 6 and comparison.mean < 0.02 and small.verdict().winner is None
 
 
+def test_a_scheduled_trial_keeps_a_lower_rate_only_when_it_does_much_better() -> None:
+    # The remedy's loss 10% lower on every judged batch: a relative gain of 0.1/1.9 = 0.0526. A suspicion's trial keeps
+    # it (beyond 0.02); a scheduled one, which no suspicion opened, asks for 0.2 (SCHEDULED_MIN_GAIN).
+    def verdict(kind: str, remedy_loss: float) -> Any:
+        trial = Trial(kind=kind, step=100, config=TrialConfig(steps=4), lr_factors=[0.5])
+        for _ in range(4):
+            trial.add(1.0, remedy_loss)
+        return trial.verdict()
+
+    assert verdict("loss_divergence", 0.9).winner == 0
+    scheduled = verdict("scheduled", 0.9)
+    assert scheduled.winner is None and scheduled.comparisons[0].mean == pytest.approx(0.1 / 1.9)
+    assert scheduled.reason.endswith("none beyond 2 standard errors and 0.2, so the run goes on as it was")
+    assert verdict("scheduled", 0.6).winner == 0  # 0.4 / 1.6 = 0.25: a loss 40% lower
+
+
 def test_the_remedy_that_does_best_is_kept_and_only_the_last_batches_are_judged() -> None:
     trial = Trial(kind="weight_growth", step=0, config=TrialConfig(steps=8), lr_factors=[0.5, 0.125])
     # Both remedies start far behind (their snapshot is older); only the last half of the batches are judged.
@@ -459,6 +475,25 @@ def test_a_backed_off_rate_that_held_is_grown_back_only_when_a_trial_finds_the_h
     assert [h["action"] for h in suite[1].history] == ["backoff"]
     assert suite[1].state_dict()["windows"] == [60]
     assert _lr(trainer) == 0.5 * 0.01
+
+
+def test_scheduled_trials_that_find_no_better_rate_wait_twice_as_long_each_time(tmp_path: Path) -> None:
+    """Every 10 steps, a scheduled trial of 4 steps; a healthy run ties each. The first opens at step 10 and ends at
+    14; the next may open 10 x 2 steps after that (34), the one after 10 x 4 steps after its end (78). The run ends
+    bit-identical to the run without the suite."""
+    torch.manual_seed(0)
+    bare = TinyRegressor(dropout=0.2)
+    fit(bare, [], max_steps=100)
+    torch.manual_seed(0)
+    model = TinyRegressor(dropout=0.2)
+    config = TrialConfig(steps=4, every_n_steps=10)
+    suite = [LRBackoff(trial=config), Rollback(every_n_steps=10, trial=config)]
+    fit(model, suite, max_steps=100, default_root_dir=str(tmp_path))
+    trials = [e["details"] for e in _trials(tmp_path)]
+    assert [(d["signal"], d["opened_at"], d["kept"]) for d in trials] == [
+        ("scheduled", 10, False), ("scheduled", 34, False), ("scheduled", 78, False)
+    ]
+    assert_bit_identical(weights(model), weights(bare))
 
 
 def test_a_trial_a_certain_fault_ended_before_its_verdict_is_no_false_alarm() -> None:
