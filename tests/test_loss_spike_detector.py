@@ -598,6 +598,17 @@ def test_a_run_that_learned_and_came_back_to_its_start_is_suspected_50_steps_aft
         if finding is not None:
             found.append((i, finding[0], evidence.span))
     assert found == [(100, "no_progress", 54)]
+    evidence = DivergenceEvidence()
+    for loss in relapse[:100]:
+        evidence.observe(loss, spike=False, **{**LEVEL, "level_factor": 100.0}, no_progress=True)
+    kind, reason = evidence.observe(relapse[100], spike=False, **{**LEVEL, "level_factor": 100.0}, no_progress=True)
+    # It had learned at a level of 1.648 (4 - 3 x (1 - 0.6**k), the first at or below 2); its last low on its way
+    # down was 2.08, the last new low by 0.2 before it.
+    assert kind == "no_progress" and reason == (
+        "came back up to its starting level after it had come down to 1.648, and has stalled: its level over about 4 "
+        "healthy steps is 4.5, 1.12x its starting level 4, with no new low by 0.05x that level in 50 healthy steps "
+        "(the last low on its way down 2.08)"
+    )
     # Short of its start (3.9 of 4) the run that learned is never suspected of not learning.
     evidence = DivergenceEvidence()
     for loss in [4.0] * 8 + [1.0] * 40 + [3.9] * 100:

@@ -663,11 +663,16 @@ class DivergenceEvidence:
         """The finding of a run that does not learn: it rests on the states since its last progress (the level
         averages a window of losses before it), which a trial's remedy goes back before."""
         self.judged, self.span = self.level, self.progress.stalled + window
+        relapsed = self.progress.relapsed_from
+        if relapsed is None:
+            what, low = "has stalled short of half its starting level", "the last low"
+        else:  # a relapse: progress is a new low below the last one on its way down
+            what = f"came back up to its starting level after it had come down to {relapsed:.4g}, and has stalled"
+            low = "the last low on its way down"
         return "no_progress", (
-            f"has stalled short of half its starting level: its level over about {window} healthy steps is "
-            f"{self.level:.4g}, {self.level / self.start:.3g}x its starting level {self.start:.4g}, with no new low by "
-            f"{NO_PROGRESS_MARGIN:g}x that level in {NO_PROGRESS_STEPS} healthy steps (the last low "
-            f"{self.progress.mark:.4g})"
+            f"{what}: its level over about {window} healthy steps is {self.level:.4g}, {self.level / self.start:.3g}x "
+            f"its starting level {self.start:.4g}, with no new low by {NO_PROGRESS_MARGIN:g}x that level in "
+            f"{NO_PROGRESS_STEPS} healthy steps ({low} {self.progress.mark:.4g})"
         )
 
     def _restart_level(self) -> None:

@@ -88,6 +88,7 @@ class Progress:
         self.since = 0  # observations since then, or since the last answer
         self.stalled = 0  # observations since then, whatever was answered: the states that made no progress
         self.learned_at: float | None = None  # the level at which the run had learned (then no more answers)
+        self.relapsed_from: float | None = None  # that level, once the run came back up to its start since
 
     def observe(self, level: float, start: float) -> bool:
         """Take the level of one step (``start``: the run's starting level, above 0); ``True`` when the run has made
@@ -97,7 +98,7 @@ class Progress:
                 return False
             # A relapse: the level is back at its start. The clock runs again from here, and only a new low below the
             # last one is progress (coming down from the relapse is not).
-            self.learned_at, self.since, self.stalled = None, 0, 0
+            self.relapsed_from, self.learned_at, self.since, self.stalled = self.learned_at, None, 0, 0
         if level <= self.learned * start:
             self.learned_at = level
             return False
@@ -116,12 +117,14 @@ class Progress:
         (a restored state: its progress is measured from where it stands)."""
         self.since = 0
         if forget_low:
-            self.mark, self.stalled = math.inf, 0
+            self.mark, self.stalled, self.relapsed_from = math.inf, 0, None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"mark": self.mark, "since": self.since, "stalled": self.stalled, "learned_at": self.learned_at}
+        return {"mark": self.mark, "since": self.since, "stalled": self.stalled, "learned_at": self.learned_at,
+                "relapsed_from": self.relapsed_from}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.mark, self.since, self.stalled = float(state["mark"]), int(state["since"]), int(state["stalled"])
-        learned = state["learned_at"]
+        learned, relapsed = state["learned_at"], state.get("relapsed_from")  # none in a state of an earlier release
         self.learned_at = None if learned is None else float(learned)
+        self.relapsed_from = None if relapsed is None else float(relapsed)
