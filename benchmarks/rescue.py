@@ -107,9 +107,11 @@ JOURNAL_KINDS = ("skip", "backoff", "rollback", "abort")
 OURS = "default_callbacks()"
 PARTS = ("NonFiniteDetector()", "AutoClip()")
 BIT_IDENTICAL = "default_callbacks(clip=None)"  # run on stable scenarios only
-# Variants of the suite's trials, run on request (--methods): frozen trials, and suspicions acted on at once.
+# Variants of the suite's trials, run on request (--methods): frozen trials, suspicions acted on at once, and the
+# opt-in scheduled trials.
 FROZEN = 'default_callbacks(trial=TrialConfig(mode="frozen"))'
 AT_ONCE = "default_callbacks(trial=None)"
+SCHEDULED_TRIALS = "default_callbacks(trial=TrialConfig(every_n_steps=100))"
 MAX_EVENTS = 40  # journal events kept per run in the JSON (skips are only counted)
 
 
@@ -159,9 +161,10 @@ METHODS: dict[str, Method] = {
         Method(BIT_IDENTICAL, lambda: default_callbacks(clip=None)),
         Method(FROZEN, lambda: default_callbacks(trial=TrialConfig(mode="frozen"))),
         Method(AT_ONCE, lambda: default_callbacks(trial=None)),
+        Method(SCHEDULED_TRIALS, lambda: default_callbacks(trial=TrialConfig(every_n_steps=100))),
     )
 }
-MATRIX_METHODS = tuple(name for name in METHODS if name not in (BIT_IDENTICAL, FROZEN, AT_ONCE))
+MATRIX_METHODS = tuple(name for name in METHODS if name not in (BIT_IDENTICAL, FROZEN, AT_ONCE, SCHEDULED_TRIALS))
 
 
 def missing(method: Method) -> list[str]:
