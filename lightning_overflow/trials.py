@@ -455,10 +455,10 @@ class TrialRunner:
             self._false_alarms.pop(trial.kind, None)
         elif outcome.false_alarm:
             self._bar(trial.kind, self._false_alarms, step, trial.config.steps)
-        elif trial.kind == SCHEDULED and verdict is not None and self.config.every_n_steps is not None:
+        elif trial.kind == SCHEDULED and verdict is not None and trial.config.every_n_steps is not None:
             # A lower rate did no better: the next scheduled trial waits twice as long as the last (a healthy run pays
             # for a few over its whole fit, not one per interval).
-            self._bar(SCHEDULED, self._false_alarms, step, self.config.every_n_steps)
+            self._bar(SCHEDULED, self._false_alarms, step, trial.config.every_n_steps)
         board.journal_trial(trainer, outcome, extra_steps=len(trial.incumbent) * len(trial.remedies))
         board.after_trial(trainer, outcome)
         if outcome.kept and not last and trial.kind not in (SCHEDULED, REGROWTH) and remedy.factor < 1.0:

@@ -1,9 +1,9 @@
 """Running mean and standard deviation that no inf/NaN and no spike can poison, and the spike test built on them.
 
-No Lightning. A value enters the statistics only when it is finite and not itself a spike. The reference implementations of ZClip and AutoClip, and
-llm-foundry's ``KillLossSpike``, let one NaN into their moving average or history, where it stays for ever and
-disables the detector; and a statistic that takes in the spikes it is meant to find raises its own threshold while
-the run diverges.
+No Lightning. A value enters the statistics only when it is finite and not itself a spike. The reference
+implementations of ZClip and AutoClip, and llm-foundry's ``KillLossSpike``, let one NaN into their moving average or
+history, where it stays for ever and disables the detector; and a statistic that takes in the spikes it is meant to
+find raises its own threshold while the run diverges.
 
 The statistics are an exponential moving average with the span of a ``window`` (``alpha = 2 / (window + 1)``, the
 same centre of mass as a window of that many steps), bias-free from the first value: while the count ``n`` of values

@@ -87,7 +87,7 @@ class Progress:
         self.mark = math.inf  # the level at the last progress
         self.since = 0  # observations since then, or since the last answer
         self.stalled = 0  # observations since then, whatever was answered: the states that made no progress
-        self.learned_at: float | None = None  # the level at which the run had learned (then no more answers)
+        self.learned_at: float | None = None  # the level at which the run had learned (no answers until a relapse)
         self.relapsed_from: float | None = None  # that level, once the run came back up to its start since
 
     def observe(self, level: float, start: float) -> bool:
