@@ -9,10 +9,13 @@ import importlib.util
 from typing import Any
 
 import pytorch_lightning as pl
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 
 if importlib.util.find_spec("lightning") is not None and importlib.util.find_spec("lightning.pytorch") is not None:
     import lightning.pytorch as _unified
+
+    _SWA: tuple[type, ...] = (pl.callbacks.StochasticWeightAveraging, _unified.callbacks.StochasticWeightAveraging)
 
     class Callback(pl.Callback, _unified.Callback):  # type: ignore[misc]
         """A Lightning ``Callback`` in both namespaces: ``pytorch_lightning`` and the unified ``lightning.pytorch``.
@@ -23,6 +26,7 @@ if importlib.util.find_spec("lightning") is not None and importlib.util.find_spe
 
 else:
     Callback = pl.Callback  # type: ignore[misc]
+    _SWA = (pl.callbacks.StochasticWeightAveraging,)
 
 __all__ = [
     "Callback",
@@ -43,6 +47,7 @@ __all__ = [
     "mute_hooks",
     "optimizer_steps_this_batch",
     "unmute_hooks",
+    "weight_averages",
 ]
 
 
@@ -116,6 +121,26 @@ def mute_hooks(callback: Any, hooks: list[str]) -> tuple[str, ...]:
     for name in muted:
         setattr(callback, name, None)
     return muted
+
+
+def weight_averages(trainer: Any) -> list[tuple[Any, nn.Module, bool]]:
+    """The averaged copies of the model that the trainer's callbacks keep, as ``(callback, average, swa)``: every
+    ``torch.optim.swa_utils.AveragedModel`` a callback holds (Lightning's ``WeightAveraging``, an EMA callback of the
+    user's), and ``StochasticWeightAveraging``'s average (``swa``: its ``_average_model``, a copy of the
+    LightningModule, whose count of models averaged is the callback's ``n_averaged``; 2.6.6).
+
+    They are trained state as the model is: they average the weights a rollback takes back (see
+    :func:`~lightning_overflow.training_state.live_state`)."""
+    found: list[tuple[Any, nn.Module, bool]] = []
+    for callback in getattr(trainer, "callbacks", []):
+        if isinstance(callback, _SWA):
+            average = getattr(callback, "_average_model", None)
+            if isinstance(average, nn.Module):
+                found.append((callback, average, True))
+            continue
+        found += [(callback, value, False) for value in getattr(callback, "__dict__", {}).values()
+                  if isinstance(value, AveragedModel)]  # fmt: skip
+    return found
 
 
 def unmute_hooks(callback: Any, hooks: tuple[str, ...]) -> None:

@@ -78,6 +78,7 @@ from lightning_overflow.training_state import (
     NonFiniteConstants,
     StateCheck,
     check_state,
+    checked_weights,
     live_state,
     nonfinite_flags,
     optimizer_labels,
@@ -507,7 +508,8 @@ class HealthBoard:
         in reverse pipeline order to answer it (``Rollback`` restores the last verified snapshot, ``NonFiniteDetector``
         raises or warns); with none that does, the board warns itself and journals it."""
         state = live_state(trainer)
-        check = check_state(state["model"], state["optimizers"], self.constants(trainer), trainer.strategy.root_device,
+        check = check_state(checked_weights(trainer, state), state["optimizers"], self.constants(trainer),
+                            trainer.strategy.root_device,
                             lambda: optimizer_labels(trainer.lightning_module, trainer.optimizers))  # fmt: skip
         if check.finite:
             return

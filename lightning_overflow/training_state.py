@@ -91,6 +91,7 @@ __all__ = [
     "NonFiniteConstants",
     "StateCheck",
     "check_state",
+    "checked_weights",
     "live_state",
     "nonfinite_flags",
     "nonfinite_parts",
@@ -114,7 +115,10 @@ def live_state(trainer: pl.Trainer) -> dict[str, Any]:
     """The training state of ``trainer`` as live ``state_dict`` s: their tensors are the live ones (no copy).
 
     Returns:
-        ``{"model": ..., "optimizers": [...], "schedulers": [...], "precision": ...}`` (see :data:`STATE_PARTS`).
+        ``{"model": ..., "optimizers": [...], "schedulers": [...], "precision": ...}`` (see :data:`STATE_PARTS`),
+        and beside them ``"scheduler_kinds"`` (each scheduler's class) and ``"averages"``: the averaged copies of the
+        model that callbacks keep (``StochasticWeightAveraging``, ``WeightAveraging``, an EMA's ``AveragedModel``),
+        which a rollback takes back with the weights they averaged.
     """
     strategy = trainer.strategy
     if _compat.sharded_strategy(strategy) is None:
@@ -128,7 +132,37 @@ def live_state(trainer: pl.Trainer) -> dict[str, Any]:
         "optimizers": optimizers,
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),
+        "scheduler_kinds": _scheduler_kinds(trainer),
+        "averages": [
+            _average_state(callback, average, swa) for callback, average, swa in _compat.weight_averages(trainer)
+        ],
     }
+
+
+def _scheduler_kinds(trainer: pl.Trainer) -> list[str]:
+    return [type(config.scheduler).__qualname__ for config in trainer.lr_scheduler_configs]
+
+
+def _average_state(callback: Any, average: torch.nn.Module, swa: bool) -> dict[str, Any]:
+    """An averaged copy of the model (:func:`~lightning_overflow._compat.weight_averages`): its ``state_dict``, and
+    for ``StochasticWeightAveraging`` the count of models in it (``None`` before its first epoch)."""
+    if not swa:
+        return {"model": average.state_dict()}  # an AveragedModel counts in its own buffer
+    return {"model": average.state_dict(), "n_averaged": callback.n_averaged}
+
+
+def checked_weights(trainer: pl.Trainer, state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The weights a state check reads: the model state of ``state`` (a :func:`live_state`), and beside it the
+    parameters of the averaged copies the callbacks keep, as ``<callback class>:<name>`` (``WeightAveraging`` writes
+    its average into every checkpoint as the model's weights, and puts it in the model when the fit ends)."""
+    averages = _compat.weight_averages(trainer)
+    if not averages:
+        return state["model"]
+    weights = dict(state["model"])
+    for callback, average, _ in averages:
+        owner = type(callback).__name__
+        weights.update((f"{owner}:{name}", p.detach()) for name, p in average.named_parameters())
+    return weights
 
 
 def split_snapshot(trainer: pl.Trainer, state: Mapping[str, Any]) -> tuple[list[bool] | None, dict[str, int]]:
@@ -176,16 +210,16 @@ def restorable(trainer: pl.Trainer, state: Any) -> str:
     """Why ``state`` cannot be restored into ``trainer``, or ``""`` when it can.
 
     It can when it is a training state of this model (same parameters and buffers, the same extra-state entries),
-    with one state per optimizer and per scheduler, and each optimizer's param groups are those of the snapshot,
-    or more (groups added since, see :func:`~lightning_overflow.numerics.snapshots.restore_optimizer_`).
+    with one state per optimizer, and each optimizer's param groups are those of the snapshot, or more (groups added
+    since, see :func:`~lightning_overflow.numerics.snapshots.restore_optimizer_`). The schedulers may differ: a
+    callback can add or swap one during the fit (``StochasticWeightAveraging`` puts its ``SWALR`` in the first
+    place when its epochs begin); :func:`restore_` restores those the snapshot holds of the same kind and place.
     """
     if not isinstance(state, Mapping) or not set(STATE_PARTS) <= state.keys():
         return f"it is not a training state (a mapping of {', '.join(STATE_PARTS)})"
-    optimizers, schedulers = state["optimizers"], state["schedulers"]
+    optimizers = state["optimizers"]
     if len(optimizers) != len(trainer.optimizers):
         return f"it holds {len(optimizers)} optimizer state(s), the fit has {len(trainer.optimizers)} optimizer(s)"
-    if len(schedulers) != len(trainer.lr_scheduler_configs):
-        return f"it holds {len(schedulers)} scheduler state(s), the fit has {len(trainer.lr_scheduler_configs)}"
     for index, (optimizer, saved) in enumerate(zip(trainer.optimizers, optimizers)):
         live_sizes, saved_sizes = group_sizes(optimizer.param_groups), group_sizes(saved["param_groups"])
         if live_sizes[: len(saved_sizes)] != saved_sizes:
@@ -211,8 +245,17 @@ def restore_(trainer: pl.Trainer, state: Mapping[str, Any], owners: Mapping[str,
     restore_module_(trainer.lightning_module, state["model"])
     for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
         restore_optimizer_(optimizer, saved)
-    for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
-        config.scheduler.load_state_dict(copy.deepcopy(saved))  # schedulers keep what they load: copy first
+    # A scheduler of another kind than the snapshot's in its place, or none there (added since), stays as it is: its
+    # state would not fit. A snapshot of an earlier release names no kinds: it was taken of the same schedulers.
+    kinds = state.get("scheduler_kinds") or _scheduler_kinds(trainer)
+    for config, kind, saved in zip(trainer.lr_scheduler_configs, kinds, state["schedulers"]):
+        if type(config.scheduler).__qualname__ == kind:
+            config.scheduler.load_state_dict(copy.deepcopy(saved))  # schedulers keep what they load: copy first
+    for (callback, average, swa), saved in zip(_compat.weight_averages(trainer), state.get("averages", [])):
+        restore_module_(average, saved["model"])
+        if swa and callback.n_averaged is not None:  # none before its first epoch: nothing averaged yet
+            count = saved.get("n_averaged")
+            callback.n_averaged.copy_(count) if count is not None else callback.n_averaged.zero_()
     if state["precision"]:
         trainer.precision_plugin.load_state_dict(copy.deepcopy(state["precision"]))
     if owners:

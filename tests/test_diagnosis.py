@@ -4,6 +4,7 @@ replay that leaves every bit of training state as it was."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import pickle
 import random
@@ -140,6 +141,17 @@ def test_the_message_names_module_op_direction_and_verdict() -> None:
     assert "the first non-finite value appeared in the forward pass in layers.3 (LogOfNegative), op log" in str(error)
     assert "Persistent: the replay of this batch on the same weights reproduces it" in str(error)
     assert str(error).endswith(f"HINT: {error.hint}.")
+
+
+@pytest.mark.slow
+def test_a_compiled_model_is_replayed_eagerly_and_the_op_named(caplog: pytest.LogCaptureFixture) -> None:
+    # The tracer's hooks read every module's output: in a compiled graph each would be a graph break, warned by dynamo.
+    model = Stack(8, 3, LogOfNegative)
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        error = raised(torch.compile(model))
+    assert "the first non-finite value appeared in the forward pass in layers.3 (LogOfNegative), op log" in str(error)
+    assert "Persistent: the replay of this batch on the same weights reproduces it" in str(error)
+    assert not [r for r in caplog.records if r.name.startswith("torch._dynamo")]
 
 
 def test_the_plain_pytorch_function_finds_the_same_origin() -> None:

@@ -61,6 +61,7 @@ from lightning_overflow.training_state import (
     CheckpointGuard,
     StateCheck,
     check_state,
+    checked_weights,
     live_state,
     nonfinite_parts,
     optimizer_labels,
@@ -209,6 +210,7 @@ class Rollback(SuiteCallback):
         self._rollback_settings: tuple[float, ...] | None = None  # at the last rollback (not reset by a snapshot)
         self._free: set[int] = set()  # indices into history of the rollbacks that were progress (not counted)
         self._resumed = False
+        self._dropped = 0  # snapshots found unusable and dropped this fit
         self._warnings = WarningCache()
 
     @property
@@ -243,6 +245,11 @@ class Rollback(SuiteCallback):
         _refuse_sharded_optimizers(trainer.optimizers)
         super().on_train_start(trainer, pl_module)
         self._start(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._retake_if_reshaped(trainer)
 
     @override
     def _wants_record(self) -> bool:
@@ -318,6 +325,18 @@ class Rollback(SuiteCallback):
         self._healthy += steps
         if self._healthy < self.every_n_steps:
             return
+        self._take_or_answer(trainer)
+    def _retake_if_reshaped(self, trainer: pl.Trainer) -> None:
+        """A callback changed the model's layout at an epoch's boundary (``ModelPruning`` turns ``weight`` into
+        ``weight_orig`` and ``weight_mask``; a parametrization moves a weight): no snapshot of the old layout can be
+        restored into it, so the state is snapshot now, before a fault needs one. The layout is the same on every
+        rank, and so is the decision."""
+        newest = self._memory.snapshots[-1] if self._memory.snapshots else None
+        if newest is None or self.board(trainer).trials.active or not restorable(trainer, newest.state):
+            return
+        self._take_or_answer(trainer)
+
+    def _take_or_answer(self, trainer: pl.Trainer) -> None:
         refused = self._take(trainer)
         if refused is not None and refused.kind in self.triggers:
             self._roll_back(trainer, refused)
@@ -329,6 +348,7 @@ class Rollback(SuiteCallback):
         self, trainer: pl.Trainer, model_state: Any, optimizer_states: Any, parity: torch.Tensor | None = None
     ) -> StateCheck:
         """The state check on every rank together (one all-reduce; ``parity``: compare the replicas too)."""
+
         def labels() -> list[list[str]]:
             return optimizer_labels(trainer.lightning_module, trainer.optimizers)
 
@@ -338,7 +358,7 @@ class Rollback(SuiteCallback):
 
     def _check_live(self, trainer: pl.Trainer) -> StateCheck:
         state = live_state(trainer)
-        return self._check(trainer, state["model"], state["optimizers"])
+        return self._check(trainer, checked_weights(trainer, state), state["optimizers"])
 
     def _before_save(self, trainer: pl.Trainer) -> None:
         """Before every checkpoint (every rank): roll back first when the state is not finite, or refuse."""
@@ -400,7 +420,7 @@ class Rollback(SuiteCallback):
         state = live_state(trainer)
         replicas = trainer.world_size > 1 and _compat.replicated_strategy(trainer.strategy)
         parity = checksum(list(trainer.lightning_module.parameters())) if replicas else None
-        check = self._check(trainer, state["model"], state["optimizers"], parity)
+        check = self._check(trainer, checked_weights(trainer, state), state["optimizers"], parity)
         step = int(trainer.global_step)
         if not check.finite:
             target = "the fit starts from a non-finite state, which" if start else "this state"
@@ -666,6 +686,7 @@ class Rollback(SuiteCallback):
         on = f" on rank(s) {list(ranks)}" if ranks else ""
         message = f"Rollback: {where} cannot be used{on}" + (f": {problem}" if problem else "")
         message += "; it is dropped and the next snapshot is tried."
+        self._dropped += 1
         self._event(trainer, "snapshot_unusable", message, file=candidate.file, snapshot_step=candidate.step,
                     problem=problem, ranks=list(ranks))  # fmt: skip
         self._warnings.warn(f"unusable:{candidate.file}:{candidate.step}", message)
@@ -713,12 +734,16 @@ class Rollback(SuiteCallback):
         return True
 
     def _no_snapshot(self, trainer: pl.Trainer, signal: Signal) -> NoReturn:
+        why = (
+            f"is left: {self._dropped} could not be used in this fit (the journal's snapshot_unusable says why)"
+            if self._dropped
+            else "exists: the state the fit started from was already non-finite and no later state passed the check"
+        )
         message = (
             f"Rollback: a rollback was needed at step {trainer.global_step} ({signal.kind} at step {signal.step}: "
-            f"{signal.reason}) but no snapshot verified finite exists: the state the fit started from was already "
-            f"non-finite and no later state passed the check. Nothing was restored. HINT: resume from a checkpoint "
-            f"written before the divergence (checkpoints written while Rollback is in the callbacks are finite); "
-            f"with dirpath set, a resumed run can also return to the snapshot files listed in its checkpoint."
+            f"{signal.reason}) but no snapshot verified finite {why}. Nothing was restored. HINT: resume from a "
+            f"checkpoint written before the divergence (checkpoints written while Rollback is in the callbacks are "
+            f"finite); with dirpath set, a resumed run can also return to the snapshot files listed in its checkpoint."
         )
         self._event(trainer, "abort", message, reason=signal.kind)
         raise RollbackError(message, step=int(trainer.global_step))

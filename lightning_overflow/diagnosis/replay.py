@@ -243,8 +243,13 @@ def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptB
     names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
     args = (kept.batch, kept.batch_idx) if takes_batch_idx(pl_module) else (kept.batch,)
     scaler = _compat.scaler_of(trainer)
+    # Eager, under torch.compile too: the tracer's hooks read every output, which would break a compiled graph at
+    # each module (dynamo warns at every break) and fuse the ops it names.
     with preserved_state(pl_module, kept.rng), silenced_logging(pl_module), torch.enable_grad():
-        with NonFiniteTracer(pl_module, module_backward_hooks=module_hooks) as tracer:
+        with (
+            torch.compiler.set_stance("force_eager"),
+            NonFiniteTracer(pl_module, module_backward_hooks=module_hooks) as tracer,
+        ):
             with trainer.precision_plugin.train_step_context():
                 output = pl_module.training_step(*args)
             loss = loss_of(output)

@@ -202,13 +202,15 @@ def restore_optimizer_(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, 
                 f"param groups of {saved_sizes} parameters in the snapshot, {live_sizes} in the optimizer"
             )
         synchronize()  # the host clones the buffers: pending device-to-host copies into them must be done
-        kept = [{**clone_state(saved), "params": list(group["params"])} for saved, group in zip(saved_groups, groups)]
+        kept = _groups_back(saved_groups, groups)
         state = _loadable(optimizer, dict(snapshot["state"]))
         optimizer.load_state_dict({"state": state, "param_groups": kept + list(groups[len(saved_groups) :])})
         return
     if not state_matches(live["state"], snapshot["state"]):
         synchronize()
-        optimizer.load_state_dict({**clone_state(snapshot), "state": _loadable(optimizer, snapshot["state"])})
+        kept = _groups_back(saved_groups, groups)
+        optimizer.load_state_dict({**clone_state(snapshot), "state": _loadable(optimizer, snapshot["state"]),
+                                   "param_groups": kept})  # fmt: skip
         return
     restore_state_(live["state"], snapshot["state"])
     params = parameters_of(optimizer)
@@ -218,6 +220,15 @@ def restore_optimizer_(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, 
                 optimizer.state[params[index]][key] = copy.deepcopy(value)
     for group, saved in zip(optimizer.param_groups, saved_groups):
         group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
+
+
+def _groups_back(saved_groups: Sequence[Mapping[str, Any]], live_groups: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The snapshot's param groups (clones) over the live ones, whose keys that the snapshot lacks stay: a scheduler
+    added since wrote them (``SWALR``'s ``swa_lr``, a scheduler's ``initial_lr``) and reads them at its next step,
+    as the in-place restore leaves them."""
+    return [
+        {**live, **clone_state(saved), "params": list(live["params"])} for saved, live in zip(saved_groups, live_groups)
+    ]
 
 
 def local_state(state: Any) -> Any:

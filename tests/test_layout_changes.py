@@ -1,0 +1,165 @@
+"""Callbacks that change the training state during a fit: averaged copies of the model (Lightning's WeightAveraging
+and StochasticWeightAveraging) are rolled back with the weights they average, a scheduler swapped in during the fit
+survives a rollback to before it, and a model that pruning reparametrized is snapshot again before a fault needs
+it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from conftest import assert_bit_identical, fit, weights
+from pytorch_lightning.callbacks import ModelCheckpoint, ModelPruning, StochasticWeightAveraging, WeightAveraging
+from torch.nn.utils import prune
+from torch.optim.swa_utils import SWALR
+from typing_extensions import override
+
+from lightning_overflow import default_callbacks
+from lightning_overflow._compat import Callback
+from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
+from lightning_overflow.callbacks.rollback import Rollback
+from lightning_overflow.exceptions import RollbackError
+from lightning_overflow.numerics.snapshots import restore_optimizer_, take_snapshot
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+
+
+class AverageProbe(Callback):
+    """The average's state (and the weights', the schedulers', the param groups') at the end of every batch, by
+    ``global_step``; put it after Rollback, so that it sees what Rollback left."""
+
+    def __init__(self, averaging: Any) -> None:
+        self.averaging = averaging
+        self.at: dict[int, dict[str, Any]] = {}
+        self.epoch_start: dict[int, dict[str, torch.Tensor]] = {}  # the weights when an epoch starts
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.epoch_start[trainer.global_step] = weights(pl_module)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.at[trainer.global_step] = {
+            "average": weights(self.averaging._average_model) if self.averaging is not None else {},
+            "weights": weights(pl_module),
+            "schedulers": [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs],
+            "groups": [dict(g) for g in trainer.optimizers[0].param_groups],
+        }
+
+
+def nan_weight_at(step: int) -> FaultInjector:
+    return FaultInjector(Fault(step=step, kind="nan_weight"))
+
+
+def all_finite(tensors: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+
+
+def test_an_ema_that_averaged_nan_weights_is_rolled_back_with_them(tmp_path: Path) -> None:
+    # WeightAveraging first: at the end of step 5 it averages the NaN weight in before Rollback acts.
+    ema, rollback = WeightAveraging(), Rollback(every_n_steps=3)
+    probe = AverageProbe(ema)
+    saving = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    model = TinyRegressor()
+    trainer = fit(model, [ema, NonFiniteDetector(), rollback, probe, nan_weight_at(5), saving], max_steps=12,
+                  enable_checkpointing=True)  # fmt: skip
+
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(6, 3)]
+    assert_bit_identical(probe.at[6]["average"], probe.at[3]["average"])
+    assert_bit_identical(probe.at[6]["weights"], probe.at[3]["weights"])
+    assert all(all_finite(probe.at[step]["average"]) for step in probe.at)
+    # The fit ends with the average in the model (WeightAveraging's on_train_end): finite, trained.
+    average = {k.removeprefix("module."): v for k, v in probe.at[12]["average"].items() if k.startswith("module.")}
+    assert_bit_identical(weights(model), average)
+    # WeightAveraging writes its average as the checkpoint's weights: none holds inf/NaN.
+    files = sorted(tmp_path.glob("*.ckpt"))
+    assert len(files) == 12
+    for path in files:
+        checkpoint = torch.load(path, weights_only=True)
+        assert all_finite(checkpoint["state_dict"]) and all_finite(checkpoint["current_model_state"]), path.name
+    assert trainer.global_step == 12
+
+
+def test_swa_rolls_back_to_before_its_scheduler_was_swapped_in() -> None:
+    # 8 batches an epoch: SWA starts with the second epoch (step 8), its SWALR in the first place; the NaN weight of
+    # step 10 goes back to the snapshot of step 6, taken before SWA began, with no scheduler.
+    swa, rollback = StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=2), Rollback(every_n_steps=6)
+    probe = AverageProbe(swa)
+    trainer = fit(TinyRegressor(), [swa, NonFiniteDetector(), rollback, probe, nan_weight_at(10)], max_steps=-1,
+                  max_epochs=4)  # fmt: skip
+
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(11, 6)]
+    assert_bit_identical(probe.at[11]["weights"], probe.at[6]["weights"])
+    assert probe.at[6]["schedulers"] == [] and probe.at[11]["schedulers"] == ["SWALR"]
+    # The snapshot's param groups, with SWALR's own keys kept: it reads them at its next step.
+    restored = {k: v for k, v in probe.at[11]["groups"][0].items() if k != "params"}
+    assert restored["swa_lr"] == 5e-3 and restored["lr"] == probe.at[6]["groups"][0]["lr"]
+    # The average took in step 8's weights, which the rollback abandoned: it starts again with the next epoch.
+    assert swa.n_averaged.item() == 2  # the weights at the start of the third and fourth epochs
+    assert trainer.global_step == 32 and all_finite(weights(trainer.lightning_module))
+
+
+def test_a_healthy_run_with_an_ema_is_bit_identical_with_and_without_the_suite() -> None:
+    runs = []
+    for suite in ([], default_callbacks(clip=None)):
+        torch.manual_seed(0)
+        model = TinyRegressor()
+        fit(model, [WeightAveraging(), *suite], max_steps=30)
+        runs.append(weights(model))
+    assert_bit_identical(runs[0], runs[1])
+
+
+def test_a_restore_keeps_the_keys_a_scheduler_added_to_the_param_groups_since() -> None:
+    # The optimizer has no state yet: the restore loads the snapshot, and must not drop SWALR's swa_lr.
+    parameter = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([parameter], lr=0.1)
+    snapshot = take_snapshot(optimizer.state_dict())
+    SWALR(optimizer, swa_lr=0.05, anneal_epochs=2)
+    parameter.grad = torch.ones(3)
+    optimizer.step()
+
+    restore_optimizer_(optimizer, snapshot)
+
+    (group,) = optimizer.param_groups
+    assert group["swa_lr"] == 0.05 and group["lr"] == 0.1 and optimizer.state[parameter] == {}
+
+
+def test_a_model_that_pruning_reparametrized_is_snapshot_again_when_the_next_epoch_starts() -> None:
+    # ModelPruning turns each weight into weight_orig and weight_mask when the first epoch ends (step 8): the snapshots
+    # of steps 0 and 6 no longer fit the model, and the NaN weight of step 12 goes back to the one of step 8.
+    rollback = Rollback(every_n_steps=6)
+    probe = AverageProbe(None)
+    trainer = fit(TinyRegressor(), [ModelPruning("l1_unstructured", amount=0.3), NonFiniteDetector(), rollback, probe,
+                                    nan_weight_at(12)], max_steps=-1, max_epochs=3)  # fmt: skip
+
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(13, 8)]
+    assert "net.0.weight_orig" in probe.at[13]["weights"]
+    assert_bit_identical(probe.at[13]["weights"], probe.epoch_start[8])
+    assert trainer.global_step == 24 and all_finite(weights(trainer.lightning_module))
+
+
+class PruneAt(Callback):
+    """Prunes the first layer at the end of one step, inside an epoch: no epoch boundary sees the new layout."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            prune.l1_unstructured(pl_module.net[0], "weight", amount=0.3)
+
+
+def test_no_snapshot_left_that_fits_says_why_it_is_missing() -> None:
+    # Pruned at step 4 (its first parameter is now net.0.bias: weight_orig is registered after it), a NaN at step 5:
+    # the snapshots of steps 0 and 3 hold net.0.weight.
+    rollback = Rollback(every_n_steps=3)
+    with pytest.raises(RollbackError) as info:
+        fit(TinyRegressor(), [NonFiniteDetector(), rollback, PruneAt(4), nan_weight_at(5)], max_steps=12)
+    assert str(info.value).startswith(
+        "Rollback: a rollback was needed at step 6 (nonfinite_state at step 5: NonFiniteDetector: the weights "
+        "contained inf/NaN in net.0.bias at step 5 (epoch 0) on rank(s) 0.) but no snapshot verified finite "
+        "is left: 2 could not be used in this fit (the journal's snapshot_unusable says why). Nothing was restored."
+    )
