@@ -45,7 +45,7 @@ import torch.distributed as dist
 from pytorch_lightning.utilities.types import LRSchedulerConfig
 from torch import Tensor, nn
 
-from lightning_overflow._validation import check_choice, check_int
+from lightning_overflow._validation import check_choice, check_int, check_type
 from lightning_overflow.callbacks import AutoClip, LRBackoff, Rollback
 from lightning_overflow.composition import default_callbacks
 from lightning_overflow.distributed import world
@@ -320,6 +320,24 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
+def _shown(value: Any) -> str:
+    """A value in an error message: a number or a string as written, anything else by its type."""
+    if isinstance(value, (int, float, str)):
+        return f"{type(value).__name__} {value!r}"
+    return f"a list of {len(value)}" if isinstance(value, (list, tuple)) else f"a {type(value).__name__}"
+
+
+def _losses(loss: Any) -> list[Tensor]:
+    """The step's losses: one tensor, or a non-empty sequence of them (the micro-batches' under accumulation)."""
+    losses = [loss] if isinstance(loss, Tensor) else list(loss) if isinstance(loss, Sequence) else None
+    if not losses or not all(isinstance(value, Tensor) for value in losses):
+        raise TypeError(
+            f"'loss' must be the loss tensor the backward pass started from, or a non-empty list of the micro-batches' "
+            f"loss tensors (got {_shown(loss)}): pass the tensor, not loss.item()"
+        )
+    return losses
+
+
 def _check_strategy(model: nn.Module, module: nn.Module) -> None:
     """The plain loop supports one device and replicated DDP; a sharded model belongs to the Trainer's
     ``ModelParallelStrategy``."""
@@ -387,6 +405,19 @@ class Guard:
         log_every_n_steps: int = 50,
         state: dict[str, Any] | None = None,
     ) -> None:
+        check_type("model", model, nn.Module, "a torch.nn.Module")
+        if not isinstance(_unwrap_optimizer(optimizer), torch.optim.Optimizer):
+            raise TypeError(
+                f"'optimizer' must be a torch.optim.Optimizer or Fabric's wrapper of one (got {_shown(optimizer)}): "
+                "a Guard steps one optimizer; a model with several (a GAN) needs the Trainer, under manual "
+                "optimization"
+            )
+        if scheduler is not None and not (callable(getattr(scheduler, "step", None))
+                                          and callable(getattr(scheduler, "state_dict", None))):  # fmt: skip
+            raise TypeError(
+                f"'scheduler' must be a learning-rate scheduler (with step() and state_dict()) or None (got "
+                f"{_shown(scheduler)})"
+            )
         check_choice("scheduler_interval", scheduler_interval, ("step", "epoch"))
         log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=0)
         if callbacks is None:
@@ -517,8 +548,14 @@ class Guard:
         if self._closed:
             raise RuntimeError("this Guard is closed: build a new one to guard another run")
         host, board = self.host, self.board
-        losses = [loss] if isinstance(loss, Tensor) else list(loss)
+        losses = _losses(loss)
         step = host.global_step
+        if not any(p.grad is not None for group in host.optimizers[0].param_groups for p in group["params"]):
+            raise RuntimeError(
+                f"Guard.step at step {step}: no parameter of the optimizer has a gradient, so there is nothing to "
+                "judge or step. Call loss.backward() (fabric.backward(loss), scaler.scale(loss).backward()) before "
+                "guard.step(loss), and zero_grad() nowhere else (the guard does it after the step)"
+            )
         events = board.journal.events
         journaled = len(events)
         counts = self._counts()

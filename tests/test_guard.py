@@ -312,6 +312,48 @@ def test_the_guard_looks_through_wrappers_and_refuses_sharding() -> None:
         Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler_interval="batch")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model": 3}, "'model' must be a torch.nn.Module (got 3)"),
+        ({"optimizer": "two"}, "'optimizer' must be a torch.optim.Optimizer or Fabric's wrapper of one (got str 'two'): "
+                               "a Guard steps one optimizer; a model with several (a GAN) needs the Trainer, under manual "
+                               "optimization"),
+        ({"scheduler": 0.5}, "'scheduler' must be a learning-rate scheduler (with step() and state_dict()) or None (got "
+                             "float 0.5)"),
+    ],
+)  # fmt: skip
+def test_the_guard_refuses_what_it_cannot_guard(kwargs: dict[str, Any], message: str, tmp_path: Path) -> None:
+    model = nn.Linear(2, 1)
+    given = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), **kwargs}
+    with pytest.raises(TypeError) as info:
+        Guard(default_root_dir=tmp_path, **given)
+    assert str(info.value) == message
+
+
+def test_a_step_without_gradients_or_with_a_float_loss_is_refused_before_anything_happens(tmp_path: Path) -> None:
+    model = nn.Linear(2, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), default_root_dir=tmp_path)
+    before = weights(model)
+    loss = model(torch.ones(4, 2)).square().mean()
+    with pytest.raises(RuntimeError) as no_backward:
+        guard.step(loss)
+    assert str(no_backward.value).startswith(
+        "Guard.step at step 0: no parameter of the optimizer has a gradient, so there is nothing to judge or step. "
+        "Call loss.backward()"
+    )
+    loss.backward()
+    with pytest.raises(TypeError) as number:
+        guard.step(1.5)  # type: ignore[arg-type]
+    assert str(number.value) == (
+        "'loss' must be the loss tensor the backward pass started from, or a non-empty list of the micro-batches' "
+        "loss tensors (got float 1.5): pass the tensor, not loss.item()"
+    )
+    assert guard.global_step == 0 and guard.step(loss).step == 0  # the guard goes on: nothing had happened
+    assert not torch.equal(weights(model)["weight"], before["weight"])
+    guard.close()
+
+
 def test_loss_spike_detector_alone_in_a_plain_loop(tmp_path: Path) -> None:
     detector = LossSpikeDetector(warmup=5)
     run = loop(30, [detector], tmp_path, fault=None)
