@@ -11,6 +11,10 @@ Run ``python examples/plain_loop.py`` (``--fast`` for CI). What you will see:
   ``guard.step`` says so in what it returns, and the run ends with about the loss of a run on clean data. At the end
   the guard prints what happened and writes the journal (``python -m lightning_overflow journal <folder>``).
 
+- protected, the guard running each step (``Guard(..., loss_fn=...)``, ``guard.train_step(batch)``): the same
+  steps skipped, and since the guard holds the batch it replays the first one and names the corrupt row (a suspicion
+  would be tried against doing nothing, as under the Trainer).
+
 The last line printed is ``RESULT {...}``, a JSON summary for scripts and tests.
 """
 
@@ -21,6 +25,7 @@ import json
 import math
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,31 +53,46 @@ def clean_loss(model: nn.Module) -> float:
         return float(nn.functional.mse_loss(model(x[keep]), y[keep]))
 
 
-def train(epochs: int, protected: bool, root: Path, corrupt: bool = True) -> tuple[nn.Module, list[int]]:
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def train(
+    epochs: int, protected: bool, root: Path, corrupt: bool = True, train_step: bool = False
+) -> tuple[nn.Module, list[int], str]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=16 * epochs)
     loader = DataLoader(dataset(corrupt), batch_size=64)
     skipped: list[int] = []
-    guard = Guard(model, optimizer, scheduler, default_callbacks(), default_root_dir=root) if protected else None
+    said = ""  # what the guard said of the first skipped step
+    guard = None
+    if protected:
+        guard = Guard(model, optimizer, scheduler, default_callbacks(), default_root_dir=root,
+                      loss_fn=loss_fn if train_step else None)  # fmt: skip
     for _ in range(epochs):
-        for x, y in loader:
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            if guard is None:  # the loop as it was
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-                continue
-            outcome = guard.step(loss)  # judges the step, then steps (or skips) the optimizer and the scheduler
+        for batch in loader:
+            if guard is not None and train_step:
+                outcome = guard.train_step(batch)  # forward, backward, then what guard.step does
+            else:
+                loss = loss_fn(model, batch)
+                loss.backward()
+                if guard is None:  # the loop as it was
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                    continue
+                outcome = guard.step(loss)  # judges the step, then steps (or skips) the optimizer and the scheduler
             if outcome.skipped:
                 skipped.append(outcome.step)
+                said = said or outcome.events[0].message
         if guard is not None:
             guard.end_epoch()
     if guard is not None:
         guard.close()  # the fit summary, the journal
-    return model, skipped
+    return model, skipped, said
 
 
 def main() -> None:
@@ -81,24 +101,20 @@ def main() -> None:
     args = parser.parse_args()
     epochs = 3 if args.fast else 10
     with tempfile.TemporaryDirectory() as tmp:
-        bare, _ = train(epochs, protected=False, root=Path(tmp))
-        reference, _ = train(epochs, protected=False, root=Path(tmp), corrupt=False)
-        model, skipped = train(epochs, protected=True, root=Path(tmp) / "protected")
+        bare, _, _ = train(epochs, protected=False, root=Path(tmp))
+        reference, _, _ = train(epochs, protected=False, root=Path(tmp), corrupt=False)
         finite = lambda m: all(bool(torch.isfinite(p).all()) for p in m.parameters())  # noqa: E731
-        result = {
-            "example": "plain_loop",
-            "unprotected": {"weights_finite": finite(bare)},
-            "protected": {
-                "weights_finite": finite(model),
-                "skipped_steps": skipped,
-                "loss": clean_loss(model),
-                "clean_run_loss": clean_loss(reference),
-            },
-        }
+        result: dict[str, Any] = {"example": "plain_loop", "unprotected": {"weights_finite": finite(bare)}}
+        for key, runs_steps in (("protected", False), ("train_step", True)):
+            model, skipped, said = train(epochs, protected=True, root=Path(tmp) / key, train_step=runs_steps)
+            result[key] = {"weights_finite": finite(model), "skipped_steps": skipped, "loss": clean_loss(model),
+                           "clean_run_loss": clean_loss(reference), "first_skip": said}  # fmt: skip
     print(f"unprotected: weights finite {result['unprotected']['weights_finite']}")
-    loss, clean = result["protected"]["loss"], result["protected"]["clean_run_loss"]
-    print(f"protected: skipped steps {skipped}; loss {loss:.4f} (a run on clean data: {clean:.4f})")
-    assert math.isfinite(loss)
+    for key, how in (("protected", "guard.step(loss)"), ("train_step", "guard.train_step(batch)")):
+        run = result[key]
+        print(f"protected, {how}: skipped steps {run['skipped_steps']}; loss {run['loss']:.4f} (a run on clean data: "
+              f"{run['clean_run_loss']:.4f})\n  the first skip: {run['first_skip']}")  # fmt: skip
+        assert math.isfinite(run["loss"])
     print("RESULT " + json.dumps(result))
 
 

@@ -19,11 +19,17 @@ optimizer is not called, the scheduler is not stepped, the buffers the forward w
 ``on_train_batch_start`` of the next batch, before its forward pass (the buffers are copied there, so that a skip can
 put them back). ``global_step`` counts every optimizer step, skipped or not, as the Trainer's does.
 
-What the plain loop cannot do: the guard is handed the loss, not the batch, so it cannot re-run a step. Hence no
-**trials**: a suspicion of divergence (the loss settled far above its best, a trend, runaway weights) is answered at
-once, with a backoff and a rollback, paced as a false alarm would be (see :mod:`lightning_overflow.policy`: "where no
-trial can run"); and no **replay** of a non-finite step to name the layer that produced it. A certain fault (inf/NaN
-loss, gradients or weights, steps that keep failing) is answered exactly as under the Trainer.
+What ``guard.step(loss)`` cannot do: the guard is handed the loss, not the batch, so it cannot re-run a step. Hence
+no **trials**: a suspicion of divergence (the loss settled far above its best, a trend, runaway weights) is answered
+at once, with a backoff and a rollback, paced as a false alarm would be (see :mod:`lightning_overflow.policy`: "where
+no trial can run"); and no **replay** of a non-finite step to name the layer that produced it. A certain fault
+(inf/NaN loss, gradients or weights, steps that keep failing) is answered exactly as under the Trainer.
+
+Hand the guard the batch instead, and it can: with ``Guard(..., loss_fn=loss_fn)``, :meth:`Guard.train_step` runs
+the whole step (``loss_fn(model, batch)``, the backward pass, then what :meth:`Guard.step` does), so a trial's
+candidate trains on each batch before the loop does (the random streams put back), and a non-finite step is
+replayed, as under the Trainer. One process only: under ``torch.distributed`` a side run through the DDP wrapper
+would enter its gradient reduction, so there ``train_step`` runs without trials and replays, as ``step`` does.
 
 Distributed: under ``torch.distributed`` (a ``DistributedDataParallel`` model, or Fabric with ``strategy="ddp"``)
 every rank builds its guard alike and calls :meth:`Guard.step` at the same steps; the decision is the same on every
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +65,10 @@ log = logging.getLogger("pytorch_lightning.lightning_overflow")
 
 NO_TRIALS = (
     "Guard.step(loss) is handed the loss, not the batch: no candidate can train beside a plain loop"
+)
+NO_SIDE_RUNS_DISTRIBUTED = (
+    "under torch.distributed a candidate or a replay would run through the DDP wrapper and enter its gradient "
+    "reduction"
 )
 NO_REPLAY = (
     "a plain loop's step is not replayed: Guard.step(loss) is handed the loss, not the batch; check the batch of "
@@ -177,25 +187,40 @@ class _LoggerConnector:
 
 class _LoopModule:
     """The user's module as the suite sees a LightningModule: every attribute is the module's own (its parameters,
-    buffers, ``state_dict``, by the same names), with automatic optimization and no ``training_step`` to replay."""
+    buffers, ``state_dict``, by the same names), with automatic optimization. Its ``training_step`` is the guard's
+    ``loss_fn`` on the model as the loop gave it (a side run: a trial's candidate, a replay); without one, there is
+    nothing to re-run."""
 
     automatic_optimization = True
-    replay_unavailable = NO_REPLAY
 
     def __init__(self, module: nn.Module, host: LoopHost) -> None:
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_host", host)
+        object.__setattr__(self, "_side_run", None)  # (loss_fn, model): what a side run calls, where one can run
+        object.__setattr__(self, "replay_unavailable", NO_REPLAY)
+
+    def allow_side_runs(self, loss_fn: Callable[[nn.Module, Any], Tensor], model: nn.Module) -> None:
+        object.__setattr__(self, "_side_run", (loss_fn, model))
+        object.__setattr__(self, "replay_unavailable", "")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
+
+    @property
+    def traced_module(self) -> nn.Module:
+        """The module a replay's tracer hooks, layer by layer."""
+        return self._module
 
     @property
     def device(self) -> torch.device:
         first = next(iter(self._module.parameters()), None)
         return first.device if first is not None else torch.device("cpu")
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(NO_REPLAY)
+    def training_step(self, batch: Any, batch_idx: int = 0) -> Any:
+        if self._side_run is None:
+            raise RuntimeError(NO_REPLAY)
+        loss_fn, model = self._side_run
+        return loss_fn(model, batch)
 
     def log(self, name: str, value: Any, **_: Any) -> None:
         """What a callback logs through the module at an epoch's end goes to the host's loggers (rank 0)."""
@@ -377,6 +402,11 @@ class Guard:
         state: a :meth:`state_dict` of the guard of the run this one resumes (from :meth:`save_checkpoint`'s file):
             the step count and every callback's state, loaded between the callbacks' ``setup`` and the start of
             training, as a Trainer resumes from a checkpoint. Load the model, optimizer and scheduler yourself first.
+        loss_fn: ``loss_fn(model, batch) -> loss``, the loss of one batch computed with ``model`` (as given here):
+            the guard then runs each step itself (:meth:`train_step`), and a trial's candidate and a replay run it
+            too (one process). Without it, the loop calls :meth:`step`.
+        backward: ``backward(loss)``, the backward pass of :meth:`train_step` (``fabric.backward`` under Fabric);
+            default ``scaler.scale(loss).backward()`` with a scaler, else ``loss.backward()``.
 
     Example:
         >>> model = torch.nn.Linear(4, 1)
@@ -404,8 +434,15 @@ class Guard:
         default_root_dir: str | os.PathLike[str] | None = None,
         log_every_n_steps: int = 50,
         state: dict[str, Any] | None = None,
+        loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+        backward: Callable[[Tensor], Any] | None = None,
     ) -> None:
         check_type("model", model, nn.Module, "a torch.nn.Module")
+        for name, value in (("loss_fn", loss_fn), ("backward", backward)):
+            if value is not None and not callable(value):
+                raise TypeError(f"'{name}' must be a function or None (got {_shown(value)})")
+        if backward is not None and loss_fn is None:
+            raise ValueError("'backward' is used by train_step only, which needs 'loss_fn' as well (got loss_fn=None)")
         if not isinstance(_unwrap_optimizer(optimizer), torch.optim.Optimizer):
             raise TypeError(
                 f"'optimizer' must be a torch.optim.Optimizer or Fabric's wrapper of one (got {_shown(optimizer)}): "
@@ -426,6 +463,8 @@ class Guard:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
+        self.loss_fn = loss_fn
+        self._backward = backward
         self._interval = scheduler_interval
         module = _unwrap_module(model)
         _check_strategy(model, module)
@@ -434,6 +473,8 @@ class Guard:
         self.host = LoopHost(module, _unwrap_optimizer(optimizer), scheduler, scheduler_interval, self.callbacks,
                              [logger] if logger is not None else [], scaler, root, log_every_n_steps)  # fmt: skip
         self.host._guard = self
+        if loss_fn is not None and not _distributed():
+            self.host.lightning_module.allow_side_runs(loss_fn, model)
         self._batch_hooks: dict[str, list[Any]] = {}
         self._board: HealthBoard | None = None
         self._clippers = [cb for cb in self.callbacks if isinstance(cb, AutoClip)]
@@ -518,18 +559,28 @@ class Guard:
             self._hook("on_fit_start")
             self._hook("on_train_start")
             trials = self.board.trials
-            if trials.config is not None and not trials.unavailable:
-                trials.unavailable = NO_TRIALS
+            unavailable = self._no_side_runs()
+            if trials.config is not None and not trials.unavailable and unavailable:
+                trials.unavailable = unavailable
                 if self.host.global_rank == 0:
-                    log.info(f"lightning_overflow: no trials in this loop ({NO_TRIALS}): a suspicion of divergence "
+                    log.info(f"lightning_overflow: no trials in this loop ({unavailable}): a suspicion of divergence "
                              "backs off and rolls back at once")  # fmt: skip
-            self._begin_batch()
+            if self.loss_fn is None:
+                self._begin_batch(None)  # before the first forward pass: the buffers are copied there
 
-    def _begin_batch(self) -> None:
+    def _no_side_runs(self) -> str:
+        """Why no trial's candidate can train beside this loop (empty when one can)."""
+        if self.loss_fn is None:
+            return NO_TRIALS
+        if _distributed():
+            return NO_SIDE_RUNS_DISTRIBUTED
+        return ""
+
+    def _begin_batch(self, batch: Any) -> None:
         if not self._epoch_open:
             self._hook("on_train_epoch_start")
             self._epoch_open = True
-        self._hook("on_train_batch_start", None, self._batch_idx)
+        self._hook("on_train_batch_start", batch, self._batch_idx)
 
     def step(self, loss: Tensor | Sequence[Tensor]) -> StepOutcome:
         """Judge the step whose gradients the loop has just computed, then step (or skip) it.
@@ -547,15 +598,59 @@ class Guard:
         """
         if self._closed:
             raise RuntimeError("this Guard is closed: build a new one to guard another run")
-        host, board = self.host, self.board
-        losses = _losses(loss)
-        step = host.global_step
-        if not any(p.grad is not None for group in host.optimizers[0].param_groups for p in group["params"]):
+        if self.loss_fn is not None:
             raise RuntimeError(
-                f"Guard.step at step {step}: no parameter of the optimizer has a gradient, so there is nothing to "
-                "judge or step. Call loss.backward() (fabric.backward(loss), scaler.scale(loss).backward()) before "
-                "guard.step(loss), and zero_grad() nowhere else (the guard does it after the step)"
+                "this Guard was given loss_fn: it runs each step with guard.train_step(batch), which opens the batch "
+                "before the forward pass; build it without loss_fn to call guard.step(loss)"
             )
+        losses = _losses(loss)
+        self._check_gradients()
+        outcome = self._judge_and_step(losses)
+        with self._guarded():
+            self._begin_batch(None)  # the next batch, before its forward pass: the buffers are copied there
+        return outcome
+
+    def train_step(self, batch: Any) -> StepOutcome:
+        """Run one optimizer step on ``batch``: ``loss_fn(model, batch)``, its backward pass (``backward(loss)`` if
+        given, ``scaler.scale(loss).backward()`` with a scaler, else ``loss.backward()``), then what :meth:`step`
+        does. Before the forward pass, a trial's candidate trains on the batch (the random streams put back), and the
+        batch is kept for a replay should the step be non-finite: a suspicion is tried, as under the Trainer.
+
+        Returns:
+            what happened (:class:`StepOutcome`), as :meth:`step` returns it.
+        """
+        if self._closed:
+            raise RuntimeError("this Guard is closed: build a new one to guard another run")
+        if self.loss_fn is None:
+            raise RuntimeError(
+                "Guard.train_step(batch) needs Guard(..., loss_fn=...): the loss of a batch, loss_fn(model, batch); "
+                "or call loss.backward() and guard.step(loss) yourself"
+            )
+        with self._guarded():
+            self._begin_batch(batch)
+            loss = self.loss_fn(self.model, batch)
+            if not isinstance(loss, Tensor):
+                raise TypeError(f"'loss_fn' must return the loss tensor of the batch (got {_shown(loss)})")
+            if self._backward is not None:
+                self._backward(loss)
+            elif self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        self._check_gradients()
+        return self._judge_and_step([loss])
+
+    def _check_gradients(self) -> None:
+        if not any(p.grad is not None for group in self.host.optimizers[0].param_groups for p in group["params"]):
+            raise RuntimeError(
+                f"Guard.step at step {self.host.global_step}: no parameter of the optimizer has a gradient, so there "
+                "is nothing to judge or step. Call loss.backward() (fabric.backward(loss), scaler.scale(loss)"
+                ".backward()) before guard.step(loss), and zero_grad() nowhere else (the guard does it after the step)"
+            )
+
+    def _judge_and_step(self, losses: list[Tensor]) -> StepOutcome:
+        host, board = self.host, self.board
+        step = host.global_step
         events = board.journal.events
         journaled = len(events)
         counts = self._counts()
@@ -584,7 +679,6 @@ class Guard:
             self.optimizer.zero_grad(set_to_none=True)
             host.fit_loop.epoch_loop._batches_that_stepped += 1
             self._batch_idx += 1
-            self._begin_batch()
         after = self._counts()
         return StepOutcome(
             step=step,

@@ -116,9 +116,14 @@ def test_gan_discriminator(results: dict[str, dict[str, Any]]) -> None:
 def test_plain_loop(results: dict[str, dict[str, Any]]) -> None:
     result = results["plain_loop"]
     assert result["unprotected"]["weights_finite"] is False
-    safe = result["protected"]
+    safe, stepping = result["protected"], result["train_step"]
     assert safe["weights_finite"] and safe["skipped_steps"] == [9, 25, 41]  # the corrupt batch, once an epoch
     assert safe["loss"] == pytest.approx(safe["clean_run_loss"], rel=0.1)
+    assert "a plain loop's step is not replayed" in safe["first_skip"]
+    # The guard that runs each step holds the batch: the same steps, the same weights, and the row named.
+    assert stepping["skipped_steps"] == safe["skipped_steps"] and stepping["loss"] == safe["loss"]
+    assert "batch 9 holds values up to 1e+30 in row 41" in stepping["first_skip"]
+    assert "Persistent: the replay of this batch on the same weights reproduces it" in stepping["first_skip"]
 
 
 def test_fabric_pretrain(results: dict[str, dict[str, Any]]) -> None:

@@ -27,6 +27,7 @@ from lightning_overflow import (
     LossSpikeDetector,
     LRBackoff,
     NonFiniteDetector,
+    NonFiniteError,
     Rollback,
     default_callbacks,
     read_journal,
@@ -69,11 +70,13 @@ def loop(
     fault: str | None = None,
     at: int = FAULT_STEP,
     fabric: bool = False,
+    batches: bool = False,
     keep: Callable[[int], bool] = lambda step: False,
     **model_kwargs: Any,
 ) -> Run:
     """Train ``TinyRegressor`` for ``steps`` optimizer steps in a plain loop (or a Fabric loop) with ``Guard`` (or
-    bare, ``callbacks=None``), injecting ``fault`` at step ``at`` as ``FaultInjector`` does under the Trainer."""
+    bare, ``callbacks=None``), injecting ``fault`` at step ``at`` as ``FaultInjector`` does under the Trainer.
+    ``batches``: the guard runs each step (``Guard(loss_fn=...)``, ``guard.train_step(batch)``)."""
     pl.seed_everything(0, verbose=False)
     factory = model_kwargs.pop("scheduler", None)
     model = TinyRegressor(**model_kwargs)
@@ -86,9 +89,21 @@ def loop(
 
         runner = Fabric(accelerator="cpu", devices=1)
         trained, stepper = runner.setup(model, optimizer)
+    fired = []
+
+    def loss_fn(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        loss = nn.functional.mse_loss(net(batch[0]), batch[1])
+        if fault == "nan_loss" and step == at and not fired:  # once, as FaultInjector fires it
+            fired.append(step)
+            loss = loss * float("nan")
+        return loss
+
     guard = None
     if callbacks is not None:
-        guard = Guard(trained, stepper, scheduler, callbacks, default_root_dir=tmp_path)
+        extra: dict[str, Any] = {}
+        if batches:
+            extra = {"loss_fn": loss_fn, "backward": runner.backward if fabric else None}
+        guard = Guard(trained, stepper, scheduler, callbacks, default_root_dir=tmp_path, **extra)
     run = Run(model, optimizer, guard)
     step = 0
     while step < steps:
@@ -99,20 +114,21 @@ def loop(
                 with torch.no_grad():
                     next(model.parameters()).view(-1)[0] = float("nan")
             run.lrs.append(float(optimizer.param_groups[0]["lr"]))
-            loss = nn.functional.mse_loss(trained(x), y)
-            if fault == "nan_loss" and step == at:
-                loss = loss * float("nan")
-            if fabric:
-                runner.backward(loss)
+            if guard is not None and batches:
+                run.outcomes.append(guard.train_step((x, y)))
             else:
-                loss.backward()
-            if guard is not None:
-                run.outcomes.append(guard.step(loss))
-            else:
-                stepper.step()
-                if scheduler is not None:
-                    scheduler.step()
-                stepper.zero_grad()
+                loss = loss_fn(trained, (x, y))
+                if fabric:
+                    runner.backward(loss)
+                else:
+                    loss.backward()
+                if guard is not None:
+                    run.outcomes.append(guard.step(loss))
+                else:
+                    stepper.step()
+                    if scheduler is not None:
+                        scheduler.step()
+                    stepper.zero_grad()
             step += 1
             if keep(step - 1):
                 run.after[step - 1] = _state(model, optimizer)
@@ -316,11 +332,11 @@ def test_the_guard_looks_through_wrappers_and_refuses_sharding() -> None:
     ("kwargs", "message"),
     [
         ({"model": 3}, "'model' must be a torch.nn.Module (got 3)"),
-        ({"optimizer": "two"}, "'optimizer' must be a torch.optim.Optimizer or Fabric's wrapper of one (got str 'two'): "
-                               "a Guard steps one optimizer; a model with several (a GAN) needs the Trainer, under manual "
-                               "optimization"),
-        ({"scheduler": 0.5}, "'scheduler' must be a learning-rate scheduler (with step() and state_dict()) or None (got "
-                             "float 0.5)"),
+        ({"optimizer": "two"}, ("'optimizer' must be a torch.optim.Optimizer or Fabric's wrapper of one (got str "
+                                "'two'): a Guard steps one optimizer; a model with several (a GAN) needs the Trainer, "
+                                "under manual optimization")),
+        ({"scheduler": 0.5}, ("'scheduler' must be a learning-rate scheduler (with step() and state_dict()) or None "
+                              "(got float 0.5)")),
     ],
 )  # fmt: skip
 def test_the_guard_refuses_what_it_cannot_guard(kwargs: dict[str, Any], message: str, tmp_path: Path) -> None:
@@ -393,3 +409,60 @@ def test_the_readme_snippet_runs_as_written(tmp_path: Path, monkeypatch: pytest.
     exec(compile(snippet, "README.md", "exec"), namespace)
     assert namespace["guard"].global_step == 8 and not namespace["outcome"].skipped
     assert any(not torch.equal(a, b) for a, b in zip(before.values(), weights(model).values()))
+    # The second snippet: the guard runs each step.
+    stepping = re.findall(r"```python\n(.*?)```", section, re.DOTALL)[1]
+    after_first = weights(model)
+    exec(compile(stepping, "README.md", "exec"), namespace)
+    guard = namespace["guard"]
+    assert guard.global_step == 8 and guard.board.trials.unavailable == "" and not namespace["outcome"].skipped
+    assert any(not torch.equal(a, b) for a, b in zip(after_first.values(), weights(model).values()))
+    guard.close()
+
+
+# ---- the guard that runs the step: trials and replays as under the Trainer -------------------------------------------
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_guard_that_runs_each_step_makes_the_trainers_decisions_with_trials(tmp_path: Path, fault: str) -> None:
+    options, steps = FAULTS[fault]
+    kind = None if fault == "lr_too_high" else fault
+    plain = loop(steps, default_callbacks(), tmp_path / "plain", fault=kind, batches=True, **options)
+    fabric = loop(steps, default_callbacks(), tmp_path / "fabric", fault=kind, fabric=True, batches=True, **options)
+    trainer = trainer_events(steps, default_callbacks(), tmp_path, kind, **options)
+    assert plain.events() and plain.events() == fabric.events() == trainer
+    assert_bit_identical(weights(plain.model), weights(fabric.model))
+
+
+def test_a_guard_that_runs_each_step_replays_a_nonfinite_step_and_names_its_origin(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    x[27, 1] = float("nan")  # batch 3 of 8 samples, row 3
+
+    def loss_fn(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.mse_loss(net(batch[0]), batch[1])
+
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), callbacks=[NonFiniteDetector(action="raise")],
+                  default_root_dir=tmp_path, loss_fn=loss_fn)  # fmt: skip
+    with pytest.raises(NonFiniteError) as info:
+        for start in range(0, 32, 8):
+            guard.train_step((x[start : start + 8], y[start : start + 8]))
+    error = info.value
+    assert error.step == 3 and error.diagnosis is not None and error.diagnosis.verdict == "persistent"
+    origin = error.diagnosis.origin
+    assert (origin.source, origin.module, origin.op) == ("input", "0", "linear")
+    assert "batch 3 holds NaN in row 3" in error.diagnosis.message
+
+
+def test_train_step_and_step_are_not_mixed_and_train_step_needs_a_loss_fn(tmp_path: Path) -> None:
+    model = nn.Linear(2, 1)
+    plain = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match=r"needs Guard\(\.\.\., loss_fn=\.\.\.\)"):
+        plain.train_step((torch.ones(4, 2), torch.ones(4, 1)))
+    plain.close()
+    stepping = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), default_root_dir=tmp_path,
+                     loss_fn=lambda net, batch: net(batch).square().mean())  # fmt: skip
+    with pytest.raises(RuntimeError, match="this Guard was given loss_fn"):
+        stepping.step(torch.zeros(()))
+    assert stepping.board.trials.unavailable == ""  # one process, the batch in hand: trials can run
+    stepping.close()
+    with pytest.raises(ValueError, match="'backward' is used by train_step only"):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), backward=lambda loss: None)

@@ -248,7 +248,7 @@ def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptB
     with preserved_state(pl_module, kept.rng), silenced_logging(pl_module), torch.enable_grad():
         with (
             torch.compiler.set_stance("force_eager"),
-            NonFiniteTracer(pl_module, module_backward_hooks=module_hooks) as tracer,
+            NonFiniteTracer(_traced(pl_module), module_backward_hooks=module_hooks) as tracer,
         ):
             with trainer.precision_plugin.train_step_context():
                 output = pl_module.training_step(*args)
@@ -259,6 +259,12 @@ def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptB
             # Under 16-mixed the backward ran on the scaled loss; replay it the same way (scale() changes nothing).
             tracer.backward(scaler.scale(loss) if scaler is not None else loss, params)
             return replace(tracer.trace(names), loss=value)
+
+
+def _traced(pl_module: Any) -> torch.nn.Module:
+    """The module whose layers the tracer hooks: the LightningModule, or the plain loop's module behind the object
+    that stands for one (:class:`~lightning_overflow.guard.Guard`'s, its ``traced_module``)."""
+    return pl_module if isinstance(pl_module, torch.nn.Module) else pl_module.traced_module
 
 
 def batch_stats(batch: Any) -> BatchStats:
