@@ -28,8 +28,8 @@ no trial can run"); and no **replay** of a non-finite step to name the layer tha
 Hand the guard the batch instead, and it can: with ``Guard(..., loss_fn=loss_fn)``, :meth:`Guard.train_step` runs
 the whole step (``loss_fn(model, batch)``, the backward pass, then what :meth:`Guard.step` does), so a trial's
 candidate trains on each batch before the loop does (the random streams put back), and a non-finite step is
-replayed, as under the Trainer. One process only: under ``torch.distributed`` a side run through the DDP wrapper
-would enter its gradient reduction, so there ``train_step`` runs without trials and replays, as ``step`` does.
+replayed, as under the Trainer. A side run (a candidate, a replay) calls ``loss_fn`` with the model without its DDP
+wrapper, as the Trainer's side runs do, and Fabric's module as its forward with Fabric's precision.
 
 Distributed: under ``torch.distributed`` (a ``DistributedDataParallel`` model, or Fabric with ``strategy="ddp"``)
 every rank builds its guard alike and calls :meth:`Guard.step` at the same steps; the decision is the same on every
@@ -65,10 +65,6 @@ log = logging.getLogger("pytorch_lightning.lightning_overflow")
 
 NO_TRIALS = (
     "Guard.step(loss) is handed the loss, not the batch: no candidate can train beside a plain loop"
-)
-NO_SIDE_RUNS_DISTRIBUTED = (
-    "under torch.distributed a candidate or a replay would run through the DDP wrapper and enter its gradient "
-    "reduction"
 )
 NO_REPLAY = (
     "a plain loop's step is not replayed: Guard.step(loss) is handed the loss, not the batch; check the batch of "
@@ -339,6 +335,38 @@ def _unwrap_module(model: nn.Module) -> nn.Module:
         model = inner
 
 
+def _side_run_model(model: nn.Module) -> Any:
+    """What a side run (a trial's candidate, a replay) hands ``loss_fn`` for ``model``: the model itself, but never
+    through ``DistributedDataParallel`` (its backward would enter the gradient reduction the live step's makes; a
+    candidate averages its gradients itself), and Fabric's module as its forward alone (:class:`_FabricForward`)."""
+    original = getattr(model, "_original_module", None)  # lightning.fabric.wrappers._FabricModule
+    strategy = getattr(model, "_strategy", None)
+    if isinstance(original, nn.Module) and strategy is not None:
+        return _FabricForward(original, strategy.precision)
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+class _FabricForward:
+    """Fabric's module for a side run: the forward of ``_FabricModule`` (the inputs converted to the precision, its
+    autocast, the output converted back), on the module without the DDP wrapper, and without the check that
+    ``fabric.backward`` runs the backward pass (under mixed precision Fabric requires it; a side run makes its own).
+    Every other attribute is the module's."""
+
+    def __init__(self, module: nn.Module, precision: Any) -> None:
+        self._module = module
+        self._precision = precision
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        precision = self._precision
+        args, kwargs = precision.convert_input((args, kwargs))
+        with precision.forward_context():
+            output = self._module(*args, **kwargs)
+        return precision.convert_output(output)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer behind Fabric's ``_FabricOptimizer``."""
     inner = getattr(optimizer, "_optimizer", None)
@@ -404,7 +432,7 @@ class Guard:
             training, as a Trainer resumes from a checkpoint. Load the model, optimizer and scheduler yourself first.
         loss_fn: ``loss_fn(model, batch) -> loss``, the loss of one batch computed with ``model`` (as given here):
             the guard then runs each step itself (:meth:`train_step`), and a trial's candidate and a replay run it
-            too (one process). Without it, the loop calls :meth:`step`.
+            too. Without it, the loop calls :meth:`step`.
         backward: ``backward(loss)``, the backward pass of :meth:`train_step` (``fabric.backward`` under Fabric);
             default ``scaler.scale(loss).backward()`` with a scaler, else ``loss.backward()``.
 
@@ -473,8 +501,8 @@ class Guard:
         self.host = LoopHost(module, _unwrap_optimizer(optimizer), scheduler, scheduler_interval, self.callbacks,
                              [logger] if logger is not None else [], scaler, root, log_every_n_steps)  # fmt: skip
         self.host._guard = self
-        if loss_fn is not None and not _distributed():
-            self.host.lightning_module.allow_side_runs(loss_fn, model)
+        if loss_fn is not None:
+            self.host.lightning_module.allow_side_runs(loss_fn, _side_run_model(model))
         self._batch_hooks: dict[str, list[Any]] = {}
         self._board: HealthBoard | None = None
         self._clippers = [cb for cb in self.callbacks if isinstance(cb, AutoClip)]
@@ -570,11 +598,7 @@ class Guard:
 
     def _no_side_runs(self) -> str:
         """Why no trial's candidate can train beside this loop (empty when one can)."""
-        if self.loss_fn is None:
-            return NO_TRIALS
-        if _distributed():
-            return NO_SIDE_RUNS_DISTRIBUTED
-        return ""
+        return NO_TRIALS if self.loss_fn is None else ""
 
     def _begin_batch(self, batch: Any) -> None:
         if not self._epoch_open:

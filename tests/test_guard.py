@@ -29,6 +29,7 @@ from lightning_overflow import (
     NonFiniteDetector,
     NonFiniteError,
     Rollback,
+    TrialConfig,
     default_callbacks,
     read_journal,
 )
@@ -466,3 +467,24 @@ def test_train_step_and_step_are_not_mixed_and_train_step_needs_a_loss_fn(tmp_pa
     stepping.close()
     with pytest.raises(ValueError, match="'backward' is used by train_step only"):
         Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), backward=lambda loss: None)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_under_fabrics_precision_a_candidate_trains_through_fabrics_forward(tmp_path: Path, precision: str) -> None:
+    """Fabric's mixed precision requires fabric.backward for every backward pass through its module: a candidate's
+    own backward runs on the module as Fabric's forward (inputs converted, autocast), not through that check."""
+    from lightning.fabric import Fabric
+
+    pl.seed_everything(0, verbose=False)
+    model = TinyRegressor()
+    fabric = Fabric(accelerator="cpu", devices=1, precision=precision)  # type: ignore[arg-type]
+    trained, optimizer = fabric.setup(model, model.configure_optimizers())
+    guard = Guard(trained, optimizer, callbacks=default_callbacks(trial=TrialConfig(every_n_steps=10)),
+                  default_root_dir=tmp_path, backward=fabric.backward,
+                  loss_fn=lambda net, batch: nn.functional.mse_loss(net(batch[0]), batch[1]))  # fmt: skip
+    for _ in range(4):
+        for batch in model.train_dataloader():
+            guard.train_step(batch)
+    guard.close()
+    assert [(e.step, e.kind) for e in guard.events if e.kind == "trial"] == [(30, "trial")]
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -63,8 +63,14 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
         else:
             optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
             callbacks = default_callbacks(snapshot_every_n_steps=4)
+        runs_steps = scenario == "diverging_steps"  # the guard runs each step: trials beside the loop
+
+        def loss_fn(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return nn.functional.mse_loss(net(batch[0]), batch[1])
+
         guard = None if scenario == "diverging_bare" else Guard(model, optimizer, scheduler, callbacks=callbacks,
-                                                                 default_root_dir=directory)  # fmt: skip
+                                                                 default_root_dir=directory,
+                                                                 loss_fn=loss_fn if runs_steps else None)  # fmt: skip
         outcomes, snapshots, lrs = [], {}, []
         for step in range(DIVERGING_STEPS if diverging else STEPS):
             snapshots[step] = _digest(module)
@@ -72,17 +78,20 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
                 with torch.no_grad():
                     module[0].weight.view(-1)[0] = float("nan")
             batch = slice((step % 4) * 8, (step % 4) * 8 + 8)
-            loss = nn.functional.mse_loss(model(x[batch]), y[batch])
-            if scenario == "nan_loss" and step == 3 and rank == 1:
-                loss = loss * float("nan")
-            loss.backward()
             lrs.append(optimizer.param_groups[0]["lr"])  # the rate this step trains with
-            if guard is None:
-                optimizer.step()
-                scheduler.step()  # type: ignore[union-attr]
-                optimizer.zero_grad()
-                continue
-            outcome = guard.step(loss)
+            if guard is not None and runs_steps:
+                outcome = guard.train_step((x[batch], y[batch]))
+            else:
+                loss = loss_fn(model, (x[batch], y[batch]))
+                if scenario == "nan_loss" and step == 3 and rank == 1:
+                    loss = loss * float("nan")
+                loss.backward()
+                if guard is None:
+                    optimizer.step()
+                    scheduler.step()  # type: ignore[union-attr]
+                    optimizer.zero_grad()
+                    continue
+                outcome = guard.step(loss)
             if outcome.rolled_back:
                 report["restored"] = _digest(module)
             outcomes.append([outcome.step, outcome.skipped, outcome.rolled_back, outcome.backed_off,
@@ -163,6 +172,18 @@ def test_a_learning_rate_too_high_for_the_data_of_both_ranks_is_backed_off_on_bo
     assert reports[0]["lrs"] == reports[1]["lrs"] == bare[0]["lrs"][:162] + [0.5 * lr for lr in bare[0]["lrs"][162:]]
     assert all(r["finite"] and r["loss"] < 0.05 for r in reports)
     assert [b["loss"] > 2 * r["loss"] for b, r in zip(bare, reports)] == [True, True]
+
+
+def test_a_guard_that_runs_each_step_tries_the_suspicion_on_both_ranks_alike(tmp_path: Path) -> None:
+    """With ``loss_fn`` the guard runs each step, and a trial's candidate trains beside the DDP loop on each rank's
+    batch (on the module without the DDP wrapper, its gradients averaged across the ranks): the suspicion at step 161
+    is tried instead of answered at once, the remedy kept where it does better, on both ranks at the same step."""
+    reports = run(tmp_path, "diverging_steps")
+    assert reports[0]["outcomes"] == reports[1]["outcomes"] and reports[0]["digest"] == reports[1]["digest"]
+    kinds = [kind for o in reports[0]["outcomes"] for kind in o[4]]
+    assert "trial" in kinds and kinds.index("loss_divergence") < kinds.index("trial")
+    assert reports[0]["lrs"] == reports[1]["lrs"]
+    assert all(r["finite"] and r["loss"] < 0.05 for r in reports)
 
 
 def test_a_fabric_ddp_loop_makes_the_same_decisions_on_both_ranks(tmp_path: Path) -> None:
