@@ -123,6 +123,7 @@ def test_plain_loop(results: dict[str, dict[str, Any]]) -> None:
     # The guard that runs each step holds the batch: the same steps, the same weights, and the row named.
     assert stepping["skipped_steps"] == safe["skipped_steps"] and stepping["loss"] == safe["loss"]
     assert "batch 9 holds values up to 1e+30 in row 41" in stepping["first_skip"]
+    assert "in loss_fn (outside every module), op mse_loss" in stepping["first_skip"]
     assert "Persistent: the replay of this batch on the same weights reproduces it" in stepping["first_skip"]
 
 

@@ -44,6 +44,8 @@ class Origin:
         output_magnitude: the largest finite magnitude that came out of it.
         nan_count, inf_count, numel: how many of the op's output values were NaN, inf, and in all.
         parameter: for ``source="gradient_hook"``, the parameter whose gradient became non-finite.
+        outside: what the message calls the code outside every module: ``training_step``, or a plain loop's
+            ``loss_fn`` (:class:`~lightning_overflow.guard.Guard`).
     """
 
     direction: Direction
@@ -58,12 +60,13 @@ class Origin:
     inf_count: int
     numel: int
     parameter: str | None = None
+    outside: str = OUTSIDE
 
     @property
     def where(self) -> str:
         """``layers.3 (Planted)``, ``the root module (Net)`` or ``training_step (outside every module)``."""
         if self.module is None:
-            return f"{OUTSIDE} (outside every module)"
+            return f"{self.outside} (outside every module)"
         if self.module == "":
             return f"the root module ({self.module_type})"
         return f"{self.module} ({self.module_type})"

@@ -258,7 +258,19 @@ def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptB
             value = float(loss.detach().float().sum())
             # Under 16-mixed the backward ran on the scaled loss; replay it the same way (scale() changes nothing).
             tracer.backward(scaler.scale(loss) if scaler is not None else loss, params)
-            return replace(tracer.trace(names), loss=value)
+            return _named_outside(replace(tracer.trace(names), loss=value), getattr(pl_module, "replay_step_code", ""))
+
+
+def _named_outside(trace: Trace, step_code: str) -> Trace:
+    """The trace with its origins' code outside every module called ``step_code`` (a plain loop's ``loss_fn``)."""
+    if not step_code:
+        return trace
+    origins = {
+        name: replace(origin, outside=step_code)
+        for name in ("forward_origin", "backward_origin")
+        if (origin := getattr(trace, name)) is not None
+    }
+    return replace(trace, **origins)
 
 
 def _traced(pl_module: Any) -> torch.nn.Module:
