@@ -112,6 +112,11 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
     finally:
         Path(directory, f"rank{rank}.json").write_text(json.dumps(report))
         dist.destroy_process_group()
+        # No interpreter teardown in the forked worker: there the DDP reducer's destructor joins gloo's threads while
+        # holding the GIL one of them waits for (a deadlock now and then, which hung the whole session at its exit).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run(tmp_path: Path, scenario: str) -> list[dict[str, Any]]:
@@ -122,6 +127,10 @@ def run(tmp_path: Path, scenario: str) -> list[dict[str, Any]]:
         process.start()
     for process in processes:
         process.join(150)
+    for process in processes:  # a worker that never ended must not outlive the test (the session would wait for it)
+        if process.is_alive():
+            process.kill()
+            process.join()
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["error"] for r in reports] == [None, None], reports
     return reports
