@@ -246,8 +246,11 @@ def restore_(trainer: pl.Trainer, state: Mapping[str, Any], owners: Mapping[str,
     for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
         restore_optimizer_(optimizer, saved)
     # A scheduler of another kind than the snapshot's in its place, or none there (added since), stays as it is: its
-    # state would not fit. A snapshot of an earlier release names no kinds: it was taken of the same schedulers.
-    kinds = state.get("scheduler_kinds") or _scheduler_kinds(trainer)
+    # state would not fit. A snapshot of an earlier release names no kinds: its schedulers are restored by place when
+    # the fit has as many.
+    kinds = state.get("scheduler_kinds")
+    if kinds is None:
+        kinds = _scheduler_kinds(trainer) if len(state["schedulers"]) == len(trainer.lr_scheduler_configs) else []
     for config, kind, saved in zip(trainer.lr_scheduler_configs, kinds, state["schedulers"]):
         if type(config.scheduler).__qualname__ == kind:
             config.scheduler.load_state_dict(copy.deepcopy(saved))  # schedulers keep what they load: copy first
