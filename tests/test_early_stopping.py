@@ -4,6 +4,7 @@ NaN-ignoring mean) keeps the rescued run going."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -85,8 +86,6 @@ class _Named(TinyRegressor):
     ],
 )
 def test_the_warning_follows_where_the_metric_is_logged_not_its_name(monitor: str, model: Any, warned: bool) -> None:
-    import warnings
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(model, [NonFiniteDetector(), EarlyStopping(monitor=monitor, patience=100)], max_steps=16,
@@ -108,8 +107,6 @@ def test_a_plain_epoch_mean_lets_early_stopping_end_it() -> None:
 @pytest.mark.parametrize("monitor", ["val_loss", "val/acc", "validation_loss"])
 def test_early_stopping_on_a_validation_metric_is_not_warned_about(monitor: str) -> None:
     """A validation metric never holds a skipped training step's NaN: nothing to warn about."""
-    import warnings
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(TinyRegressor(), [NonFiniteDetector(), EarlyStopping(monitor=monitor, strict=False)], max_steps=2,
@@ -128,6 +125,21 @@ def test_lightnings_spike_detection_beside_the_suite_is_warned_about_at_setup(tm
         "stopped there. Remove SpikeDetection: LossSpikeDetector finds the spikes, and the suite skips the non-finite "
         "steps and tries the remedies of the rest."
     ]
+
+
+def test_lightnings_anomaly_detection_is_warned_about_when_training_starts() -> None:
+    with pytest.warns(OverflowWarning) as caught:
+        fit(TinyRegressor(), [NonFiniteDetector()], max_steps=2, detect_anomaly=True)
+    assert [str(w.message) for w in caught if "detect_anomaly" in str(w.message)] == [
+        "NonFiniteDetector: Trainer(detect_anomaly=True) is on. torch's anomaly mode raises RuntimeError in the backward "
+        "pass of the first step that computes inf/NaN, before this detector sees the step: a step it would skip ends "
+        "the fit instead. Turn it off to let the suite skip the step; its replay names the module and the op as the "
+        "anomaly mode would."
+    ]
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        fit(TinyRegressor(), [NonFiniteDetector()], max_steps=2)
+    assert not [w for w in quiet if "detect_anomaly" in str(w.message)]
 
 
 @pytest.mark.filterwarnings("ignore::lightning_overflow.OverflowWarning")

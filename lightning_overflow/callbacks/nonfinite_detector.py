@@ -251,6 +251,11 @@ class NonFiniteDetector(SuiteCallback):
             self._headroom.reset()
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        _warn_about_anomaly_detection(self._warnings)
+
+    @override
     def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.diagnose and pl_module.automatic_optimization:
             # A reference, not a copy: the replay, when one is needed, runs before the batch is released.
@@ -736,6 +741,20 @@ def _warn_about_spike_detection(trainer: pl.Trainer, warnings: WarningCache) -> 
             "rescue is stopped there. Remove SpikeDetection: LossSpikeDetector finds the spikes, and the suite skips "
             "the non-finite steps and tries the remedies of the rest.",
         )
+
+
+def _warn_about_anomaly_detection(warnings: WarningCache) -> None:
+    """``Trainer(detect_anomaly=True)`` (torch's anomaly mode, on while the fit trains) raises in the backward pass of
+    the first step that computes inf/NaN, before this detector sees that step."""
+    if not torch.is_anomaly_enabled():
+        return
+    warnings.warn(
+        "detect_anomaly",
+        "NonFiniteDetector: Trainer(detect_anomaly=True) is on. torch's anomaly mode raises RuntimeError in the "
+        "backward pass of the first step that computes inf/NaN, before this detector sees the step: a step it would "
+        "skip ends the fit instead. Turn it off to let the suite skip the step; its replay names the module and the "
+        "op as the anomaly mode would.",
+    )
 
 
 def _bad_batch(diagnosis: Diagnosis) -> bool:
