@@ -93,6 +93,7 @@ __all__ = [
     "check_state",
     "checked_weights",
     "live_state",
+    "module_layout",
     "nonfinite_flags",
     "nonfinite_parts",
     "optimizer_labels",
@@ -204,6 +205,18 @@ def snapshot_owners(state: Mapping[str, Any], world_size: int, device: torch.dev
     ]
     sizes = [t.numel() * t.element_size() for _, t in split]
     return {path: owner for (path, _), owner in zip(split, partition_by_size(sizes, world_size))}
+
+
+def module_layout(module: Any) -> tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]:
+    """The names of every submodule's own parameters and buffers: what a reparametrization changes (``ModelPruning``
+    turns ``weight`` into ``weight_orig`` and ``weight_mask``; a parametrization moves it into ``original``), read
+    without building a ``state_dict`` (about a quarter of its cost).
+
+    Example:
+        >>> module_layout(torch.nn.Linear(2, 1))
+        (('', ('weight', 'bias'), ()),)
+    """
+    return tuple((name, tuple(m._parameters), tuple(m._buffers)) for name, m in module.named_modules())
 
 
 def restorable(trainer: pl.Trainer, state: Any) -> str:

@@ -63,6 +63,7 @@ from lightning_overflow.training_state import (
     check_state,
     checked_weights,
     live_state,
+    module_layout,
     nonfinite_parts,
     optimizer_labels,
     restorable,
@@ -211,6 +212,7 @@ class Rollback(SuiteCallback):
         self._free: set[int] = set()  # indices into history of the rollbacks that were progress (not counted)
         self._resumed = False
         self._dropped = 0  # snapshots found unusable and dropped this fit
+        self._layout: tuple[Any, ...] = ()  # the model's layout (module_layout) when the last snapshot was taken
         self._warnings = WarningCache()
 
     @property
@@ -330,11 +332,18 @@ class Rollback(SuiteCallback):
         """A callback changed the model's layout at an epoch's boundary (``ModelPruning`` turns ``weight`` into
         ``weight_orig`` and ``weight_mask``; a parametrization moves a weight): no snapshot of the old layout can be
         restored into it, so the state is snapshot now, before a fault needs one. The layout is the same on every
-        rank, and so is the decision."""
+        rank, and so is the decision. Read first by the names alone (:func:`module_layout`): an epoch may be one
+        step long."""
         newest = self._memory.snapshots[-1] if self._memory.snapshots else None
-        if newest is None or self.board(trainer).trials.active or not restorable(trainer, newest.state):
+        if newest is None or self.board(trainer).trials.active:
             return
-        self._take_or_answer(trainer)
+        layout = module_layout(trainer.lightning_module)
+        if layout == self._layout:
+            return
+        if restorable(trainer, newest.state):
+            self._take_or_answer(trainer)
+        else:
+            self._layout = layout
 
     def _take_or_answer(self, trainer: pl.Trainer) -> None:
         refused = self._take(trainer)
@@ -444,6 +453,7 @@ class Rollback(SuiteCallback):
         extras = copy.deepcopy(self.board(trainer).snapshot_extras(trainer))
         held, owners = split_snapshot(trainer, state)
         snapshot = self._memory.take(step, state, extras, held, owners)
+        self._layout = module_layout(trainer.lightning_module)
         if not counting:  # a new target: no retry of it yet
             self._last_target, self._last_settings, self._retries = None, (), 0
         if self._files is not None:
