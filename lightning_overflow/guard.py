@@ -588,18 +588,13 @@ class Guard:
             self._hook("on_fit_start")
             self._hook("on_train_start")
             trials = self.board.trials
-            unavailable = self._no_side_runs()
-            if trials.config is not None and not trials.unavailable and unavailable:
-                trials.unavailable = unavailable
+            if trials.config is not None and not trials.unavailable and self.loss_fn is None:
+                trials.unavailable = NO_TRIALS  # no side run without the batch
                 if self.host.global_rank == 0:
-                    log.info(f"lightning_overflow: no trials in this loop ({unavailable}): a suspicion of divergence "
+                    log.info(f"lightning_overflow: no trials in this loop ({NO_TRIALS}): a suspicion of divergence "
                              "backs off and rolls back at once")  # fmt: skip
             if self.loss_fn is None:
                 self._begin_batch(None)  # before the first forward pass: the buffers are copied there
-
-    def _no_side_runs(self) -> str:
-        """Why no trial's candidate can train beside this loop (empty when one can)."""
-        return NO_TRIALS if self.loss_fn is None else ""
 
     def _begin_batch(self, batch: Any) -> None:
         if not self._epoch_open:
