@@ -158,6 +158,9 @@ REPLACED_METHODS = {
     "log": "a side run's training_step (a trial's candidate, a replay) must log nothing, and LightningModule.log has "
     "no switch",
     "log_dict": "as log",
+    "training_step": "a step that a bad value breaks (torch.distributions raises on a NaN argument; a library "
+    "returns a loss cut from the graph) leaves no loss to skip, and no hook runs around training_step: "
+    "NonFiniteDetector's guarded_training_step answers it there",
 }
 """The Lightning methods the suite replaces on live objects, for a fit or a side run, and why: no public hook does it
 (2.6.6). The instance attribute shadows the class's method and is removed afterwards."""

@@ -42,7 +42,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +52,11 @@ from pytorch_lightning.utilities.types import LRSchedulerConfig
 from torch import Tensor, nn
 
 from lightning_overflow._validation import check_choice, check_int, check_type
-from lightning_overflow.callbacks import AutoClip, LRBackoff, Rollback
+from lightning_overflow.callbacks import AutoClip, LRBackoff, NonFiniteDetector, Rollback
 from lightning_overflow.composition import default_callbacks
 from lightning_overflow.distributed import world
 from lightning_overflow.events import Event
+from lightning_overflow.faulted_steps import FaultedStep, answer_detached, answer_error
 from lightning_overflow.health import HealthBoard, board_for
 from lightning_overflow.numerics.norms import any_sharded
 
@@ -648,7 +649,7 @@ class Guard:
             )
         with self._guarded():
             self._begin_batch(batch)
-            loss = self.loss_fn(self.model, batch)
+            loss = self._loss_of(batch)
             if not isinstance(loss, Tensor):
                 raise TypeError(f"'loss_fn' must return the loss tensor of the batch (got {_shown(loss)})")
             if self._backward is not None:
@@ -659,6 +660,32 @@ class Guard:
                 loss.backward()
         self._check_gradients()
         return self._judge_and_step([loss])
+
+    def _loss_of(self, batch: Any) -> Tensor:
+        """``loss_fn(model, batch)``; a step that a bad value broke (it raised on an inf/NaN, or its loss came back cut
+        from the graph) is answered as an inf/NaN loss, as ``NonFiniteDetector`` answers it under the Trainer
+        (:mod:`lightning_overflow.faulted_steps`). Under DDP the error stands: it may have left DDP's forward half
+        done, and a backward that this rank's reducer does not expect would hang the other ranks."""
+        assert self.loss_fn is not None
+        alone = world()[1] == 1
+        try:
+            loss = self.loss_fn(self.model, batch)
+        except Exception as error:  # answer_error passes on what no bad value causes
+            answer = answer_error(error, self.module, batch) if alone else None
+            if answer is None or not self._answers(answer[1]):
+                raise
+            return answer[0]
+        if alone and isinstance(loss, Tensor) and not loss.requires_grad:
+            answer = answer_detached(loss, self.module, batch)
+            if answer is not None and self._answers(answer[1]):
+                return answer[0]
+        return loss
+
+    def _answers(self, faulted: FaultedStep) -> bool:
+        """Whether the guard's ``NonFiniteDetector`` answers the step (none: the error stands)."""
+        heard = [cb._hear_faulted(replace(faulted, code="loss_fn")) for cb in self.callbacks
+                 if isinstance(cb, NonFiniteDetector)]  # fmt: skip
+        return bool(heard) and all(heard)
 
     def _check_gradients(self) -> None:
         if not any(p.grad is not None for group in self.host.optimizers[0].param_groups for p in group["params"]):

@@ -1,7 +1,11 @@
-"""pytorch-forecasting 1.8.0: NBeats on `pytorch_forecasting.data.examples.generate_ar_data` (synthetic, no download).
+"""pytorch-forecasting 1.8.0: NBeats and DeepAR on `pytorch_forecasting.data.examples.generate_ar_data` (synthetic,
+no download).
 
-Set up as its N-BEATS tutorial (TimeSeriesDataSet, `NBeats.from_dataset`, learning_rate 3e-2, weight_decay 1e-2,
-backcast_loss_ratio 0.1, `gradient_clip_val=0.01`), smaller: 12 series, context 30, horizon 10, widths [32, 128].
+NBeats is set up as its N-BEATS tutorial (TimeSeriesDataSet, `NBeats.from_dataset`, learning_rate 3e-2, weight_decay
+1e-2, backcast_loss_ratio 0.1, `gradient_clip_val=0.01`), smaller: 12 series, context 30, horizon 10, widths [32, 128].
+DeepAR (2 LSTM layers of 32, learning_rate 1e-2, the same clipping) scores a Normal likelihood from
+`torch.distributions`, which raises on a NaN argument, and on a target of 1e30 its loss comes back cut from the
+graph: both end a bare fit with an exception, not a NaN loss.
 """
 
 from __future__ import annotations
@@ -33,9 +37,14 @@ CASES = {
     "nan": (f"value[series {FAULT_SERIES}, t {FAULT_T}] = NaN (the library refuses it)", math.nan, 1.0),
     "lr 30x": ("learning_rate 0.9 instead of 3e-2", None, 30.0),
     "lr 300x": ("learning_rate 9.0 instead of 3e-2", None, 300.0),
+    "DeepAR healthy": ("DeepAR, clean data, lr 1e-2", None, 1.0),
+    "DeepAR 1e30": (f"DeepAR, value[series {FAULT_SERIES}, t {FAULT_T}] = 1e30", 1e30, 1.0),
+    "DeepAR lr 300x": ("DeepAR, learning_rate 3.0 instead of 1e-2", None, 300.0),
 }
+HEALTHY = ("healthy", "DeepAR healthy")
 # The user's own clipping plus the suite, on clean data and on a fault.
-EXTRA_ROWS = [("healthy", "clip"), ("healthy", "clip+suite"), ("lr 30x", "clip+suite")]
+EXTRA_ROWS = [("healthy", "clip"), ("healthy", "clip+suite"), ("lr 30x", "clip+suite"),
+              ("DeepAR lr 300x", "clip+suite")]
 
 
 def _data(fault):
@@ -60,9 +69,13 @@ def _data(fault):
     return training, validation
 
 
-def _net(training, lr):
-    from pytorch_forecasting import NBeats
+def _net(training, lr, case="healthy"):
+    from pytorch_forecasting import DeepAR, NBeats
+    from pytorch_forecasting.metrics import NormalDistributionLoss
 
+    if case.startswith("DeepAR"):
+        return DeepAR.from_dataset(training, learning_rate=1e-2 * lr, hidden_size=32, rnn_layers=2,
+                                   loss=NormalDistributionLoss())
     return NBeats.from_dataset(training, learning_rate=3e-2 * lr, weight_decay=1e-2, widths=[32, 128],
                                backcast_loss_ratio=0.1)
 
@@ -96,7 +109,7 @@ def train(case: str, mode: str, steps, workdir: str) -> Outcome:
     _, fault, lr_mult = CASES[case]
     pl.seed_everything(42, verbose=False)
     training, validation = _data(fault)
-    net = _net(training, lr_mult)
+    net = _net(training, lr_mult, case)
     cbs = default_callbacks() if "suite" in mode else []
     trainer = _trainer(steps, cbs, CLIP if "clip" in mode else None, enable_checkpointing=False)
     trainer.fit(net, train_dataloaders=training.to_dataloader(train=True, batch_size=64, num_workers=0),

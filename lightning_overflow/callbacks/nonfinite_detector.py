@@ -3,8 +3,11 @@ where it came from; warn before the run reaches the FP32 limit."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import types
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import pytorch_lightning as pl
 import torch
@@ -18,9 +21,10 @@ from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.hints import detection_hint, divergence_hint
 from lightning_overflow.diagnosis.records import Diagnosis, Replay
 from lightning_overflow.diagnosis.replay import KeptBatch, batch_stats, diagnose_step
-from lightning_overflow.distributed import flags_by_rank
+from lightning_overflow.distributed import flags_by_rank, world
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError
+from lightning_overflow.faulted_steps import FaultedStep, answer_detached, answer_error
 from lightning_overflow.health import (
     MAX_NAMES,
     StepHealth,
@@ -44,7 +48,7 @@ from lightning_overflow.policy import (
     StepAction,
     Verdict,
 )
-from lightning_overflow.preserve import capture_rng
+from lightning_overflow.preserve import capture_rng, side_run
 from lightning_overflow.replicas import checksum, compare, differing_parameters
 from lightning_overflow.training_state import StateCheck
 
@@ -77,6 +81,12 @@ class NonFiniteDetector(SuiteCallback):
     optimizer step (pre-clip, after unscaling, all-reduced under DDP); every ``check_weights_every_n_steps`` the
     weights and the optimizer's floating-point state. All of it reaches the host in the suite's one read per step,
     and the verdict is identical on every rank.
+
+    A ``training_step`` that a bad value broke before it produced a loss (``torch.distributions`` raises
+    ``ValueError`` on a NaN argument; a loss comes back cut from the graph) is answered as an inf/NaN loss when its
+    batch or the weights hold inf/NaN, or the batch values beyond 1e15: for the fit, the module's ``training_step`` is
+    its own behind :func:`guarded_training_step` (:mod:`lightning_overflow.faulted_steps`). Any other error passes
+    unchanged.
 
     Under ``16-mixed`` the GradScaler overflows routinely while it calibrates its scale; such steps are left to the
     scaler. Only ``MAX_SCALER_OVERFLOWS`` (20) consecutive overflows, or a scale below ``MIN_LOSS_SCALE`` (1e-4), count.
@@ -208,6 +218,8 @@ class NonFiniteDetector(SuiteCallback):
         self.last_diagnosis: Diagnosis | None = None
         self.last_headroom: Headroom | None = None
         self._kept: KeptBatch | None = None
+        self._step_guard: tuple[torch.nn.Module, Any, Any] | None = None  # (module, guard, previous)
+        self._faulted: FaultedStep | None = None  # how this step's training_step failed, answered as a NaN loss
         self._monitors_to_place: list[str] = []  # what EarlyStopping(check_finite=True) monitors, until placed
         self._epoch_started = False
         self._finding: Finding | None = None
@@ -247,8 +259,48 @@ class NonFiniteDetector(SuiteCallback):
             self._monitors_to_place = finite_checked_monitors(trainer)
             self._epoch_started = False
             _warn_about_spike_detection(trainer, self._warnings)
+            self._guard_training_step(pl_module)
         if self._headroom is not None:
             self._headroom.reset()
+
+    def _guard_training_step(self, pl_module: pl.LightningModule) -> None:
+        """Answer a ``training_step`` broken by a bad value as an inf/NaN loss (:mod:`faulted_steps`)."""
+        if self._step_guard is not None or not isinstance(pl_module, torch.nn.Module):
+            return  # already guarded; the plain loop's module runs no training_step of its own
+        if not pl_module.automatic_optimization:
+            return  # manual optimization steps inside training_step: a stand-in loss would step nothing
+        guarded = guarded_training_step(pl_module, self._hear_faulted)
+        self._step_guard = (pl_module, guarded, _compat.replace_method(pl_module, "training_step", guarded))
+
+    def _hear_faulted(self, faulted: FaultedStep) -> bool:
+        """Whether a step that raised on bad values is answered as an inf/NaN loss: not when answering it would end
+        the fit anyway (``action="raise"``, or the last of ``max_consecutive_skips``): the module's own error then
+        ends it, as it would without the suite, told what was tried. Under DDP it is answered on every rank alike and
+        the error is raised after the step's collective (:meth:`_end_with`), so that no rank is left waiting."""
+        self._faulted = faulted
+        board = self._board
+        if faulted.error is None or board is None or world()[1] > 1:
+            return True
+        if self.action != "raise" and self._consecutive + 1 < self.max_consecutive_skips:
+            return True
+        trainer = board.owner
+        step = int(trainer.global_step)
+        why = ("action='raise'" if self.action == "raise" else
+               f"{self.max_consecutive_skips} consecutive optimizer steps were non-finite, this one included")
+        message = (f"NonFiniteDetector: at step {step} on rank(s) 0 {faulted.code} {faulted.failure} while "
+                   f"{faulted.cause}; the fit ends with that error ({why}).")  # fmt: skip
+        self._event(trainer, "abort", message)
+        faulted.error.add_note(f"lightning_overflow: {message}")
+        return False
+
+    def _end_with(self, error: NonFiniteError) -> NoReturn:
+        """Raise ``error``; or, when this step raised on bad values, the module's own error from it (its type is
+        the one the fit would have ended with without the suite)."""
+        raised = self._faulted.error if self._faulted is not None else None
+        if raised is None:
+            raise error
+        raised.add_note(f"lightning_overflow: {error}")
+        raise raised from error
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -265,7 +317,7 @@ class NonFiniteDetector(SuiteCallback):
 
     @override
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
-        self._kept = None
+        self._kept = self._faulted = None
         if self._monitors_to_place:  # a batch has logged what training_step logs
             self._monitors_to_place = _warn_about_early_stopping(trainer, self._monitors_to_place, self._warnings)
 
@@ -304,7 +356,12 @@ class NonFiniteDetector(SuiteCallback):
         return True
 
     def _release(self) -> None:
-        self._kept = None
+        self._kept = self._faulted = None
+        if self._step_guard is not None:
+            module, guard, previous = self._step_guard
+            if vars(module).get("training_step") is guard:  # not wrapped again since by someone else
+                _compat.restore_method(module, "training_step", previous)
+            self._step_guard = None
         if self._headroom is not None:
             self._headroom.release()
 
@@ -478,7 +535,7 @@ class NonFiniteDetector(SuiteCallback):
             self._warnings.warn(f"{finding.kind}:{finding.hint_key}", message + " (shown once)")
             return None
         if self.action == "raise" or (state_broken and not _state_recovery_in(trainer)):
-            raise self._error(trainer, message, record, finding, diagnosis)
+            self._end_with(self._error(trainer, message, record, finding, diagnosis))
         return None if state_broken else Verdict(skip=f"non-finite {finding.kind}")
 
     @override
@@ -504,7 +561,7 @@ class NonFiniteDetector(SuiteCallback):
             )
             finding.hint_key = "consecutive"
             self._event(trainer, "abort", message, **finding.details)
-            raise self._error(trainer, message, record, finding, finding.diagnosis)
+            self._end_with(self._error(trainer, message, record, finding, finding.diagnosis))
 
     def _weigh_skips(self, trainer: pl.Trainer, record: StepHealth, action: StepAction, data_fault: bool) -> None:
         """The skip budget: a run whose recent steps were mostly skipped is not training (see ``max_skipped_share``).
@@ -573,9 +630,10 @@ class NonFiniteDetector(SuiteCallback):
         norm = f" (gradient norm {record.total_norm:.4g})" if finding.kind == "grad" else ""
         verb = {"skip": "The optimizer step was skipped.", "warn": "The optimizer step went ahead.", "raise": ""}
         done = "" if finding.kind in ("weight", "optimizer_state") else verb[self.action]
+        faulted = self._faulted.describe() if self._faulted is not None else ""
         return (
             f"NonFiniteDetector: {what}{names}{norm} at step {record.step} (epoch {trainer.current_epoch}) on rank(s) "
-            f"{ranks}{finding.detail}. {done}".rstrip()
+            f"{ranks}{finding.detail}{faulted}. {done}".rstrip()
         )
 
     def _diagnose(self, trainer: pl.Trainer, record: StepHealth, finding: Finding) -> Diagnosis | None:
@@ -696,8 +754,50 @@ class NonFiniteDetector(SuiteCallback):
 
     @override
     def _detach(self, state: dict[str, Any]) -> None:
-        state["_kept"] = None  # a batch on the device and the random state belong to one step of one fit
+        state["_kept"] = state["_faulted"] = None  # a batch on the device and the random state belong to one step
+        state["_step_guard"] = None  # the live module's training_step: a copy guards no module
         state.pop("_keys", None)  # they name this instance (a copy is another)
+
+
+def guarded_training_step(module: torch.nn.Module, on_faulted: Any) -> types.MethodType:
+    """The module's ``training_step`` for a fit: its own, with a step that a bad value broke (it raised, or returned a
+    loss cut from the graph) answered as an inf/NaN loss (:mod:`lightning_overflow.faulted_steps`). On the run's own
+    steps (not a trial's or a replay's), ``on_faulted`` hears of each one and says whether to answer it.
+
+    A method bound to the module, so that it reads as the module's own wherever Lightning looks: ``__wrapped__`` is
+    what the method was (Lightning unwraps once to read its code and its arguments, ``batch_idx`` and
+    ``dataloader_iter``), ``__signature__`` its signature, self included, for a wrapper of this method (a fault
+    injector). A copy of the module (``copy.deepcopy``, an EMA's) runs its own class's ``training_step``, and a
+    pickled one gets that back (a bound method pickles by name).
+    """
+    own = module.training_step  # a wrapper set on the instance before, or the class's method
+    inner = inspect.unwrap(own)  # the module's method below every wrapper
+    function = getattr(inner, "__func__", inner)
+    live = module
+
+    def training_step(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self is not live:  # a copy of the module, taken during the fit
+            return type(self).training_step(self, *args, **kwargs)
+        try:
+            output = own(*args, **kwargs)
+        except Exception as error:  # answer_error passes on what no bad value causes
+            answer = answer_error(error, self, (args, kwargs))
+            if answer is None or not _answered(answer[1]):
+                raise
+            return answer[0]
+        loss = output if isinstance(output, torch.Tensor) else output.get("loss") if isinstance(output, dict) else None
+        if isinstance(loss, torch.Tensor) and not loss.requires_grad:  # one attribute read on a healthy step
+            answer = answer_detached(loss, self, (args, kwargs))
+            if answer is not None and _answered(answer[1]):
+                return {**output, "loss": answer[0]} if isinstance(output, dict) else answer[0]
+        return output
+
+    def _answered(faulted: FaultedStep) -> bool:
+        return side_run() is not None or bool(on_faulted(faulted))
+
+    functools.update_wrapper(training_step, function)
+    training_step.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
+    return types.MethodType(training_step, module)
 
 
 def _state_recovery_in(trainer: pl.Trainer) -> bool:

@@ -1,0 +1,110 @@
+"""A ``training_step`` that a bad value broke before it produced a loss to backpropagate, answered as an inf/NaN loss.
+
+Some models check their values and raise before a loss exists: ``torch.distributions`` validates its arguments
+("Expected parameter loc ... to satisfy the constraint Real(), but found invalid values": gluonts' DeepAR,
+pytorch-forecasting's distribution losses), ``binary_cross_entropy`` checks its input's range on the CPU,
+``torch.multinomial`` refuses inf/NaN probabilities. Others return a loss cut from the graph (pytorch-forecasting's
+DeepAR on a target of 1e30), on which Lightning's backward raises. Either way there is no step to skip: a data fault
+or a bad weight ends the fit.
+
+When the step's batch holds inf/NaN or values beyond ``HUGE_INPUT``, or the model's parameters or buffers hold
+inf/NaN, the failure is that fault's consequence: the step returns a NaN loss through every trainable parameter
+instead, and the suite answers it as any inf/NaN loss (it skips the step, rolls back where the state is bad). The
+backward runs on every rank, as DDP's reducer requires, so every rank sees the same NaN gradients and decides alike.
+Any other exception, and any failure of a step whose batch and weights are sound, passes unchanged: a bug in the
+model is never swallowed. Nor is data that is bad in every batch: when skipping does not get past such steps
+(``NonFiniteDetector(max_consecutive_skips=...)`` reached, or ``action="raise"``), the fit ends with the module's own
+error, the one it would have ended with without the suite, with a note of what was tried.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_overflow.diagnosis.records import HUGE_INPUT
+from lightning_overflow.diagnosis.replay import batch_stats
+from lightning_overflow.numerics.norms import any_sharded
+
+__all__ = ["ANSWERED_ERRORS", "NEVER_ANSWERED", "FaultedStep", "answer_detached", "answer_error", "nonfinite_cause",
+           "stand_in_loss"]
+
+# What value checks raise: torch's ValueError and RuntimeError, a user's ``assert torch.isfinite(x).all()``,
+# ArithmeticError (``math.exp(1e3)``, ``int(inf)``, numpy's FloatingPointError), and a library's own NaN check
+# raising a bare Exception (neuralforecast: "Loss is NaN, training stopped."). Another subclass of Exception is control
+# flow or a bug of another kind (StopIteration ends a dataloader_iter step); out-of-memory, a missing method and a
+# recursion too deep are RuntimeErrors that no value causes.
+ANSWERED_ERRORS = (ValueError, RuntimeError, AssertionError, ArithmeticError)
+NEVER_ANSWERED = (torch.OutOfMemoryError, NotImplementedError, RecursionError)
+MAX_ERROR = 200  # characters of the exception's first line kept in the journal
+MAX_NAMES = 3
+
+
+@dataclass(frozen=True)
+class FaultedStep:
+    """How a step failed, and the bad value it was verified to come from."""
+
+    failure: str  # 'raised ValueError("Expected parameter loc ...")'
+    cause: str  # "its batch holds inf/NaN in row(s) 12"
+    code: str = "training_step"  # what ran: the plain loop's is loss_fn
+    # What it raised: when skipping does not get past such steps, the fit ends with it, as it would without the suite.
+    error: BaseException | None = field(default=None, compare=False, repr=False)
+
+    def describe(self) -> str:
+        return f"; {self.code} {self.failure} while {self.cause}: answered as an inf/NaN loss"
+
+
+def nonfinite_cause(module: nn.Module, inputs: Any) -> str:
+    """Why a step on ``inputs`` cannot have a sound loss: its batch holds inf/NaN or values beyond ``HUGE_INPUT``,
+    or the module's parameters or buffers hold inf/NaN (empty when none of these is so)."""
+    with torch.no_grad():
+        stats = batch_stats(inputs)
+        rows = f" in row(s) {', '.join(str(r) for r in stats.rows)}" if stats.rows else ""
+        if stats.nan or stats.inf:
+            return f"its batch holds inf/NaN{rows}"
+        if stats.magnitude > HUGE_INPUT:
+            return f"its batch holds values up to {stats.magnitude:.3g}{rows}"
+        tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+        bad = [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        more = f" and {len(bad) - MAX_NAMES} more" if len(bad) > MAX_NAMES else ""
+        return f"the model holds inf/NaN in {', '.join(bad[:MAX_NAMES])}{more}"
+    return ""
+
+
+def stand_in_loss(module: nn.Module) -> Tensor | None:
+    """A NaN loss whose backward reaches every trainable parameter (``None`` when there is none, or the parameters
+    are sharded: a DTensor's element is no plain tensor to sum)."""
+    params = [p for p in module.parameters() if p.requires_grad and p.numel()]
+    if not params or any_sharded(params):
+        return None
+    parts = [(torch.view_as_real(p) if p.is_complex() else p).reshape(-1)[0].float() for p in params]
+    return torch.stack(parts).sum() * float("nan")
+
+
+def answer_error(error: BaseException, module: nn.Module, inputs: Any) -> tuple[Tensor, FaultedStep] | None:
+    """The stand-in loss for a step on ``inputs`` that raised ``error``, and what to tell of it; ``None`` when the
+    error is not a bad value's consequence (raise it)."""
+    if not (isinstance(error, ANSWERED_ERRORS) or type(error) is Exception) or isinstance(error, NEVER_ANSWERED):
+        return None
+    line = (str(error).strip().splitlines() or [""])[0].rstrip(": ")  # torch prints the tensor after it
+    answer = _answer(f"raised {type(error).__name__}({line[:MAX_ERROR]!r})", module, inputs)
+    return (answer[0], replace(answer[1], error=error)) if answer is not None else None
+
+
+def answer_detached(loss: Tensor, module: nn.Module, inputs: Any) -> tuple[Tensor, FaultedStep] | None:
+    """The same for a step whose loss has no graph to backpropagate (``None``: the loss is usable, or the step's
+    batch and weights are sound, and Lightning's own error stands)."""
+    if loss.requires_grad or not torch.is_grad_enabled():
+        return None
+    return _answer(f"returned a loss ({float(loss.detach().float().sum()):.4g}) cut from the graph", module, inputs)
+
+
+def _answer(failure: str, module: nn.Module, inputs: Any) -> tuple[Tensor, FaultedStep] | None:
+    cause = nonfinite_cause(module, inputs)
+    loss = stand_in_loss(module) if cause else None
+    return (loss, FaultedStep(failure, cause)) if loss is not None else None
