@@ -20,7 +20,7 @@ from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import CSVLogger
 from torch.optim import lr_scheduler as sched
 
-from lightning_overflow import DivergenceError, NonFiniteDetector
+from lightning_overflow import DivergenceError, NonFiniteDetector, default_callbacks
 from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
 from lightning_overflow.callbacks.lr_backoff import DEFAULT_TRIGGERS, LRBackoff
 from lightning_overflow.events import read_journal
@@ -493,3 +493,101 @@ def test_default_triggers_leave_out_the_isolated_nonfinite_step() -> None:
     assert "nonfinite" not in DEFAULT_TRIGGERS
     assert LRBackoff(triggers=["nonfinite", "nonfinite"]).triggers == ("nonfinite",)
     assert LRBackoff().state_key == "LRBackoff{'factor': 0.5, 'per_optimizer': True}"
+
+
+# ---- rates written by the module's own code --------------------------------------------------------------------
+WARMUP_LR = 0.05
+
+
+def warmup_rate(step: int) -> float:
+    return min(1.0, (step + 1) / 500.0) * WARMUP_LR
+
+
+class PostStepWarmup(TinyRegressor):
+    """Lightning's documented manual warm-up: the rate written into the param groups after each optimizer step."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer.step(closure=optimizer_closure)
+        for group in optimizer.param_groups:
+            group["lr"] = warmup_rate(self.trainer.global_step)
+
+
+class PreStepWarmup(TinyRegressor):
+    """The same rate written before the step, from the module's own hook."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = warmup_rate(self.trainer.global_step)
+
+
+class UpdateLR(pl.Callback):
+    """The rate each optimizer step updates with (read after the suite's hook, where the update reads it)."""
+
+    def __init__(self) -> None:
+        self.lrs: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.lrs[trainer.global_step] = float(optimizer.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("model_class", [PostStepWarmup, PreStepWarmup])
+def test_a_rate_the_module_writes_itself_is_held_at_factor_times_it(model_class: type, tmp_path: Path) -> None:
+    burst = FaultInjector(*(Fault(step=s, kind="nan_loss") for s in (20, 21, 22)))
+    seen = UpdateLR()
+    backoff = backoff_on_spikes()
+    model = model_class(lr=WARMUP_LR)
+    make_trainer([NonFiniteDetector(), burst, backoff, seen], max_steps=40, default_root_dir=str(tmp_path)).fit(model)
+    assert [(h["step"], h["action"]) for h in backoff.history] == [(22, "backoff")]
+    # The rate each step updates with: the module's own up to the backoff, then exactly factor times it.
+    written = {step: warmup_rate(step - 1 if model_class is PostStepWarmup else step) for step in seen.lrs}
+    assert all(seen.lrs[s] == written[s] for s in range(1, 23))
+    assert all(seen.lrs[s] == 0.5 * written[s] for s in range(23, 40))
+    [told] = [e for e in read_journal(tmp_path) if e["kind"] == "lr_rewritten"]
+    # The backoff scaled the rate written after step 22 itself; the next one written is met at the step it trains.
+    first = 24 if model_class is PostStepWarmup else 23
+    assert (told["step"], told["details"]["scale"], told["details"]["groups"]) == (first, 0.5, [0])
+    assert "by code outside its schedulers" in told["message"]
+
+
+def test_a_scheduled_rate_is_not_taken_for_one_the_module_wrote(tmp_path: Path) -> None:
+    burst = FaultInjector(*(Fault(step=s, kind="nan_loss") for s in (20, 21, 22)))
+    model = TinyRegressor(scheduler=SCHEDULERS["ExponentialLR"])
+    callbacks = [NonFiniteDetector(), burst, backoff_on_spikes()]
+    make_trainer(callbacks, max_steps=40, default_root_dir=str(tmp_path)).fit(model)
+    events = list(read_journal(tmp_path))
+    assert [e["kind"] for e in events if e["kind"] in ("backoff", "lr_rewritten")] == ["backoff"]
+
+
+def test_a_healthy_run_that_writes_its_own_rate_is_bit_identical_with_the_suite() -> None:
+    bare, guarded = PostStepWarmup(lr=WARMUP_LR), PostStepWarmup(lr=WARMUP_LR)
+    guarded.load_state_dict(bare.state_dict())
+    make_trainer([], max_steps=30).fit(bare)
+    make_trainer(default_callbacks(), max_steps=30).fit(guarded)
+    assert_bit_identical(weights(bare), weights(guarded))
+
+
+def test_a_plain_loop_that_sets_its_rate_each_step_is_held_at_factor_times_it(tmp_path: Path) -> None:
+    """nanoGPT's and litgpt's loops write the rate into the param groups before every step."""
+    from lightning_overflow import Guard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=WARMUP_LR)
+    x, y = torch.randn(40, 8, 4), torch.randn(40, 8, 1)
+    used: dict[int, float] = {}
+    with Guard(model, optimizer, callbacks=[NonFiniteDetector(), backoff_on_spikes()],
+               default_root_dir=tmp_path) as guard:  # fmt: skip
+        def note(opt: torch.optim.Optimizer, *_: Any) -> None:
+            used[guard.global_step] = opt.param_groups[0]["lr"]
+
+        optimizer.register_step_pre_hook(note)
+        for step in range(40):
+            for group in optimizer.param_groups:
+                group["lr"] = warmup_rate(step)
+            loss = torch.nn.functional.mse_loss(model(x[step]), y[step]) * (math.nan if step in (20, 21, 22) else 1.0)
+            loss.backward()
+            guard.step(loss)
+    assert sorted(used) == [s for s in range(40) if s not in (20, 21, 22)]  # the skipped steps updated nothing
+    assert all(used[s] == warmup_rate(s) for s in range(20))
+    assert all(used[s] == 0.5 * warmup_rate(s) for s in range(23, 40))
+    assert [e.kind for e in guard.events if e.kind in ("backoff", "lr_rewritten")] == ["backoff", "lr_rewritten"]

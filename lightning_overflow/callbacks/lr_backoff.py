@@ -16,6 +16,7 @@ from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.diagnosis.hints import divergence_hint
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.fit_summary import opened_because
+from lightning_overflow.health import StepHealth
 from lightning_overflow.numerics.lr_scaling import scale_lr, schedules
 from lightning_overflow.policy import (
     DEFAULT_BACKOFF_TRIGGERS,
@@ -104,6 +105,11 @@ class LRBackoff(SuiteCallback):
     ``LearningRateMonitor`` shows the backed-off learning rate. Each backoff, regrowth and undo is one
     ``"backoff"`` / ``"regrowth"`` / ``"undo"`` line in the journal.
 
+    A rate your own code writes into the param groups (a warm-up in ``optimizer_step``, as Lightning's docs show one,
+    or in a hook) is held too: while the scale is below 1, a rate that changed since the suite or a scheduler last
+    set it is multiplied by the scale before the optimizer reads it, and the first such rate of a fit is told once
+    (``"lr_rewritten"``). A rate held as a tensor is left as your code writes it.
+
     Example:
         >>> import pytorch_lightning as pl
         >>> from lightning_overflow import LossSpikeDetector, NonFiniteDetector
@@ -135,6 +141,8 @@ class LRBackoff(SuiteCallback):
         self._reset()
 
     def _reset(self) -> None:
+        self._left: dict[int, list[Any]] = {}  # each optimizer's group rates as the suite or a scheduler left them
+        self._rewrites_told = False
         self.scales: list[float] = []
         self._cooldown_until: list[int] = []
         self._stable_since: list[int] = []
@@ -300,15 +308,44 @@ class LRBackoff(SuiteCallback):
             self._last_regrowth.append(-1)
 
     def _apply(self, trainer: pl.Trainer, index: int, ratio: float) -> None:
-        if ratio == 1.0:
+        if ratio != 1.0:
+            scale_lr(trainer.optimizers[index], ratio, _schedulers(trainer, index))
+        self._left[index] = _rates(trainer.optimizers[index])
+
+    # ---- rates written by the module's own code -----------------------------------------------------------------
+    @override
+    def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
+        """Before the optimizer reads its rates (this stage runs ahead of the update): a rate that changed since the
+        suite or a scheduler last set it was written by the module's own code (a warm-up in ``optimizer_step``, as
+        Lightning's docs write one), which knows nothing of the backoff: the backoff's scale is applied to it."""
+        index = record.optimizer_index
+        if index >= len(self.scales) or self.scales[index] == 1.0:
+            return
+        if self.board(trainer).trials.active:  # a candidate's rates come and go with it
+            self._left.clear()
             return
         optimizer = trainer.optimizers[index]
-        schedulers = [
-            config.scheduler
-            for config in trainer.lr_scheduler_configs
-            if getattr(config.scheduler, "optimizer", None) is not None and schedules(config.scheduler, optimizer)
-        ]
-        scale_lr(optimizer, ratio, schedulers)
+        rates = _rates(optimizer)
+        known = [v for v in (self._left.get(index), *_scheduled(trainer, index)) if v is not None and len(v) == len(rates)]
+        self._left[index] = rates
+        written = [g for g, now in enumerate(rates) if known and now is not None and all(now != k[g] for k in known)]
+        if not written:
+            return
+        scale = self.scales[index]
+        for g in written:
+            optimizer.param_groups[g]["lr"] = rates[g] * scale
+        self._left[index] = _rates(optimizer)
+        if not self._rewrites_told:
+            self._rewrites_told = True
+            self._event(
+                trainer, "lr_rewritten",
+                f"LRBackoff: at step {record.step} the learning rate of optimizer {index} (group(s) "
+                f"{', '.join(map(str, written))}) was set to {_numbers([rates[g] for g in written])} by code outside "
+                f"its schedulers (a warm-up in optimizer_step or a hook?): the backoff holds, so every rate written "
+                f"this way is multiplied by {scale:.4g} (now {_numbers([rates[g] * scale for g in written])}). To have "
+                "the suite scale your schedule without this, set the rate through an LR scheduler.",
+                optimizer=index, groups=written, written=[rates[g] for g in written], scale=scale,
+            )  # fmt: skip
 
     def _remember(self, action: str, step: int, index: int, kinds: str, reason: str, scale: float) -> dict[str, Any]:
         entry = {"step": step, "action": action, "optimizer": index, "kinds": kinds, "reason": reason, "scale": scale}
@@ -343,6 +380,7 @@ class LRBackoff(SuiteCallback):
     def _after_trial(self, trainer: pl.Trainer, outcome: TrialOutcome) -> None:
         """A kept remedy's learning rate is the run's now: a backoff, journaled as one. A discarded one changes
         nothing (the incumbent kept its own)."""
+        self._left.clear()  # the rates of the state the trial kept
         scales = outcome.remedy.scales
         step = outcome.step
         trial = outcome.trial
@@ -424,6 +462,7 @@ class LRBackoff(SuiteCallback):
             # The state that diverged is undone: a divergence of the restored state at this scale is new evidence,
             # and backs off further at once rather than waiting out the cooldown of the backoff just made.
             self._cooldown_until[index] = min(self._cooldown_until[index], step)
+            self._left[index] = _rates(trainer.optimizers[index])
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -457,6 +496,32 @@ class LRBackoff(SuiteCallback):
         self.history = state.get("history", lambda v: [dict(h) for h in v])
         self._load_trial_state(state.get("trial", lambda v: v, old=None))
         state.finish(ignored=("restored_at",))  # the escalation's, written by earlier releases
+
+
+def _schedulers(trainer: pl.Trainer, index: int) -> list[Any]:
+    """The Lightning-configured schedulers of optimizer ``index``."""
+    optimizer = trainer.optimizers[index]
+    return [config.scheduler for config in trainer.lr_scheduler_configs
+            if getattr(config.scheduler, "optimizer", None) is not None and schedules(config.scheduler, optimizer)]  # fmt: skip
+
+
+def _rates(optimizer: Any) -> list[float | None]:
+    """Each param group's rate as a number (``None`` for a tensor rate: read only on the host, never compared)."""
+    rates: list[float | None] = []
+    for group in optimizer.param_groups:
+        lr = group.get("lr")
+        rates.append(float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None)
+    return rates
+
+
+def _scheduled(trainer: pl.Trainer, index: int) -> list[list[Any]]:
+    """The rates each scheduler of optimizer ``index`` set last (``_last_lr``)."""
+    lasts = [getattr(scheduler, "_last_lr", None) for scheduler in _schedulers(trainer, index)]
+    return [[float(v) if isinstance(v, (int, float)) else None for v in last] for last in lasts if isinstance(last, list)]
+
+
+def _numbers(values: Sequence[float]) -> str:
+    return ", ".join(f"{v:.4g}" for v in values)
 
 
 def _details(entry: dict[str, Any]) -> dict[str, Any]:
