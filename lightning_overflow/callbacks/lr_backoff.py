@@ -326,7 +326,8 @@ class LRBackoff(SuiteCallback):
             return
         optimizer = trainer.optimizers[index]
         rates = _rates(optimizer)
-        known = [v for v in (self._left.get(index), *_scheduled(trainer, index)) if v is not None and len(v) == len(rates)]
+        known = [v for v in (self._left.get(index), *_scheduled(trainer, index))
+                 if v is not None and len(v) == len(rates)]  # fmt: skip
         self._left[index] = rates
         written = [g for g, now in enumerate(rates) if known and now is not None and all(now != k[g] for k in known)]
         if not written:
@@ -501,12 +502,16 @@ class LRBackoff(SuiteCallback):
 def _schedulers(trainer: pl.Trainer, index: int) -> list[Any]:
     """The Lightning-configured schedulers of optimizer ``index``."""
     optimizer = trainer.optimizers[index]
-    return [config.scheduler for config in trainer.lr_scheduler_configs
-            if getattr(config.scheduler, "optimizer", None) is not None and schedules(config.scheduler, optimizer)]  # fmt: skip
+    return [
+        config.scheduler
+        for config in trainer.lr_scheduler_configs
+        if getattr(config.scheduler, "optimizer", None) is not None and schedules(config.scheduler, optimizer)
+    ]
 
 
 def _rates(optimizer: Any) -> list[float | None]:
-    """Each param group's rate as a number (``None`` for a tensor rate: read only on the host, never compared)."""
+    """Each param group's rate as a number (``None`` for a tensor rate, never compared: reading it would cost a
+    host read)."""
     rates: list[float | None] = []
     for group in optimizer.param_groups:
         lr = group.get("lr")
@@ -517,7 +522,9 @@ def _rates(optimizer: Any) -> list[float | None]:
 def _scheduled(trainer: pl.Trainer, index: int) -> list[list[Any]]:
     """The rates each scheduler of optimizer ``index`` set last (``_last_lr``)."""
     lasts = [getattr(scheduler, "_last_lr", None) for scheduler in _schedulers(trainer, index)]
-    return [[float(v) if isinstance(v, (int, float)) else None for v in last] for last in lasts if isinstance(last, list)]
+    return [
+        [float(v) if isinstance(v, (int, float)) else None for v in last] for last in lasts if isinstance(last, list)
+    ]
 
 
 def _numbers(values: Sequence[float]) -> str:
