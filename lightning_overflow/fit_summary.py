@@ -279,7 +279,21 @@ def plain_lines(events: Iterable[Event]) -> list[str]:
 
 # ---- the findings -------------------------------------------------------------------------------------------------
 def _data_faults(faults: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
-    skipped = _skipped(faults, by_kind)
+    skipped_steps = {int(e["step"]) for e in by_kind.get("skip", [])}
+    skipped = [e for e in faults if int(e["step"]) in skipped_steps]
+    if not skipped:  # seen without a skip (a headroom warning): the steps went ahead
+        where = _where(faults)
+        return [f"{where[0].upper()}{where[1:]} (the step went ahead): a data fault; check the data"]
+    # A batch seen by the headroom check only (its loss stayed finite) is not among the skipped steps.
+    ahead = [e for e in faults if int(e["step"]) not in skipped_steps]
+    batches = "batch" if len(ahead) == 1 else "batches"
+    more = f"; {len(ahead)} more such {batches} went ahead ({_at(ahead)}: the loss stayed finite)" if ahead else ""
+    steps = _count(len({int(e["step"]) for e in skipped}), "step")
+    return [f"{steps} skipped: {_where(skipped)}{more}: a data fault; check the data"]
+
+
+def _where(faults: list[Event]) -> str:
+    """Where the data faults were: the batch, its epochs, the steps; the first one's rows."""
     first = faults[0]
     details = first["details"]
     batches = {e["details"].get("batch") for e in faults}
@@ -298,9 +312,7 @@ def _data_faults(faults: list[Event], by_kind: dict[str, list[Event]]) -> list[s
                   if once_an_epoch and len(batches) > 1 else f"at {_at(faults)}")  # fmt: skip
         where = (f"batches hold inf/NaN or values beyond 1e15 {recurs}; the first, batch {details.get('batch')} of "
                  f"epoch {epochs[0]} (step {first['step']}), {what}")  # fmt: skip
-    if not skipped:  # seen without a skip (a headroom warning): the steps went ahead
-        return [f"{where[0].upper()}{where[1:]} (the step went ahead): a data fault; check the data"]
-    return [f"{_count(skipped, 'step')} skipped: {where}: a data fault; check the data"]
+    return where
 
 
 def _nonfinite(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:

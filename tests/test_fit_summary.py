@@ -329,6 +329,24 @@ def test_plain_lines_group_shuffled_data_faults_and_tell_trials() -> None:
     ]
 
 
+def test_a_data_fault_whose_step_went_ahead_is_not_counted_among_the_skipped() -> None:
+    """A finite 1e30 in a batch is journaled by the headroom check while its loss stays finite; later batches holding
+    it are skipped: the line counts and lists the skipped steps, and names the one that went ahead apart."""
+
+    def event(step: int, kind: str, **details: Any) -> dict[str, Any]:
+        return {"step": step, "kind": kind, "epoch": 0, "source": "x", "message": "", "details": details}
+
+    data = "batch {} holds values up to 1e+30 in row 6"
+    events = [event(0, "data_fault", batch=0, rows=[6], data=data.format(0))]
+    for step in (2, 3):
+        events += [event(step, "data_fault", batch=step, rows=[6], data=data.format(step)), event(step, "skip")]
+    assert plain_lines(events) == [
+        "2 steps skipped: batches hold inf/NaN or values beyond 1e15 at steps 2, 3; the first, batch 2 of epoch 0 "
+        "(step 2), holds values up to 1e+30 in row 6; 1 more such batch went ahead (step 0: the loss stayed finite): a "
+        "data fault; check the data"
+    ]
+
+
 def test_a_run_that_does_not_learn_and_ties_its_trial_is_not_called_a_false_alarm() -> None:
     def trial(step: int, signal: str) -> dict[str, Any]:
         return {"step": step, "kind": "trial", "epoch": 0, "source": "x", "message": "", "details": {
