@@ -78,7 +78,9 @@ def nonfinite_cause(module: nn.Module, inputs: Any) -> str:
 
 def stand_in_loss(module: nn.Module) -> Tensor | None:
     """A NaN loss whose backward reaches every trainable parameter (``None`` when there is none, or the parameters
-    are sharded: a DTensor's element is no plain tensor to sum)."""
+    are sharded: a DTensor's element is no plain tensor to sum). Its backward reaches the parameters directly, not
+    through the layers: right for DDP, whose reducer hooks each parameter, not for FSDP, which reduces each layer's
+    gradients from hooks on the layer's outputs (NonFiniteDetector answers no step under a sharded strategy)."""
     params = [p for p in module.parameters() if p.requires_grad and p.numel()]
     if not params or any_sharded(params):
         return None
@@ -105,6 +107,8 @@ def answer_detached(loss: Tensor, module: nn.Module, inputs: Any) -> tuple[Tenso
 
 
 def _answer(failure: str, module: nn.Module, inputs: Any) -> tuple[Tensor, FaultedStep] | None:
-    cause = nonfinite_cause(module, inputs)
-    loss = stand_in_loss(module) if cause else None
-    return (loss, FaultedStep(failure, cause)) if loss is not None else None
+    # The stand-in first: with sharded parameters there is none, and reading a DTensor's finiteness on the one rank
+    # whose step failed would start a collective the others never join.
+    loss = stand_in_loss(module)
+    cause = nonfinite_cause(module, inputs) if loss is not None else ""
+    return (loss, FaultedStep(failure, cause)) if cause and loss is not None else None

@@ -559,3 +559,23 @@ def test_sharded_disk_snapshots_are_each_ranks_shards_and_a_resumed_fit_rolls_ba
     expected = {name: torch.cat([parts[0][name], parts[1][name]]) for name in NAMES}  # Shard(0): rows in rank order
     assert_same_tensors(resumed[0]["final"], expected)
     assert_same_tensors(resumed[1]["final"], expected)
+
+
+class ShardedLikelihoodRegressor(ShardedRegressor):
+    """Scores a Normal likelihood (``torch.distributions`` checks its arguments); at step 3 every rank's batch holds
+    a NaN, so every rank's ``training_step`` raises ``ValueError``."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_step == 3:
+            batch[0][0, 0] = float("nan")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return -torch.distributions.Normal(self.net(x), 1.0, validate_args=True).log_prob(y).mean()
+
+
+def test_a_step_that_raises_on_bad_values_is_not_answered_under_sharding(tmp_path: Path) -> None:
+    """Under FSDP the module's error stands: a stand-in loss that skipped the layers on one rank would leave the other
+    ranks waiting in the layers' gradient collectives."""
+    with pytest.raises(Exception, match="Expected parameter loc"):
+        fit_sharded([NonFiniteDetector()], tmp_path, model=ShardedLikelihoodRegressor)

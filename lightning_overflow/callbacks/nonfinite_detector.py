@@ -86,7 +86,7 @@ class NonFiniteDetector(SuiteCallback):
     ``ValueError`` on a NaN argument; a loss comes back cut from the graph) is answered as an inf/NaN loss when its
     batch or the weights hold inf/NaN, or the batch values beyond 1e15: for the fit, the module's ``training_step`` is
     its own behind :func:`guarded_training_step` (:mod:`lightning_overflow.faulted_steps`). Any other error passes
-    unchanged.
+    unchanged, and so does every error under a sharded strategy (FSDP).
 
     Under ``16-mixed`` the GradScaler overflows routinely while it calibrates its scale; such steps are left to the
     scaler. Only ``MAX_SCALER_OVERFLOWS`` (20) consecutive overflows, or a scale below ``MIN_LOSS_SCALE`` (1e-4), count.
@@ -259,16 +259,20 @@ class NonFiniteDetector(SuiteCallback):
             self._monitors_to_place = finite_checked_monitors(trainer)
             self._epoch_started = False
             _warn_about_spike_detection(trainer, self._warnings)
-            self._guard_training_step(pl_module)
+            self._guard_training_step(trainer, pl_module)
         if self._headroom is not None:
             self._headroom.reset()
 
-    def _guard_training_step(self, pl_module: pl.LightningModule) -> None:
+    def _guard_training_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Answer a ``training_step`` broken by a bad value as an inf/NaN loss (:mod:`faulted_steps`)."""
         if self._step_guard is not None or not isinstance(pl_module, torch.nn.Module):
             return  # already guarded; the plain loop's module runs no training_step of its own
         if not pl_module.automatic_optimization:
             return  # manual optimization steps inside training_step: a stand-in loss would step nothing
+        if not _compat.replicated_strategy(trainer.strategy):
+            # FSDP reduces each layer's gradients from hooks on the layers' outputs: a stand-in loss that skips the
+            # layers on one rank would leave the other ranks waiting in those collectives.
+            return
         guarded = guarded_training_step(pl_module, self._hear_faulted)
         self._step_guard = (pl_module, guarded, _compat.replace_method(pl_module, "training_step", guarded))
 
