@@ -294,7 +294,7 @@ class NonFiniteDetector(SuiteCallback):
         message = (f"NonFiniteDetector: at step {step} on rank(s) 0 {faulted.code} {faulted.failure} while "
                    f"{faulted.cause}; the fit ends with that error ({why}).")  # fmt: skip
         self._event(trainer, "abort", message)
-        faulted.error.add_note(f"lightning_overflow: {message}")
+        _note(faulted.error, f"lightning_overflow: {message}")
         return False
 
     def _end_with(self, error: NonFiniteError) -> NoReturn:
@@ -303,7 +303,7 @@ class NonFiniteDetector(SuiteCallback):
         raised = self._faulted.error if self._faulted is not None else None
         if raised is None:
             raise error
-        raised.add_note(f"lightning_overflow: {error}")
+        _note(raised, f"lightning_overflow: {error}")
         raise raised from error
 
     @override
@@ -802,6 +802,13 @@ def guarded_training_step(module: torch.nn.Module, on_faulted: Any) -> types.Met
     functools.update_wrapper(training_step, function)
     training_step.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
     return types.MethodType(training_step, module)
+
+
+def _note(error: BaseException, text: str) -> None:
+    """Add ``text`` under the error's traceback (Python 3.11+; on 3.10 the journal and the fit summary say it)."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        add_note(text)
 
 
 def _state_recovery_in(trainer: pl.Trainer) -> bool:
