@@ -19,7 +19,6 @@ error, the one it would have ended with without the suite, with a note of what w
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch import Tensor, nn
 from lightning_overflow.diagnosis.records import HUGE_INPUT
 from lightning_overflow.diagnosis.replay import batch_stats
 from lightning_overflow.numerics.norms import any_sharded
+from lightning_overflow.numerics.snapshots import nonfinite_paths
 
 __all__ = ["ANSWERED_ERRORS", "NEVER_ANSWERED", "FaultedStep", "answer_detached", "answer_error", "nonfinite_cause",
            "stand_in_loss"]
@@ -50,12 +50,12 @@ class FaultedStep:
 
     failure: str  # 'raised ValueError("Expected parameter loc ...")'
     cause: str  # "its batch holds inf/NaN in row(s) 12"
-    code: str = "training_step"  # what ran: the plain loop's is loss_fn
     # What it raised: when skipping does not get past such steps, the fit ends with it, as it would without the suite.
     error: BaseException | None = field(default=None, compare=False, repr=False)
 
-    def describe(self) -> str:
-        return f"; {self.code} {self.failure} while {self.cause}: answered as an inf/NaN loss"
+    def describe(self, code: str) -> str:
+        """In words, ``code`` naming what computed the loss (``training_step``, a plain loop's ``loss_fn``)."""
+        return f"; {code} {self.failure} while {self.cause}: answered as an inf/NaN loss"
 
 
 def nonfinite_cause(module: nn.Module, inputs: Any) -> str:
@@ -68,8 +68,7 @@ def nonfinite_cause(module: nn.Module, inputs: Any) -> str:
             return f"its batch holds inf/NaN{rows}"
         if stats.magnitude > HUGE_INPUT:
             return f"its batch holds values up to {stats.magnitude:.3g}{rows}"
-        tensors = itertools.chain(module.named_parameters(), module.named_buffers())
-        bad = [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = nonfinite_paths({**dict(module.named_parameters()), **dict(module.named_buffers())})
     if bad:
         more = f" and {len(bad) - MAX_NAMES} more" if len(bad) > MAX_NAMES else ""
         return f"the model holds inf/NaN in {', '.join(bad[:MAX_NAMES])}{more}"

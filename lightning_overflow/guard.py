@@ -42,7 +42,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +53,11 @@ from torch import Tensor, nn
 
 from lightning_overflow._validation import check_choice, check_int, check_type
 from lightning_overflow.callbacks import AutoClip, LRBackoff, NonFiniteDetector, Rollback
+from lightning_overflow.callbacks.nonfinite_detector import answered_call
 from lightning_overflow.composition import default_callbacks
 from lightning_overflow.distributed import world
 from lightning_overflow.events import Event
-from lightning_overflow.faulted_steps import FaultedStep, answer_detached, answer_error
+from lightning_overflow.faulted_steps import FaultedStep
 from lightning_overflow.health import HealthBoard, board_for
 from lightning_overflow.numerics.norms import any_sharded
 
@@ -664,27 +665,19 @@ class Guard:
     def _loss_of(self, batch: Any) -> Tensor:
         """``loss_fn(model, batch)``; a step that a bad value broke (it raised on an inf/NaN, or its loss came back cut
         from the graph) is answered as an inf/NaN loss, as ``NonFiniteDetector`` answers it under the Trainer
-        (:mod:`lightning_overflow.faulted_steps`). Under DDP the error stands: it may have left DDP's forward half
-        done, and a backward that this rank's reducer does not expect would hang the other ranks."""
-        assert self.loss_fn is not None
-        alone = world()[1] == 1
-        try:
-            loss = self.loss_fn(self.model, batch)
-        except Exception as error:  # answer_error passes on what no bad value causes
-            answer = answer_error(error, self.module, batch) if alone else None
-            if answer is None or not self._answers(answer[1]):
-                raise
-            return answer[0]
-        if alone and isinstance(loss, Tensor) and not loss.requires_grad:
-            answer = answer_detached(loss, self.module, batch)
-            if answer is not None and self._answers(answer[1]):
-                return answer[0]
+        (:func:`~lightning_overflow.callbacks.nonfinite_detector.answered_call`)."""
+        loss_fn, model = self.loss_fn, self.model
+        assert loss_fn is not None
+        loss: Tensor = answered_call(lambda: loss_fn(model, batch), self.module, batch, self._answers)
         return loss
 
     def _answers(self, faulted: FaultedStep) -> bool:
-        """Whether the guard's ``NonFiniteDetector`` answers the step (none: the error stands)."""
-        heard = [cb._hear_faulted(replace(faulted, code="loss_fn")) for cb in self.callbacks
-                 if isinstance(cb, NonFiniteDetector)]  # fmt: skip
+        """Whether the guard's ``NonFiniteDetector`` answers the step (none: the error stands). Under DDP the error
+        stands: it may have left DDP's forward half done, and a backward that this rank's reducer does not expect
+        would hang the other ranks."""
+        if world()[1] > 1:
+            return False
+        heard = [cb._hear_faulted(faulted) for cb in self.callbacks if isinstance(cb, NonFiniteDetector)]
         return bool(heard) and all(heard)
 
     def _check_gradients(self) -> None:

@@ -70,8 +70,12 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.INFO)
 
 
+# The frames of NonFiniteDetector's training_step (its call of the module's own, through answered_call).
+_PASS_THROUGH = ("training_step", "answered_call", "<lambda>")
+
+
 def _passed_through(frame: traceback.FrameSummary) -> bool:
-    return frame.name == "training_step" and frame.filename.endswith(os.path.join("callbacks", "nonfinite_detector.py"))
+    return frame.name in _PASS_THROUGH and frame.filename.endswith(os.path.join("callbacks", "nonfinite_detector.py"))
 
 
 def run_row(lib: str, case: str, mode: str, fn: Callable[[], Outcome], log_path: str) -> Row:

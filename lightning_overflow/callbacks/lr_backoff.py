@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -141,7 +141,7 @@ class LRBackoff(SuiteCallback):
         self._reset()
 
     def _reset(self) -> None:
-        self._left: dict[int, list[Any]] = {}  # each optimizer's group rates as the suite or a scheduler left them
+        self._left: dict[int, list[float | None]] = {}  # each optimizer's group rates as the suite or a scheduler left them
         self._rewrites_told = False
         self.scales: list[float] = []
         self._cooldown_until: list[int] = []
@@ -510,21 +510,19 @@ def _schedulers(trainer: pl.Trainer, index: int) -> list[Any]:
 
 
 def _rates(optimizer: Any) -> list[float | None]:
-    """Each param group's rate as a number (``None`` for a tensor rate, never compared: reading it would cost a
-    host read)."""
-    rates: list[float | None] = []
-    for group in optimizer.param_groups:
-        lr = group.get("lr")
-        rates.append(float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None)
-    return rates
+    """Each param group's rate as a number."""
+    return _as_numbers(group.get("lr") for group in optimizer.param_groups)
 
 
-def _scheduled(trainer: pl.Trainer, index: int) -> list[list[Any]]:
+def _scheduled(trainer: pl.Trainer, index: int) -> list[list[float | None]]:
     """The rates each scheduler of optimizer ``index`` set last (``_last_lr``)."""
     lasts = [getattr(scheduler, "_last_lr", None) for scheduler in _schedulers(trainer, index)]
-    return [
-        [float(v) if isinstance(v, (int, float)) else None for v in last] for last in lasts if isinstance(last, list)
-    ]
+    return [_as_numbers(last) for last in lasts if isinstance(last, list)]
+
+
+def _as_numbers(rates: Iterable[Any]) -> list[float | None]:
+    """Rates as numbers; ``None`` for a tensor rate, never compared: reading it would cost a host read."""
+    return [float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None for lr in rates]
 
 
 def _numbers(values: Sequence[float]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
@@ -51,6 +52,7 @@ from lightning_overflow.policy import (
 from lightning_overflow.preserve import capture_rng, side_run
 from lightning_overflow.replicas import checksum, compare, differing_parameters
 from lightning_overflow.training_state import StateCheck
+from lightning_overflow.training_step import loss_of
 
 __all__ = ["NonFiniteDetector"]
 
@@ -291,7 +293,7 @@ class NonFiniteDetector(SuiteCallback):
         step = int(trainer.global_step)
         why = ("action='raise'" if self.action == "raise" else
                f"{self.max_consecutive_skips} consecutive optimizer steps were non-finite, this one included")
-        message = (f"NonFiniteDetector: at step {step} on rank(s) 0 {faulted.code} {faulted.failure} while "
+        message = (f"NonFiniteDetector: at step {step} on rank(s) 0 {_step_code(trainer)} {faulted.failure} while "
                    f"{faulted.cause}; the fit ends with that error ({why}).")  # fmt: skip
         self._event(trainer, "abort", message)
         _note(faulted.error, f"lightning_overflow: {message}")
@@ -634,7 +636,7 @@ class NonFiniteDetector(SuiteCallback):
         norm = f" (gradient norm {record.total_norm:.4g})" if finding.kind == "grad" else ""
         verb = {"skip": "The optimizer step was skipped.", "warn": "The optimizer step went ahead.", "raise": ""}
         done = "" if finding.kind in ("weight", "optimizer_state") else verb[self.action]
-        faulted = self._faulted.describe() if self._faulted is not None else ""
+        faulted = self._faulted.describe(_step_code(trainer)) if self._faulted is not None else ""
         return (
             f"NonFiniteDetector: {what}{names}{norm} at step {record.step} (epoch {trainer.current_epoch}) on rank(s) "
             f"{ranks}{finding.detail}{faulted}. {done}".rstrip()
@@ -782,26 +784,39 @@ def guarded_training_step(module: torch.nn.Module, on_faulted: Any) -> types.Met
     def training_step(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self is not live:  # a copy of the module, taken during the fit
             return type(self).training_step(self, *args, **kwargs)
-        try:
-            output = own(*args, **kwargs)
-        except Exception as error:  # answer_error passes on what no bad value causes
-            answer = answer_error(error, self, (args, kwargs))
-            if answer is None or not _answered(answer[1]):
-                raise
-            return answer[0]
-        loss = output if isinstance(output, torch.Tensor) else output.get("loss") if isinstance(output, dict) else None
-        if isinstance(loss, torch.Tensor) and not loss.requires_grad:  # one attribute read on a healthy step
-            answer = answer_detached(loss, self, (args, kwargs))
-            if answer is not None and _answered(answer[1]):
-                return {**output, "loss": answer[0]} if isinstance(output, dict) else answer[0]
-        return output
+        return answered_call(lambda: own(*args, **kwargs), self, (args, kwargs), _answers)
 
-    def _answered(faulted: FaultedStep) -> bool:
+    def _answers(faulted: FaultedStep) -> bool:
         return side_run() is not None or bool(on_faulted(faulted))
 
     functools.update_wrapper(training_step, function)
     training_step.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
     return types.MethodType(training_step, module)
+
+
+def answered_call(call: Callable[[], Any], module: torch.nn.Module, inputs: Any,
+                  answers: Callable[[FaultedStep], bool]) -> Any:  # fmt: skip
+    """``call()`` (a ``training_step``, a plain loop's ``loss_fn``), with a step that a bad value broke (it raised,
+    or returned a loss cut from the graph) answered by the stand-in loss of :mod:`lightning_overflow.faulted_steps`
+    where ``answers`` agrees; otherwise its error stands. A healthy step costs one attribute read."""
+    try:
+        output = call()
+    except Exception as error:  # answer_error passes on what no bad value causes
+        answer = answer_error(error, module, inputs)
+        if answer is None or not answers(answer[1]):
+            raise
+        return answer[0]
+    loss = loss_of(output)
+    if loss is not None and not loss.requires_grad:
+        answer = answer_detached(loss, module, inputs)
+        if answer is not None and answers(answer[1]):
+            return {**output, "loss": answer[0]} if isinstance(output, dict) else answer[0]
+    return output
+
+
+def _step_code(trainer: pl.Trainer) -> str:
+    """What a message calls the code that computes the loss: ``training_step``, or a plain loop's ``loss_fn``."""
+    return getattr(trainer.lightning_module, "replay_step_code", "") or "training_step"
 
 
 def _note(error: BaseException, text: str) -> None:

@@ -340,7 +340,8 @@ class Rollback(SuiteCallback):
         layout = module_layout(trainer.lightning_module)
         if layout == self._layout:
             return
-        if restorable(trainer, newest.state):
+        why_not = restorable(trainer, newest.state)  # "" when the newest snapshot still fits the new layout
+        if why_not:
             self._take_or_answer(trainer)
         else:
             self._layout = layout
