@@ -1,11 +1,7 @@
 """GradNormMonitor: log the gradient norm, correctly even where FP32 arithmetic overflows.
 
-The epoch aggregates are torchmetrics' ``MeanMetric`` and ``MaxMetric`` (their float32 states, and their sync across
-ranks when computed). A step only keeps its total on the host; the totals enter the metrics in the order the steps took
-them, on the monitor's logging steps (at most :data:`FOLD_EVERY` at a time) and when the epoch ends, which rounds
-exactly as one update per step. An update costs about 20 microseconds of tensor operations on the CPU (measured on
-torch 2.13, torchmetrics 1.9: 0.3% of a step of a 1M-parameter MLP on one thread, amortised), paid on the steps that
-log rather than on every step.
+The epoch aggregates round as torchmetrics' ``MeanMetric`` and ``MaxMetric`` updated every step (float32 states) and
+sync across ranks through torchmetrics' states; a step only adds its total on the host (:class:`EpochAggregates`).
 """
 
 from __future__ import annotations
@@ -15,16 +11,15 @@ import math
 import pytorch_lightning as pl
 import torch
 from torch import Tensor
-from torchmetrics.aggregation import MaxMetric, MeanMetric
+from torchmetrics.aggregation import MaxMetric, SumMetric
 from typing_extensions import override
 
 from lightning_overflow._validation import check_bool, check_int, check_norm_type
 from lightning_overflow.callbacks._base import SuiteCallback
 from lightning_overflow.health import StepHealth, metric_key
 from lightning_overflow.numerics import refine_norms, tensor_norms
+from lightning_overflow.numerics._float64 import to_float32
 from lightning_overflow.policy import StepAction
-
-FOLD_EVERY = 1024  # totals kept on the host before they enter the epoch's metrics
 
 __all__ = ["GradNormMonitor"]
 
@@ -94,9 +89,6 @@ class GradNormMonitor(SuiteCallback):
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
         self._update_epoch(record)
         total_due, per_parameter_due = self._due_now(trainer, record.log_step)
-        if total_due:  # the epoch's metrics take the totals kept since the last logging step
-            for aggregates in self._epoch.values():
-                aggregates.fold()
         if (total_due or per_parameter_due) and trainer.loggers:
             self._log_step(trainer, record, total_due, per_parameter_due)
 
@@ -172,13 +164,15 @@ class GradNormMonitor(SuiteCallback):
 
 
 class EpochAggregates:
-    """The mean and the maximum of one optimizer's finite total norms over an epoch: torchmetrics' ``MeanMetric`` and
-    ``MaxMetric`` (float32 states), synced across ranks when computed.
+    """The mean and the maximum of one optimizer's finite total norms over an epoch, exactly as torchmetrics'
+    ``MeanMetric`` and ``MaxMetric`` updated once per step give them (float32 states), synced across ranks when
+    computed.
 
-    :meth:`add` keeps a host float; the values enter the metrics in order, in :meth:`fold` (at the latest once
-    ``FOLD_EVERY`` are kept) and in :meth:`compute`: one ``MeanMetric.update`` per value (its float32 sum rounded after
-    each, as when it is updated every step) and one ``MaxMetric.update`` for all of them (a maximum does not depend on
-    the order).
+    A step costs a host addition, not a metric update (tens of microseconds of tensor operations each): the running
+    sum is rounded to float32 after each value, as ``MeanMetric``'s state is (the float64 sum of two float32 values
+    rounds to their float32 sum exactly). The sum, the count and the maximum enter torchmetrics' states once, in
+    :meth:`compute`, for their sync across ranks; the mean is their float32 quotient, as ``MeanMetric.compute``
+    divides.
 
     Example:
         >>> aggregates = EpochAggregates()
@@ -189,32 +183,28 @@ class EpochAggregates:
     """
 
     def __init__(self) -> None:
-        self.mean = MeanMetric(nan_strategy="disable")
+        self.total = SumMetric(nan_strategy="disable")
+        self.count = SumMetric(nan_strategy="disable")
         self.maximum = MaxMetric(nan_strategy="disable")
-        self._pending: list[float] = []
+        self._sum, self._count, self._max = 0.0, 0, -math.inf
 
     def add(self, value: float) -> None:
-        self._pending.append(value)
-        if len(self._pending) >= FOLD_EVERY:
-            self.fold()
+        self._sum = to_float32(self._sum + to_float32(value))
+        self._count += 1
+        self._max = max(self._max, value)
 
     def compute(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """``(mean, max)`` as float32 tensors on ``device``, every rank's values together (entered on every rank
         together: each metric's sync is a collective); then the metrics start again."""
-        self.fold()
-        for metric in (self.mean, self.maximum):  # where the ranks' collective can run (NCCL: the GPU)
+        metrics = (self.total, self.count, self.maximum)
+        for metric in metrics:  # where the ranks' collective can run (NCCL: the GPU)
             metric.to(device)
-        mean, maximum = self.mean.compute(), self.maximum.compute()
-        for metric in (self.mean, self.maximum):  # the next epoch's updates on the host again
+        if self._count:
+            for metric, value in zip(metrics, (self._sum, float(self._count), self._max)):
+                metric.update(torch.tensor(value, dtype=torch.float64, device=device))
+        mean, maximum = self.total.compute() / self.count.compute(), self.maximum.compute()
+        for metric in metrics:  # the next epoch's values on the host again
             metric.reset()
             metric.to("cpu")
+        self._sum, self._count, self._max = 0.0, 0, -math.inf
         return mean, maximum
-
-    def fold(self) -> None:
-        """The values kept so far enter the metrics."""
-        values, self._pending = self._pending, []
-        if not values:
-            return
-        for value in values:
-            self.mean.update(value)
-        self.maximum.update(torch.tensor(values, dtype=torch.float64, device=self.maximum.device))
