@@ -50,6 +50,7 @@ class FaultedStep:
 
     failure: str  # 'raised ValueError("Expected parameter loc ...")'
     cause: str  # "its batch holds inf/NaN in row(s) 12"
+    brief: str = ""  # the failure without its message, for a count of such steps: "raised ValueError"
     # What it raised: when skipping does not get past such steps, the fit ends with it, as it would without the suite.
     error: BaseException | None = field(default=None, compare=False, repr=False)
 
@@ -93,7 +94,8 @@ def answer_error(error: BaseException, module: nn.Module, inputs: Any) -> tuple[
     if not (isinstance(error, ANSWERED_ERRORS) or type(error) is Exception) or isinstance(error, NEVER_ANSWERED):
         return None
     line = (str(error).strip().splitlines() or [""])[0].rstrip(": ")  # torch prints the tensor after it
-    answer = _answer(f"raised {type(error).__name__}({line[:MAX_ERROR]!r})", module, inputs)
+    raised = f"raised {type(error).__name__}"
+    answer = _answer(f"{raised}({line[:MAX_ERROR]!r})", raised, module, inputs)
     return (answer[0], replace(answer[1], error=error)) if answer is not None else None
 
 
@@ -102,12 +104,14 @@ def answer_detached(loss: Tensor, module: nn.Module, inputs: Any) -> tuple[Tenso
     batch and weights are sound, and Lightning's own error stands)."""
     if loss.requires_grad or not torch.is_grad_enabled():
         return None
-    return _answer(f"returned a loss ({float(loss.detach().float().sum()):.4g}) cut from the graph", module, inputs)
+    value = float(loss.detach().float().sum())
+    return _answer(f"returned a loss ({value:.4g}) cut from the graph", "returned a loss cut from the graph", module,
+                   inputs)
 
 
-def _answer(failure: str, module: nn.Module, inputs: Any) -> tuple[Tensor, FaultedStep] | None:
+def _answer(failure: str, brief: str, module: nn.Module, inputs: Any) -> tuple[Tensor, FaultedStep] | None:
     # The stand-in first: with sharded parameters there is none, and reading a DTensor's finiteness on the one rank
     # whose step failed would start a collective the others never join.
     loss = stand_in_loss(module)
     cause = nonfinite_cause(module, inputs) if loss is not None else ""
-    return (loss, FaultedStep(failure, cause)) if cause and loss is not None else None
+    return (loss, FaultedStep(failure, cause, brief)) if cause and loss is not None else None

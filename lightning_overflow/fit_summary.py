@@ -289,7 +289,7 @@ def _data_faults(faults: list[Event], by_kind: dict[str, list[Event]]) -> list[s
     batches = "batch" if len(ahead) == 1 else "batches"
     more = f"; {len(ahead)} more such {batches} went ahead ({_at(ahead)}: the loss stayed finite)" if ahead else ""
     steps = _count(len({int(e["step"]) for e in skipped}), "step")
-    return [f"{steps} skipped: {_where(skipped)}{more}: a data fault; check the data"]
+    return [f"{steps} skipped: {_where(skipped)}{_faulted(skipped)}{more}: a data fault; check the data"]
 
 
 def _where(faults: list[Event]) -> str:
@@ -326,8 +326,21 @@ def _nonfinite(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]
         done = f"{_count(skipped, 'step')} skipped" if skipped else f"{_count(len(picked), 'step')} found"
         verdicts = Counter(str((e["details"].get("diagnosis") or {}).get("verdict", "")) for e in picked)
         why = _diagnosis_words(picked, verdicts)
-        lines.append(f"{done}: {words} at {_at(picked)}{why}")
+        lines.append(f"{done}: {words} at {_at(picked)}{_faulted(picked)}{why}")
     return lines
+
+
+def _faulted(events: list[Event]) -> str:
+    """How many of the steps broke before they had a loss (the module raised on the bad values, or cut its loss from
+    the graph), which the detector answered as inf/NaN losses: empty when none did."""
+    told = Counter(str(e["details"]["faulted"]) for e in events if e["details"].get("faulted"))
+    if not told:
+        return ""
+    how, count = told.most_common(1)[0]
+    if len(events) == 1:
+        return f" ({how}, answered as an inf/NaN loss)"
+    which = "on each" if count == len(events) else f"on {count} of them"
+    return f" ({how} {which}, answered as inf/NaN losses)"
 
 
 def _diagnosis_words(picked: list[Event], verdicts: Counter[str]) -> str:

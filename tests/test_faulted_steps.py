@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_overflow import Guard, NonFiniteDetector, NonFiniteError, Rollback, default_callbacks, read_journal
+from lightning_overflow.fit_summary import plain_lines
 from lightning_overflow.testing import Fault, FaultInjector
 
 STEP = 3  # the step whose batch is corrupted
@@ -101,6 +102,10 @@ def test_a_nan_batch_that_makes_the_forward_raise_is_skipped_like_a_nan_loss(tmp
         f"values') while its batch holds inf/NaN in row(s) {ROW}: answered as an inf/NaN loss."
     ) in event["message"]
     assert "batch 3 holds NaN in row 2. Persistent" in event["message"]  # the replay ran through the guard too
+    assert plain_lines(read_journal(tmp_path / "overflow_events.jsonl")) == [
+        "1 step skipped: batch 3 of epoch 0 (step 3) holds NaN in row 2 (training_step raised ValueError, answered "
+        "as an inf/NaN loss): a data fault; check the data"
+    ]
     assert "training_step" not in vars(model)  # the fit's guard is gone with the fit
 
 
@@ -116,6 +121,10 @@ def test_nan_weights_that_make_the_forward_raise_are_rolled_back(tmp_path: Path)
     assert "while the model holds inf/NaN in net.2.weight: answered as an inf/NaN loss" in found["message"]
     [rolled] = [e for e in events if e["kind"] == "rollback"]
     assert rolled["details"]["snapshot_step"] == 4
+    assert plain_lines(events)[0] == (
+        "1 step found: the weights held inf/NaN at step 5 (training_step raised ValueError, answered as an inf/NaN "
+        "loss)"
+    )
 
 
 def test_an_error_the_values_did_not_cause_passes_unchanged() -> None:

@@ -347,6 +347,32 @@ def test_a_data_fault_whose_step_went_ahead_is_not_counted_among_the_skipped() -
     ]
 
 
+def test_steps_that_broke_before_their_loss_are_counted_in_their_line() -> None:
+    """A step whose training_step raised on bad values (answered as an inf/NaN loss) says so in its line: how it broke,
+    and on how many of the line's steps."""
+
+    def event(step: int, kind: str, **details: Any) -> dict[str, Any]:
+        return {"step": step, "kind": kind, "epoch": step // 4, "source": "x", "message": "", "details": details}
+
+    data = "batch 3 holds NaN in row 2"
+    faulted = {"faulted": "training_step raised ValueError"}
+    every = [e for step in (3, 7, 11) for e in (event(step, "data_fault", batch=3, rows=[2], data=data, **faulted),
+                                                event(step, "skip"))]  # fmt: skip
+    assert plain_lines(every) == [
+        "3 steps skipped: batch 3 of each epoch holds NaN in row 2 (epochs 0-2) (training_step raised ValueError on "
+        "each, answered as inf/NaN losses): a data fault; check the data"
+    ]
+    losses = [event(step, "nonfinite", where="loss", **(faulted if step == 5 else {})) for step in (5, 6)]
+    losses += [event(5, "skip"), event(6, "skip")]
+    assert plain_lines(losses) == [
+        "2 steps skipped: the loss was inf/NaN at steps 5, 6 (training_step raised ValueError on 1 of them, answered "
+        "as inf/NaN losses)"
+    ]
+    assert plain_lines([event(5, "nonfinite", where="loss"), event(5, "skip")]) == [
+        "1 step skipped: the loss was inf/NaN at step 5"  # nothing raised: the line as before
+    ]
+
+
 def test_a_run_that_does_not_learn_and_ties_its_trial_is_not_called_a_false_alarm() -> None:
     def trial(step: int, signal: str) -> dict[str, Any]:
         return {"step": step, "kind": "trial", "epoch": 0, "source": "x", "message": "", "details": {

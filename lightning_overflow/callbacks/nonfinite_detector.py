@@ -520,6 +520,8 @@ class NonFiniteDetector(SuiteCallback):
             "loss_scale": record.loss_scale,
             "optimizer": record.optimizer_index,
         }
+        if self._faulted is not None:  # the fit summary counts such steps
+            finding.details["faulted"] = f"{_step_code(trainer)} {self._faulted.brief}"
         if diagnosis is not None:
             finding.data_fault = _bad_batch(diagnosis)
             finding.details.update(_batch_details(diagnosis) if finding.data_fault else {})
