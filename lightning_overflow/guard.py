@@ -338,6 +338,32 @@ def _unwrap_module(model: nn.Module) -> nn.Module:
         model = inner
 
 
+class _ReplicaForward:
+    """Whether the loop's ``DistributedDataParallel`` forward pass of this step completed (its reducer then awaits a
+    backward that reaches every parameter, as the stand-in loss's does), with no unused parameters to find (with
+    ``find_unused_parameters`` or ``static_graph``, the reducer has marked some ready already, and the stand-in's
+    backward would mark them twice). A step that broke inside the forward pass left the reducer expecting nothing:
+    a backward there would leave the other ranks waiting in their reduction, so its error stands."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.done = False
+        replica = next((m for m in model.modules() if isinstance(m, nn.parallel.DistributedDataParallel)), None)
+        self._usable = replica is not None and not replica.find_unused_parameters and not replica.static_graph
+        self._handle = replica.register_forward_hook(self._completed) if replica is not None and self._usable else None
+
+    @property
+    def ready(self) -> bool:
+        return self._usable and self.done
+
+    def _completed(self, *_: Any) -> None:
+        self.done = True
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
 def _side_run_model(model: nn.Module) -> Any:
     """What a side run (a trial's candidate, a replay) hands ``loss_fn`` for ``model``: the model itself, but never
     through ``DistributedDataParallel`` (its backward would enter the gradient reduction the live step's makes; a
@@ -514,6 +540,7 @@ class Guard:
         self._closed = False
         self._batch_idx = 0
         self._epoch_open = False
+        self._replica_forward = _ReplicaForward(model) if loss_fn is not None else None
         self._start(state)
 
     # ---- the fit ------------------------------------------------------------------------------------------------
@@ -579,6 +606,8 @@ class Guard:
 
     def _teardown(self) -> None:
         self._closed = True
+        if self._replica_forward is not None:
+            self._replica_forward.remove()
         self._hook("teardown", "fit")
         self._batch_hooks.clear()  # the callbacks give their muted hooks back in teardown
 
@@ -668,14 +697,16 @@ class Guard:
         (:func:`~lightning_overflow.callbacks.nonfinite_detector.answered_call`)."""
         loss_fn, model = self.loss_fn, self.model
         assert loss_fn is not None
+        if self._replica_forward is not None:
+            self._replica_forward.done = False
         loss: Tensor = answered_call(lambda: loss_fn(model, batch), self.module, batch, self._answers)
         return loss
 
     def _answers(self, faulted: FaultedStep) -> bool:
-        """Whether the guard's ``NonFiniteDetector`` answers the step (none: the error stands). Under DDP the error
-        stands: it may have left DDP's forward half done, and a backward that this rank's reducer does not expect
-        would hang the other ranks."""
-        if world()[1] > 1:
+        """Whether the guard's ``NonFiniteDetector`` answers the step (none: the error stands). Across processes only
+        where :class:`_ReplicaForward` says DDP's reducer awaits the stand-in's backward: then every rank's backward
+        enters the same gradient reduction, and every rank skips the step alike."""
+        if world()[1] > 1 and not (self._replica_forward is not None and self._replica_forward.ready):
             return False
         heard = [cb._hear_faulted(faulted) for cb in self.callbacks if isinstance(cb, NonFiniteDetector)]
         return bool(heard) and all(heard)

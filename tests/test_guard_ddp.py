@@ -63,10 +63,19 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
         else:
             optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
             callbacks = default_callbacks(snapshot_every_n_steps=4)
-        runs_steps = scenario == "diverging_steps"  # the guard runs each step: trials beside the loop
+        raising = scenario.startswith("raises")  # loss_fn raises on a NaN batch: after the forward pass, or in it
+        runs_steps = scenario == "diverging_steps" or raising  # the guard runs each step: trials beside the loop
+        if raising:
+            module = nn.Sequential(_FiniteInput(scenario == "raises_in_forward"), nn.Linear(4, 32), nn.Tanh(),
+                                   nn.Linear(32, 1))  # fmt: skip
+            model = DistributedDataParallel(module)
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 
         def loss_fn(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            return nn.functional.mse_loss(net(batch[0]), batch[1])
+            output = net(batch[0])
+            if raising:  # a likelihood that checks its arguments, as torch.distributions does
+                torch.distributions.Normal(output, 1.0, validate_args=True)
+            return nn.functional.mse_loss(output, batch[1])
 
         guard = None if scenario == "diverging_bare" else Guard(model, optimizer, scheduler, callbacks=callbacks,
                                                                  default_root_dir=directory,
@@ -80,7 +89,10 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
             batch = slice((step % 4) * 8, (step % 4) * 8 + 8)
             lrs.append(optimizer.param_groups[0]["lr"])  # the rate this step trains with
             if guard is not None and runs_steps:
-                outcome = guard.train_step((x[batch], y[batch]))
+                inputs = x[batch].clone()
+                if raising and step == 3 and (rank == 1 or scenario == "raises_in_forward"):
+                    inputs[2, 0] = float("nan")
+                outcome = guard.train_step((inputs, y[batch]))
             else:
                 loss = loss_fn(model, (x[batch], y[batch]))
                 if scenario == "nan_loss" and step == 3 and rank == 1:
@@ -119,7 +131,20 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
         os._exit(0)
 
 
-def run(tmp_path: Path, scenario: str) -> list[dict[str, Any]]:
+class _FiniteInput(nn.Module):
+    """Identity; with ``check``, a forward pass that raises on a non-finite input, inside DDP's forward."""
+
+    def __init__(self, check: bool) -> None:
+        super().__init__()
+        self.check = check
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.check and not torch.isfinite(x).all():
+            raise ValueError("the input holds inf/NaN")
+        return x
+
+
+def run(tmp_path: Path, scenario: str, errors: tuple[str | None, str | None] = (None, None)) -> list[dict[str, Any]]:
     context = mp.get_context("fork")
     processes = [context.Process(target=_worker, args=(r, _free_port_once(tmp_path), str(tmp_path), scenario))
                  for r in range(2)]  # fmt: skip
@@ -132,7 +157,11 @@ def run(tmp_path: Path, scenario: str) -> list[dict[str, Any]]:
             process.kill()
             process.join()
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["error"] for r in reports] == [None, None], reports
+    for report, expected in zip(reports, errors):
+        if expected is None:
+            assert report["error"] is None, reports
+        else:
+            assert report["error"] is not None and expected in report["error"], reports
     return reports
 
 
@@ -152,6 +181,26 @@ def test_a_nan_loss_on_rank_1_only_is_skipped_on_both_ranks(tmp_path: Path) -> N
     assert all(r["finite"] and r["global_step"] == STEPS for r in reports)
     journal = [json.loads(line) for line in (tmp_path / "overflow_events.jsonl").read_text().splitlines()]
     assert journal[0]["kind"] == "nonfinite" and journal[0]["details"]["ranks"] == [1]
+
+
+def test_a_loss_fn_that_raises_on_a_nan_batch_of_rank_1_only_is_skipped_on_both_ranks(tmp_path: Path) -> None:
+    """The likelihood raises on rank 1's NaN output after DDP's forward pass: rank 1 answers it with the stand-in
+    loss, whose backward enters the same gradient reduction as rank 0's, and both skip step 3 with identical
+    replicas."""
+    reports = run(tmp_path, "raises")
+    assert reports[0]["outcomes"] == reports[1]["outcomes"]
+    assert [o[0] for o in reports[0]["outcomes"] if o[1]] == [3]
+    assert reports[0]["digest"] == reports[1]["digest"]
+    assert reports[0]["snapshots"]["4"] == reports[0]["snapshots"]["3"]  # nothing moved at step 3
+    assert all(r["finite"] and r["global_step"] == STEPS for r in reports)
+    journal = [json.loads(line) for line in (tmp_path / "overflow_events.jsonl").read_text().splitlines()]
+    assert journal[0]["kind"] == "data_fault" and journal[0]["step"] == 3 and journal[0]["details"]["ranks"] == [1]
+
+
+def test_a_forward_pass_that_raises_inside_ddp_keeps_its_error(tmp_path: Path) -> None:
+    """Raised inside DDP's forward pass, the step left the reducer awaiting no backward: a stand-in's would leave
+    the other rank waiting in its reduction, so the module's own error stands, on each rank whose forward raised."""
+    run(tmp_path, "raises_in_forward", errors=("ValueError: the input holds inf/NaN",) * 2)
 
 
 def test_a_nan_weight_on_rank_1_only_rolls_both_ranks_back_to_the_same_snapshot(tmp_path: Path) -> None:
@@ -205,4 +254,18 @@ def test_a_fabric_ddp_loop_makes_the_same_decisions_on_both_ranks(tmp_path: Path
     assert reports[0]["outcomes"] == reports[1]["outcomes"]
     acted = [(o[0], o[1], o[2], o[3]) for o in reports[0]["outcomes"] if o[3]]
     assert acted == [(3, True, False, ["nonfinite", "skip"]), (6, False, True, ["nonfinite", "backoff", "rollback"])]
+    assert reports[0]["digest"] == reports[1]["digest"] and all(r["finite"] for r in reports)
+
+
+def test_a_fabric_ddp_loop_whose_loss_fn_raises_on_rank_1_skips_the_step_on_both_ranks(tmp_path: Path) -> None:
+    """Under Fabric's DDP strategy the guard runs each step (``train_step`` with ``fabric.backward``): the loss
+    function raises on rank 1's NaN batch at step 3, after the forward pass; both ranks skip that step alike."""
+    script = Path(__file__).parent / "scripts" / "fabric_ddp_guard.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), "raises"], capture_output=True, text=True,
+                          timeout=150)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reports[0]["outcomes"] == reports[1]["outcomes"]
+    acted = [(o[0], o[1], o[2], o[3]) for o in reports[0]["outcomes"] if o[3]]
+    assert acted == [(3, True, False, ["data_fault", "skip"])]
     assert reports[0]["digest"] == reports[1]["digest"] and all(r["finite"] for r in reports)
