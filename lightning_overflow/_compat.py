@@ -39,6 +39,9 @@ __all__ = [
     "sharded_strategy",
     "batches_that_stepped",
     "callback_metrics",
+    "epoch_sums",
+    "put_back_epoch_sums",
+    "summed_in_training",
     "progress_bar_metrics",
     "scaler_of",
     "scaler_scale",
@@ -67,13 +70,59 @@ def callback_metrics(trainer: pl.Trainer) -> dict[str, Any]:
     return trainer.callback_metrics
 
 
+def _training_results(trainer: pl.Trainer) -> dict[str, Any]:
+    """Lightning's training results: one entry per hook and logged name (2.6.6: ``fit_loop.epoch_loop._results``)."""
+    return getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_results", None) or {}
+
+
+def _sums_over_the_epoch(entry: Any) -> bool:
+    """Whether a results entry sums a tensor over the epoch (``self.log(name, tensor, on_epoch=True)``; 2.6.6:
+    ``_ResultMetric`` with ``is_tensor`` and ``meta.on_epoch``). A torchmetrics ``Metric`` logged as the value keeps
+    its state in the user's object."""
+    return bool(getattr(entry, "is_tensor", False)) and bool(getattr(getattr(entry, "meta", None), "on_epoch", False))
+
+
+def epoch_sums(trainer: pl.Trainer) -> list[tuple[Any, Tensor, Tensor | None]]:
+    """Each epoch sum of the training results with its tensors as they are now: ``value`` and, for a mean, its
+    ``cumulated_batch_size``. An update assigns new tensors and never writes into these (2.6.6:
+    ``_ResultMetric.update``), so keeping them keeps this moment's sums, at no copy."""
+    return [(entry, entry.value, getattr(entry, "cumulated_batch_size", None))
+            for entry in _training_results(trainer).values() if _sums_over_the_epoch(entry)]  # fmt: skip
+
+
+def put_back_epoch_sums(trainer: pl.Trainer, kept: list[tuple[Any, Tensor, Tensor | None]]) -> None:
+    """The epoch sums as :func:`epoch_sums` kept them; a sum first logged since starts again from its defaults
+    (``Metric.reset``), its step value kept for the batch's step logging."""
+    kept_ids = set()
+    for entry, value, count in kept:
+        entry.value = value
+        if count is not None:
+            entry.cumulated_batch_size = count
+        kept_ids.add(id(entry))
+    for entry in _training_results(trainer).values():
+        if _sums_over_the_epoch(entry) and id(entry) not in kept_ids:
+            step_value, reset = entry._forward_cache, entry.has_reset
+            entry.reset()
+            entry._forward_cache, entry.has_reset = step_value, reset
+
+
+def summed_in_training(trainer: pl.Trainer, key: str) -> bool:
+    """Whether every entry of the training results that logged ``key`` (or its ``_step``/``_epoch`` forms) is a
+    tensor summed over the epoch by a hook of the batch (``training_step``, ``on_train_batch_end``...): sums
+    :func:`put_back_epoch_sums` takes a skipped step's values out of. Not so for a torchmetrics ``Metric`` (the user's
+    state) or a value logged at an epoch's end (computed by the user's code)."""
+    names = {key, key.removesuffix("_epoch"), key.removesuffix("_step")}
+    entries = [e for e in _training_results(trainer).values() if getattr(getattr(e, "meta", None), "name", None) in names]
+    return bool(entries) and all(_sums_over_the_epoch(e) and "epoch" not in str(e.meta.fx) for e in entries)
+
+
 def logged_in_training(trainer: pl.Trainer, key: str) -> bool:
     """Whether a hook of the training loop (``training_step``, ``on_train_*``) logged ``key`` in this epoch so far,
     as ``key`` or its ``_step``/``_epoch`` forms: Lightning's training results (2.6.6:
     ``fit_loop.epoch_loop._results``, one entry per hook and name). Where a metric comes from, not how it is spelt."""
-    results = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_results", None) or {}
     names = {key, key.removesuffix("_epoch"), key.removesuffix("_step")}
-    return any(getattr(getattr(value, "meta", None), "name", None) in names for value in results.values())
+    return any(getattr(getattr(value, "meta", None), "name", None) in names
+               for value in _training_results(trainer).values())  # fmt: skip
 
 
 def clips_its_own_gradients(pl_module: Any) -> bool:

@@ -438,6 +438,7 @@ class HealthBoard:
         self._losses: list[Tensor] = []  # one process: this step's losses as they came
         self._held = HeldSchedules()
         self._buffers = BufferCopy()
+        self._epoch_sums: list[tuple[Any, Tensor, Tensor | None]] = []  # the logged epoch sums as the window found them
         self._closure_start = ClosureStepStart()
         self._window_open = False
         self._leader: StepParticipant | None = None
@@ -589,6 +590,7 @@ class HealthBoard:
         self._leader = None
         self._held = HeldSchedules()
         self._buffers.release()
+        self._epoch_sums = []
         self._closure_start.release()
         self._window_open = False
         self.signals.clear()
@@ -756,6 +758,7 @@ class HealthBoard:
         self._merge.send_leftover()  # a held step that Lightning did not log after all
         if not self._window_open and pl_module.automatic_optimization:
             self._buffers.take(pl_module)
+            self._epoch_sums = _compat.epoch_sums(trainer)
             self._window_open = True
         trials = self.trials
         if trials.sides:  # only a candidate on the side has anything to do with the batch here
@@ -1048,7 +1051,7 @@ class HealthBoard:
     ) -> None:
         if action.skip_reason is not None:
             record.skipped, record.skip_reason = True, action.skip_reason
-            skip_step(trainer, optimizer, self._held, self._buffers)
+            skip_step(trainer, optimizer, self._held, self._buffers, self._epoch_sums)
             self._closure_start.skipped(optimizer)
         else:
             for _, plan in action.clips:

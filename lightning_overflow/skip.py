@@ -5,7 +5,10 @@ A skipped step changes nothing: not the weights, not the optimizer's moments, we
 momentum and weight decay), not the module's buffers (the forward pass already moved BatchNorm's running
 statistics, so they are put back from a copy taken when the accumulation window began), and not the LR schedule
 (Lightning steps the schedulers even on a skipped step, Lightning #18828: their state and the param-group
-hyperparameters are saved here and put back once Lightning has stepped them, in ``on_train_batch_end``).
+hyperparameters are saved here and put back once Lightning has stepped them, in ``on_train_batch_end``), and not the
+epoch's logged means (the module's ``self.log("train_loss", loss, on_epoch=True)`` of a skipped step's NaN loss would
+make the epoch's value NaN, and ``EarlyStopping`` or ``ModelCheckpoint`` monitoring it would end or misjudge the run
+the skip rescued: the sums are put back as the window found them, and the step's own logged value stays).
 
 An optimizer that evaluates its closure several times in one step (LBFGS) moves the weights between evaluations: a
 skip decided on a later evaluation also puts back the weights and the optimizer state the step started from
@@ -20,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+
+from lightning_overflow import _compat
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -185,10 +190,12 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def skip_step(
-    trainer: pl.Trainer, optimizer: torch.optim.Optimizer, held: HeldSchedules, buffers: BufferCopy
-) -> None:
-    """Make the coming ``optimizer.step()`` a no-op, put the buffers back and hold the step-interval schedulers in
-    ``held``.
+    trainer: pl.Trainer, optimizer: torch.optim.Optimizer, held: HeldSchedules, buffers: BufferCopy,
+    sums: list[tuple[Any, Tensor, Tensor | None]],
+) -> None:  # fmt: skip
+    """Make the coming ``optimizer.step()`` a no-op, put the buffers and the epoch's logged sums (``sums``, kept by
+    :func:`~lightning_overflow._compat.epoch_sums` when the window began) back and hold the step-interval schedulers
+    in ``held``.
 
     Under manual optimization the user steps the schedulers and may step several optimizers per batch: only the
     gradients are dropped there.
@@ -197,6 +204,7 @@ def skip_step(
     if not trainer.lightning_module.automatic_optimization:
         return
     buffers.put_back()
+    _compat.put_back_epoch_sums(trainer, sums)
     for config in trainer.lr_scheduler_configs:
         if config.interval != "step" or config.reduce_on_plateau:
             continue

@@ -1,6 +1,7 @@
-"""EarlyStopping(check_finite=True) beside a detector that skips: warned about when its metric is logged from a
-training hook (where Lightning says it comes from, not its name), and the README's fix (the loss logged through a
-NaN-ignoring mean) keeps the rescued run going."""
+"""EarlyStopping(check_finite=True) beside a detector that skips: a loss tensor logged with on_epoch=True leaves a
+skipped step's NaN out of its epoch mean, so the rescued run goes on; a value kept in state of the user's own (a
+torchmetrics Metric, a value computed at the epoch's end) is warned about when a training hook logged it (where
+Lightning says it comes from, not its name), and the README's fix (a NaN-ignoring mean) keeps the run going."""
 
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ def test_the_combination_is_warned_about_once_the_training_step_logged_it() -> N
         _fit(ignore_nan=True)
     assert [str(w.message) for w in caught if "EarlyStopping" in str(w.message)] == [
         "NonFiniteDetector: EarlyStopping(monitor='train_loss', check_finite=True) stops the fit when 'train_loss' is "
-        "not finite, and 'train_loss' is logged from a training hook. A step this detector skips has an inf/NaN "
-        "loss; logged with self.log(..., on_epoch=True), that epoch's mean is inf/NaN and the run is stopped "
-        "although it was rescued. Log only finite losses (torchmetrics.MeanMetric(nan_strategy='ignore') drops NaN, "
-        "see the README), monitor a validation metric, or pass EarlyStopping(check_finite=False)."
+        "not finite, and 'train_loss' is logged from a training hook through state of its own (a torchmetrics "
+        "Metric, or a value computed at the epoch's end). A step this detector skips has an inf/NaN loss; kept "
+        "there, that epoch's value is inf/NaN and the run is stopped although it was rescued. Log only finite losses "
+        "(torchmetrics.MeanMetric(nan_strategy='ignore') drops NaN, see the README), log the loss tensor itself with "
+        "self.log(..., on_epoch=True) (a skipped step's value is left out of the epoch's mean), monitor a validation "
+        "metric, or pass EarlyStopping(check_finite=False)."
     ]
 
 
@@ -55,9 +58,11 @@ class _Named(TinyRegressor):
     """Logs its training loss and its validation loss under names of the user's choosing (neuralforecast:
     ``train_loss`` and ``ptl/val_loss``), or its training loss only at the end of each epoch."""
 
-    def __init__(self, train_key: str, val_key: str, at_epoch_end: bool = False, on_step: bool = False) -> None:
+    def __init__(self, train_key: str, val_key: str, at_epoch_end: bool = False, on_step: bool = False,
+                 epoch_key: str | None = None) -> None:  # fmt: skip
         super().__init__()
         self.train_key, self.val_key, self.at_epoch_end, self.on_step = train_key, val_key, at_epoch_end, on_step
+        self.epoch_key = epoch_key or train_key
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -67,7 +72,7 @@ class _Named(TinyRegressor):
 
     def on_train_epoch_end(self) -> None:
         if self.at_epoch_end:
-            self.log(self.train_key, torch.tensor(1.0))
+            self.log(self.epoch_key, torch.tensor(1.0))
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
@@ -79,10 +84,11 @@ class _Named(TinyRegressor):
     [
         ("ptl/val_loss", _Named("train_loss", "ptl/val_loss"), False),  # a validation metric, whatever its name
         ("loss", _Named("train_loss", "loss"), False),
-        ("valid_hinge", _Named("valid_hinge", "v"), True),  # a training metric, though its name reads "valid"
-        ("val_loss", _Named("val_loss", "other"), True),
-        ("epoch_score", _Named("epoch_score", "v", at_epoch_end=True), True),  # logged at the epoch's end
-        ("train_loss_epoch", _Named("train_loss", "v", on_step=True), True),  # its epoch form
+        ("epoch_score", _Named("epoch_score", "v", at_epoch_end=True), True),  # computed and logged at the epoch's end
+        ("val_score", _Named("v", "o", at_epoch_end=True, epoch_key="val_score"), True),  # the same, named "val"
+        # A loss tensor logged from training_step: a skipped step's value is left out of its epoch mean.
+        ("valid_hinge", _Named("valid_hinge", "v"), False),
+        ("train_loss_epoch", _Named("train_loss", "v", on_step=True), False),  # its epoch form
     ],
 )
 def test_the_warning_follows_where_the_metric_is_logged_not_its_name(monitor: str, model: Any, warned: bool) -> None:
@@ -92,6 +98,41 @@ def test_the_warning_follows_where_the_metric_is_logged_not_its_name(monitor: st
             limit_val_batches=1)  # fmt: skip
     said = [w for w in caught if issubclass(w.category, OverflowWarning) and "EarlyStopping" in str(w.message)]
     assert len(said) == int(warned)
+
+
+class TensorEpochLoss(TinyRegressor):
+    """Logs its loss tensor per epoch (as chemprop does), keeping each step's loss; batch 3 of every epoch holds a
+    NaN feature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[torch.Tensor] = []
+        self.data.tensors[0][3 * self.batch_size, 0] = float("nan")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.detach().clone())
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_a_skipped_steps_loss_is_left_out_of_its_epoch_mean_and_the_rescued_run_goes_on() -> None:
+    bare = fit(TensorEpochLoss(), [EarlyStopping(monitor="train_loss", patience=100)], max_steps=24)
+    assert bare.global_step == 8  # the epoch mean is NaN: EarlyStopping ends the run after its first epoch
+    model = TensorEpochLoss()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(model, [NonFiniteDetector(), EarlyStopping(monitor="train_loss", patience=100)], max_steps=24)
+    assert trainer.global_step == 24  # 3 epochs of 8 batches, batch 3 skipped in each
+    assert not [w for w in caught if issubclass(w.category, OverflowWarning) and "EarlyStopping" in str(w.message)]
+    # The last epoch's mean is Lightning's own sum over the 7 steps that went ahead (8 rows each), in their order.
+    last = model.losses[16:]
+    assert not torch.isfinite(last[3]) and all(torch.isfinite(v) for i, v in enumerate(last) if i != 3)
+    total = torch.tensor(0.0)
+    for i, value in enumerate(last):
+        if i != 3:
+            total = total + value * 8
+    assert trainer.callback_metrics["train_loss"].item() == (total / 56).item()
 
 
 @pytest.mark.filterwarnings("ignore::lightning_overflow.OverflowWarning")
