@@ -75,6 +75,25 @@ def _hint(event: Mapping[str, Any]) -> str:
     diagnosis = details.get("diagnosis") or {}
     if diagnosis.get("hint"):
         return str(diagnosis["hint"])
-    message = str(event.get("message", ""))
-    _, sep, hint = message.partition("HINT: ")
-    return hint.rstrip(".") if sep else ""
+    return _own_hint(str(event.get("message", "")))
+
+
+def _own_hint(message: str) -> str:
+    """The message's own ``HINT: ...`` (to its end), not one inside a message it quotes in parentheses (a rollback
+    quotes the detector's finding, hint included).
+
+    Example:
+        >>> _own_hint("Rollback: restored (Detector: grew. HINT: a lower rate.). Counted.")
+        ''
+        >>> _own_hint("Detector: grew. HINT: a lower rate.")
+        'a lower rate'
+    """
+    depth = 0
+    for i, char in enumerate(message):
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth = max(depth - 1, 0)
+        elif depth == 0 and message.startswith("HINT: ", i):
+            return message[i + len("HINT: "):].rstrip(".")
+    return ""
