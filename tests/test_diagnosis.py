@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_overflow.callbacks.nonfinite_detector as detector_module
 from lightning_overflow import NonFiniteDetector, NonFiniteError, read_journal
 from lightning_overflow.diagnosis import Diagnosis, trace_nonfinite
-from lightning_overflow.diagnosis.replay import combine
+from lightning_overflow.diagnosis.replay import batch_stats, combine
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor, regression_data
 
 
@@ -534,3 +534,16 @@ def test_ddp_transient_fault_on_one_rank(tmp_path: Path) -> None:
     diagnosis = ddp_diagnoses(tmp_path, Fault(3, "nan_loss", rank=1, once=True))[0]
     assert (diagnosis["verdict"], diagnosis["origin_rank"]) == ("transient", None)
     assert "It was seen on rank(s) 1 only." in diagnosis["message"]
+
+
+def test_batch_rows_are_named_only_in_tensors_of_one_row_per_sample() -> None:
+    """A graph batch (chemprop's) holds one row per atom beside one per molecule: an atom's row names no sample."""
+    atoms = torch.zeros(37, 3)
+    atoms[20, 1] = float("inf")
+    per_molecule, targets = torch.zeros(8, 2), torch.zeros(8)
+    stats = batch_stats((atoms, per_molecule, targets))
+    assert (stats.nan, stats.inf, stats.rows) == (0, 1, ())  # counted, its row not named
+    per_molecule[5, 0] = float("nan")
+    stats = batch_stats((atoms, per_molecule, targets))
+    assert (stats.nan, stats.inf, stats.rows) == (1, 1, (5,))
+    assert batch_stats((torch.full((4, 2), float("nan")),)).rows == (0, 1, 2, 3)  # one tensor: its rows are samples

@@ -15,6 +15,7 @@ results are combined with one ``all_gather_object``.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,8 +38,9 @@ MAX_ROWS = 8  # sample rows named in a diagnosis: enough to find a corrupt sampl
 
 @dataclass(frozen=True)
 class BatchStats:
-    """What a batch holds: its largest finite magnitude, its NaN and inf counts, and the first ``MAX_ROWS`` rows
-    (indices along the first dimension) that hold inf/NaN or values beyond ``HUGE_INPUT``."""
+    """What a batch holds: its largest finite magnitude, its NaN and inf counts, and the first ``MAX_ROWS`` sample
+    rows (indices along the first dimension of its tensors of one row per sample) that hold inf/NaN or values beyond
+    ``HUGE_INPUT``."""
 
     magnitude: float = 0.0
     nan: int = 0
@@ -281,10 +283,18 @@ def _traced(pl_module: Any) -> torch.nn.Module:
 
 def batch_stats(batch: Any) -> BatchStats:
     """The largest finite magnitude in the batch, its inf/NaN counts, and the sample rows (along the first
-    dimension) that hold inf/NaN or values beyond ``HUGE_INPUT``."""
+    dimension) that hold inf/NaN or values beyond ``HUGE_INPUT``.
+
+    Rows are sample rows only in the tensors whose first dimension is the batch's number of samples: the length most
+    of its tensors share (a graph batch also holds one row per atom or per edge, which names no sample). A bad value
+    in another tensor is counted, its row not named.
+    """
     tensors = [t for t in floating_tensors(batch) if t.numel()]
     if not tensors:
         return BatchStats()
+    lengths = Counter(len(t) for t in tensors if t.dim())
+    ranked = lengths.most_common(2)
+    samples = ranked[0][0] if ranked and (len(ranked) == 1 or ranked[0][1] > ranked[1][1]) else None
     magnitude, nan, inf = 0.0, 0, 0
     rows: set[int] = set()
     with torch.no_grad():
@@ -293,7 +303,7 @@ def batch_stats(batch: Any) -> BatchStats:
             size = torch.where(finite, t.abs(), torch.zeros((), dtype=t.dtype, device=t.device))
             counts = torch.stack([size.amax().double(), t.isnan().sum().double(), (~finite).sum().double()]).tolist()
             magnitude, nan, inf = max(magnitude, counts[0]), nan + int(counts[1]), inf + int(counts[2] - counts[1])
-            if t.dim() and (counts[2] or counts[0] > HUGE_INPUT):
+            if t.dim() and len(t) == samples and (counts[2] or counts[0] > HUGE_INPUT):
                 bad = (~finite) | (size > HUGE_INPUT)
                 rows.update(bad.reshape(len(t), -1).any(dim=1).nonzero().flatten().tolist())
     return BatchStats(magnitude if math.isfinite(magnitude) else 0.0, nan, inf, tuple(sorted(rows)[:MAX_ROWS]))
