@@ -276,3 +276,40 @@ def test_ddp_a_nan_on_rank_1_is_rolled_back_on_every_rank_before_a_weights_only_
         assert finite(saved(tmp_path / "ckpt" / name)["state_dict"]), name
     # 32 samples a rank: 4 batches an epoch
     assert names(tmp_path / "ckpt") == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=9.ckpt"]
+
+
+# ---- validation scores the weights the checkpoints hold ----------------------------------------------------------
+class UnusedRow(TinyRegressor):
+    """A parameter the loss never reads (an embedding's row for an unseen category): a NaN there leaves the losses
+    and the validation finite. Eight batches an epoch, one validation batch of 64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(3))
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.data, batch_size=64)
+
+
+def test_a_checkpoint_is_scored_on_the_weights_it_holds_when_validation_finds_the_state_nonfinite(
+    tmp_path: Path,
+) -> None:
+    """The NaN written at step 12 is found when validation is to score the weights (the end of epoch 1, step 16):
+    Rollback restores the snapshot of step 0 first, so the val_loss that names the epoch's checkpoint is that of the
+    restored weights. Found at the save instead, the restored weights were filed under the replaced ones' score."""
+    model = UnusedRow()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_top_k=-1)
+    rollback = Rollback(every_n_steps=100)  # one snapshot: the fit's start
+    fault = FaultInjector(Fault(step=12, kind="nan_weight", parameter="unused"))
+    fit(model, [NonFiniteDetector(check_weights_every_n_steps=None), rollback, fault, checkpoint], max_steps=24,
+        default_root_dir=tmp_path, limit_val_batches=1, enable_checkpointing=True)  # fmt: skip
+    x, y = model.data.tensors
+    assert len(checkpoint.best_k_models) == 3  # one an epoch
+    for path, score in checkpoint.best_k_models.items():
+        scored = UnusedRow()
+        scored.load_state_dict(saved(Path(path))["state_dict"])
+        with torch.no_grad():
+            assert torch.nn.functional.mse_loss(scored(x), y).item() == pytest.approx(score.item(), rel=1e-6)
+    [rolled] = [e for e in rollback.board(model.trainer).journal.events if e.kind == "rollback"]
+    assert (rolled.step, rolled.details["snapshot_step"]) == (16, 0)
+    assert "when validation was to score them" in rolled.message

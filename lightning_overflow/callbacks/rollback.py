@@ -254,6 +254,12 @@ class Rollback(SuiteCallback):
         self._retake_if_reshaped(trainer)
 
     @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_start(trainer, pl_module)
+        if trainer.state.fn == "fit" and not trainer.sanity_checking and self._guard is not None:
+            self._before_scoring(trainer)
+
+    @override
     def _wants_record(self) -> bool:
         return False  # it acts on the detectors' signals at batch end, never on a step's values
 
@@ -383,6 +389,21 @@ class Rollback(SuiteCallback):
             self._refuse_checkpoint(trainer, check, "'nonfinite_state' is not among Rollback's triggers")
         step = int(trainer.global_step)
         reason = f"Rollback: the {check.what} held inf/NaN{_quote(check.names)} when a checkpoint was to be written"
+        self._roll_back(trainer, Signal("nonfinite_state", step, reason, "Rollback"))
+
+    def _before_scoring(self, trainer: pl.Trainer) -> None:
+        """Before validation scores the weights within a fit (every rank): roll back first when the state is not
+        finite. The metrics it computes name and rank the checkpoints written next (``ModelCheckpoint``'s monitor):
+        a rollback at the save instead would file the restored weights under the score of the ones replaced (a NaN in
+        a parameter the loss never reads, an embedding's unused row, leaves the validation loss finite), and a
+        checkpoint kept as the best would hold the fit's first weights."""
+        if "nonfinite_state" not in self.triggers:
+            return  # the checkpoint guard refuses such a save instead
+        check = self._check_live(trainer)
+        if check.finite:
+            return
+        step = int(trainer.global_step)
+        reason = f"Rollback: the {check.what} held inf/NaN{_quote(check.names)} when validation was to score them"
         self._roll_back(trainer, Signal("nonfinite_state", step, reason, "Rollback"))
 
     def _refuse_if_nonfinite(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
