@@ -122,6 +122,32 @@ def test_a_nonfinite_loss_never_enters_the_statistics(tmp_path: Path) -> None:
     assert detector.spikes == 0 and {s.kind for s in signals.signals} == {"nonfinite"}
 
 
+class HugeTarget(TinyRegressor):
+    """Eight unshuffled batches an epoch; sample 3 x 8 + 2 (batch 3) has a target of 1e30: that batch's loss
+    overflows to inf, its gradients stay finite (norms near 1e30)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        x, y = self.data.tensors
+        y = y.clone()
+        y[3 * self.batch_size + 2] = 1e30
+        self.data = TensorDataset(x, y)
+
+
+def test_a_skipped_steps_values_are_neither_tested_nor_learned(tmp_path: Path) -> None:
+    """The steps the detector skips (3, 11, 19: the batch holding the 1e30 target) never happened: their finite
+    gradient norms of 1e30 are no spike of the run's and never enter the gradient's statistics."""
+    detector = LossSpikeDetector(warmup=2)
+    signals = SignalLog()
+    _fit(tmp_path, [NonFiniteDetector(), detector, signals], HugeTarget(), max_steps=24)
+    skipped = sorted(s.step for s in signals.signals if s.kind == "nonfinite")
+    assert skipped == [3, 11, 19]
+    stats = detector._stats[0]
+    assert stats.count == [21.0, 21.0]
+    assert stats.mean[1] < 100.0  # the healthy steps' norms alone
+    assert detector.spikes == 0
+
+
 class OnesModel(pl.LightningModule):
     """100 weights and the loss ``sum(w)``: every gradient is exactly ``ones(100)``, of norm 10 (lr 0: w stays 0)."""
 

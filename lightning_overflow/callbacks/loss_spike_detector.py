@@ -269,7 +269,11 @@ class LossSpikeDetector(SuiteCallback):
 
     @override
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
-        """Test this step's loss and gradient norm (host values identical on every rank), then learn from them."""
+        """Test this step's loss and gradient norm (host values identical on every rank), then learn from them. A
+        skipped step never happened: its values, a rejected batch's, are neither tested nor learned (a target of 1e30
+        gave gradient norms of 3e30 that the gradient's statistics took in)."""
+        if record.skipped:
+            return
         grad = record.total_norm if self.check_grad_norm and record.grads_finite else math.nan
         values = [record.loss_mean, grad]
         stats = self._stats_for(record.optimizer_index)
