@@ -112,7 +112,8 @@ def summed_in_training(trainer: pl.Trainer, key: str) -> bool:
     :func:`put_back_epoch_sums` takes a skipped step's values out of. Not so for a torchmetrics ``Metric`` (the user's
     state) or a value logged at an epoch's end (computed by the user's code)."""
     names = {key, key.removesuffix("_epoch"), key.removesuffix("_step")}
-    entries = [e for e in _training_results(trainer).values() if getattr(getattr(e, "meta", None), "name", None) in names]
+    entries = [e for e in _training_results(trainer).values()
+               if getattr(getattr(e, "meta", None), "name", None) in names]  # fmt: skip
     return bool(entries) and all(_sums_over_the_epoch(e) and "epoch" not in str(e.meta.fx) for e in entries)
 
 
