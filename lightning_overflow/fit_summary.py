@@ -330,6 +330,20 @@ def _nonfinite(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]
     return lines
 
 
+def _below_one(factor: float) -> str:
+    """A factor below 1 to three significant digits, or to as many as it takes not to read as 1.
+
+    Example:
+        >>> _below_one(0.25), _below_one(0.99962)
+        ('0.25', '0.9996')
+    """
+    for digits in (3, 4, 5, 6):
+        text = f"{factor:.{digits}g}"
+        if factor >= 1 or float(text) < 1:
+            return text
+    return text
+
+
 def _faulted(events: list[Event]) -> str:
     """How many of the steps broke before they had a loss (the module raised on the bad values, or cut its loss from
     the graph), which the detector answered as inf/NaN losses: empty when none did."""
@@ -391,7 +405,7 @@ def _clips(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
     if not alone:  # none deep enough to journal: say how far they went
         smallest = min(float(e["details"].get("smallest_coef", 1.0)) for e in totals)
         return [f"{_count(total, 'step')} clipped by AutoClip (the gradient norm above its threshold; the deepest "
-                f"clip scaled the gradients by {smallest:.3g})"]  # fmt: skip
+                f"clip scaled the gradients by {_below_one(smallest)})"]  # fmt: skip
     # An agc threshold is a ratio of norms per unit, not a norm: its clips have no "x the threshold" to tell.
     ratios = [float(e["details"]["grad_norm"]) / float(e["details"]["threshold"]) for e in alone
               if e["details"].get("mode") != "agc" and _finite(e["details"].get("grad_norm"))

@@ -1146,11 +1146,16 @@ def _early_stops_on_nonfinite(trainer: pl.Trainer) -> list[tuple[str, dict[str, 
         number = float(value) if value is not None else math.nan
         if math.isfinite(number):
             continue
+        if _compat.logged_in_training(trainer, monitor):
+            why = ("A metric kept in state of its own (a torchmetrics Metric) averages the skipped steps' inf/NaN "
+                   "losses: log only finite values, or pass EarlyStopping(check_finite=False)")  # fmt: skip
+        else:  # validation computed it on the weights as they are: no skipped step's loss is in it
+            why = (f"{monitor!r} is not logged by a training hook: the model gave it on its weights as they were, "
+                   "which is no skipped step's doing; look at the data it was computed on and at the model's "
+                   "outputs")  # fmt: skip
         message = (
             f"EarlyStopping(monitor={monitor!r}) stopped the fit at step {trainer.global_step} because {monitor!r} "
-            f"was {number:g}, not finite: the weights returned are those of that step. A metric that averages the "
-            "inf/NaN losses of skipped steps is not finite: log only finite values, or pass "
-            "EarlyStopping(check_finite=False)"
+            f"was {number:g}, not finite: the weights returned are those of that step. {why}"
         )
         found.append((message, {"monitor": monitor, "value": number}))
     return found

@@ -197,3 +197,29 @@ def test_a_fit_early_stopping_ends_on_a_nonfinite_metric_says_so(tmp_path: Any) 
         "EarlyStopping(monitor='train_loss') stopped the fit at step 8 because 'train_loss' was nan, not finite: the "
         "weights returned are those of that step."
     )
+
+
+class NanValidation(TinyRegressor):
+    """Trains on clean data; its validation batch holds a NaN feature, so val_loss is NaN whatever the weights."""
+
+    def val_dataloader(self) -> Any:
+        x, y = self.data.tensors
+        x = x.clone()
+        x[0, 0] = float("nan")
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64)
+
+
+def test_early_stopping_on_a_nonfinite_validation_metric_is_not_blamed_on_skipped_steps(tmp_path: Any) -> None:
+    from lightning_overflow import read_journal
+
+    stopper = EarlyStopping(monitor="val_loss", patience=100)
+    trainer = fit(NanValidation(), [NonFiniteDetector(), stopper], max_steps=24, default_root_dir=str(tmp_path),
+                  limit_val_batches=1)  # fmt: skip
+    assert trainer.global_step == 8
+    (stopped,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "stopped"]
+    assert stopped["message"] == (
+        "EarlyStopping(monitor='val_loss') stopped the fit at step 8 because 'val_loss' was nan, not finite: the "
+        "weights returned are those of that step. 'val_loss' is not logged by a training hook: the model gave it on "
+        "its weights as they were, which is no skipped step's doing; look at the data it was computed on and at the "
+        "model's outputs"
+    )
