@@ -267,6 +267,25 @@ def test_the_ending_line_is_made_from_the_event_facts() -> None:
     assert plain_lines([ending(ratio=12.0)]) == ["as journaled" + ADVICE]  # facts missing: the message as journaled
 
 
+def test_the_rate_of_a_backoff_that_a_rollback_followed_is_not_quoted() -> None:
+    """A rollback at the backoff's step puts the schedule back to its snapshot's step: the rate the backoff set there
+    is not the one the run went on with (chemprop's warm-up restarted at 5e-5, not 0.000414)."""
+
+    def event(step: int, kind: str, **details: Any) -> dict[str, Any]:
+        return {"step": step, "kind": kind, "epoch": 0, "source": "x", "message": "", "details": details}
+
+    backoff = event(30, "backoff", optimizer=0, scale=0.5, lrs=[0.000414])
+    rollback = event(30, "rollback", signal="nonfinite_state", snapshot_step=0, rollbacks=1, budget_left=2)
+    assert plain_lines([backoff])[0] == (
+        "learning rate backed off once (step 30); it ends at 0.5x its schedule (0.000414 at step 30): consider "
+        "starting at 0.5x the learning rate"
+    )
+    assert plain_lines([backoff, rollback])[0] == (
+        "learning rate backed off once (step 30); it ends at 0.5x its schedule: consider starting at 0.5x the "
+        "learning rate"
+    )
+
+
 def test_suspicions_left_alone_at_the_floor_or_past_the_rollback_budget_are_said() -> None:
     def event(step: int, kind: str, source: str = "LossSpikeDetector", **details: Any) -> dict[str, Any]:
         return {"step": step, "kind": kind, "epoch": 0, "source": source, "message": f"{source}: {kind} at {step}",
