@@ -481,11 +481,15 @@ def _learning_rate(changes: list[Event], by_kind: dict[str, list[Event]]) -> lis
             back.append(f"regrown {_times(sum(e['kind'] == 'regrowth' for e in own))}")
         if any(e["kind"] == "undo" for e in own):
             back.append(f"taken back {_times(sum(e['kind'] == 'undo' for e in own))}")
-        # A rollback at or after that change put the schedule back to its snapshot's step: the rates then are not
-        # those the run went on with.
-        restarted = any(int(r["step"]) >= int(last["step"]) for r in by_kind.get("rollback", []))
+        # A rollback at or after that change put the schedule back to its snapshot's step: the rates the run went on
+        # with are those the rollback found once it was done.
+        when = last["step"]
+        restarts = [r for r in by_kind.get("rollback", []) if int(r["step"]) >= int(when)]
+        if restarts:
+            rates = restarts[-1]["details"].get("lrs") or []
+            lrs, when = (rates[index] if index < len(rates) else []), restarts[-1]["step"]
         if scale < 1:
-            now = f" ({_lrs(lrs)} at step {last['step']})" if lrs and not restarted else ""
+            now = f" ({_lrs(lrs)} at step {when})" if lrs else ""
             ending = f"ends at {scale:g}x its schedule{now}: consider starting at {scale:g}x the learning rate"
         else:
             ending = f"is back to its schedule from step {last['step']}"

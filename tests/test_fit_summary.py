@@ -280,9 +280,14 @@ def test_the_rate_of_a_backoff_that_a_rollback_followed_is_not_quoted() -> None:
         "learning rate backed off once (step 30); it ends at 0.5x its schedule (0.000414 at step 30): consider "
         "starting at 0.5x the learning rate"
     )
-    assert plain_lines([backoff, rollback])[0] == (
+    assert plain_lines([backoff, rollback])[0] == (  # a journal of an older release: no rates on the rollback
         "learning rate backed off once (step 30); it ends at 0.5x its schedule: consider starting at 0.5x the "
         "learning rate"
+    )
+    rollback["details"]["lrs"] = [[5e-5]]  # the rates once the rollback was done
+    assert plain_lines([backoff, rollback])[0] == (
+        "learning rate backed off once (step 30); it ends at 0.5x its schedule (5e-05 at step 30): consider starting "
+        "at 0.5x the learning rate"
     )
 
 

@@ -647,6 +647,8 @@ class Rollback(SuiteCallback):
         )
         details = {key: value for key, value in entry.items() if key != "step"}  # the event's own step
         details["fit_start"] = self._fit_start  # whether the restore returned to the state the fit started from
+        # The rates the run goes on with: the restored schedule's, as LRBackoff scaled them again.
+        details["lrs"] = [[float(group["lr"]) for group in optimizer.param_groups] for optimizer in trainer.optimizers]
         self._event(trainer, "rollback", message, **details, rollbacks=self.rollbacks, budget_left=left,
                     counted=not progress)  # fmt: skip
 
