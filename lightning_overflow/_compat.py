@@ -111,9 +111,7 @@ def summed_in_training(trainer: pl.Trainer, key: str) -> bool:
     tensor summed over the epoch by a hook of the batch (``training_step``, ``on_train_batch_end``...): sums
     :func:`put_back_epoch_sums` takes a skipped step's values out of. Not so for a torchmetrics ``Metric`` (the user's
     state) or a value logged at an epoch's end (computed by the user's code)."""
-    names = {key, key.removesuffix("_epoch"), key.removesuffix("_step")}
-    entries = [e for e in _training_results(trainer).values()
-               if getattr(getattr(e, "meta", None), "name", None) in names]  # fmt: skip
+    entries = _logged_as(trainer, key)
     return bool(entries) and all(_sums_over_the_epoch(e) and "epoch" not in str(e.meta.fx) for e in entries)
 
 
@@ -121,9 +119,13 @@ def logged_in_training(trainer: pl.Trainer, key: str) -> bool:
     """Whether a hook of the training loop (``training_step``, ``on_train_*``) logged ``key`` in this epoch so far,
     as ``key`` or its ``_step``/``_epoch`` forms: Lightning's training results (2.6.6:
     ``fit_loop.epoch_loop._results``, one entry per hook and name). Where a metric comes from, not how it is spelt."""
+    return bool(_logged_as(trainer, key))
+
+
+def _logged_as(trainer: pl.Trainer, key: str) -> list[Any]:
+    """The training results' entries that logged ``key``, as ``key`` or its ``_step``/``_epoch`` forms."""
     names = {key, key.removesuffix("_epoch"), key.removesuffix("_step")}
-    return any(getattr(getattr(value, "meta", None), "name", None) in names
-               for value in _training_results(trainer).values())  # fmt: skip
+    return [e for e in _training_results(trainer).values() if getattr(getattr(e, "meta", None), "name", None) in names]
 
 
 def clips_its_own_gradients(pl_module: Any) -> bool:

@@ -17,7 +17,7 @@ from lightning_overflow.diagnosis.hints import divergence_hint
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.fit_summary import opened_because
 from lightning_overflow.health import StepHealth
-from lightning_overflow.numerics.lr_scaling import scale_lr, schedules
+from lightning_overflow.numerics.lr_scaling import group_rates, scale_lr, schedules
 from lightning_overflow.policy import (
     DEFAULT_BACKOFF_TRIGGERS,
     REGROWTH,
@@ -141,7 +141,7 @@ class LRBackoff(SuiteCallback):
         self._reset()
 
     def _reset(self) -> None:
-        self._left: dict[int, list[float | None]] = {}  # each optimizer's group rates as the suite or a scheduler left them
+        self._left: dict[int, list[float | None]] = {}  # each optimizer's rates as the suite or a scheduler left them
         self._rewrites_told = False
         self.scales: list[float] = []
         self._cooldown_until: list[int] = []
@@ -539,4 +539,4 @@ def _kinds(signals: Sequence[Signal]) -> str:
 
 
 def _lrs(trainer: pl.Trainer, index: int) -> list[float]:
-    return [float(group["lr"]) for group in trainer.optimizers[index].param_groups]
+    return group_rates(trainer.optimizers[index])

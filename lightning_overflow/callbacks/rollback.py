@@ -45,6 +45,7 @@ from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
 from lightning_overflow.health import MAX_NAMES
+from lightning_overflow.numerics.lr_scaling import group_rates
 from lightning_overflow.numerics.snapshots import without_placeholders
 from lightning_overflow.policy import (
     DEFAULT_ROLLBACK_TRIGGERS,
@@ -387,9 +388,7 @@ class Rollback(SuiteCallback):
             self._refuse_checkpoint(trainer, check, "no snapshot verified finite is left to restore")
         if "nonfinite_state" not in self.triggers:
             self._refuse_checkpoint(trainer, check, "'nonfinite_state' is not among Rollback's triggers")
-        step = int(trainer.global_step)
-        reason = f"Rollback: the {check.what} held inf/NaN{_quote(check.names)} when a checkpoint was to be written"
-        self._roll_back(trainer, Signal("nonfinite_state", step, reason, "Rollback"))
+        self._roll_back_nonfinite(trainer, check, "when a checkpoint was to be written")
 
     def _before_scoring(self, trainer: pl.Trainer) -> None:
         """Before validation scores the weights within a fit (every rank): roll back first when the state is not
@@ -400,11 +399,13 @@ class Rollback(SuiteCallback):
         if "nonfinite_state" not in self.triggers:
             return  # the checkpoint guard refuses such a save instead
         check = self._check_live(trainer)
-        if check.finite:
-            return
-        step = int(trainer.global_step)
-        reason = f"Rollback: the {check.what} held inf/NaN{_quote(check.names)} when validation was to score them"
-        self._roll_back(trainer, Signal("nonfinite_state", step, reason, "Rollback"))
+        if not check.finite:
+            self._roll_back_nonfinite(trainer, check, "when validation was to score them")
+
+    def _roll_back_nonfinite(self, trainer: pl.Trainer, check: StateCheck, when: str) -> None:
+        """Roll back the live state that ``check`` found non-finite at a moment outside the step (``when``)."""
+        reason = f"Rollback: the {check.what} held inf/NaN{_quote(check.names)} {when}"
+        self._roll_back(trainer, Signal("nonfinite_state", int(trainer.global_step), reason, "Rollback"))
 
     def _refuse_if_nonfinite(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
         """A checkpoint assembled past the guard: refuse it when it holds inf/NaN (every rank)."""
@@ -648,7 +649,7 @@ class Rollback(SuiteCallback):
         details = {key: value for key, value in entry.items() if key != "step"}  # the event's own step
         details["fit_start"] = self._fit_start  # whether the restore returned to the state the fit started from
         # The rates the run goes on with: the restored schedule's, as LRBackoff scaled them again.
-        details["lrs"] = [[float(group["lr"]) for group in optimizer.param_groups] for optimizer in trainer.optimizers]
+        details["lrs"] = [group_rates(optimizer) for optimizer in trainer.optimizers]
         self._event(trainer, "rollback", message, **details, rollbacks=self.rollbacks, budget_left=left,
                     counted=not progress)  # fmt: skip
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_overflow._validation import check_float, check_type
 
-__all__ = ["GROUP_LR_KEYS", "SCHEDULER_LR_LISTS", "scale_lr", "scheduler_tree", "schedules"]
+__all__ = ["GROUP_LR_KEYS", "SCHEDULER_LR_LISTS", "group_rates", "scale_lr", "scheduler_tree", "schedules"]
 
 GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 """Param-group keys holding a learning rate (``initial_lr``: every ``LRScheduler``; ``max_lr``/``min_lr``:
@@ -67,6 +67,11 @@ def scheduler_tree(scheduler: Any) -> Iterator[Any]:
         yield current
         children = getattr(current, "_schedulers", None) or ()
         stack.extend(reversed(list(children)))
+
+
+def group_rates(optimizer: torch.optim.Optimizer) -> list[float]:
+    """Each param group's learning rate, as a number (the journal's record of the rates a run goes on with)."""
+    return [float(group["lr"]) for group in optimizer.param_groups]
 
 
 def scale_lr(optimizer: torch.optim.Optimizer, factor: float, schedulers: Iterable[Any] = ()) -> None:
