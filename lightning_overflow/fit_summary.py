@@ -228,23 +228,41 @@ def ending_words(facts: Mapping[str, Any]) -> str:
 def behind_a_restore(events: Iterable[Event], last_step: int) -> tuple[str, dict[str, Any]] | None:
     """The fit ended closer to its last rollback's snapshot than to the step the rollback was made at: the weights
     returned hold less training than the run had then. A certain fault restores without a verdict, so this is said
-    in plain words (the message and the facts of a ``behind`` event); ``None`` when the fit trained past it."""
+    in plain words (the message and the facts of a ``behind`` event); ``None`` when the fit trained past it. A
+    remedy a trial kept trained from the snapshot while the trial ran (the trial event's ``steps``): its steps count
+    as training the weights hold."""
+    events = list(events)
     restores = [e for e in events if e["kind"] == "rollback" and e["details"].get("snapshot_step") is not None]
     if not restores:
         return None
     last = restores[-1]
     made, target = int(last["step"]), int(last["details"]["snapshot_step"])
-    lost, after = made - target, last_step - made
+    remedy = 0
+    if last["details"].get("source") == "trial":
+        trained = [int(e["details"].get("steps") or 0) for e in events
+                   if e["kind"] == "trial" and int(e["step"]) == made]  # fmt: skip
+        remedy = trained[-1] if trained else 0
+    lost, after = made - target - remedy, last_step - made
     if lost <= 0 or after >= lost:
         return None
     origin = "the state the fit started from" if target == last["details"].get("fit_start") else f"step {target}"
     reason = str(last["details"].get("reason", ""))
-    message = (
-        f"the fit ended {_count(after, 'step')} after the rollback at step {made} to {origin}"
-        f"{f' (after {_words(reason)})' if reason else ''}: the weights returned hold the training up to step "
-        f"{target} and {_count(after, 'step')} since; the {_count(lost, 'step')} before the rollback are not in them"
-    )
-    return message, {"rollback_step": made, "snapshot_step": target, "lost_steps": lost, "steps_after": after}
+    because = f" (after {_words(reason)})" if reason else ""
+    if remedy:
+        message = (
+            f"the fit ended {_count(after, 'step')} after the trial at step {made} kept a remedy that restarted from "
+            f"{origin}{because}: the weights returned hold the training up to step {target}, the remedy's "
+            f"{_count(remedy, 'step')} at a lower learning rate and {_count(after, 'step')} since; the "
+            f"{_count(lost + remedy, 'step')} the run had trained past step {target} are not in them"
+        )
+    else:
+        message = (
+            f"the fit ended {_count(after, 'step')} after the rollback at step {made} to {origin}{because}: the "
+            f"weights returned hold the training up to step {target} and {_count(after, 'step')} since; the "
+            f"{_count(lost, 'step')} before the rollback are not in them"
+        )
+    facts = {"rollback_step": made, "snapshot_step": target, "lost_steps": lost, "steps_after": after}
+    return message, {**facts, "remedy_steps": remedy} if remedy else facts
 
 
 def plain_lines(events: Iterable[Event]) -> list[str]:

@@ -93,6 +93,25 @@ def test_a_fit_that_ends_behind_its_last_rollback_says_so() -> None:
     )
 
 
+def test_a_kept_remedy_counts_the_steps_it_trained_from_the_snapshot() -> None:
+    """A trial opened after step 159 kept, at step 200, the remedy that restarted from step 0: the weights hold its 40
+    steps, not none."""
+    kept = _rollback(200, 0, reason="no_progress")
+    kept["details"]["source"] = "trial"
+    trial = {"step": 200, "kind": "trial", "rank": 0, "source": "lightning_overflow", "message": "",
+             "details": {"opened_at": 159, "steps": 40, "kept": True}}  # fmt: skip
+    message, facts = behind_a_restore([trial, kept], last_step=210)  # type: ignore[misc]
+    assert message == (
+        "the fit ended 10 steps after the trial at step 200 kept a remedy that restarted from the state the fit "
+        "started from (after the loss stalled short of half its start): the weights returned hold the training up to "
+        "step 0, the remedy's 40 steps at a lower learning rate and 10 steps since; the 200 steps the run had trained "
+        "past step 0 are not in them"
+    )
+    assert facts == {"rollback_step": 200, "snapshot_step": 0, "lost_steps": 160, "steps_after": 10,
+                     "remedy_steps": 40}  # fmt: skip
+    assert behind_a_restore([trial, kept], last_step=360) is None  # 160 steps since: as many as the run lost
+
+
 def test_a_rollback_on_the_last_step_ends_the_summary_with_what_was_lost(tmp_path: Any) -> None:
     model = TinyRegressor()
     callbacks = default_callbacks(snapshot_every_n_steps=4) + [FaultInjector(Fault(step=15, kind="nan_weight"))]
