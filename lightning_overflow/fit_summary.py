@@ -385,8 +385,11 @@ def _diagnosis_words(picked: list[Event], verdicts: Counter[str]) -> str:
             parts.append(share + words)
     origin = next((d["origin"] for e in picked if (d := e["details"].get("diagnosis") or {}).get("origin")), None)
     if origin:
-        parts.append(f"first in {origin.get('module') or 'training_step'} ({origin.get('op')}, "
-                     f"{origin.get('direction')} pass)")  # fmt: skip
+        module = origin.get("module")
+        # Named as the diagnosis names it: outside every module, the code that computed the loss (training_step, or
+        # a plain loop's loss_fn); "" is the root module.
+        where = (origin.get("outside") or "training_step") if module is None else (module or "the root module")
+        parts.append(f"first in {where} ({origin.get('op')}, {origin.get('direction')} pass)")
     hint = next((d["hint"] for e in picked if (d := e["details"].get("diagnosis") or {}).get("hint")), "")
     text = f" ({'; '.join(parts)})" if parts else ""
     return f"{text}; try: {hint}" if hint else text
@@ -616,11 +619,13 @@ def _aborts(aborts: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
 
 
 def _generic(kind: str, events: list[Event]) -> str:
-    message = str(events[0].get("message", ""))
+    message = str(events[0].get("message", "")).rstrip(".")
     for prefix in ("lightning_overflow: ",) + tuple(f"{e.get('source')}: " for e in events[:1]):
         message = message.removeprefix(prefix)
     more = f" ({_times(len(events))}, {_at(events)})" if len(events) > 1 else ""
-    return f"{message}{more}"
+    # A suspicion no trial, backoff or rollback answered (none could run, or none acts on it at once): said so.
+    told = "; told only, nothing was done about it" if kind in SUSPICION_WORDS else ""
+    return f"{message}{more}{told}"
 
 
 _DESCRIBERS: tuple[tuple[tuple[str, ...], Callable[[list[Event], dict[str, list[Event]]], list[str]]], ...] = (

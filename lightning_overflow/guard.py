@@ -79,7 +79,9 @@ class StepOutcome:
     """What :meth:`Guard.step` did with one optimizer step.
 
     Attributes:
-        step: the step's index (``global_step`` before it; every step counts, skipped or not).
+        step: the step's index (``global_step`` before it; every step counts, skipped or not). What the suite does
+            at the end of the step (a backoff, a rollback) is journaled at ``step + 1``, the ``global_step`` a
+            Trainer reads then, as under the Trainer.
         skipped: the step was a no-op (the optimizer was not called); ``skip_reason`` says why.
         clipped: the gradients were clipped (``AutoClip`` scaled them down).
         backed_off: the learning rate was backed off at the end of this step (``LRBackoff``).

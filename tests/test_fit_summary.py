@@ -319,7 +319,10 @@ def test_suspicions_left_alone_at_the_floor_or_past_the_rollback_budget_are_said
     )
     above_the_floor = dict(backoff, details={**backoff["details"], "scale": 0.01})
     assert left_alone([above_the_floor, event(150, "loss_divergence")]) is None
-    assert plain_lines([above_the_floor, event(150, "loss_divergence")])[1] == "loss_divergence at 150"  # as before
+    # Not left alone for want of a remedy, yet nothing answered it (no trial, no trigger): the line says so.
+    assert plain_lines([above_the_floor, event(150, "loss_divergence")])[1] == (
+        "loss_divergence at 150; told only, nothing was done about it"
+    )
 
 
 def test_plain_lines_group_shuffled_data_faults_and_tell_trials() -> None:
@@ -394,6 +397,26 @@ def test_steps_that_broke_before_their_loss_are_counted_in_their_line() -> None:
     ]
     assert plain_lines([event(5, "nonfinite", where="loss"), event(5, "skip")]) == [
         "1 step skipped: the loss was inf/NaN at step 5"  # nothing raised: the line as before
+    ]
+
+
+@pytest.mark.parametrize(
+    ("module", "outside", "named"),
+    [(None, "loss_fn", "loss_fn"), (None, "training_step", "training_step"), ("", "training_step", "the root module"),
+     ("blocks.0.attn", "training_step", "blocks.0.attn")],
+)
+def test_the_summary_names_where_a_value_first_went_non_finite_as_the_diagnosis_does(
+    module: str | None, outside: str, named: str
+) -> None:
+    """Outside every module: the code that computed the loss (a plain loop's ``loss_fn`` under ``Guard.train_step``,
+    not ``training_step``); ``""``: the root module."""
+    origin = {"direction": "forward", "op": "mul", "module": module, "outside": outside}
+    details = {"where": "loss", "diagnosis": {"verdict": "persistent", "origin": origin}}
+    found = {"step": 5, "kind": "nonfinite", "epoch": 0, "source": "x", "message": "", "details": details}
+    skip = {"step": 5, "kind": "skip", "epoch": 0, "source": "x", "message": "", "details": {}}
+    assert plain_lines([found, skip]) == [
+        f"1 step skipped: the loss was inf/NaN at step 5 (reproduced on replay: the data or the model; first in {named} "
+        "(mul, forward pass))"
     ]
 
 

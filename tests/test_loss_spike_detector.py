@@ -588,7 +588,7 @@ def test_a_loss_that_never_leaves_its_start_level_is_suspected_of_not_learning_a
     kind, reason = evidence.observe(4.0, spike=False, **LEVEL, no_progress=True)
     assert kind == "no_progress" and reason == (
         "has stalled short of half its starting level: its level over about 4 healthy steps is 4, 1x its starting "
-        "level 4, with no new low by 0.05x that level in 50 healthy steps (the last low 4)"
+        "level 4, with no new low 5% of that start (0.2) below the last low (4, so below 3.8) in 50 healthy steps"
     )
 
 
@@ -632,8 +632,8 @@ def test_a_run_that_learned_and_came_back_to_its_start_is_suspected_50_steps_aft
     # down was 2.08, the last new low by 0.2 before it.
     assert kind == "no_progress" and reason == (
         "came back up to its starting level after it had come down to 1.648, and has stalled: its level over about 4 "
-        "healthy steps is 4.5, 1.12x its starting level 4, with no new low by 0.05x that level in 50 healthy steps "
-        "(the last low on its way down 2.08)"
+        "healthy steps is 4.5, 1.12x its starting level 4, with no new low 5% of that start (0.2) below the last low "
+        "on its way down (2.08, so below 1.88) in 50 healthy steps"
     )
     # Short of its start (3.9 of 4) the run that learned is never suspected of not learning.
     evidence = DivergenceEvidence()

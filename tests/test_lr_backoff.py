@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import assert_bit_identical, make_trainer, weights
+from conftest import assert_bit_identical, fit, make_trainer, weights
 from ddp_utils import run_ddp
 from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.loggers import CSVLogger
+from test_trials import Suspect
 from torch.optim import lr_scheduler as sched
 
-from lightning_overflow import DivergenceError, NonFiniteDetector, default_callbacks
+from lightning_overflow import DivergenceError, NonFiniteDetector, Rollback, TrialConfig, default_callbacks
 from lightning_overflow.callbacks.loss_spike_detector import LossSpikeDetector
 from lightning_overflow.callbacks.lr_backoff import DEFAULT_TRIGGERS, LRBackoff
 from lightning_overflow.events import read_journal
@@ -549,6 +550,93 @@ def test_a_rate_the_module_writes_itself_is_held_at_factor_times_it(model_class:
     assert "by code outside its schedulers" in told["message"]
 
 
+@pytest.mark.parametrize("model_class", [PostStepWarmup, PreStepWarmup])
+def test_a_resumed_run_holds_the_rate_its_module_writes_from_the_first_step(model_class: type, tmp_path: Path) -> None:
+    """The rates the suite last left are in the checkpoint: the first rate the module writes after the resume is held
+    at the backoff's scale, as in the uninterrupted run (without them it trained one step at twice the rate)."""
+
+    def fit_to(steps: int, root: str, ckpt: Path | None = None) -> tuple[pl.Trainer, UpdateLR]:
+        burst = FaultInjector(*(Fault(step=s, kind="nan_loss") for s in (20, 21, 22)))
+        seen = UpdateLR()
+        trainer = make_trainer([NonFiniteDetector(), burst, backoff_on_spikes(), seen], max_steps=steps,
+                               default_root_dir=str(tmp_path / root))  # fmt: skip
+        trainer.fit(model_class(lr=WARMUP_LR), ckpt_path=None if ckpt is None else str(ckpt))
+        return trainer, seen
+
+    _, whole_lrs = fit_to(40, "a")
+    first, _ = fit_to(30, "b")
+    ckpt = tmp_path / "b" / "stop.ckpt"
+    first.save_checkpoint(ckpt)
+    _, resumed_lrs = fit_to(40, "b", ckpt)
+    assert resumed_lrs.lrs == {s: whole_lrs.lrs[s] for s in range(30, 40)}
+    assert resumed_lrs.lrs[30] == 0.5 * warmup_rate(29 if model_class is PostStepWarmup else 30)
+
+
+@pytest.mark.parametrize("model_class", [PostStepWarmup, PreStepWarmup])
+def test_a_resumed_run_holds_the_rate_its_module_writes_from_the_first_step(model_class: type, tmp_path: Path) -> None:
+    """What the suite left in each param group, and at which scale, is in the checkpoint's optimizer state: the first
+    rate the module writes after the resume is held at the backoff's scale, as in the uninterrupted run (without it,
+    that step trained at twice the rate)."""
+
+    def fit_to(steps: int, root: str, ckpt: Path | None = None) -> tuple[pl.Trainer, UpdateLR]:
+        burst = FaultInjector(*(Fault(step=s, kind="nan_loss") for s in (20, 21, 22)))
+        seen = UpdateLR()
+        trainer = make_trainer([NonFiniteDetector(), burst, backoff_on_spikes(), seen], max_steps=steps,
+                               default_root_dir=str(tmp_path / root))  # fmt: skip
+        trainer.fit(model_class(lr=WARMUP_LR), ckpt_path=None if ckpt is None else str(ckpt))
+        return trainer, seen
+
+    _, whole = fit_to(40, "a")
+    first, _ = fit_to(30, "b")
+    ckpt = tmp_path / "b" / "stop.ckpt"
+    first.save_checkpoint(ckpt)
+    _, resumed = fit_to(40, "b", ckpt)
+    assert resumed.lrs == {s: whole.lrs[s] for s in range(30, 40)}
+    assert resumed.lrs[30] == 0.5 * warmup_rate(29 if model_class is PostStepWarmup else 30)
+
+
+class SabotagedWarmup(TinyRegressor):
+    """At step 30 the first layer's weights are multiplied by 30 (the loss stays high); the module writes its own
+    rate, 0.01, into the param groups before every step."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == 30:
+            with torch.no_grad():
+                self.net[0].weight.mul_(30.0)
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = 0.01
+
+
+def test_a_remedy_a_trial_keeps_is_held_at_its_rate_where_the_module_writes_its_own() -> None:
+    """The sabotaged state, suspected at step 31, is tried; the remedy kept (the snapshot of step 30 at half the
+    rate) trains at half the rate the module writes from then on, exactly as the run that backed off at once, without
+    a trial (it used to train at the module's full rate for good: the backoff was lost)."""
+    finals, seen = [], []
+    for trial in (TrialConfig(remedies=1), None):
+        torch.manual_seed(0)
+        model, used = SabotagedWarmup(), UpdateLR()
+        suite = [Suspect(31), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial), used]
+        fit(model, suite, max_steps=80)
+        finals.append(weights(model))
+        seen.append(used.lrs)
+        assert [(h["step"], h["snapshot_step"]) for h in suite[2].history] == ([(52, 30)] if trial else [(32, 30)])
+    assert all(seen[0][s] == seen[1][s] == 0.005 for s in range(52, 80))
+    assert_bit_identical(finals[0], finals[1])
+
+
+def test_a_frozen_trial_trains_its_remedy_at_the_remedys_scale_of_the_rate_the_module_writes() -> None:
+    """In ``"frozen"`` mode the loop trains the remedy: from the trial's first step, at half the rate the module
+    writes (it used to train at the module's full rate, so the trial compared the snapshot at the same rate)."""
+    torch.manual_seed(0)
+    used = UpdateLR()
+    trial = TrialConfig(remedies=1, mode="frozen")
+    fit(SabotagedWarmup(), [Suspect(31), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial), used],
+        max_steps=60)  # fmt: skip
+    assert all(used.lrs[s] == 0.01 for s in range(32))
+    assert all(used.lrs[s] == 0.005 for s in range(32, 52))  # the remedy, trained live during the trial
+    assert all(used.lrs[s] == 0.0025 for s in range(52, 60))  # kept; the next rung trains a lower rate live
+
+
 def test_a_scheduled_rate_is_not_taken_for_one_the_module_wrote(tmp_path: Path) -> None:
     burst = FaultInjector(*(Fault(step=s, kind="nan_loss") for s in (20, 21, 22)))
     model = TinyRegressor(scheduler=SCHEDULERS["ExponentialLR"])
@@ -591,3 +679,41 @@ def test_a_plain_loop_that_sets_its_rate_each_step_is_held_at_factor_times_it(tm
     assert all(used[s] == warmup_rate(s) for s in range(20))
     assert all(used[s] == 0.5 * warmup_rate(s) for s in range(23, 40))
     assert [e.kind for e in guard.events if e.kind in ("backoff", "lr_rewritten")] == ["backoff", "lr_rewritten"]
+def test_a_plain_loop_resumed_after_a_backoff_holds_the_rate_it_writes_from_the_first_step(tmp_path: Path) -> None:
+    """litgpt's loop resumed from its own checkpoint (model, optimizer, the guard's state): the rate it writes at the
+    first step after the resume trains at the backoff's scale, as in the uninterrupted run."""
+    from lightning_overflow import Guard
+
+    x, y = torch.randn(40, 8, 4, generator=torch.Generator().manual_seed(1)), torch.zeros(40, 8, 1)
+
+    def train(steps: range, state: dict[str, Any] | None = None) -> tuple[dict[int, float], dict[str, Any]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=WARMUP_LR)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        used: dict[int, float] = {}
+        with Guard(model, optimizer, callbacks=[NonFiniteDetector(), backoff_on_spikes()], default_root_dir=tmp_path,
+                   state=None if state is None else state["guard"]) as guard:  # fmt: skip
+            def note(opt: torch.optim.Optimizer, *_: Any) -> None:
+                used[guard.global_step] = opt.param_groups[0]["lr"]
+
+            optimizer.register_step_pre_hook(note)
+            for step in steps:
+                for group in optimizer.param_groups:
+                    group["lr"] = warmup_rate(step)
+                scale = math.nan if step in (20, 21, 22) else 1.0
+                loss = torch.nn.functional.mse_loss(model(x[step]), y[step]) * scale
+                loss.backward()
+                guard.step(loss)
+            saved = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict()),
+                     "guard": copy.deepcopy(guard.state_dict())}  # fmt: skip
+        return used, saved
+
+    whole, _ = train(range(40))
+    _, saved = train(range(30))
+    resumed, _ = train(range(30, 40), saved)
+    assert resumed == {s: whole[s] for s in range(30, 40)} and resumed[30] == 0.5 * warmup_rate(30)
+
+

@@ -673,10 +673,12 @@ class DivergenceEvidence:
         else:  # a relapse: progress is a new low below the last one on its way down
             what = f"came back up to its starting level after it had come down to {relapsed:.4g}, and has stalled"
             low = "the last low on its way down"
+        mark, margin = self.progress.mark, NO_PROGRESS_MARGIN * self.start
         return "no_progress", (
             f"{what}: its level over about {window} healthy steps is {self.level:.4g}, {self.level / self.start:.3g}x "
-            f"its starting level {self.start:.4g}, with no new low by {NO_PROGRESS_MARGIN:g}x that level in "
-            f"{NO_PROGRESS_STEPS} healthy steps ({low} {self.progress.mark:.4g})"
+            f"its starting level {self.start:.4g}, with no new low {NO_PROGRESS_MARGIN:.0%} of that start "
+            f"({margin:.4g}) below {low} ({mark:.4g}, so below {mark - margin:.4g}) in {NO_PROGRESS_STEPS} healthy "
+            "steps"
         )
 
     def _restart_level(self) -> None:

@@ -108,7 +108,10 @@ class LRBackoff(SuiteCallback):
     A rate your own code writes into the param groups (a warm-up in ``optimizer_step``, as Lightning's docs show one,
     or in a hook) is held too: while the scale is below 1, a rate that changed since the suite or a scheduler last
     set it is multiplied by the scale before the optimizer reads it, and the first such rate of a fit is told once
-    (``"lr_rewritten"``). A rate held as a tensor is left as your code writes it.
+    (``"lr_rewritten"``). What the suite left, and the scale, are an entry of each param group
+    (``"lightning_overflow_held"``: ``[rate, scale]``), so they travel with the optimizer state: into checkpoints
+    (a resumed run holds the first rate it writes), snapshots and a trial's candidates (each is held at its own
+    scale). A rate held as a tensor is left as your code writes it.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -141,7 +144,6 @@ class LRBackoff(SuiteCallback):
         self._reset()
 
     def _reset(self) -> None:
-        self._left: dict[int, list[float | None]] = {}  # each optimizer's rates as the suite or a scheduler left them
         self._rewrites_told = False
         self.scales: list[float] = []
         self._cooldown_until: list[int] = []
@@ -165,6 +167,16 @@ class LRBackoff(SuiteCallback):
         super().setup(trainer, pl_module, stage)
         if stage == "fit":  # a new fit starts at the configured LR; a resumed one loads its state right after this
             self._reset()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        # After a resume's optimizer state is loaded: a group that holds no entry (a new fit, a checkpoint of an
+        # earlier release) gets one at the scale of the state just loaded, before any snapshot or candidate copies it.
+        self._track(len(trainer.optimizers), int(trainer.global_step))
+        for index, optimizer in enumerate(trainer.optimizers):
+            if any(HELD not in group for group in optimizer.param_groups):
+                _hold(optimizer, self.scales[index])
 
     @override
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
@@ -217,7 +229,7 @@ class LRBackoff(SuiteCallback):
             old = self.scales[index]
             first = min(signals, key=lambda s: s.step)
             new = max(old * self.factor, self.min_scale)
-            self._apply(trainer, index, new / old)
+            self._apply(trainer, index, new / old, new)
             self.scales[index] = new
             self._cooldown_until[index] = first.step + self.cooldown
             last_regrowth = self._last_regrowth[index]
@@ -283,7 +295,7 @@ class LRBackoff(SuiteCallback):
     def _regrow(self, trainer: pl.Trainer, index: int, step: int) -> None:
         old = self.scales[index]
         new = min(1.0, old / self.factor)
-        self._apply(trainer, index, new / old)
+        self._apply(trainer, index, new / old, new)
         self.scales[index] = new
         self._stable_since[index] = step
         self._last_regrowth[index] = step
@@ -307,45 +319,46 @@ class LRBackoff(SuiteCallback):
             self._windows.append(self.regrow_after or 0)
             self._last_regrowth.append(-1)
 
-    def _apply(self, trainer: pl.Trainer, index: int, ratio: float) -> None:
+    def _apply(self, trainer: pl.Trainer, index: int, ratio: float, scale: float) -> None:
+        """Multiply optimizer ``index``'s rates (and its schedule) by ``ratio``; the state then holds ``scale``."""
         if ratio != 1.0:
             scale_lr(trainer.optimizers[index], ratio, _schedulers(trainer, index))
-        self._left[index] = _rates(trainer.optimizers[index])
+        _hold(trainer.optimizers[index], scale)
 
     # ---- rates written by the module's own code -----------------------------------------------------------------
     @override
     def _contribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepHealth) -> None:
         """Before the optimizer reads its rates (this stage runs ahead of the update): a rate that changed since the
         suite or a scheduler last set it was written by the module's own code (a warm-up in ``optimizer_step``, as
-        Lightning's docs write one), which knows nothing of the backoff: the backoff's scale is applied to it."""
-        index = record.optimizer_index
-        if index >= len(self.scales) or self.scales[index] == 1.0:
-            return
-        if self.board(trainer).trials.active:  # a candidate's rates come and go with it
-            self._left.clear()
-            return
-        optimizer = trainer.optimizers[index]
-        rates = _rates(optimizer)
-        known = [v for v in (self._left.get(index), *_scheduled(trainer, index))
-                 if v is not None and len(v) == len(rates)]  # fmt: skip
-        self._left[index] = rates
-        written = [g for g, now in enumerate(rates) if known and now is not None and all(now != k[g] for k in known)]
-        if not written:
-            return
-        scale = self.scales[index]
-        for g in written:
-            optimizer.param_groups[g]["lr"] = rates[g] * scale
-        self._left[index] = _rates(optimizer)
-        if not self._rewrites_told:
+        Lightning's docs write one, or a loop's own schedule), which knows nothing of the backoff: the scale the state
+        holds is applied to it. The entry that says which rate the suite left, and at which scale, lives in the param
+        group (:data:`HELD`): it goes wherever the state goes (a snapshot, a trial's candidate, a checkpoint), so the
+        live state is always held at its own scale, from the first step after a resume or a trial."""
+        optimizer = trainer.optimizers[record.optimizer_index]
+        written: list[tuple[int, float, float]] = []
+        scheduled: list[list[float | None]] | None = None
+        for g, group in enumerate(optimizer.param_groups):
+            held, now = group.get(HELD), group.get("lr")
+            if held is None or not isinstance(now, (int, float)) or isinstance(now, bool) or now == held[0]:
+                continue  # a tensor rate is never compared: reading it would cost a host read
+            if scheduled is None:
+                scheduled = _scheduled(trainer, record.optimizer_index)
+            scale = held[1]
+            if scale != 1.0 and not any(g < len(rates) and rates[g] == now for rates in scheduled):
+                written.append((g, now, scale))
+                group["lr"] = now = now * scale
+            group[HELD] = [now, scale]
+        if written and not self._rewrites_told:
             self._rewrites_told = True
+            groups, rates, scale = [g for g, _, _ in written], [r for _, r, _ in written], written[0][2]
             self._event(
                 trainer, "lr_rewritten",
-                f"LRBackoff: at step {record.step} the learning rate of optimizer {index} (group(s) "
-                f"{', '.join(map(str, written))}) was set to {_numbers([rates[g] for g in written])} by code outside "
-                f"its schedulers (a warm-up in optimizer_step or a hook?): the backoff holds, so every rate written "
-                f"this way is multiplied by {scale:.4g} (now {_numbers([rates[g] * scale for g in written])}). To have "
-                "the suite scale your schedule without this, set the rate through an LR scheduler.",
-                optimizer=index, groups=written, written=[rates[g] for g in written], scale=scale,
+                f"LRBackoff: at step {record.step} the learning rate of optimizer {record.optimizer_index} (group(s) "
+                f"{', '.join(map(str, groups))}) was set to {_numbers(rates)} by code outside its schedulers (your own "
+                f"warm-up or schedule, written into the param groups): the backoff holds, so every rate written this "
+                f"way is multiplied by {scale:.4g} (now {_numbers([r * scale for r in rates])}). To have the suite "
+                "scale your schedule without this, set the rate through an LR scheduler.",
+                optimizer=record.optimizer_index, groups=groups, written=rates, scale=scale,
             )  # fmt: skip
 
     def _remember(self, action: str, step: int, index: int, kinds: str, reason: str, scale: float) -> dict[str, Any]:
@@ -372,7 +385,7 @@ class LRBackoff(SuiteCallback):
             scales[index] = min(1.0, max(self.scales[index] * self.factor**power, self.min_scale))
         for index, scale in enumerate(scales):
             was = then[index] if index < len(then) else (1.0 if snapshot is not None else self.scales[index])
-            self._apply(trainer, index, scale / was)
+            self._apply(trainer, index, scale / was, scale)
         changed = [index for index in concerned if scales[index] != self.scales[index]]
         factor = scales[changed[0]] / self.scales[changed[0]] if changed else 1.0
         return scales, factor
@@ -381,7 +394,6 @@ class LRBackoff(SuiteCallback):
     def _after_trial(self, trainer: pl.Trainer, outcome: TrialOutcome) -> None:
         """A kept remedy's learning rate is the run's now: a backoff, journaled as one. A discarded one changes
         nothing (the incumbent kept its own)."""
-        self._left.clear()  # the rates of the state the trial kept
         scales = outcome.remedy.scales
         step = outcome.step
         trial = outcome.trial
@@ -422,7 +434,7 @@ class LRBackoff(SuiteCallback):
             then = snapshot[index] if index < len(snapshot) else 1.0
             bound = [s for s in bounds if s.optimizer_index == index]
             if bound and then > scale:
-                self._apply(trainer, index, then / scale)
+                self._apply(trainer, index, then / scale, then)
                 self._take_back(trainer, index, then, bound[0])
 
     # ---- counters, rollback and state -------------------------------------------------------------------------
@@ -458,12 +470,12 @@ class LRBackoff(SuiteCallback):
             bound = [s for s in bounds if s.optimizer_index == index]
             if bound and then > scale:
                 self._take_back(trainer, index, then, bound[0])  # the restored state carries the snapshot's rate
+                _hold(trainer.optimizers[index], then)
             else:
-                self._apply(trainer, index, scale / then)
+                self._apply(trainer, index, scale / then, scale)
             # The state that diverged is undone: a divergence of the restored state at this scale is new evidence,
             # and backs off further at once rather than waiting out the cooldown of the backoff just made.
             self._cooldown_until[index] = min(self._cooldown_until[index], step)
-            self._left[index] = _rates(trainer.optimizers[index])
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -509,9 +521,16 @@ def _schedulers(trainer: pl.Trainer, index: int) -> list[Any]:
     ]
 
 
-def _rates(optimizer: Any) -> list[float | None]:
-    """Each param group's rate as a number."""
-    return _as_numbers(group.get("lr") for group in optimizer.param_groups)
+HELD = "lightning_overflow_held"
+"""The param-group entry ``[rate, scale]``: the rate the suite (or a scheduler) last left in the group, and the
+backoff's scale the state holds. A rate found changed, and not by a scheduler, was written by the module's code."""
+
+
+def _hold(optimizer: Any, scale: float) -> None:
+    """Note in each param group the rate it has now and the scale the state holds (tensor rates are never held)."""
+    for group, rate in zip(optimizer.param_groups, _as_numbers(group.get("lr") for group in optimizer.param_groups)):
+        if rate is not None:
+            group[HELD] = [rate, scale]
 
 
 def _scheduled(trainer: pl.Trainer, index: int) -> list[list[float | None]]:
