@@ -571,6 +571,8 @@ class Guard:
 
     @property
     def journal_path(self) -> Path | None:
+        """Where the journal goes: the file is written with the run's first event, so a run where nothing happened
+        leaves none."""
         return self.board.journal.path
 
     def _hook(self, name: str, *args: Any) -> None:
@@ -786,7 +788,8 @@ class Guard:
 
     def close(self) -> None:
         """End the run: the state is checked once more (inf/NaN left in it is restored or said), the fit summary is
-        printed, the journal is written and uploaded, and the callbacks are released. Idempotent."""
+        printed, the journal is written and uploaded (a run without any event has none), and the callbacks are
+        released. Idempotent."""
         if self._closed:
             return
         with self._guarded():

@@ -338,16 +338,18 @@ class LRBackoff(SuiteCallback):
         written: list[tuple[int, float, float]] = []
         scheduled: list[list[float | None]] | None = None
         for g, group in enumerate(optimizer.param_groups):
-            held, now = group.get(HELD), group.get("lr")
-            if held is None or not isinstance(now, (int, float)) or isinstance(now, bool) or now == held[0]:
+            held = group.get(HELD)
+            if held is None or held[1] == 1.0:
+                continue  # nothing to hold (a healthy run costs no more); a new scale comes with a new entry
+            now = group.get("lr")
+            if not isinstance(now, (int, float)) or isinstance(now, bool) or now == held[0]:
                 continue  # a tensor rate is never compared: reading it would cost a host read
             if scheduled is None:
                 scheduled = _scheduled(trainer, record.optimizer_index)
-            scale = held[1]
-            if scale != 1.0 and not any(g < len(rates) and rates[g] == now for rates in scheduled):
-                written.append((g, now, scale))
-                group["lr"] = now = now * scale
-            group[HELD] = [now, scale]
+            if not any(g < len(rates) and rates[g] == now for rates in scheduled):
+                written.append((g, now, held[1]))
+                group["lr"] = now = now * held[1]
+            group[HELD] = [now, held[1]]
         if written and not self._rewrites_told:
             self._rewrites_told = True
             groups, rates, scale = [g for g, _, _ in written], [r for _, r, _ in written], written[0][2]
