@@ -820,6 +820,23 @@ class Guard:
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks if hasattr(cb, "state_key")},
         }
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Refused: a guard's state is loaded as it is built (``Guard(..., state=...)``), between its callbacks'
+        setup and the start of training, as a Trainer resumes. The method is here so that a guard put in the state
+        ``fabric.save`` writes is saved through :meth:`state_dict` (Fabric treats an object with both as stateful).
+
+        Raises:
+            RuntimeError: always, saying how to resume instead.
+        """
+        raise RuntimeError(
+            "Guard.load_state_dict: a guard's state is loaded as the guard is built, before training starts, not into "
+            f"a guard that has already started (this one is at step {self.host.global_step}). Build the guard of the "
+            "resumed run after loading the model and optimizer, with Guard(..., state=saved_guard_state). Under "
+            "Fabric, leave the guard out of the state you pass to fabric.load and build it from what fabric.load "
+            "returns: remainder = fabric.load(path, state); guard = Guard(model, optimizer, ..., "
+            "state=remainder['guard'])."
+        )
+
     def _load(self, state: dict[str, Any]) -> None:
         host = self.host
         host.global_step = int(state["global_step"])

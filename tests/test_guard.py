@@ -302,6 +302,36 @@ def test_a_checkpoint_resumes_the_guard(tmp_path: Path) -> None:
     guard.close()
 
 
+def test_a_guard_in_fabrics_saved_state_is_saved_as_its_state_and_resumed_from_what_fabric_load_returns(
+    tmp_path: Path,
+) -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model, optimizer = fabric.setup(*_model_and_optimizer())
+    guard = Guard(model, optimizer, default_root_dir=tmp_path)
+    for _ in range(5):
+        loss = model(torch.ones(2, 3)).sum()
+        fabric.backward(loss)
+        guard.step(loss)
+    fabric.save(tmp_path / "c.ckpt", {"model": model, "optimizer": optimizer, "guard": guard})
+    saved = guard.state_dict()
+    guard.close()
+    model, optimizer = fabric.setup(*_model_and_optimizer())
+    remainder = fabric.load(tmp_path / "c.ckpt", {"model": model, "optimizer": optimizer})
+    assert remainder["guard"] == saved
+    resumed = Guard(model, optimizer, default_root_dir=tmp_path, state=remainder["guard"])
+    assert resumed.global_step == 5
+    with pytest.raises(RuntimeError, match=r"^Guard.load_state_dict: a guard's state is loaded as the guard is built"):
+        fabric.load(tmp_path / "c.ckpt", {"model": model, "optimizer": optimizer, "guard": resumed})
+    resumed.close()
+
+
+def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = nn.Linear(3, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def test_a_nonfinite_checkpoint_is_rolled_back_before_it_is_written(tmp_path: Path) -> None:
     model = nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
