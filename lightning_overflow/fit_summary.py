@@ -651,13 +651,15 @@ def _words(signal: str) -> str:
 
 
 def _answered(event: Event, by_kind: dict[str, list[Event]]) -> bool:
-    """Whether a suspicion's event is told by the line of what answered it (a trial opened by it, or a remedy
-    taken at once for it)."""
+    """Whether a suspicion's event is told by the line of what answered it (a trial opened by it, or under way when
+    it came, whose verdict it waited for; a remedy taken at once for it)."""
     if event["kind"] not in SUSPICION_WORDS:
         return False
     step = int(event["step"])
+    trials = by_kind.get("trial", [])
     return (
-        any(e["details"].get("opened_at") == step for e in by_kind.get("trial", []))
+        any(e["details"].get("opened_at") == step for e in trials)
+        or any(int(e["details"].get("opened_at", step + 1)) <= step <= int(e["step"]) for e in trials)
         or any(e["details"].get("trigger_step") == step for e in by_kind.get("rollback", []))
         or any(int(e["step"]) == step for k in ("backoff", "undo") for e in by_kind.get(k, []))
     )

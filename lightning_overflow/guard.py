@@ -830,7 +830,8 @@ class Guard:
         """
         raise RuntimeError(
             "Guard.load_state_dict: a guard's state is loaded as the guard is built, before training starts, not into "
-            f"a guard that has already started (this one is at step {self.host.global_step}). Build the guard of the "
+            f"a guard that has already started (a guard starts when it is built; this one is at step "
+            f"{self.host.global_step}). Build the guard of the "
             "resumed run after loading the model and optimizer, with Guard(..., state=saved_guard_state). Under "
             "Fabric, leave the guard out of the state you pass to fabric.load and build it from what fabric.load "
             "returns: remainder = fabric.load(path, state); guard = Guard(model, optimizer, ..., "

@@ -323,6 +323,14 @@ def test_suspicions_left_alone_at_the_floor_or_past_the_rollback_budget_are_said
     assert plain_lines([above_the_floor, event(150, "loss_divergence")])[1] == (
         "loss_divergence at 150; told only, nothing was done about it"
     )
+    # One that came while a trial was under way waited for its verdict: the trial's line tells it.
+    trial = event(60, "trial", "lightning_overflow", signal="loss_divergence", opened_at=40, kept=False,
+                  false_alarm=True, extra_steps=20, comparisons=[])  # fmt: skip
+    assert plain_lines([event(40, "loss_divergence"), event(50, "loss_trend"), trial, event(70, "loss_trend")]) == [
+        "1 suspicion tried against doing nothing on the same unseen batches (the loss settled far above its best): 1 "
+        "false alarm (the run went on untouched); the trials cost 20 extra steps of compute",
+        "loss_trend at 70; told only, nothing was done about it",
+    ]
 
 
 def test_plain_lines_group_shuffled_data_faults_and_tell_trials() -> None:

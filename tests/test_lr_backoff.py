@@ -552,28 +552,6 @@ def test_a_rate_the_module_writes_itself_is_held_at_factor_times_it(model_class:
 
 @pytest.mark.parametrize("model_class", [PostStepWarmup, PreStepWarmup])
 def test_a_resumed_run_holds_the_rate_its_module_writes_from_the_first_step(model_class: type, tmp_path: Path) -> None:
-    """The rates the suite last left are in the checkpoint: the first rate the module writes after the resume is held
-    at the backoff's scale, as in the uninterrupted run (without them it trained one step at twice the rate)."""
-
-    def fit_to(steps: int, root: str, ckpt: Path | None = None) -> tuple[pl.Trainer, UpdateLR]:
-        burst = FaultInjector(*(Fault(step=s, kind="nan_loss") for s in (20, 21, 22)))
-        seen = UpdateLR()
-        trainer = make_trainer([NonFiniteDetector(), burst, backoff_on_spikes(), seen], max_steps=steps,
-                               default_root_dir=str(tmp_path / root))  # fmt: skip
-        trainer.fit(model_class(lr=WARMUP_LR), ckpt_path=None if ckpt is None else str(ckpt))
-        return trainer, seen
-
-    _, whole_lrs = fit_to(40, "a")
-    first, _ = fit_to(30, "b")
-    ckpt = tmp_path / "b" / "stop.ckpt"
-    first.save_checkpoint(ckpt)
-    _, resumed_lrs = fit_to(40, "b", ckpt)
-    assert resumed_lrs.lrs == {s: whole_lrs.lrs[s] for s in range(30, 40)}
-    assert resumed_lrs.lrs[30] == 0.5 * warmup_rate(29 if model_class is PostStepWarmup else 30)
-
-
-@pytest.mark.parametrize("model_class", [PostStepWarmup, PreStepWarmup])
-def test_a_resumed_run_holds_the_rate_its_module_writes_from_the_first_step(model_class: type, tmp_path: Path) -> None:
     """What the suite left in each param group, and at which scale, is in the checkpoint's optimizer state: the first
     rate the module writes after the resume is held at the backoff's scale, as in the uninterrupted run (without it,
     that step trained at twice the rate)."""
@@ -593,6 +571,75 @@ def test_a_resumed_run_holds_the_rate_its_module_writes_from_the_first_step(mode
     _, resumed = fit_to(40, "b", ckpt)
     assert resumed.lrs == {s: whole.lrs[s] for s in range(30, 40)}
     assert resumed.lrs[30] == 0.5 * warmup_rate(29 if model_class is PostStepWarmup else 30)
+
+
+@pytest.mark.parametrize("model_class", [PostStepWarmup, PreStepWarmup])
+def test_a_second_backoff_moves_a_rate_the_module_wrote_from_the_scale_it_was_written_under(model_class: type) -> None:
+    """The second backoff (0.5 -> 0.25) is made at the batch's end, after a module that writes its rate after the
+    step wrote the next one: that rate takes the scale it was written under first, then the new one (it used to get
+    only the ratio, 0.5, and trained one step at twice the rate)."""
+    burst = FaultInjector(*(Fault(step=s, kind="nan_loss") for s in (20, 21, 22, 40, 41, 42)))
+    seen, backoff = UpdateLR(), backoff_on_spikes()
+    make_trainer([NonFiniteDetector(), burst, backoff, seen], max_steps=50).fit(model_class(lr=WARMUP_LR))
+    assert [(h["step"], h["scale"]) for h in backoff.history] == [(22, 0.5), (40, 0.25)]  # the second burst's first
+    written = {step: warmup_rate(step - 1 if model_class is PostStepWarmup else step) for step in seen.lrs}
+    assert all(seen.lrs[s] == 0.5 * written[s] for s in range(23, 41))
+    assert all(seen.lrs[s] == 0.25 * written[s] for s in range(41, 50))
+
+
+class GroupAddedAt30(TinyRegressor):
+    """Writes its rate into every param group before each step, and adds a group at step 30 (as
+    ``BackboneFinetuning`` does with ``add_param_group``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.head2 = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x) + 0 * self.head2(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.net.parameters(), lr=self.lr)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.trainer.optimizers[0]
+        if self.trainer.global_step == 30:
+            optimizer.add_param_group({"params": list(self.head2.parameters())})
+        for group in optimizer.param_groups:
+            group["lr"] = warmup_rate(self.trainer.global_step)
+
+
+def test_a_param_group_added_after_a_backoff_is_held_from_the_next_rate_it_is_given() -> None:
+    ratios: dict[int, list[float]] = {}
+
+    class Ratios(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, *_: Any) -> None:
+            rate = warmup_rate(trainer.global_step)
+            ratios[trainer.global_step] = [g["lr"] / rate for g in trainer.optimizers[0].param_groups]
+
+    burst = FaultInjector(*(Fault(step=s, kind="nan_loss") for s in (20, 21, 22)))
+    make_trainer([NonFiniteDetector(), burst, backoff_on_spikes(), Ratios()], max_steps=40).fit(
+        GroupAddedAt30(lr=WARMUP_LR)
+    )
+    assert ratios[29] == [0.5] and ratios[30] == [0.5, 1.0]  # the new group's first rate, as it was added
+    assert all(ratios[s] == [0.5, 0.5] for s in range(31, 40))
+
+
+def test_a_resume_whose_backoff_state_is_not_loaded_does_not_keep_the_old_scale(tmp_path: Path) -> None:
+    """Another factor is another LRBackoff (its state key): its state is not loaded, it starts at scale 1, and the
+    optimizer state it resumes with must not go on halving the module's rate unseen (the logs say scale 1)."""
+    burst = FaultInjector(*(Fault(step=s, kind="nan_loss") for s in (20, 21, 22)))
+    first = make_trainer([NonFiniteDetector(), burst, backoff_on_spikes()], max_steps=30,
+                         default_root_dir=str(tmp_path))  # fmt: skip
+    first.fit(PreStepWarmup(lr=WARMUP_LR))
+    first.save_checkpoint(tmp_path / "a.ckpt")
+    seen, other = UpdateLR(), backoff_on_spikes(factor=0.7)
+    make_trainer([NonFiniteDetector(), other, seen], max_steps=40, default_root_dir=str(tmp_path)).fit(
+        PreStepWarmup(lr=WARMUP_LR), ckpt_path=str(tmp_path / "a.ckpt")
+    )
+    assert other.scales == [1.0]
+    assert all(seen.lrs[s] == warmup_rate(s) for s in range(30, 40))
 
 
 class SabotagedWarmup(TinyRegressor):
@@ -679,6 +726,8 @@ def test_a_plain_loop_that_sets_its_rate_each_step_is_held_at_factor_times_it(tm
     assert all(used[s] == warmup_rate(s) for s in range(20))
     assert all(used[s] == 0.5 * warmup_rate(s) for s in range(23, 40))
     assert [e.kind for e in guard.events if e.kind in ("backoff", "lr_rewritten")] == ["backoff", "lr_rewritten"]
+
+
 def test_a_plain_loop_resumed_after_a_backoff_holds_the_rate_it_writes_from_the_first_step(tmp_path: Path) -> None:
     """litgpt's loop resumed from its own checkpoint (model, optimizer, the guard's state): the rate it writes at the
     first step after the resume trains at the backoff's scale, as in the uninterrupted run."""

@@ -170,13 +170,16 @@ class LRBackoff(SuiteCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        # After a resume's optimizer state is loaded: a group that holds no entry (a new fit, a checkpoint of an
-        # earlier release) gets one at the scale of the state just loaded, before any snapshot or candidate copies it.
+        # After a resume's optimizer state is loaded, before the board starts (its first snapshot copies the groups):
+        # every group holds the scale this callback holds (a new fit, a checkpoint of an earlier release, an optimizer
+        # state loaded by hand or beside another LRBackoff's state carry none, or another). Not while a resumed trial
+        # runs: the live state is then a candidate, whose entries came with it.
         self._track(len(trainer.optimizers), int(trainer.global_step))
-        for index, optimizer in enumerate(trainer.optimizers):
-            if any(HELD not in group for group in optimizer.param_groups):
-                _hold(optimizer, self.scales[index])
+        if not self.board(trainer).trials.active:
+            for index, optimizer in enumerate(trainer.optimizers):
+                if any((group.get(HELD) or (None, None))[1] != self.scales[index] for group in optimizer.param_groups):
+                    _hold(optimizer, self.scales[index])
+        super().on_train_start(trainer, pl_module)
 
     @override
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
@@ -319,8 +322,17 @@ class LRBackoff(SuiteCallback):
             self._windows.append(self.regrow_after or 0)
             self._last_regrowth.append(-1)
 
-    def _apply(self, trainer: pl.Trainer, index: int, ratio: float, scale: float) -> None:
-        """Multiply optimizer ``index``'s rates (and its schedule) by ``ratio``; the state then holds ``scale``."""
+    def _apply(
+        self, trainer: pl.Trainer, index: int, ratio: float, scale: float, restored: float | None = None
+    ) -> None:
+        """Multiply optimizer ``index``'s rates (and its schedule) by ``ratio``; the state then holds ``scale``. In the
+        live state, a rate the module wrote since the step (a warm-up written after ``optimizer.step``) gets the scale
+        it was written under first: ``ratio`` moves a held rate, not a raw one. A state just ``restored`` from a
+        snapshot taken at that scale is held as it is (its entries may predate it)."""
+        if restored is None:
+            self._settle(trainer, index)
+        else:
+            _hold(trainer.optimizers[index], restored)
         if ratio != 1.0:
             scale_lr(trainer.optimizers[index], ratio, _schedulers(trainer, index))
         _hold(trainer.optimizers[index], scale)
@@ -334,22 +346,7 @@ class LRBackoff(SuiteCallback):
         holds is applied to it. The entry that says which rate the suite left, and at which scale, lives in the param
         group (:data:`HELD`): it goes wherever the state goes (a snapshot, a trial's candidate, a checkpoint), so the
         live state is always held at its own scale, from the first step after a resume or a trial."""
-        optimizer = trainer.optimizers[record.optimizer_index]
-        written: list[tuple[int, float, float]] = []
-        scheduled: list[list[float | None]] | None = None
-        for g, group in enumerate(optimizer.param_groups):
-            held = group.get(HELD)
-            if held is None or held[1] == 1.0:
-                continue  # nothing to hold (a healthy run costs no more); a new scale comes with a new entry
-            now = group.get("lr")
-            if not isinstance(now, (int, float)) or isinstance(now, bool) or now == held[0]:
-                continue  # a tensor rate is never compared: reading it would cost a host read
-            if scheduled is None:
-                scheduled = _scheduled(trainer, record.optimizer_index)
-            if not any(g < len(rates) and rates[g] == now for rates in scheduled):
-                written.append((g, now, held[1]))
-                group["lr"] = now = now * held[1]
-            group[HELD] = [now, held[1]]
+        written = self._settle(trainer, record.optimizer_index)
         if written and not self._rewrites_told:
             self._rewrites_told = True
             groups, rates, scale = [g for g, _, _ in written], [r for _, r, _ in written], written[0][2]
@@ -362,6 +359,35 @@ class LRBackoff(SuiteCallback):
                 "scale your schedule without this, set the rate through an LR scheduler.",
                 optimizer=record.optimizer_index, groups=groups, written=rates, scale=scale,
             )  # fmt: skip
+
+    def _settle(self, trainer: pl.Trainer, index: int) -> list[tuple[int, float, float]]:
+        """Hold the rates of optimizer ``index`` that its module's code wrote since the suite or a scheduler last set
+        them: each is multiplied by the scale its group holds. Returns ``(group, rate written, scale)`` of each. A
+        group added since (``add_param_group``) takes the scale of the optimizer's other groups from its next rate."""
+        optimizer = trainer.optimizers[index]
+        written: list[tuple[int, float, float]] = []
+        scheduled: list[list[float | None]] | None = None
+        known = next((group[HELD][1] for group in optimizer.param_groups if HELD in group), self._scale(index))
+        for g, group in enumerate(optimizer.param_groups):
+            held = group.get(HELD)
+            if held is None and known != 1.0:
+                _hold_group(group, known)  # a new group: its rate as added, held from the next one it is given
+                continue
+            if held is None or held[1] == 1.0:
+                continue  # nothing to hold (a healthy run costs no more); a new scale comes with a new entry
+            now = group.get("lr")
+            if not isinstance(now, (int, float)) or isinstance(now, bool) or now == held[0]:
+                continue  # a tensor rate is never compared: reading it would cost a host read
+            if scheduled is None:
+                scheduled = _scheduled(trainer, index)
+            if not any(g < len(rates) and rates[g] == now for rates in scheduled):
+                written.append((g, now, held[1]))
+                group["lr"] = now = now * held[1]
+            group[HELD] = [now, held[1]]
+        return written
+
+    def _scale(self, index: int) -> float:
+        return self.scales[index] if index < len(self.scales) else 1.0
 
     def _remember(self, action: str, step: int, index: int, kinds: str, reason: str, scale: float) -> dict[str, Any]:
         entry = {"step": step, "action": action, "optimizer": index, "kinds": kinds, "reason": reason, "scale": scale}
@@ -387,7 +413,7 @@ class LRBackoff(SuiteCallback):
             scales[index] = min(1.0, max(self.scales[index] * self.factor**power, self.min_scale))
         for index, scale in enumerate(scales):
             was = then[index] if index < len(then) else (1.0 if snapshot is not None else self.scales[index])
-            self._apply(trainer, index, scale / was, scale)
+            self._apply(trainer, index, scale / was, scale, restored=was if snapshot is not None else None)
         changed = [index for index in concerned if scales[index] != self.scales[index]]
         factor = scales[changed[0]] / self.scales[changed[0]] if changed else 1.0
         return scales, factor
@@ -474,7 +500,7 @@ class LRBackoff(SuiteCallback):
                 self._take_back(trainer, index, then, bound[0])  # the restored state carries the snapshot's rate
                 _hold(trainer.optimizers[index], then)
             else:
-                self._apply(trainer, index, scale / then, scale)
+                self._apply(trainer, index, scale / then, scale, restored=then)
             # The state that diverged is undone: a divergence of the restored state at this scale is new evidence,
             # and backs off further at once rather than waiting out the cooldown of the backoff just made.
             self._cooldown_until[index] = min(self._cooldown_until[index], step)
@@ -530,9 +556,14 @@ backoff's scale the state holds. A rate found changed, and not by a scheduler, w
 
 def _hold(optimizer: Any, scale: float) -> None:
     """Note in each param group the rate it has now and the scale the state holds (tensor rates are never held)."""
-    for group, rate in zip(optimizer.param_groups, _as_numbers(group.get("lr") for group in optimizer.param_groups)):
-        if rate is not None:
-            group[HELD] = [rate, scale]
+    for group in optimizer.param_groups:
+        _hold_group(group, scale)
+
+
+def _hold_group(group: dict[str, Any], scale: float) -> None:
+    (rate,) = _as_numbers([group.get("lr")])
+    if rate is not None:
+        group[HELD] = [rate, scale]
 
 
 def _scheduled(trainer: pl.Trainer, index: int) -> list[list[float | None]]:
