@@ -423,8 +423,8 @@ def test_the_summary_names_where_a_value_first_went_non_finite_as_the_diagnosis_
     found = {"step": 5, "kind": "nonfinite", "epoch": 0, "source": "x", "message": "", "details": details}
     skip = {"step": 5, "kind": "skip", "epoch": 0, "source": "x", "message": "", "details": {}}
     assert plain_lines([found, skip]) == [
-        f"1 step skipped: the loss was inf/NaN at step 5 (reproduced on replay: the data or the model; first in {named} "
-        "(mul, forward pass))"
+        "1 step skipped: the loss was inf/NaN at step 5 (reproduced on replay: the data or the model; first in "
+        f"{named} (mul, forward pass))"
     ]
 
 
