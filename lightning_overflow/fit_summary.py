@@ -656,10 +656,9 @@ def _answered(event: Event, by_kind: dict[str, list[Event]]) -> bool:
     if event["kind"] not in SUSPICION_WORDS:
         return False
     step = int(event["step"])
-    trials = by_kind.get("trial", [])
+    opened = [(e["details"].get("opened_at"), int(e["step"])) for e in by_kind.get("trial", [])]
     return (
-        any(e["details"].get("opened_at") == step for e in trials)
-        or any(int(e["details"].get("opened_at", step + 1)) <= step <= int(e["step"]) for e in trials)
+        any(start is not None and int(start) <= step <= end for start, end in opened)
         or any(e["details"].get("trigger_step") == step for e in by_kind.get("rollback", []))
         or any(int(e["step"]) == step for k in ("backoff", "undo") for e in by_kind.get(k, []))
     )

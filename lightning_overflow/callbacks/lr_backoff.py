@@ -367,17 +367,21 @@ class LRBackoff(SuiteCallback):
         optimizer = trainer.optimizers[index]
         written: list[tuple[int, float, float]] = []
         scheduled: list[list[float | None]] | None = None
-        known = next((group[HELD][1] for group in optimizer.param_groups if HELD in group), self._scale(index))
+        known: float | None = None  # the scale the optimizer's groups hold, read only for a group added since
         for g, group in enumerate(optimizer.param_groups):
             held = group.get(HELD)
-            if held is None and known != 1.0:
-                _hold_group(group, known)  # a new group: its rate as added, held from the next one it is given
+            if held is None:
+                if known is None:
+                    holding = (other[HELD][1] for other in optimizer.param_groups if HELD in other)
+                    known = next(holding, self._scale(index))
+                if known != 1.0:
+                    _hold_group(group, known)  # a new group: its rate as added, held from the next one it is given
                 continue
-            if held is None or held[1] == 1.0:
+            if held[1] == 1.0:
                 continue  # nothing to hold (a healthy run costs no more); a new scale comes with a new entry
-            now = group.get("lr")
-            if not isinstance(now, (int, float)) or isinstance(now, bool) or now == held[0]:
-                continue  # a tensor rate is never compared: reading it would cost a host read
+            now = _as_number(group.get("lr"))
+            if now is None or now == held[0]:
+                continue
             if scheduled is None:
                 scheduled = _scheduled(trainer, index)
             if not any(g < len(rates) and rates[g] == now for rates in scheduled):
@@ -561,7 +565,7 @@ def _hold(optimizer: Any, scale: float) -> None:
 
 
 def _hold_group(group: dict[str, Any], scale: float) -> None:
-    (rate,) = _as_numbers([group.get("lr")])
+    rate = _as_number(group.get("lr"))
     if rate is not None:
         group[HELD] = [rate, scale]
 
@@ -572,9 +576,13 @@ def _scheduled(trainer: pl.Trainer, index: int) -> list[list[float | None]]:
     return [_as_numbers(last) for last in lasts if isinstance(last, list)]
 
 
+def _as_number(rate: Any) -> float | None:
+    """A rate as a number; ``None`` for a tensor rate, never compared: reading it would cost a host read."""
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
+
+
 def _as_numbers(rates: Iterable[Any]) -> list[float | None]:
-    """Rates as numbers; ``None`` for a tensor rate, never compared: reading it would cost a host read."""
-    return [float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None for lr in rates]
+    return [_as_number(rate) for rate in rates]
 
 
 def _numbers(values: Sequence[float]) -> str:
