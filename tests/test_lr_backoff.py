@@ -587,6 +587,23 @@ def test_a_second_backoff_moves_a_rate_the_module_wrote_from_the_scale_it_was_wr
     assert all(seen.lrs[s] == 0.25 * written[s] for s in range(41, 50))
 
 
+def test_a_rate_the_module_wrote_before_a_snapshot_is_held_at_the_backoffs_scale_after_the_restore() -> None:
+    """A module that writes its rate after the step has written the next one when the batch ends, where the snapshot
+    is taken: the snapshot holds that rate as written, at the backoff's scale still to apply. Restored, the first step
+    trains at the scale of every other step (it used to train once at the snapshot's scale instead)."""
+    faults = FaultInjector(*(Fault(step=s, kind="nan_loss") for s in (20, 21, 22)), Fault(step=38, kind="nan_weight"))
+    seen, backoff = UpdateLR(), backoff_on_spikes()
+    rollback = Rollback(every_n_steps=10, triggers=("nonfinite_state",), trial=None)
+    make_trainer([NonFiniteDetector(), faults, backoff, rollback, seen], max_steps=45).fit(
+        PostStepWarmup(lr=WARMUP_LR)
+    )
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(39, 33)]
+    assert [(h["step"], h["scale"]) for h in backoff.history] == [(22, 0.5), (38, 0.25)]
+    # The snapshot of step 33 holds the rate written after step 32's update: the restored state trains with it.
+    assert seen.lrs[39] == 0.25 * warmup_rate(32)
+    assert all(seen.lrs[s] == 0.25 * warmup_rate(s - 1) for s in range(40, 45))
+
+
 class GroupAddedAt30(TinyRegressor):
     """Writes its rate into every param group before each step, and adds a group at step 30 (as
     ``BackboneFinetuning`` does with ``add_param_group``)."""

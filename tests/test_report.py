@@ -448,6 +448,25 @@ def test_journal_events_map_to_one_marker_each() -> None:
     assert len({s.marker for s in specs}) == len(specs) and len({s.colour for s in specs}) == len(specs)
 
 
+def test_a_suspicion_is_drawn_as_tried_or_acted_on_only_where_the_suite_answered_it() -> None:
+    """A suspicion that opened a trial, came while one ran, or was answered at once (a backoff, a rollback) is drawn
+    apart from one that was only told (no trial could run, or the fit ended first)."""
+    events = [{"step": 10, "kind": "no_progress"}, {"step": 20, "kind": "loss_trend"},
+              {"step": 50, "kind": "trial", "details": {"opened_at": 10, "kept": False}},
+              {"step": 60, "kind": "loss_divergence"}, {"step": 60, "kind": "backoff"},
+              {"step": 70, "kind": "weight_growth"},
+              {"step": 71, "kind": "rollback", "details": {"trigger_step": 70}},
+              {"step": 90, "kind": "no_progress"}, {"step": 95, "kind": "ending"}]
+    drawn = [(m.step, m.kind, m.spec.label) for m in event_markers(events)]
+    assert drawn == [
+        (10, "suspicion", "suspicion, tried or acted on"), (20, "suspicion", "suspicion, tried or acted on"),
+        (50, "trial_reverted", "trial: run kept as it was"),
+        (60, "suspicion", "suspicion, tried or acted on"), (60, "backoff", "LR backoff"),
+        (70, "suspicion", "suspicion, tried or acted on"), (71, "rollback", "rollback"),
+        (90, "suspicion_told", "suspicion, told only"), (95, "ending", "ended poorly (the summary says how)"),
+    ]
+
+
 def test_every_panel_marks_an_event_with_the_same_marker(tmp_path: Path) -> None:
     rows = {"train_loss": steps([2.0, 1.9, 1.8, 1.7]), "grad_norm/total": steps([1.0, 1.1, 1.2, 1.3]),
             "overflow/lr_scale": steps([1.0, 1.0, 0.5, 0.5]), "overflow/skipped_steps": steps([0, 0, 1, 1])}

@@ -327,12 +327,12 @@ class LRBackoff(SuiteCallback):
     ) -> None:
         """Multiply optimizer ``index``'s rates (and its schedule) by ``ratio``; the state then holds ``scale``. In the
         live state, a rate the module wrote since the step (a warm-up written after ``optimizer.step``) gets the scale
-        it was written under first: ``ratio`` moves a held rate, not a raw one. A state just ``restored`` from a
-        snapshot taken at that scale is held as it is (its entries may predate it)."""
+        it was written under first: ``ratio`` moves a held rate, not a raw one; so does one in a state just
+        ``restored`` from a snapshot taken at that scale (:meth:`_settle_restored`)."""
         if restored is None:
             self._settle(trainer, index)
         else:
-            _hold(trainer.optimizers[index], restored)
+            self._settle_restored(trainer, index, restored)
         if ratio != 1.0:
             scale_lr(trainer.optimizers[index], ratio, _schedulers(trainer, index))
         _hold(trainer.optimizers[index], scale)
@@ -389,6 +389,17 @@ class LRBackoff(SuiteCallback):
                 group["lr"] = now = now * held[1]
             group[HELD] = [now, held[1]]
         return written
+
+    def _settle_restored(self, trainer: pl.Trainer, index: int, scale: float) -> None:
+        """Hold optimizer ``index``'s state just restored from a snapshot taken at ``scale``. A rate its module wrote
+        after the step (a warm-up in ``optimizer_step``) is in the snapshot taken at the batch's end as written: it
+        takes the snapshot's scale first, as the live state would have at its next step. Entries of another scale
+        than the snapshot's predate the state (a snapshot written before the entries were): its rates are taken as
+        they are."""
+        optimizer = trainer.optimizers[index]
+        if all((group.get(HELD) or (None, scale))[1] == scale for group in optimizer.param_groups):
+            self._settle(trainer, index)
+        _hold(optimizer, scale)
 
     def _scale(self, index: int) -> float:
         return self.scales[index] if index < len(self.scales) else 1.0
@@ -502,7 +513,7 @@ class LRBackoff(SuiteCallback):
             bound = [s for s in bounds if s.optimizer_index == index]
             if bound and then > scale:
                 self._take_back(trainer, index, then, bound[0])  # the restored state carries the snapshot's rate
-                _hold(trainer.optimizers[index], then)
+                self._settle_restored(trainer, index, then)
             else:
                 self._apply(trainer, index, scale / then, scale, restored=then)
             # The state that diverged is undone: a divergence of the restored state at this scale is new evidence,

@@ -57,12 +57,13 @@ EVENT_MARKERS: dict[str, MarkerSpec] = {
     "nonfinite": MarkerSpec("non-finite step, not skipped", "x", "black"),
     "data_fault": MarkerSpec("bad data, not skipped", "d", "teal"),
     "nonfinite_at_end": MarkerSpec("ended with inf/NaN state", ">", "darkred", 10.0),
-    "ending": MarkerSpec("loss ended far above its best", "<", "darkviolet", 10.0),
+    "ending": MarkerSpec("ended poorly (the summary says how)", "<", "darkviolet", 10.0),
     "spike": MarkerSpec("loss / gradient spike", "^", "tab:purple"),
     "backoff": MarkerSpec("LR backoff", "s", "tab:brown"),
     "regrowth": MarkerSpec("LR regrowth", "P", "goldenrod"),
     "rollback": MarkerSpec("rollback", "D", "deeppink"),
-    "suspicion": MarkerSpec("suspicion (opens a trial)", "o", "tab:olive", 7.0),
+    "suspicion": MarkerSpec("suspicion, tried or acted on", "o", "tab:olive", 7.0),
+    "suspicion_told": MarkerSpec("suspicion, told only", "8", "darkkhaki", 6.0),
     "trial_kept": MarkerSpec("trial: remedy kept", "*", "tab:red", 12.0),
     "trial_reverted": MarkerSpec("trial: run kept as it was", "H", "tab:green", 9.0),
     "update_bound": MarkerSpec("updates bounded (backoffs undone)", "p", "tab:cyan", 10.0),
@@ -73,9 +74,10 @@ OTHER_MARKER = MarkerSpec("other event (see the journal)", "h", "silver", 7.0)
 # data shift's or the update bound's own marker.
 HIDDEN_KINDS = frozenset({"clip", "rebaseline", "undo"})
 SUSPICION_KINDS = frozenset({"loss_divergence", "loss_trend", "loss_plateau", "no_progress", "weight_growth"})
+"""The detectors' findings that open trials, drawn with one marker (the journal tells them apart); one that opened no
+trial (trials off, one under way, or the fit ending) with another."""
 FINDING_KINDS = frozenset({"nonfinite", "data_fault"})
 """Detections drawn as their skip when the step was skipped."""
-"""The detectors' findings that open trials, drawn with one marker (the journal tells them apart)."""
 
 
 def event_markers(events: Iterable[Mapping[str, Any]]) -> list[Marker]:
@@ -99,10 +101,25 @@ def event_markers(events: Iterable[Mapping[str, Any]]) -> list[Marker]:
             continue
         since = None
         if kind in SUSPICION_KINDS:
-            kind = "suspicion"
+            kind = "suspicion" if _acted_on(step, events) else "suspicion_told"
         elif kind == "trial":
             details = event.get("details", {})
             kind = "trial_kept" if details.get("kept") else "trial_reverted"
             since = int(details.get("opened_at", step))
         markers.append(Marker(step, kind, EVENT_MARKERS.get(kind, OTHER_MARKER), since))
     return markers
+
+
+def _acted_on(step: int, events: list[Mapping[str, Any]]) -> bool:
+    """Whether the suite answered a suspicion at ``step``: a trial opened by it or under way when it came (whose
+    verdict answers it), or a backoff or rollback made at once for it (no trial could run)."""
+    for event in events:
+        details = event.get("details", {})
+        if event["kind"] == "trial" and details.get("opened_at") is not None:
+            if int(details["opened_at"]) <= step <= int(event["step"]):
+                return True
+        elif event["kind"] == "rollback" and details.get("trigger_step") == step:
+            return True
+        elif event["kind"] in ("backoff", "undo") and int(event["step"]) == step:
+            return True
+    return False
