@@ -14,7 +14,15 @@ import torch
 from conftest import assert_bit_identical, fit, make_trainer, weights
 
 import lightning_overflow
-from lightning_overflow import AutoClip, GradNormMonitor, LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback
+from lightning_overflow import (
+    AutoClip,
+    GradNormMonitor,
+    LossSpikeDetector,
+    LRBackoff,
+    NonFiniteDetector,
+    Rollback,
+    default_callbacks,
+)
 from lightning_overflow.testing import TinyRegressor
 
 
@@ -306,3 +314,36 @@ def test_a_second_instance_of_a_whole_run_intervention_is_refused_at_setup(cls: 
 def test_a_second_rollback_is_refused_by_lightning_at_trainer_construction() -> None:
     with pytest.raises(RuntimeError, match="Found more than one stateful callback of type `Rollback`"):
         make_trainer([Rollback(every_n_steps=2), Rollback(every_n_steps=3)])
+
+
+# ---- Lightning's tuners --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["Tuner.lr_find", "LearningRateFinder", "Tuner.scale_batch_size"])
+def test_lightnings_tuners_find_the_same_values_and_the_fit_after_is_bit_identical(how: str, tmp_path: Any) -> None:
+    """The tuners swap the trainer's callbacks for their own while they search (a range of rates up to one where the
+    loss diverges, growing batch sizes), save the state before and restore it after: with the suite in the callbacks,
+    the value found, and the fit after it, are those of the same run without the suite."""
+    from pytorch_lightning.callbacks import LearningRateFinder
+    from pytorch_lightning.tuner import Tuner
+
+    def run(suite: list[Any], root: str) -> tuple[float, dict[str, torch.Tensor]]:
+        pl.seed_everything(3, verbose=False)
+        model = TinyRegressor(optimizer="sgd", lr=0.01)
+        finder = LearningRateFinder(min_lr=1e-4, max_lr=10.0, num_training_steps=30)
+        extra = [finder] if how == "LearningRateFinder" else []
+        trainer = make_trainer([*extra, *suite], max_steps=40, default_root_dir=root)
+        found: float = 0.0
+        if how == "Tuner.lr_find":
+            search = Tuner(trainer).lr_find(model, min_lr=1e-4, max_lr=10.0, num_training=30, update_attr=True)
+            assert search is not None and 0 < len(search.results["loss"]) < 30  # it stopped where the loss diverged
+            found = model.lr
+        elif how == "Tuner.scale_batch_size":
+            found = float(Tuner(trainer).scale_batch_size(model, max_trials=3) or 0)
+        trainer.fit(model)
+        if how == "LearningRateFinder":
+            found = model.lr
+        assert trainer.global_step == 40
+        return found, weights(model)
+
+    bare, guarded = run([], str(tmp_path / "bare")), run(default_callbacks(), str(tmp_path / "suite"))
+    assert bare[0] == guarded[0]
+    assert_bit_identical(bare[1], guarded[1])
