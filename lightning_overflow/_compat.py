@@ -115,6 +115,13 @@ def summed_in_training(trainer: pl.Trainer, key: str) -> bool:
     return bool(entries) and all(_sums_over_the_epoch(e) and "epoch" not in str(e.meta.fx) for e in entries)
 
 
+def logged_per_step_only(trainer: pl.Trainer, key: str) -> bool:
+    """Whether an entry of the training results that logged ``key`` holds one step's value, not an epoch's:
+    ``self.log(name, value)`` from ``training_step`` (Lightning's default there is ``on_epoch=False``; 2.6.6:
+    ``meta.on_epoch`` false). A monitor of it reads the value of the last step before the check."""
+    return any(not getattr(getattr(e, "meta", None), "on_epoch", True) for e in _logged_as(trainer, key))
+
+
 def logged_in_training(trainer: pl.Trainer, key: str) -> bool:
     """Whether a hook of the training loop (``training_step``, ``on_train_*``) logged ``key`` in this epoch so far,
     as ``key`` or its ``_step``/``_epoch`` forms: Lightning's training results (2.6.6:

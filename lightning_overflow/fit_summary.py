@@ -432,8 +432,9 @@ def _clips(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
               if e["details"].get("mode") != "agc" and _finite(e["details"].get("grad_norm"))
               and _finite(e["details"].get("threshold"))]  # fmt: skip
     most = f", up to {max(ratios):.3g}x its clip threshold" if ratios else ""
-    return [f"{_count(total, 'step')} clipped by AutoClip at {_at(alone)}{' and more' if total > len(alone) else ''} "
-            f"(the gradient norm an outlier{most})"]  # fmt: skip
+    # Only the deeper clips are journaled one by one (CLIP_EVENT_BELOW): where there were more, those are named so.
+    where = f", the deepest at {_at(alone)}" if total > len(alone) else f" at {_at(alone)}"
+    return [f"{_count(total, 'step')} clipped by AutoClip{where} (the gradient norm an outlier{most})"]
 
 
 def _rebaselines(found: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:

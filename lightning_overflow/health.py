@@ -1135,6 +1135,20 @@ def finite_checked_monitors(trainer: pl.Trainer) -> list[str]:
     ]
 
 
+def skipped_loss_route(trainer: pl.Trainer, monitor: str) -> str | None:
+    """How a skipped step's inf/NaN loss reaches ``monitor``, a metric a training hook logs, in words; ``None`` where
+    it does not: a tensor summed over the epoch under automatic optimization, whose skipped steps the skip takes out
+    of the epoch's mean (:func:`~lightning_overflow.skip.skip_step`)."""
+    if not trainer.lightning_module.automatic_optimization:
+        return "under manual optimization (a skipped step's logged values stay in the epoch's)"
+    if _compat.summed_in_training(trainer, monitor):
+        return None
+    if _compat.logged_per_step_only(trainer, monitor):
+        return ("per step only (self.log(...) in training_step, whose default is on_epoch=False): it holds the value "
+                "of the last step before the check, inf/NaN where that step was skipped")  # fmt: skip
+    return "through state of its own (a torchmetrics Metric, or a value computed at the epoch's end)"
+
+
 def _early_stops_on_nonfinite(trainer: pl.Trainer) -> list[tuple[str, dict[str, Any]]]:
     """The monitors of ``EarlyStopping`` callbacks that stopped this fit on a value that is not finite: a run the
     suite kept alive can still be ended by a metric its skipped steps made inf/NaN, and that ending is said."""
@@ -1147,8 +1161,10 @@ def _early_stops_on_nonfinite(trainer: pl.Trainer) -> list[tuple[str, dict[str, 
         if math.isfinite(number):
             continue
         if _compat.logged_in_training(trainer, monitor):
-            why = ("A metric kept in state of its own (a torchmetrics Metric) averages the skipped steps' inf/NaN "
-                   "losses: log only finite values, or pass EarlyStopping(check_finite=False)")  # fmt: skip
+            route = skipped_loss_route(trainer, monitor) or "from a training hook"
+            why = (f"{monitor!r} is logged {route}: log the loss tensor with self.log(..., on_epoch=True) and monitor "
+                   "that (a skipped step's value is left out of the epoch's mean), log only finite values, or pass "
+                   "EarlyStopping(check_finite=False)")  # fmt: skip
         else:  # validation computed it on the weights as they are: no skipped step's loss is in it
             why = (f"{monitor!r} is not logged by a training hook: the model gave it on its weights as they were, "
                    "which is no skipped step's doing; look at the data it was computed on and at the model's "

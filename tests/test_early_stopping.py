@@ -47,10 +47,10 @@ def test_the_combination_is_warned_about_once_the_training_step_logged_it() -> N
         "NonFiniteDetector: EarlyStopping(monitor='train_loss', check_finite=True) stops the fit when 'train_loss' is "
         "not finite, and 'train_loss' is logged from a training hook through state of its own (a torchmetrics "
         "Metric, or a value computed at the epoch's end). A step this detector skips has an inf/NaN loss; kept "
-        "there, that epoch's value is inf/NaN and the run is stopped although it was rescued. Log only finite losses "
-        "(torchmetrics.MeanMetric(nan_strategy='ignore') drops NaN, see the README), log the loss tensor itself with "
-        "self.log(..., on_epoch=True) (a skipped step's value is left out of the epoch's mean), monitor a validation "
-        "metric, or pass EarlyStopping(check_finite=False)."
+        "there, the value EarlyStopping checks is inf/NaN and the run is stopped although it was rescued. Log only "
+        "finite losses (torchmetrics.MeanMetric(nan_strategy='ignore') drops NaN, see the README), log the loss "
+        "tensor itself with self.log(..., on_epoch=True) (a skipped step's value is left out of the epoch's mean), "
+        "monitor a validation metric, or pass EarlyStopping(check_finite=False)."
     ]
 
 
@@ -222,4 +222,42 @@ def test_early_stopping_on_a_nonfinite_validation_metric_is_not_blamed_on_skippe
         "weights returned are those of that step. 'val_loss' is not logged by a training hook: the model gave it on "
         "its weights as they were, which is no skipped step's doing; look at the data it was computed on and at the "
         "model's outputs"
+    )
+
+
+class StepLoss(TinyRegressor):
+    """Logs its training loss per step only (``self.log`` in ``training_step``: Lightning's ``on_epoch=False``, as
+    darts does); the last batch of every epoch holds a NaN feature, so the value EarlyStopping checks at the epoch's
+    end is the skipped step's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data.tensors[0][7 * self.batch_size, 0] = float("nan")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_per_step_monitor_is_warned_about_and_its_stop_said_as_what_it_is(tmp_path: Any) -> None:
+    from lightning_overflow import read_journal
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(StepLoss(), [NonFiniteDetector(), EarlyStopping(monitor="train_loss", patience=100)],
+                      max_steps=24, default_root_dir=str(tmp_path))  # fmt: skip
+    assert trainer.global_step == 8  # the first epoch's last step was skipped: its NaN is the value checked
+    [said] = [str(w.message) for w in caught if "EarlyStopping" in str(w.message)]
+    assert "'train_loss' is logged from a training hook per step only (self.log(...) in training_step, whose " \
+           "default is on_epoch=False): it holds the value of the last step before the check, inf/NaN where that " \
+           "step was skipped. A step this detector skips" in said
+    (stopped,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "stopped"]
+    assert stopped["message"] == (
+        "EarlyStopping(monitor='train_loss') stopped the fit at step 8 because 'train_loss' was nan, not finite: the "
+        "weights returned are those of that step. 'train_loss' is logged per step only (self.log(...) in "
+        "training_step, whose default is on_epoch=False): it holds the value of the last step before the check, "
+        "inf/NaN where that step was skipped: log the loss tensor with self.log(..., on_epoch=True) and monitor that "
+        "(a skipped step's value is left out of the epoch's mean), log only finite values, or pass "
+        "EarlyStopping(check_finite=False)"
     )

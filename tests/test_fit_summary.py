@@ -516,7 +516,7 @@ def test_clips_too_shallow_to_journal_one_by_one_are_still_told() -> None:
     deep = {"step": 60, "kind": "clip", "epoch": 0, "source": "AutoClip", "message": "",
             "details": {"mode": "zscore", "grad_norm": 50.0, "threshold": 5.0, "coef": 0.1, "not_journaled": 0}}  # fmt: skip
     assert plain_lines([deep, clips]) == [
-        "5 steps clipped by AutoClip at step 60 and more (the gradient norm an outlier, up to 10x its clip threshold)"
+        "5 steps clipped by AutoClip, the deepest at step 60 (the gradient norm an outlier, up to 10x its clip threshold)"
     ]
 
 

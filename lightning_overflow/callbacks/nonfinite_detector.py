@@ -32,6 +32,7 @@ from lightning_overflow.health import (
     finite_checked_monitors,
     inspect_state,
     nonfinite_at_end,
+    skipped_loss_route,
     state_flags,
 )
 from lightning_overflow.numerics import parameters_of
@@ -835,28 +836,26 @@ def _state_recovery_in(trainer: pl.Trainer) -> bool:
 
 def _warn_about_early_stopping(trainer: pl.Trainer, monitors: list[str], warnings: WarningCache) -> list[str]:
     """A skipped step's loss is NaN. Logged as a tensor with ``self.log(..., on_epoch=True)`` from a hook of the batch,
-    it is taken out of the epoch's mean again (:func:`~lightning_overflow.skip.skip_step`); kept in state of the
-    user's own (a torchmetrics ``Metric``, a value computed at the epoch's end) or under manual optimization, it makes
-    the epoch's value NaN, and ``EarlyStopping(check_finite=True)`` (its default) then ends the rescued run. Decided
-    from where Lightning says the monitored metric was logged, not from its name: a validation metric (``val_loss``,
-    neuralforecast's ``ptl/val_loss``) never holds a skipped training step's NaN. Returns the monitors no training
-    hook logged so far."""
+    it is taken out of the epoch's mean again (:func:`~lightning_overflow.skip.skip_step`); logged per step only, kept
+    in state of the user's own (a torchmetrics ``Metric``, a value computed at the epoch's end) or under manual
+    optimization, it makes the value checked NaN (:func:`~lightning_overflow.health.skipped_loss_route`), and
+    ``EarlyStopping(check_finite=True)`` (its default) then ends the rescued run. Decided from where Lightning says the
+    monitored metric was logged, not from its name: a validation metric (``val_loss``, neuralforecast's
+    ``ptl/val_loss``) never holds a skipped training step's NaN. Returns the monitors no training hook logged so far."""
     waiting = []
-    automatic = trainer.lightning_module.automatic_optimization
     for monitor in monitors:
         if not _compat.logged_in_training(trainer, monitor):
             waiting.append(monitor)
             continue
-        if automatic and _compat.summed_in_training(trainer, monitor):
+        how = skipped_loss_route(trainer, monitor)
+        if how is None:
             continue
-        how = ("under manual optimization (a skipped step's logged values stay in the epoch's)" if not automatic else
-               "through state of its own (a torchmetrics Metric, or a value computed at the epoch's end)")
         warnings.warn(
             "early_stopping",
             f"NonFiniteDetector: EarlyStopping(monitor={monitor!r}, check_finite=True) stops the fit when "
             f"{monitor!r} is not finite, and {monitor!r} is logged from a training hook {how}. A step this detector "
-            "skips has an inf/NaN loss; kept there, that epoch's value is inf/NaN and the run is stopped although it "
-            "was rescued. Log only finite losses (torchmetrics.MeanMetric(nan_strategy='ignore') drops NaN, see the "
+            "skips has an inf/NaN loss; kept there, the value EarlyStopping checks is inf/NaN and the run is stopped "
+            "although it was rescued. Log only finite losses (torchmetrics.MeanMetric(nan_strategy='ignore') drops NaN, see the "
             "README), log the loss tensor itself with self.log(..., on_epoch=True) (a skipped step's value is left "
             "out of the epoch's mean), monitor a validation metric, or pass EarlyStopping(check_finite=False).",
         )
