@@ -115,6 +115,13 @@ def summed_in_training(trainer: pl.Trainer, key: str) -> bool:
     return bool(entries) and all(_sums_over_the_epoch(e) and "epoch" not in str(e.meta.fx) for e in entries)
 
 
+def hold_checkpoint_saves(callback: Any, step: int) -> None:
+    """Have a ``ModelCheckpoint`` write nothing more at ``step``, as if it had saved there (2.6.6:
+    ``_should_skip_saving_checkpoint`` compares ``_last_global_step_saved`` with the step): no public hook holds one
+    save of a checkpoint callback."""
+    callback._last_global_step_saved = step
+
+
 def logged_per_step_only(trainer: pl.Trainer, key: str) -> bool:
     """Whether an entry of the training results that logged ``key`` holds one step's value, not an epoch's:
     ``self.log(name, value)`` from ``training_step`` (Lightning's default there is ``on_epoch=False``; 2.6.6:

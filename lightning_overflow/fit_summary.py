@@ -197,8 +197,17 @@ def stalled_ending(events: Iterable[Event], ending: LossEnding) -> dict[str, Any
 
 def _tied_stall(trial: Event) -> bool:
     """Whether a ``trial`` event is that of a run suspected of not learning whose lower rates did no better: no false
-    alarm as others are, since such a run may not be learning all the same (a lower rate is not its cure)."""
-    return trial["details"].get("signal") == "no_progress" and bool(trial["details"].get("false_alarm"))
+    alarm as others are, since such a run may not be learning all the same (a lower rate is not its cure). A trial
+    the fit's end cut short is none: too few batches to tell."""
+    details = trial["details"]
+    return details.get("signal") == "no_progress" and bool(details.get("false_alarm")) and not _cut_short(trial)
+
+
+def _cut_short(trial: Event) -> bool:
+    """Whether the fit ended before a ``trial`` ran its steps (its verdict then rests on fewer batches)."""
+    details = trial["details"]
+    planned = details.get("planned_steps")
+    return planned is not None and int(details.get("steps", planned)) < int(planned)
 
 
 def ending_words(facts: Mapping[str, Any]) -> str:
@@ -465,10 +474,14 @@ def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
                           for e in kept[:MAX_STEPS])  # fmt: skip
         outcome.append(f"{len(kept)} kept the remedy ({steps})")
     stalled = [e for e in false if _tied_stall(e)]
+    short = [e for e in false if _cut_short(e)]
     if stalled:
         outcome.append(f"{len(stalled)} where a lower learning rate did no better (the run went on untouched)")
-    if len(false) > len(stalled):
-        n = len(false) - len(stalled)
+    if short:
+        outcome.append(f"{len(short)} cut short by the fit's end, nothing better found in the steps it had (the run "
+                       "went on untouched)")
+    if len(false) > len(stalled) + len(short):
+        n = len(false) - len(stalled) - len(short)
         outcome.append(f"{n} false alarm{'s' if n > 1 else ''} (the run went on untouched)")
     if faulted:
         outcome.append(f"{len(faulted)} ended by a certain fault before a verdict (answered at once)")

@@ -721,6 +721,7 @@ class HealthBoard:
             "kept_lr_factor": outcome.remedy.factor if outcome.kept else None,
             "false_alarm": outcome.false_alarm,
             "steps": len(trial.incumbent),
+            "planned_steps": trial.config.steps,
             "extra_steps": extra_steps,
             "incumbent_losses": list(trial.incumbent),
             "remedy_losses": [list(scores) for scores in trial.remedies],
@@ -765,6 +766,12 @@ class HealthBoard:
             trials.begin_batch(trainer, batch, batch_idx, self.candidate_clip(trainer) if trials.active else None)
         for participant in self.in_stage("_before_batch"):
             participant._before_batch(trainer, pl_module, batch, batch_idx)
+
+    def forget_batch_logs(self, trainer: pl.Trainer) -> None:
+        """Take this batch's logged values out of the epoch's sums again, as a skipped step's are: its state was
+        replaced (a rollback at its end), and an inf/NaN loss of it would make the epoch's mean inf/NaN."""
+        if trainer.lightning_module.automatic_optimization:
+            _compat.put_back_epoch_sums(trainer, self._epoch_sums)
 
     def observe_loss(self, trainer: pl.Trainer, loss: Tensor) -> None:
         """Note this backward pass's loss (no host read).

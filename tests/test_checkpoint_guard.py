@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -313,3 +314,49 @@ def test_a_checkpoint_is_scored_on_the_weights_it_holds_when_validation_finds_th
     [rolled] = [e for e in rollback.board(model.trainer).journal.events if e.kind == "rollback"]
     assert (rolled.step, rolled.details["snapshot_step"]) == (16, 0)
     assert "when validation was to score them" in rolled.message
+
+
+# ---- a score logged by training steps: the weights it was logged on are gone after a rollback ----------------------
+class EpochTrainLoss(TinyRegressor):
+    """Logs its training loss as an epoch mean (``train_loss``), the monitor of checkpoints in a fit without
+    validation (chemprop, GluonTS); eight batches an epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch_losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.epoch_losses.append(float(self.trainer.callback_metrics["train_loss"]))
+
+
+def test_a_rollback_leaves_no_checkpoint_ranked_by_the_training_loss_of_the_weights_it_replaced(tmp_path: Path) -> None:
+    """The NaN written into the weights before step 15, the last of epoch 1, rolls the run back to the fit's first
+    weights at once. That step's NaN loss is taken out of the epoch's mean, as a skipped step's (it made the mean NaN,
+    which EarlyStopping stops a rescued run on). The mean is that of the weights replaced: a checkpoint of the restored
+    weights filed under it ranked them, the fit's first, as the best, and removed epoch 0's, trained. The checkpoint
+    callbacks that rank by a metric of the training steps write nothing more until the epoch of the rollback ends."""
+    model = EpochTrainLoss()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="train_loss", save_top_k=1)
+    rollback = Rollback(every_n_steps=100)  # one snapshot: the fit's start
+    fault = FaultInjector(Fault(step=15, kind="nan_weight"))
+    fit(model, [NonFiniteDetector(), rollback, fault, checkpoint], max_steps=24, default_root_dir=tmp_path,
+        enable_checkpointing=True)  # fmt: skip
+    [rolled] = [e for e in rollback.board(model.trainer).journal.events if e.kind == "rollback"]
+    assert (rolled.step, rolled.details["snapshot_step"]) == (16, 0)
+    assert len(model.epoch_losses) == 3 and all(math.isfinite(v) for v in model.epoch_losses)
+    assert model.epoch_losses[1] < model.epoch_losses[0]  # it would have ranked the restored weights best
+    # Epochs 0 and 2 were scored on the weights their files hold; epoch 1 wrote none.
+    assert names(tmp_path / "ckpt") == ["epoch=0-step=8.ckpt"]
+    assert Path(checkpoint.best_model_path).name == "epoch=0-step=8.ckpt"
+    [held] = [e for e in rollback.board(model.trainer).journal.events if e.kind == "checkpoint_skipped"]
+    assert held.step == 16
+    assert held.message == (
+        "Rollback: ModelCheckpoint(monitor='train_loss') wrote no checkpoint at step 16: 'train_loss' is logged by the "
+        "training steps, and its value is that of the weights the rollback at step 16 replaced; the restored weights "
+        "(the snapshot of step 0) get no checkpoint ranked by it before the epoch of the rollback ends"
+    )

@@ -199,6 +199,24 @@ def test_a_run_that_stalled_above_half_its_start_and_tied_its_trial_says_it_lear
     assert stalled_ending([tie], _ended([2.0] * 5 + [0.9] * 75 + [2.5] * 80)) is None
 
 
+def test_a_stall_trial_the_fits_end_cut_short_is_no_evidence_against_a_lower_rate() -> None:
+    """A trial of a stall that the fit's end cut short (16 of its 40 steps) found nothing better in the batches it
+    had: the ending does not say that a lower rate did no better, and the trial's line says it was cut short."""
+    def trial(steps: int) -> dict[str, Any]:
+        return {"step": 100, "kind": "trial", "epoch": 0, "source": "x", "message": "", "details": {
+            "signal": "no_progress", "opened_at": 84, "kept": False, "false_alarm": True, "extra_steps": 32,
+            "steps": steps, "planned_steps": 40, "comparisons": []}}
+
+    stalled = _ended([2.0] * 5 + [1.5] * 95)
+    assert stalled_ending([trial(16)], stalled) is None
+    assert stalled_ending([trial(40)], stalled) is not None
+    assert plain_lines([trial(16)]) == [
+        "1 suspicion tried against doing nothing on the same unseen batches (the loss stalled short of half its "
+        "start): 1 cut short by the fit's end, nothing better found in the steps it had (the run went on untouched); "
+        "the trials cost 32 extra steps of compute"
+    ]
+
+
 def test_a_healthy_run_says_nothing(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
         fit(TinyRegressor(), [NonFiniteDetector()], max_steps=60, default_root_dir=tmp_path)

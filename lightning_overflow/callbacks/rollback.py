@@ -215,6 +215,8 @@ class Rollback(SuiteCallback):
         self._dropped = 0  # snapshots found unusable and dropped this fit
         self._layout: tuple[Any, ...] = ()  # the model's layout (module_layout) when the last snapshot was taken
         self._warnings = WarningCache()
+        self._unscored: dict[str, Any] | None = None  # the last rollback of the epoch under way: step, epoch, target
+        self._held: set[int] = set()  # the checkpoint callbacks told of it (by id)
 
     @property
     def snapshot_steps(self) -> list[int]:
@@ -261,6 +263,17 @@ class Rollback(SuiteCallback):
             self._before_scoring(trainer)
 
     @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self._hold_unscored_saves(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        self._hold_unscored_saves(trainer)
+        self._unscored = None  # the next epoch's training metrics are those of the weights it trains
+
+    @override
     def _wants_record(self) -> bool:
         return False  # it acts on the detectors' signals at batch end, never on a step's values
 
@@ -273,9 +286,13 @@ class Rollback(SuiteCallback):
         skipped = current is not None and current.skipped and current.step >= self._last_step - steps
         fired = [signal for signal in board.signals if signal.kind in self.triggers]
         if fired:
+            before = self.rollbacks
             self._roll_back(trainer, fired[0])
+            if self.rollbacks > before:
+                board.forget_batch_logs(trainer)  # computed on the state replaced, as a skipped step's are
         elif steps > 0 and not skipped and not board.signals and not board.trials.active:
             self._count_healthy(trainer, steps)  # healthy steps only: never a snapshot inside a spike or a trial
+        self._hold_unscored_saves(trainer)
 
     @override
     def on_save_checkpoint(
@@ -606,9 +623,38 @@ class Rollback(SuiteCallback):
                 self._forget(newer)
         self._record_rollback(trainer, signal, target.step, source)
 
+    def _hold_unscored_saves(self, trainer: pl.Trainer) -> None:
+        """After a rollback, until its epoch ends: the checkpoint callbacks that rank by a metric of the training steps
+        write nothing (they save after this callback's hook). The metric's value is that of the weights replaced, or
+        an epoch's mean of theirs: a file of the restored weights filed under it would be ranked by another state's
+        loss, kept as the best (the fit's first weights, after a rollback to its start) and the trained one removed.
+        A validation metric is computed on the restored weights: its checkpoints are written."""
+        unscored = self._unscored
+        if unscored is None or unscored["epoch"] != trainer.current_epoch:
+            return
+        step = int(trainer.global_step)
+        for callback in getattr(trainer, "checkpoint_callbacks", []):
+            monitor = getattr(callback, "monitor", None)
+            if monitor is None or not _compat.logged_in_training(trainer, monitor):
+                continue
+            _compat.hold_checkpoint_saves(callback, step)
+            if id(callback) in self._held:
+                continue
+            self._held.add(id(callback))
+            self._event(
+                trainer, "checkpoint_skipped",
+                f"Rollback: {type(callback).__name__}(monitor={monitor!r}) wrote no checkpoint at step {step}: "
+                f"{monitor!r} is logged by the training steps, and its value is that of the weights the rollback at "
+                f"step {unscored['step']} replaced; the restored weights (the snapshot of step {unscored['target']}) "
+                "get no checkpoint ranked by it before the epoch of the rollback ends",
+                monitor=monitor, rollback_step=unscored["step"], snapshot_step=unscored["target"],
+            )  # fmt: skip
+
     def _record_rollback(self, trainer: pl.Trainer, signal: Signal, target: int, source: str) -> None:
         """Count and journal a rollback to the snapshot of step ``target``, made at this step."""
         step = int(trainer.global_step)
+        self._unscored = {"step": step, "epoch": trainer.current_epoch, "target": target}
+        self._held = set()
         settings = self.board(trainer).settings()
         # A retry with new settings (the LR backed off since the last rollback) is progress, bounded by the backoff's
         # floor: only the retries that changed nothing spend the budget.
