@@ -360,3 +360,33 @@ def test_a_rollback_leaves_no_checkpoint_ranked_by_the_training_loss_of_the_weig
         "training steps, and its value is that of the weights the rollback at step 16 replaced; the restored weights "
         "(the snapshot of step 0) get no checkpoint ranked by it before the epoch of the rollback ends"
     )
+
+
+class NanAfterTheStep(pl.Callback):
+    """Writes NaN into the first weight at the end of batch ``step`` (after its update, before the suite's hooks of the
+    batch end): an update that itself writes NaN, on a step no detector checks the weights at."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] = float("nan")
+
+
+def test_nonfinite_weights_at_an_epochs_end_are_rolled_back_before_its_checkpoints_rank_them(tmp_path: Path) -> None:
+    """NaN written into the weights by the last update of epoch 1 (step 16), where no detector looks: found at the
+    epoch's end, before ModelCheckpoint saves, and rolled back there; the checkpoint ranked by train_loss is not
+    written. Found only at the save, the restored weights (the fit's first) were filed under epoch 1's train_loss, kept
+    as the best, and epoch 0's file removed."""
+    model = EpochTrainLoss()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="train_loss", save_top_k=1)
+    rollback = Rollback(every_n_steps=100)
+    callbacks = [NanAfterTheStep(16), NonFiniteDetector(check_weights_every_n_steps=None), rollback, checkpoint]
+    fit(model, callbacks, max_steps=24, default_root_dir=tmp_path, enable_checkpointing=True)
+    [rolled] = [e for e in rollback.board(model.trainer).journal.events if e.kind == "rollback"]
+    assert (rolled.step, rolled.details["snapshot_step"]) == (16, 0)
+    assert "when the epoch's checkpoints were to be written" in rolled.message
+    assert names(tmp_path / "ckpt") == ["epoch=0-step=8.ckpt"]
+    assert [e.kind for e in rollback.board(model.trainer).journal.events].count("checkpoint_skipped") == 1

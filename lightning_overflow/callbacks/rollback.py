@@ -22,7 +22,9 @@ detectors said. The check costs one pass over the state per checkpoint written, 
 inside the strategy's ``CheckpointIO`` would run on rank 0 alone and leave the other ranks waiting. Without
 ``"nonfinite_state"`` among the triggers, or with no snapshot to return to, the save is refused with
 :class:`NonFiniteError` (nothing written). ``on_save_checkpoint`` refuses the same way a checkpoint assembled by a
-writer that bypasses the trainer's method.
+writer that bypasses the trainer's method. The same check runs when validation starts and at an epoch's end, before
+the checkpoints are scored and ranked; after a rollback, checkpoints ranked by a metric of the training steps (whose
+value is the replaced weights') are held until the epoch ends (``docs/rollback.md``).
 """
 
 from __future__ import annotations
@@ -270,6 +272,10 @@ class Rollback(SuiteCallback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
+        if getattr(trainer, "checkpoint_callbacks", None) and self._guard is not None:
+            # Before the epoch's checkpoints (they save after this hook): a rollback at the save would file the
+            # restored weights under the score taken of the ones replaced.
+            self._before_scoring(trainer, "when the epoch's checkpoints were to be written")
         self._hold_unscored_saves(trainer)
         self._unscored = None  # the next epoch's training metrics are those of the weights it trains
 
@@ -407,7 +413,7 @@ class Rollback(SuiteCallback):
             self._refuse_checkpoint(trainer, check, "'nonfinite_state' is not among Rollback's triggers")
         self._roll_back_nonfinite(trainer, check, "when a checkpoint was to be written")
 
-    def _before_scoring(self, trainer: pl.Trainer) -> None:
+    def _before_scoring(self, trainer: pl.Trainer, when: str = "when validation was to score them") -> None:
         """Before validation scores the weights within a fit (every rank): roll back first when the state is not
         finite. The metrics it computes name and rank the checkpoints written next (``ModelCheckpoint``'s monitor):
         a rollback at the save instead would file the restored weights under the score of the ones replaced (a NaN in
@@ -417,7 +423,7 @@ class Rollback(SuiteCallback):
             return  # the checkpoint guard refuses such a save instead
         check = self._check_live(trainer)
         if not check.finite:
-            self._roll_back_nonfinite(trainer, check, "when validation was to score them")
+            self._roll_back_nonfinite(trainer, check, when)
 
     def _roll_back_nonfinite(self, trainer: pl.Trainer, check: StateCheck, when: str) -> None:
         """Roll back the live state that ``check`` found non-finite at a moment outside the step (``when``)."""
