@@ -525,7 +525,8 @@ def _learning_rate(changes: list[Event], by_kind: dict[str, list[Event]]) -> lis
             lrs, when = (rates[index] if index < len(rates) else []), restarts[-1]["step"]
         if scale < 1:
             now = f" ({_lrs(lrs)} at step {when})" if lrs else ""
-            ending = f"ends at {scale:g}x its schedule{now}: consider starting at {scale:g}x the learning rate"
+            floor = ", its floor (min_scale): no backoff went lower" if _at_floor(last["details"]) else ""
+            ending = f"ends at {scale:g}x its schedule{now}{floor}: consider starting at {scale:g}x the learning rate"
         else:
             ending = f"is back to its schedule from step {last['step']}"
         lines.append(f"{', '.join(back)}; it {ending}")

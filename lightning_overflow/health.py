@@ -817,14 +817,8 @@ class HealthBoard:
         logs = self.logs_now(trainer)
         # The counters move only with an event (a skip, a spike, a backoff, a rollback), a signal or a trial: a quiet
         # batch that logs nothing leaves them as they were published.
-        journaled = len(self.journal.events)
-        if logs or journaled != self._counted or self.signals or self.trials.active:
-            self._counted = journaled
-            counters: dict[str, float] = {}
-            for participant in self.in_stage("_counters"):  # several callbacks skip: their counts add up
-                for key, value in participant._counters().items():
-                    counters[key] = counters.get(key, 0.0) + float(value)
-            self._publish_counters(trainer, counters)
+        if logs or len(self.journal.events) != self._counted or self.signals or self.trials.active:
+            counters = self._publish_counters(trainer)
             if logs:
                 self.metrics.add(counters, _compat.batches_that_stepped(trainer))
         self.flush(trainer, batch_end=True)
@@ -838,12 +832,17 @@ class HealthBoard:
             self._log_due = _compat.should_update_logs(trainer)
         return self._log_due or bool(trainer.should_stop)
 
-    def _publish_counters(self, trainer: pl.Trainer, counters: dict[str, float]) -> None:
+    def _publish_counters(self, trainer: pl.Trainer) -> dict[str, float]:
         """Counters in ``trainer.callback_metrics`` (so ``ModelCheckpoint``/``EarlyStopping`` can monitor them) and,
         once anything happened, short ones in the progress bar. New tensors only when a value changed."""
+        self._counted = len(self.journal.events)
+        counters: dict[str, float] = {}
+        for participant in self.in_stage("_counters"):  # several callbacks skip: their counts add up
+            for key, value in participant._counters().items():
+                counters[key] = counters.get(key, 0.0) + float(value)
         changed = {k: v for k, v in counters.items() if self._published.get(k) != v}
         if not changed:
-            return
+            return counters
         self._published.update(changed)
         values = {k: torch.tensor(v) for k, v in changed.items()}
         _compat.callback_metrics(trainer).update(values)
@@ -855,6 +854,7 @@ class HealthBoard:
                 if key in self._published
             }
             _compat.progress_bar_metrics(trainer).update(shown)
+        return counters
 
     def flush(self, trainer: pl.Trainer, batch_end: bool = False) -> None:
         """Send every queued metric, and put the same values into ``trainer.callback_metrics``, where Lightning keeps
@@ -868,6 +868,10 @@ class HealthBoard:
         lightning_step = _compat.batches_that_stepped(trainer) if batch_end and self.logs_now(trainer) else None
         if not batch_end:
             self._merge.send_leftover()
+            if len(self.journal.events) != self._counted:  # an event after the last batch: the epoch's or fit's end
+                counters = self._publish_counters(trainer)
+                if trainer.loggers:
+                    self.metrics.add(counters, _compat.batches_that_stepped(trainer))
         for step, metrics in self.metrics.drain():
             if step == lightning_step:
                 self._merge.hold(trainer.loggers, step, metrics)

@@ -390,3 +390,22 @@ def test_nonfinite_weights_at_an_epochs_end_are_rolled_back_before_its_checkpoin
     assert "when the epoch's checkpoints were to be written" in rolled.message
     assert names(tmp_path / "ckpt") == ["epoch=0-step=8.ckpt"]
     assert [e.kind for e in rollback.board(model.trainer).journal.events].count("checkpoint_skipped") == 1
+
+
+def test_a_rollback_at_an_epochs_end_is_counted_in_the_metrics_the_fit_leaves(tmp_path: Path) -> None:
+    """A rollback after the last batch of the fit (the epoch's end, before its checkpoints) comes after the counters'
+    last publication at a batch end: trainer.callback_metrics and the logger still get it (they said 0 rollbacks)."""
+    model = EpochTrainLoss()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="train_loss", save_top_k=1)
+    rollback = Rollback(every_n_steps=100)
+    callbacks = [NanAfterTheStep(16), NonFiniteDetector(check_weights_every_n_steps=None), rollback, checkpoint]
+    logger = pl.loggers.CSVLogger(tmp_path)
+    fit(model, callbacks, max_steps=16, default_root_dir=tmp_path, enable_checkpointing=True, logger=logger,
+        log_every_n_steps=1)  # fmt: skip
+    [rolled] = [e for e in rollback.board(model.trainer).journal.events if e.kind == "rollback"]
+    assert rolled.step == 16
+    assert float(model.trainer.callback_metrics["overflow/rollbacks"]) == 1.0
+    rows = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    counts = [row.split(",")[header.index("overflow/rollbacks")] for row in rows[1:]]
+    assert [float(c) for c in counts if c][-1] == 1.0

@@ -317,8 +317,8 @@ def test_suspicions_left_alone_at_the_floor_or_past_the_rollback_budget_are_said
     backoff = event(100, "backoff", "LRBackoff", optimizer=0, scale=0.001, floor=0.001, lrs=[1e-5])
     floor = [backoff, event(150, "loss_divergence"), event(220, "loss_divergence"), event(300, "loss_trend")]
     assert plain_lines(floor) == [
-        "learning rate backed off once (step 100); it ends at 0.001x its schedule (1e-05 at step 100): consider "
-        "starting at 0.001x the learning rate",
+        "learning rate backed off once (step 100); it ends at 0.001x its schedule (1e-05 at step 100), its floor "
+        "(min_scale): no backoff went lower: consider starting at 0.001x the learning rate",
         "3 suspicions left alone at steps 150, 220, 300 (the loss settled far above its best; the loss kept rising): "
         "the learning rate was already at its floor (0.001x its schedule), the lowest LRBackoff may set; try starting "
         "at a lower learning rate",
