@@ -547,3 +547,13 @@ def test_batch_rows_are_named_only_in_tensors_of_one_row_per_sample() -> None:
     stats = batch_stats((atoms, per_molecule, targets))
     assert (stats.nan, stats.inf, stats.rows) == (1, 1, (5,))
     assert batch_stats((torch.full((4, 2), float("nan")),)).rows == (0, 1, 2, 3)  # one tensor: its rows are samples
+
+
+def test_a_batch_with_inf_nan_and_huge_values_is_told_with_both() -> None:
+    """A target of 1e30 beside two NaN: the words name both, not the NaN alone (the 1e30 was the cause)."""
+    from lightning_overflow.diagnosis.records import Replay
+
+    both = Replay(0, True, batch_idx=5, batch_magnitude=1e30, batch_nonfinite=2, batch_nan=2, batch_rows=(0, 5, 13))
+    assert both.describe_batch() == "batch 5 holds 2 NaN and values up to 1e+30 in rows 0, 5, 13"
+    assert both.blames_batch
+    assert not Replay(0, True, batch_idx=5, batch_nonfinite=1, batch_nan=1, batch_harmless=True).blames_batch

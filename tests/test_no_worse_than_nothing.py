@@ -268,3 +268,54 @@ def test_steps_skipped_for_bad_data_spend_no_skip_budget(tmp_path: Path) -> None
     fit(_MostlyBadData(), callbacks, max_steps=32, default_root_dir=tmp_path / "suite")
     kinds = [e["kind"] for e in _journal(tmp_path / "suite")]
     assert kinds.count("data_fault") == 24 and "backoff" not in kinds and "rollback" not in kinds
+
+
+class _MissingTargets(TinyRegressor):
+    """Every batch misses one target (NaN), which the loss leaves out, as chemprop does with the missing values of a
+    multi-task dataset: the NaN never reaches the loss or the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd", n_samples=64)
+        x, y = self.data.tensors
+        y = y.clone()
+        y[:: self.batch_size] = float("nan")  # the first row of each batch
+        self.data = TensorDataset(x, y)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        present = ~y.isnan()
+        return nn.functional.mse_loss(self(x)[present], y[present])
+
+
+def test_a_missing_value_the_model_masks_does_not_make_a_state_fault_a_data_fault(tmp_path: Path) -> None:
+    """The last layer's weight multiplied by 1e36 before step 5: every loss from there on is inf. The batch of step 5
+    holds a NaN target too, masked by the loss: set to 0, the replay is inf all the same, so the NaN is not the
+    cause. The fault is the state's: it persists, the learning rate backs off and the run rolls back (as a data fault
+    never held against the state, it was skipped 20 times and the fit ended with NonFiniteError)."""
+    faults = FaultInjector(Fault(5, "scale_weight", parameter="net.2.weight", factor=1e36))
+    model = _MissingTargets()
+    fit(model, [*default_callbacks(), faults], max_steps=24, default_root_dir=tmp_path)
+    events = _journal(tmp_path)
+    kinds = [e["kind"] for e in events]
+    assert "data_fault" not in kinds and "abort" not in kinds
+    first = next(e for e in events if e["kind"] == "nonfinite")
+    assert first["step"] == 5
+    assert ("batch 5 holds NaN in row 0, not the cause: set to 0, the replay was inf/NaN all the same"
+            in first["message"])  # fmt: skip
+    assert [e["details"]["snapshot_step"] for e in events if e["kind"] == "rollback"] == [0]
+    assert all(torch.isfinite(t).all() for t in weights(model).values())
+
+
+def test_a_missing_value_that_reaches_the_loss_is_still_the_data_fault() -> None:
+    """The same NaN, unmasked: set to 0, the replay is finite, so it is the cause."""
+
+    class Unmasked(_MissingTargets):
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self(x), y)
+
+    model, detector = Unmasked(), NonFiniteDetector()
+    fit(model, [detector], max_steps=3)
+    events = detector.board(model.trainer).journal.events
+    assert [(e.step, e.kind) for e in events][:2] == [(0, "data_fault"), (0, "skip")]
+    assert events[0].details["data"] == "batch 0 holds NaN in row 0"

@@ -892,13 +892,13 @@ def _warn_about_anomaly_detection(warnings: WarningCache) -> None:
 
 
 def _bad_batch(diagnosis: Diagnosis) -> bool:
-    """Whether a rank's batch itself holds inf/NaN or values no normalised input has."""
-    return any(r.describe_batch() for r in diagnosis.replays)
+    """Whether a rank's batch itself holds inf/NaN or values no normalised input has, and they broke the step."""
+    return any(r.blames_batch for r in diagnosis.replays)
 
 
 def _batch_details(diagnosis: Diagnosis) -> dict[str, Any]:
     """Where the bad data is: the first bad batch's index in its epoch, its rows, and what they hold, per rank."""
-    bad = [r for r in diagnosis.replays if r.describe_batch()]
+    bad = [r for r in diagnosis.replays if r.blames_batch]
     first = bad[0]
     return {"batch": first.batch_idx, "rows": list(first.batch_rows), "data": first.describe_batch(),
             "data_ranks": [r.rank for r in bad]}  # fmt: skip

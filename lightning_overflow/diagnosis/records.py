@@ -189,6 +189,8 @@ class Replay:
         batch_nan: how many of those are NaN.
         batch_rows: the first sample rows (indices along the first dimension) that hold inf/NaN or values beyond
             ``HUGE_INPUT``.
+        batch_harmless: those values were set to 0 and the replay was inf/NaN all the same: they are not what broke
+            the step (a model that masks missing values, as chemprop masks its NaN targets).
     """
 
     rank: int
@@ -201,17 +203,20 @@ class Replay:
     batch_nonfinite: int = 0
     batch_nan: int = 0
     batch_rows: tuple[int, ...] = ()
+    batch_harmless: bool = False
 
     def describe_batch(self) -> str:
         """What is wrong with the batch, in words (``"batch 11 holds NaN in row 3"``); empty when nothing is."""
+        parts = []
         if self.batch_nonfinite:
             inf = self.batch_nonfinite - self.batch_nan
             what = " and ".join(f"{n} {word}" for n, word in ((self.batch_nan, "NaN"), (inf, "inf")) if n)
-            what = what.replace("1 NaN", "NaN").replace("1 inf", "inf") if self.batch_nonfinite == 1 else what
-        elif self.batch_magnitude > HUGE_INPUT:
-            what = f"values up to {self.batch_magnitude:.3g}"
-        else:
+            parts.append(what.replace("1 NaN", "NaN").replace("1 inf", "inf") if self.batch_nonfinite == 1 else what)
+        if self.batch_magnitude > HUGE_INPUT:
+            parts.append(f"values up to {self.batch_magnitude:.3g}")
+        if not parts:
             return ""
+        what = " and ".join(parts)
         where = f"batch {self.batch_idx}" if self.batch_idx is not None else "the batch"
         rows = ""
         if self.batch_rows:
@@ -221,6 +226,11 @@ class Replay:
     @property
     def reproduced(self) -> bool:
         return self.trace is not None and self.trace.nonfinite
+
+    @property
+    def blames_batch(self) -> bool:
+        """Whether the batch's bad values are the fault's cause: it holds some, and they were not found harmless."""
+        return bool(self.describe_batch()) and not self.batch_harmless
 
 
 @dataclass(frozen=True)

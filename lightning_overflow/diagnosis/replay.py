@@ -22,6 +22,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_overflow import _compat
 from lightning_overflow.diagnosis.hints import HUGE_INPUT, batch_hint, origin_hint
@@ -114,8 +115,17 @@ def diagnose_step(
     step: int,
     observed_ranks: tuple[int, ...],
 ) -> Diagnosis:
-    """Replay on every rank and combine. Every rank must call it together (it ends with one collective)."""
+    """Replay on every rank and combine. Every rank must call it together (it ends with one collective).
+
+    Where a rank's batch holds inf/NaN or values beyond ``HUGE_INPUT`` and its replay reproduced the fault, every rank
+    replays once more, that rank with those values set to 0: inf/NaN again, and they are not what broke the step (a
+    model that masks missing values); finite, and they are. Every rank replays twice or none does, so that the
+    collectives a ``training_step`` calls are met on every rank."""
     replays = _gather(replay_batch(trainer, pl_module, kept))
+    if any(r.reproduced and r.describe_batch() for r in replays):  # the gathered replays: alike on every rank
+        mine = next(r for r in replays if r.rank == int(trainer.global_rank))
+        harmless = replace(mine, batch_harmless=_still_nonfinite_without_bad_values(trainer, pl_module, kept, mine))
+        replays = _gather(harmless)
     accumulation = int(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1
     return combine(step, replays, observed_ranks, accumulation)
 
@@ -149,7 +159,8 @@ def combine(step: int, replays: list[Replay], observed_ranks: tuple[int, ...], a
     if chosen is not None and trace is not None:
         growth = trace.growth if origin is None or origin.source == "op" else None
         # The data first: an op that overflowed on a corrupt sample is not the op's fault.
-        hints = [batch_hint(chosen.batch_nonfinite, chosen.batch_magnitude), origin_hint(origin, growth, overflow)]
+        hints = [batch_hint(chosen.batch_nonfinite, chosen.batch_magnitude) if chosen.blames_batch else "",
+                 origin_hint(origin, growth, overflow)]  # fmt: skip
         hint = "; ".join(h for h in hints if h)
     message = _message(verdict, reason, chosen, replays, reproduced, observed_ranks)
     return Diagnosis(
@@ -193,8 +204,10 @@ def _message(
     parts = [_cause(trace)]
     if trace.growth is not None:
         parts.append(trace.growth.describe())
-    if chosen.describe_batch():
+    if chosen.blames_batch:
         parts.append(chosen.describe_batch())
+    elif chosen.describe_batch():
+        parts.append(f"{chosen.describe_batch()}, not the cause: set to 0, the replay was inf/NaN all the same")
     sentence = "; ".join(parts)
     text = (
         f"Diagnosis: {sentence}. Persistent: the replay of this batch on the same weights reproduces it (the data or "
@@ -238,6 +251,33 @@ def _first(reproduced: tuple[int, ...], observed: tuple[int, ...]) -> int | None
 # ---- the replay itself --------------------------------------------------------------------------------------------
 class _NoLoss(Exception):
     pass
+
+
+def _still_nonfinite_without_bad_values(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptBatch | None, replay: Replay
+) -> bool:
+    """Replay the batch with its inf/NaN and values beyond ``HUGE_INPUT`` set to 0 (in place, put back bit for bit
+    afterwards): whether the step is inf/NaN all the same. A rank whose batch is sound replays it as it is, to meet
+    the others' collectives, and answers ``False``; so does a replay that fails."""
+    if kept is None or not replay.replayed:
+        return False
+    suspect = replay.reproduced and bool(replay.describe_batch())
+    saved: list[tuple[Tensor, Tensor]] = []
+    try:
+        with torch.no_grad():
+            for t in floating_tensors(kept.batch) if suspect else ():
+                bad = ~torch.isfinite(t) | (t.abs() > HUGE_INPUT)
+                if bool(bad.any()):
+                    saved.append((t, t.clone()))
+                    t.masked_fill_(bad, 0.0)
+        trace = _traced_step(trainer, pl_module, kept, module_hooks=False)
+    except Exception:  # the diagnosis must never take the run down with it: the batch stays blamed
+        return False
+    finally:
+        with torch.no_grad():
+            for t, original in saved:
+                t.copy_(original)
+    return suspect and trace.nonfinite
 
 
 def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptBatch, module_hooks: bool) -> Trace:
