@@ -1142,7 +1142,8 @@ def finite_checked_monitors(trainer: pl.Trainer) -> list[str]:
     return [
         str(cb.monitor)
         for cb in trainer.callbacks  # type: ignore[attr-defined]
-        if type(cb).__name__ == "EarlyStopping" and getattr(cb, "check_finite", False)
+        # A library's own subclass too (scvi-tools' LoudEarlyStopping), of either Lightning package's class.
+        if any(cls.__name__ == "EarlyStopping" for cls in type(cb).__mro__) and getattr(cb, "check_finite", False)
     ]
 
 

@@ -261,3 +261,21 @@ def test_a_per_step_monitor_is_warned_about_and_its_stop_said_as_what_it_is(tmp_
         "(a skipped step's value is left out of the epoch's mean), log only finite values, or pass "
         "EarlyStopping(check_finite=False)"
     )
+
+
+class LoudEarlyStopping(EarlyStopping):
+    """A library's own EarlyStopping (scvi-tools' prints why it stopped)."""
+
+
+def test_a_librarys_subclass_of_early_stopping_is_warned_about_and_its_stop_said(tmp_path: Any) -> None:
+    from lightning_overflow import read_journal
+
+    stopper = LoudEarlyStopping(monitor="train_loss", patience=100)
+    model = EpochLoss(ignore_nan=False)
+    model.data.tensors[0][3 * model.batch_size, 0] = float("nan")
+    with pytest.warns(OverflowWarning) as caught:
+        trainer = fit(model, [NonFiniteDetector(), stopper], max_steps=24, default_root_dir=str(tmp_path))
+    assert any("EarlyStopping(monitor='train_loss', check_finite=True)" in str(w.message) for w in caught)
+    assert trainer.global_step == 8
+    (stopped,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "stopped"]
+    assert stopped["message"].startswith("EarlyStopping(monitor='train_loss') stopped the fit at step 8")

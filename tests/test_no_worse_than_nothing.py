@@ -319,3 +319,30 @@ def test_a_missing_value_that_reaches_the_loss_is_still_the_data_fault() -> None
     events = detector.board(model.trainer).journal.events
     assert [(e.step, e.kind) for e in events][:2] == [(0, "data_fault"), (0, "skip")]
     assert events[0].details["data"] == "batch 0 holds NaN in row 0"
+
+
+def test_an_intermediate_nan_the_step_masks_itself_does_not_acquit_the_batch() -> None:
+    """A NaN in the features at step 0, and a NaN the step computes and masks itself every step (a mean over an empty
+    group, as SCANVI's division by a count of 0): set to 0, the batch gives a finite loss and gradients, so the
+    batch's NaN is the cause, whatever NaN the step makes on the way."""
+
+    class MasksItsOwnNan(TinyRegressor):
+        def __init__(self) -> None:
+            super().__init__(optimizer="sgd")
+            x, y = self.data.tensors
+            x = x.clone()
+            x[2, 1] = float("nan")
+            self.data = TensorDataset(x, y)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            empty = (y > 1e9).float()
+            group_mean = (y * empty).sum() / empty.sum()  # 0/0: NaN, left out below
+            extra = torch.where(torch.isnan(group_mean), torch.zeros(()), group_mean)
+            return nn.functional.mse_loss(self(x), y) + extra
+
+    model, detector = MasksItsOwnNan(), NonFiniteDetector()
+    fit(model, [detector], max_steps=2)
+    events = detector.board(model.trainer).journal.events
+    assert [(e.step, e.kind) for e in events][:2] == [(0, "data_fault"), (0, "skip")]
+    assert events[0].details["data"] == "batch 0 holds NaN in row 2"

@@ -257,8 +257,8 @@ def _still_nonfinite_without_bad_values(
     trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptBatch | None, replay: Replay
 ) -> bool:
     """Replay the batch with its inf/NaN and values beyond ``HUGE_INPUT`` set to 0 (in place, put back bit for bit
-    afterwards): whether the step is inf/NaN all the same. A rank whose batch is sound replays it as it is, to meet
-    the others' collectives, and answers ``False``; so does a replay that fails."""
+    afterwards): whether its loss or gradients are inf/NaN all the same. A rank whose batch is sound replays it as it
+    is, to meet the others' collectives, and answers ``False``; so does a replay that fails."""
     if kept is None or not replay.replayed:
         return False
     suspect = replay.reproduced and bool(replay.describe_batch())
@@ -277,7 +277,8 @@ def _still_nonfinite_without_bad_values(
         with torch.no_grad():
             for t, original in saved:
                 t.copy_(original)
-    return suspect and trace.nonfinite
+    # The loss and the gradients, not an intermediate NaN the step masks itself (SCANVI divides by a count of 0).
+    return suspect and (not (trace.loss_finite and trace.grads_finite) or trace.beyond_fp32)
 
 
 def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptBatch, module_hooks: bool) -> Trace:
