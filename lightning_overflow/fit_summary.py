@@ -100,9 +100,10 @@ class LossEnding:
     silent_names: tuple[str, ...] = ()  # some of them, at the last step
     _lived: bool = False  # a step where most tensors had a gradient
 
-    def add(self, step: int, loss: float, silent: tuple[int, int] | None = None, names: Sequence[str] = ()) -> None:
-        """Take one step's loss and, where known, ``(gradient tensors exactly 0, tensors)`` with some of their
-        ``names``."""
+    def add(self, step: int, loss: float | None, silent: tuple[int, int] | None = None, names: Sequence[str] = ()
+            ) -> None:  # fmt: skip
+        """Take one step's loss (``None``: none was seen, as under a Pyro plan's own backward) and, where known,
+        ``(gradient tensors exactly 0, tensors)`` with some of their ``names``."""
         if silent is not None and silent[1] > 0:
             if silent[0] < DEAD_SHARE * silent[1]:
                 self._lived, self.silent_tail = True, 0
@@ -112,6 +113,8 @@ class LossEnding:
                 self.silent_from = step if self.silent_tail == 0 else self.silent_from
                 self.silent_tail += 1
                 self.silent, self.silent_names = silent, tuple(names)
+        if loss is None:
+            return
         if not math.isfinite(loss):
             if self.nonfinite_tail == 0:
                 self.nonfinite_from = step

@@ -220,6 +220,8 @@ class StepHealth:
             sharded gradients, always: the norms of the full gradients (float64 sums of the shards' squares).
         loss_nonfinite_ranks: the ranks whose loss was inf/NaN in this step's backward passes.
         loss_mean: the mean finite training loss of this step over micro-batches and ranks (``nan`` if none).
+        loss_seen: whether any backward pass of this step went through ``on_before_backward`` (a Pyro plan runs its
+            own backward: no loss is seen, which is no inf/NaN loss).
         loss_scale: the GradScaler scale under ``16-mixed`` (``None`` otherwise).
         log_step: the step Lightning logs this batch at; ``log_due`` whether this batch logs.
         skipped, skip_reason: the decision, once taken.
@@ -264,6 +266,7 @@ class StepHealth:
         self.exact_grad_norms: list[float] | None = None
         self.loss_nonfinite_ranks: tuple[int, ...] = ()
         self.loss_mean = math.nan
+        self.loss_seen = False
         self.loss_scale: float | None = None
         self.loss_factor = 1  # what the losses are multiplied by (Lightning divided them by the accumulation)
         self.skipped = False
@@ -918,7 +921,7 @@ class HealthBoard:
         for participant in self.in_stage("_after_step"):
             participant._after_step(trainer, record, action)
         if record.optimizer_index == 0:
-            self.ending.add(record.step, record.loss_mean, *_silent(record))
+            self.ending.add(record.step, record.loss_mean if record.loss_seen else None, *_silent(record))
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> StepHealth:
         """The step's record with the gradients' norms (device values, read with the rest of the step's)."""
@@ -1009,6 +1012,7 @@ class HealthBoard:
             nonfinite_by_rank = record.value("loss_nonfinite")
             record.loss_nonfinite_ranks = tuple(r for r, v in enumerate(nonfinite_by_rank) if v != 0)
             nonfinite, loss_sum, count = sum(nonfinite_by_rank), record.value("loss_sum")[0], record.value("loss_count")[0]
+        record.loss_seen = count > 0
         # Non-finite losses add 0 to the sum: leave them out of the count too, or a NaN step reads as a loss of 0.
         count -= nonfinite
         record.loss_mean = loss_sum / count if count > 0 else math.nan
