@@ -921,7 +921,8 @@ class HealthBoard:
         for participant in self.in_stage("_after_step"):
             participant._after_step(trainer, record, action)
         if record.optimizer_index == 0:
-            self.ending.add(record.step, record.loss_mean if record.loss_seen else None, *_silent(record))
+            loss = record.loss_mean if record.loss_seen else None
+            self.ending.add(record.step, loss, *_silent(record))
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> StepHealth:
         """The step's record with the gradients' norms (device values, read with the rest of the step's)."""
