@@ -11,6 +11,8 @@ When the step's batch holds inf/NaN or values beyond ``HUGE_INPUT``, or the mode
 inf/NaN, the failure is that fault's consequence: the step returns a NaN loss through every trainable parameter
 instead, and the suite answers it as any inf/NaN loss (it skips the step, rolls back where the state is bad). The
 backward runs on every rank, as DDP's reducer requires, so every rank sees the same NaN gradients and decides alike.
+Under manual optimization, where the optimizers step inside ``training_step``, each optimizer steps on that loss
+(in one process only: one rank's own steps could not be sure to meet the other ranks' collectives).
 Any other exception, and any failure of a step whose batch and weights are sound, passes unchanged: a bug in the
 model is never swallowed. Nor is data that is bad in every batch: when skipping does not get past such steps
 (``NonFiniteDetector(max_consecutive_skips=...)`` reached, or ``action="raise"``), the fit ends with the module's own
@@ -26,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_overflow.diagnosis.records import HUGE_INPUT
-from lightning_overflow.diagnosis.replay import batch_stats
+from lightning_overflow.diagnosis.replay import BatchStats, batch_stats
 from lightning_overflow.numerics.norms import any_sharded
 from lightning_overflow.numerics.snapshots import nonfinite_paths
 
@@ -51,6 +53,7 @@ class FaultedStep:
     failure: str  # 'raised ValueError("Expected parameter loc ...")'
     cause: str  # "its batch holds inf/NaN in row(s) 12"
     brief: str = ""  # the failure without its message, for a count of such steps: "raised ValueError"
+    batch: BatchStats | None = None  # what the batch holds, when its bad values are the cause
     # What it raised: when skipping does not get past such steps, the fit ends with it, as it would without the suite.
     error: BaseException | None = field(default=None, compare=False, repr=False)
 
@@ -59,21 +62,21 @@ class FaultedStep:
         return f"; {code} {self.failure} while {self.cause}: answered as an inf/NaN loss"
 
 
-def nonfinite_cause(module: nn.Module, inputs: Any) -> str:
-    """Why a step on ``inputs`` cannot have a sound loss: its batch holds inf/NaN or values beyond ``HUGE_INPUT``,
-    or the module's parameters or buffers hold inf/NaN (empty when none of these is so)."""
+def nonfinite_cause(module: nn.Module, inputs: Any) -> tuple[str, BatchStats | None]:
+    """Why a step on ``inputs`` cannot have a sound loss: its batch holds inf/NaN or values beyond ``HUGE_INPUT``
+    (with what it holds), or the module's parameters or buffers hold inf/NaN (``""`` when none of these is so)."""
     with torch.no_grad():
         stats = batch_stats(inputs)
         rows = f" in row(s) {', '.join(str(r) for r in stats.rows)}" if stats.rows else ""
         if stats.nan or stats.inf:
-            return f"its batch holds inf/NaN{rows}"
+            return f"its batch holds inf/NaN{rows}", stats
         if stats.magnitude > HUGE_INPUT:
-            return f"its batch holds values up to {stats.magnitude:.3g}{rows}"
+            return f"its batch holds values up to {stats.magnitude:.3g}{rows}", stats
     bad = nonfinite_paths({**dict(module.named_parameters()), **dict(module.named_buffers())})
     if bad:
         more = f" and {len(bad) - MAX_NAMES} more" if len(bad) > MAX_NAMES else ""
-        return f"the model holds inf/NaN in {', '.join(bad[:MAX_NAMES])}{more}"
-    return ""
+        return f"the model holds inf/NaN in {', '.join(bad[:MAX_NAMES])}{more}", None
+    return "", None
 
 
 def stand_in_loss(module: nn.Module) -> Tensor | None:
@@ -113,5 +116,5 @@ def _answer(failure: str, brief: str, module: nn.Module, inputs: Any) -> tuple[T
     # The stand-in first: with sharded parameters there is none, and reading a DTensor's finiteness on the one rank
     # whose step failed would start a collective the others never join.
     loss = stand_in_loss(module)
-    cause = nonfinite_cause(module, inputs) if loss is not None else ""
-    return (loss, FaultedStep(failure, cause, brief)) if cause and loss is not None else None
+    cause, batch = nonfinite_cause(module, inputs) if loss is not None else ("", None)
+    return (loss, FaultedStep(failure, cause, brief, batch)) if cause and loss is not None else None

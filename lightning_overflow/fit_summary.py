@@ -333,6 +333,8 @@ def _where(faults: list[Event]) -> str:
     what = _without_batch(str(details.get("data", ""))) or "holds inf/NaN or values beyond 1e15"
     if len(faults) == 1:
         where = f"batch {details.get('batch')} of epoch {epochs[0]} (step {first['step']}) {what}"
+    elif len(batches) == 1 and len(set(epochs)) == 1:  # one batch, the step of each optimizer (manual optimization)
+        where = f"batch {details.get('batch')} of epoch {epochs[0]} ({_at(faults)}) {what}"
     elif len(batches) == 1 and len(texts) == 1 and once_an_epoch:
         where = f"batch {details.get('batch')} of each epoch {what} (epochs {epochs[0]}-{epochs[-1]})"
     elif len(batches) == 1 and len(texts) == 1:

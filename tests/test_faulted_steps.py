@@ -339,3 +339,73 @@ def test_ddp_a_batch_that_raises_on_rank_1_is_skipped_on_both_ranks(tmp_path: Pa
     assert reports[0]["digest"] == reports[1]["digest"]
     states = [r["states"][0] for r in reports]
     assert states[0] == states[1] and '"skipped_steps": 1' in states[0]
+
+
+class ManualGaussian(GaussianRegressor):
+    """The same model under manual optimization, with two optimizers (the heads' and the body's), as scvi-tools'
+    adversarial training plans step theirs inside ``training_step``: a NaN batch or weight makes ``Normal`` raise
+    before any step."""
+
+    def __init__(self, nan_at: tuple[int, int] | None = None) -> None:
+        super().__init__(nan_at=nan_at)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        first, second = self.optimizers()  # type: ignore[misc]
+        x, y = batch
+        mean, scale = self.net(x).unbind(dim=1)
+        likelihood = torch.distributions.Normal(mean, nn.functional.softplus(scale) + 1e-3, validate_args=True)
+        loss = -likelihood.log_prob(y).mean()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+        return loss.detach()
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.SGD(self.net[0].parameters(), lr=0.02, momentum=0.9),
+                torch.optim.Adam(self.net[2].parameters(), lr=0.01))  # fmt: skip
+
+
+def test_under_manual_optimization_a_nan_batch_that_raises_is_skipped_by_every_optimizer(tmp_path: Path) -> None:
+    """The batch of the second batch (global steps 2 and 3) holds a NaN: the module raises before its steps. Each
+    optimizer steps on the stand-in NaN loss instead and the suite skips both steps: the weights and optimizer states
+    end as those of the fit that never saw that batch's update (it raised without the suite)."""
+    with pytest.raises(ValueError, match="Expected parameter loc"):
+        fit(ManualGaussian(nan_at=(2, 0)), max_steps=6)
+    seen = StepWeights(2)
+    model = ManualGaussian(nan_at=(2, 0))
+    initial = weights(model)
+    detector = NonFiniteDetector()
+    fit(model, [detector, seen], default_root_dir=tmp_path, max_steps=6)
+    assert_bit_identical(seen.before, seen.after)  # both steps of the batch were skipped: nothing moved
+    assert detector.skipped_steps == 2 and model.trainer.global_step == 6
+    # The reference: the same batches, the second one's steps skipped on a NaN loss instead.
+    reference = ManualGaussian()
+    reference.load_state_dict(initial)
+    fit(reference, [NonFiniteDetector(), FaultInjector(Fault(2, "nan_loss"))], default_root_dir=tmp_path / "ref",
+        max_steps=6)  # fmt: skip
+    assert_bit_identical(weights(model), weights(reference))
+    events = list(read_journal(tmp_path / "overflow_events.jsonl"))
+    found = [e for e in events if e["kind"] == "data_fault"]  # not replayed: the answered step's batch says why
+    assert [(e["step"], e["details"]["batch"], e["details"]["rows"]) for e in found] == [(2, 1, [ROW]), (3, 1, [ROW])]
+    assert ("training_step raised ValueError('Expected parameter loc (Tensor of shape (16,)) of distribution Normal"
+            in found[0]["message"])  # fmt: skip
+    assert f"while its batch holds inf/NaN in row(s) {ROW}: answered as an inf/NaN loss." in found[0]["message"]
+    assert plain_lines(events) == [
+        "2 steps skipped: batch 1 of epoch 0 (steps 2, 3) holds NaN in row 2 (training_step raised ValueError on "
+        "each, answered as inf/NaN losses): a data fault; check the data"
+    ]
+
+
+def test_under_manual_optimization_nan_weights_that_make_the_forward_raise_are_rolled_back(tmp_path: Path) -> None:
+    model = ManualGaussian()
+    fit(model, [*default_callbacks(), FaultInjector(Fault(6, "nan_weight", parameter="net.2.weight"))],
+        default_root_dir=tmp_path, max_steps=16)  # fmt: skip
+    assert all(bool(torch.isfinite(t).all()) for t in weights(model).values())
+    assert model.trainer.global_step == 16
+    events = list(read_journal(tmp_path))
+    assert [e["step"] for e in events if e["kind"] == "nonfinite"][0] == 6
+    assert [e["kind"] for e in events].count("rollback") == 1
+    assert "data_fault" not in [e["kind"] for e in events]  # the weights' fault, held against the state

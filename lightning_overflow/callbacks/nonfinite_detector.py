@@ -21,11 +21,11 @@ from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.hints import detection_hint, divergence_hint
 from lightning_overflow.diagnosis.records import Diagnosis, Replay
-from lightning_overflow.diagnosis.replay import KeptBatch, batch_stats, diagnose_step
+from lightning_overflow.diagnosis.replay import BatchStats, KeptBatch, batch_stats, diagnose_step
 from lightning_overflow.distributed import flags_by_rank, world
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError
-from lightning_overflow.faulted_steps import FaultedStep, answer_detached, answer_error
+from lightning_overflow.faulted_steps import FaultedStep, answer_detached, answer_error, stand_in_loss
 from lightning_overflow.health import (
     MAX_NAMES,
     StepHealth,
@@ -223,6 +223,7 @@ class NonFiniteDetector(SuiteCallback):
         self._kept: KeptBatch | None = None
         self._step_guard: tuple[torch.nn.Module, Any, Any] | None = None  # (module, guard, previous)
         self._faulted: FaultedStep | None = None  # how this step's training_step failed, answered as a NaN loss
+        self._batch_idx: int | None = None  # the index of this step's batch in its epoch
         self._monitors_to_place: list[str] = []  # what EarlyStopping(check_finite=True) monitors, until placed
         self._epoch_started = False
         self._finding: Finding | None = None
@@ -270,8 +271,10 @@ class NonFiniteDetector(SuiteCallback):
         """Answer a ``training_step`` broken by a bad value as an inf/NaN loss (:mod:`faulted_steps`)."""
         if self._step_guard is not None or not isinstance(pl_module, torch.nn.Module):
             return  # already guarded; the plain loop's module runs no training_step of its own
-        if not pl_module.automatic_optimization:
-            return  # manual optimization steps inside training_step: a stand-in loss would step nothing
+        if not pl_module.automatic_optimization and trainer.world_size > 1:
+            # The optimizers step inside training_step: the steps of one rank's answer could not be sure to meet the
+            # collectives of the other ranks' own steps in the same order.
+            return
         if not _compat.replicated_strategy(trainer.strategy):
             # FSDP reduces each layer's gradients from hooks on the layers' outputs: a stand-in loss that skips the
             # layers on one rank would leave the other ranks waiting in those collectives.
@@ -316,6 +319,7 @@ class NonFiniteDetector(SuiteCallback):
 
     @override
     def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_idx = batch_idx
         if self.diagnose and pl_module.automatic_optimization:
             # A reference, not a copy: the replay, when one is needed, runs before the batch is released.
             self._kept = KeptBatch(batch, batch_idx, capture_rng())
@@ -536,6 +540,13 @@ class NonFiniteDetector(SuiteCallback):
             finding.details.update(where)
             if data:
                 message = finding.message = f"{message} The batch: {data}."
+        faulted = self._faulted
+        replayed = diagnosis is not None and diagnosis.replayed
+        if not replayed and faulted is not None and faulted.batch is not None and record.world_size == 1:
+            # Not replayed (manual optimization): the step that raised was answered for its batch's bad values.
+            data, where = _batch_words(faulted.batch, self._batch_idx, int(trainer.global_rank))
+            finding.data_fault = bool(data)
+            finding.details.update(where)
         kind = "data_fault" if finding.data_fault else "nonfinite"
         self._event(trainer, kind, message, rank=min(finding.ranks, default=0), **finding.details)
         self._raise_signals(trainer, record, finding, message)
@@ -716,14 +727,7 @@ class NonFiniteDetector(SuiteCallback):
         kept = self._kept
         if kept is None:
             return "", {}
-        stats = batch_stats(kept.batch)
-        data = Replay(int(trainer.global_rank), replayed=False, batch_idx=kept.batch_idx,
-                      batch_magnitude=stats.magnitude, batch_nonfinite=stats.nan + stats.inf, batch_nan=stats.nan,
-                      batch_rows=stats.rows).describe_batch()  # fmt: skip
-        if not data:
-            return "", {}
-        return data, {"batch": kept.batch_idx, "rows": list(stats.rows), "data": data,
-                      "data_ranks": [int(trainer.global_rank)]}  # fmt: skip
+        return _batch_words(batch_stats(kept.batch), kept.batch_idx, int(trainer.global_rank))
 
     # ---- counters and state -----------------------------------------------------------------------------------
     @override
@@ -787,6 +791,8 @@ def guarded_training_step(module: torch.nn.Module, on_faulted: Any) -> types.Met
     def training_step(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self is not live:  # a copy of the module, taken during the fit
             return type(self).training_step(self, *args, **kwargs)
+        if not getattr(self, "automatic_optimization", True):
+            return answered_manually(lambda: own(*args, **kwargs), self, (args, kwargs), _answers)
         return answered_call(lambda: own(*args, **kwargs), self, (args, kwargs), _answers)
 
     def _answers(faulted: FaultedStep) -> bool:
@@ -815,6 +821,26 @@ def answered_call(call: Callable[[], Any], module: torch.nn.Module, inputs: Any,
         if answer is not None and answers(answer[1]):
             return {**output, "loss": answer[0]} if isinstance(output, dict) else answer[0]
     return output
+
+
+def answered_manually(call: Callable[[], Any], module: Any, inputs: Any,
+                      answers: Callable[[FaultedStep], bool]) -> Any:  # fmt: skip
+    """``call()``, a ``training_step`` under manual optimization, where the optimizers step inside it: a step that a
+    bad value broke (it raised) is answered by a step of each optimizer on the stand-in loss, through
+    ``manual_backward``, so that the suite sees an inf/NaN loss and NaN gradients on each and skips them as any (a
+    step the ``training_step`` took before it raised stands). The gradients are cleared after each."""
+    try:
+        return call()
+    except Exception as error:  # answer_error passes on what no bad value causes
+        answer = answer_error(error, module, inputs)
+        if answer is None or not answers(answer[1]):
+            raise
+    optimizers = module.optimizers()
+    for index, optimizer in enumerate(optimizers if isinstance(optimizers, list) else [optimizers]):
+        module.manual_backward(answer[0] if index == 0 else stand_in_loss(module))
+        optimizer.step()
+        optimizer.zero_grad()
+    return None
 
 
 def _step_code(trainer: pl.Trainer) -> str:
@@ -889,6 +915,16 @@ def _warn_about_anomaly_detection(warnings: WarningCache) -> None:
         "skip ends the fit instead. Turn it off to let the suite skip the step; its replay names the module and the "
         "op as the anomaly mode would.",
     )
+
+
+def _batch_words(stats: BatchStats, batch_idx: int | None, rank: int) -> tuple[str, dict[str, Any]]:
+    """A batch's bad values in words (``"batch 0 holds values up to 1e+30 in row 3"``) and as a data fault's
+    details; ``("", {})`` when it holds none."""
+    data = Replay(rank, replayed=False, batch_idx=batch_idx, batch_magnitude=stats.magnitude,
+                  batch_nonfinite=stats.nan + stats.inf, batch_nan=stats.nan, batch_rows=stats.rows).describe_batch()
+    if not data:
+        return "", {}
+    return data, {"batch": batch_idx, "rows": list(stats.rows), "data": data, "data_ranks": [rank]}
 
 
 def _bad_batch(diagnosis: Diagnosis) -> bool:
