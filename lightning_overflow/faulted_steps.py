@@ -21,6 +21,7 @@ error, the one it would have ended with without the suite, with a note of what w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,12 +29,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_overflow.diagnosis.records import HUGE_INPUT
-from lightning_overflow.diagnosis.replay import BatchStats, batch_stats
+from lightning_overflow.diagnosis.replay import BatchStats, bad_values_zeroed, batch_stats
+from lightning_overflow.distributed import world
 from lightning_overflow.numerics.norms import any_sharded
 from lightning_overflow.numerics.snapshots import nonfinite_paths
+from lightning_overflow.preserve import preserved_state, side_run
+from lightning_overflow.training_step import silenced_logging
 
 __all__ = ["ANSWERED_ERRORS", "NEVER_ANSWERED", "FaultedStep", "answer_detached", "answer_error", "nonfinite_cause",
-           "stand_in_loss"]
+           "raises_without_bad_values", "stand_in_loss"]
 
 # What value checks raise: torch's ValueError and RuntimeError, a user's ``assert torch.isfinite(x).all()``,
 # ArithmeticError (``math.exp(1e3)``, ``int(inf)``, numpy's FloatingPointError), and a library's own NaN check
@@ -100,6 +104,25 @@ def answer_error(error: BaseException, module: nn.Module, inputs: Any) -> tuple[
     raised = f"raised {type(error).__name__}"
     answer = _answer(f"{raised}({line[:MAX_ERROR]!r})", raised, module, inputs)
     return (answer[0], replace(answer[1], error=error)) if answer is not None else None
+
+
+def raises_without_bad_values(call: Callable[[], Any], module: nn.Module, inputs: Any) -> bool:
+    """Whether ``call()``, a step that raised on a batch holding inf/NaN or values beyond ``HUGE_INPUT``, raises all
+    the same with those values set to 0 (put back afterwards, as is the module's state: random streams, buffers,
+    metric states, attributes; its logging silenced): then they are not what broke it (a model that masks missing
+    values, as chemprop masks its NaN targets) and its error is one of its own. Not inside a side run (a replay or a
+    trial repeats the run's step, answered as it was), and in one process only: a rerun on one rank could not meet
+    the other ranks' collectives."""
+    if side_run() is not None or world()[1] > 1:
+        return False
+    with bad_values_zeroed(inputs) as held, preserved_state(module, kind="replay"), silenced_logging(module):
+        if not held:
+            return False
+        try:
+            call()
+        except Exception:
+            return True
+    return False
 
 
 def answer_detached(loss: Tensor, module: nn.Module, inputs: Any) -> tuple[Tensor, FaultedStep] | None:

@@ -152,9 +152,17 @@ def test_an_error_no_value_causes_passes_unchanged_on_a_nan_batch(error: BaseExc
     ids=type,
 )  # fmt: skip
 def test_a_libraries_own_check_of_a_nan_batch_is_answered(error: BaseException, tmp_path: Path) -> None:
-    """neuralforecast raises a bare ``Exception`` when its loss is NaN; ``int(inf)`` raises ``OverflowError``."""
+    """neuralforecast raises a bare ``Exception`` when its loss is NaN; ``int(inf)`` raises ``OverflowError``. The
+    check raises because of the NaN: with it set to 0 the step goes through, so the error is the batch's."""
+
+    class ChecksItsInput(GaussianRegressor):
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            if not torch.isfinite(batch[0]).all():
+                raise error
+            return super().training_step(batch, batch_idx)
+
     seen = StepWeights(STEP)
-    model = GaussianRegressor(nan_at=(STEP, 0), error_at=(STEP, error))
+    model = ChecksItsInput(nan_at=(STEP, 0))
     fit(model, [NonFiniteDetector(), seen], default_root_dir=tmp_path)
     assert_bit_identical(seen.before, seen.after)
     [event] = [e for e in read_journal(tmp_path) if e["kind"] == "data_fault"]

@@ -346,3 +346,20 @@ def test_an_intermediate_nan_the_step_masks_itself_does_not_acquit_the_batch() -
     events = detector.board(model.trainer).journal.events
     assert [(e.step, e.kind) for e in events][:2] == [(0, "data_fault"), (0, "skip")]
     assert events[0].details["data"] == "batch 0 holds NaN in row 2"
+
+
+def test_an_error_of_the_models_own_on_a_batch_with_masked_missing_values_is_not_swallowed(tmp_path: Path) -> None:
+    """A bug raises RuntimeError at step 3 in a model whose every batch misses a target it masks. The batch holds a
+    NaN, but set to 0 the step raises all the same: the error is the module's own and ends the fit, as it does
+    without the suite (it was answered as an inf/NaN loss and called a data fault)."""
+
+    class Buggy(_MissingTargets):
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            if self.global_step == 3:
+                raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x4 and 5x32)")
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes"):
+        fit(Buggy(), [], max_steps=6)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes"):
+        fit(Buggy(), default_callbacks(), max_steps=6, default_root_dir=tmp_path)

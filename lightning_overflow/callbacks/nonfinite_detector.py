@@ -25,7 +25,13 @@ from lightning_overflow.diagnosis.replay import BatchStats, KeptBatch, batch_sta
 from lightning_overflow.distributed import flags_by_rank, world
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError
-from lightning_overflow.faulted_steps import FaultedStep, answer_detached, answer_error, stand_in_loss
+from lightning_overflow.faulted_steps import (
+    FaultedStep,
+    answer_detached,
+    answer_error,
+    raises_without_bad_values,
+    stand_in_loss,
+)
 from lightning_overflow.health import (
     MAX_NAMES,
     StepHealth,
@@ -812,7 +818,11 @@ def answered_call(call: Callable[[], Any], module: torch.nn.Module, inputs: Any,
         output = call()
     except Exception as error:  # answer_error passes on what no bad value causes
         answer = answer_error(error, module, inputs)
-        if answer is None or not answers(answer[1]):
+        if answer is None:
+            raise
+        if answer[1].batch is not None and raises_without_bad_values(call, module, inputs):
+            raise  # the batch's bad values did not break it: the error is the module's own
+        if not answers(answer[1]):
             raise
         return answer[0]
     loss = loss_of(output)

@@ -14,8 +14,10 @@ results are combined with one ``all_gather_object``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,7 +34,7 @@ from lightning_overflow.distributed import world
 from lightning_overflow.preserve import RngState, preserved_state
 from lightning_overflow.training_step import loss_of, signature_parameters, silenced_logging, takes_batch_idx
 
-__all__ = ["BatchStats", "KeptBatch", "batch_stats", "diagnose_step", "replay_batch"]
+__all__ = ["BatchStats", "KeptBatch", "bad_values_zeroed", "batch_stats", "diagnose_step", "replay_batch"]
 
 MAX_ROWS = 8  # sample rows named in a diagnosis: enough to find a corrupt sample, few enough to read
 
@@ -262,23 +264,32 @@ def _still_nonfinite_without_bad_values(
     if kept is None or not replay.replayed:
         return False
     suspect = replay.reproduced and bool(replay.describe_batch())
+    try:
+        with bad_values_zeroed(kept.batch if suspect else ()):
+            trace = _traced_step(trainer, pl_module, kept, module_hooks=False)
+    except Exception:  # the diagnosis must never take the run down with it: the batch stays blamed
+        return False
+    # The loss and the gradients, not an intermediate NaN the step masks itself (SCANVI divides by a count of 0).
+    return suspect and (not (trace.loss_finite and trace.grads_finite) or trace.beyond_fp32)
+
+
+@contextlib.contextmanager
+def bad_values_zeroed(batch: Any) -> Iterator[bool]:
+    """The batch with its inf/NaN and values beyond ``HUGE_INPUT`` set to 0, in place, and put back bit for bit
+    afterwards; yields whether it held any."""
     saved: list[tuple[Tensor, Tensor]] = []
     try:
         with torch.no_grad():
-            for t in floating_tensors(kept.batch) if suspect else ():
+            for t in floating_tensors(batch):
                 bad = ~torch.isfinite(t) | (t.abs() > HUGE_INPUT)
                 if bool(bad.any()):
                     saved.append((t, t.clone()))
                     t.masked_fill_(bad, 0.0)
-        trace = _traced_step(trainer, pl_module, kept, module_hooks=False)
-    except Exception:  # the diagnosis must never take the run down with it: the batch stays blamed
-        return False
+        yield bool(saved)
     finally:
         with torch.no_grad():
             for t, original in saved:
                 t.copy_(original)
-    # The loss and the gradients, not an intermediate NaN the step masks itself (SCANVI divides by a count of 0).
-    return suspect and (not (trace.loss_finite and trace.grads_finite) or trace.beyond_fp32)
 
 
 def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptBatch, module_hooks: bool) -> Trace:
