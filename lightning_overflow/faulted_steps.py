@@ -14,9 +14,11 @@ backward runs on every rank, as DDP's reducer requires, so every rank sees the s
 Under manual optimization, where the optimizers step inside ``training_step``, each optimizer steps on that loss
 (in one process only: one rank's own steps could not be sure to meet the other ranks' collectives).
 Any other exception, and any failure of a step whose batch and weights are sound, passes unchanged: a bug in the
-model is never swallowed. Nor is data that is bad in every batch: when skipping does not get past such steps
-(``NonFiniteDetector(max_consecutive_skips=...)`` reached, or ``action="raise"``), the fit ends with the module's own
-error, the one it would have ended with without the suite, with a note of what was tried.
+model is never swallowed. Nor is one on a batch whose bad values the model masks (chemprop's missing targets are
+NaN): in one process, a step that raised on such a batch runs once more with them set to 0, and raises on. Nor is
+data that is bad in every batch: when skipping does not get past such steps (``NonFiniteDetector(
+max_consecutive_skips=...)`` reached, or ``action="raise"``), the fit ends with the module's own error, the one it
+would have ended with without the suite, with a note of what was tried.
 """
 
 from __future__ import annotations
