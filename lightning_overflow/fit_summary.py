@@ -20,7 +20,7 @@ from typing import Any
 from lightning_overflow.policy import NO_PROGRESS_LEVEL, REGROWTH, SCHEDULED, at_floor
 
 __all__ = ["DEAD_SHARE", "ENDING_BLOCK", "ENDING_RATIO", "ENDING_START", "LossEnding", "ending_words", "left_alone",
-           "named", "opened_because", "plain_lines", "stalled_ending"]
+           "named", "opened_because", "plain_lines", "schedule_behind", "stalled_ending"]
 
 Event = Mapping[str, Any]
 
@@ -275,6 +275,24 @@ def behind_a_restore(events: Iterable[Event], last_step: int) -> tuple[str, dict
         )
     facts = {"rollback_step": made, "snapshot_step": target, "lost_steps": lost, "steps_after": after}
     return message, {**facts, "remedy_steps": remedy} if remedy else facts
+
+
+def schedule_behind(events: Iterable[Event], lag: Sequence[tuple[str, int]], last_step: int
+                    ) -> tuple[str, dict[str, Any]] | None:  # fmt: skip
+    """The LR schedulers ended behind the fit (``lag``: each one's class and steps behind, from
+    :class:`~lightning_overflow.schedule_lag.ScheduleLag`) after a rollback: the message and the facts of a
+    ``schedule_behind`` event; ``None`` without a rollback (a skipped step's hold alone is the skip's own)."""
+    if not lag or not any(e["kind"] == "rollback" for e in events):
+        return None
+    most = max(steps for _, steps in lag)
+    which = ", ".join(f"{name} by {_count(steps, 'step')}" for name, steps in lag)
+    message = (
+        f"the learning-rate schedule ended behind the fit ({which}): a rollback returns it with the weights and a "
+        f"skipped step holds it while the fit's step count goes on, so at step {last_step} it stood where step "
+        f"{last_step - most} would have left it; a schedule sized to the fit (a OneCycleLR, a warm-up and its decay) "
+        f"has not reached its end: train {most} more step{'s' if most > 1 else ''} to finish it"
+    )
+    return message, {"schedulers": [{"scheduler": name, "behind": steps} for name, steps in lag], "behind": most}
 
 
 def plain_lines(events: Iterable[Event]) -> list[str]:

@@ -52,6 +52,7 @@ from lightning_overflow.fit_summary import (
     left_alone,
     opened_because,
     plain_lines,
+    schedule_behind,
     stalled_ending,
 )
 from lightning_overflow.loggers import (
@@ -73,6 +74,7 @@ from lightning_overflow.numerics import (
 from lightning_overflow.numerics._float64 import div, to_float32
 from lightning_overflow.numerics.norms import any_sharded, host_total_norm, plain_cpu, plain_norms, shard_squares
 from lightning_overflow.policy import SIGNAL_KINDS, Signal, StepAction, Verdict, decide_step
+from lightning_overflow.schedule_lag import ScheduleLag
 from lightning_overflow.skip import BufferCopy, ClosureStepStart, HeldSchedules, skip_step
 from lightning_overflow.training_state import (
     NonFiniteConstants,
@@ -454,6 +456,7 @@ class HealthBoard:
         self._constants: NonFiniteConstants | None = None
         self._journal_open = False
         self.trials = TrialRunner()
+        self.schedule_lag = ScheduleLag()
         self._end_warnings = WarningCache()
         self._trial_config: tuple[str, TrialConfig | None] | None = None  # who set it, and the setting
 
@@ -541,6 +544,10 @@ class HealthBoard:
         if behind is not None:
             self.record(Event(step=int(trainer.global_step), kind="behind", rank=0, source="lightning_overflow",
                               message=behind[0], details=behind[1]))  # fmt: skip
+        late = schedule_behind(events, self.schedule_lag.behind(trainer), int(trainer.global_step))
+        if late is not None:
+            self.record(Event(step=int(trainer.global_step), kind="schedule_behind", rank=0,
+                              source="lightning_overflow", message=late[0], details=late[1]))  # fmt: skip
         alone = left_alone(events)  # suspicions nothing was left to answer: the journal says so, as the summary does
         if alone is not None:
             self.record(Event(step=int(trainer.global_step), kind="left_alone", rank=0, source="lightning_overflow",
@@ -553,6 +560,7 @@ class HealthBoard:
     def start_training(self, trainer: pl.Trainer) -> None:
         """Once the optimizers exist (``on_train_start``): whether this fit can run trials."""
         self.trials.configure(self._trial_config[1] if self._trial_config is not None else None, trainer)
+        self.schedule_lag.start(trainer)
         if self.trials.unavailable and trainer.global_rank == 0:
             log.info(f"lightning_overflow: no trials in this fit ({self.trials.unavailable}): a suspicion of "
                      "divergence backs off and rolls back at once")  # fmt: skip
@@ -760,6 +768,8 @@ class HealthBoard:
         self.signals.clear()
         self._log_due = None
         self._merge.send_leftover()  # a held step that Lightning did not log after all
+        if trainer.lr_scheduler_configs:
+            self.schedule_lag.begin_batch(trainer)
         if not self._window_open and pl_module.automatic_optimization:
             self._buffers.take(pl_module)
             self._epoch_sums = _compat.epoch_sums(trainer)
@@ -809,8 +819,10 @@ class HealthBoard:
         """At the end of each training batch: put held schedules back, let every participant act in pipeline
         order, then log the batch's metrics with one call per logger."""
         trials = self.trials
-        if trials.sides:
-            trials.note_schedule(trainer)
+        if trainer.lr_scheduler_configs:
+            steps = self.schedule_lag.end_batch(trainer)
+            if trials.sides:
+                trials.note_schedule(steps)
         if self._held.schedulers or self._held.groups:  # a skipped step's schedules
             self._held.restore()
         self._closure_start.put_back()

@@ -154,7 +154,6 @@ class TrialRunner:
         self.unavailable = ""  # why no candidate can be trained in this fit (then suspicions act at once)
         self._side_states: list[dict[str, Any]] = []  # a checkpoint's candidates, until the fit can hold them
         self._pending: list[CandidateStep] = []  # each side candidate's step on this batch
-        self._marks: list[int] = []  # the schedulers' counts when the batch began
         self._false_alarms: dict[str, int] = {}
         self._answered: dict[str, int] = {}  # suspicions answered at once (where no trial can run), by kind
         self._barred_until: dict[str, int] = {}
@@ -191,7 +190,6 @@ class TrialRunner:
     # ---- the batch ------------------------------------------------------------------------------------------------
     def begin_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int, clip: Clip | None) -> None:
         """Before the loop trains on ``batch``: each candidate on the side trains on it (or is scored on it)."""
-        self._marks = [_count(config) for config in trainer.lr_scheduler_configs]
         if not self.sides:
             return
         steps = _compat.optimizer_steps_this_batch(trainer)
@@ -214,12 +212,11 @@ class TrialRunner:
             record.add(f"trial_bad_{index}", torch.tensor(float(not finite), dtype=torch.float64, device=device),
                        summed=True)  # fmt: skip
 
-    def note_schedule(self, trainer: pl.Trainer) -> None:
-        """At the end of the batch, before held schedules are put back: how often the loop stepped each scheduler
-        (each remedy on the side steps its own as often, unless its own step was skipped)."""
+    def note_schedule(self, steps: list[int]) -> None:
+        """The loop stepped each scheduler ``steps`` times in this batch: each remedy on the side steps its own as
+        often, unless its own step was skipped."""
         if self._frozen:
             return
-        steps = [_count(config) - mark for config, mark in zip(trainer.lr_scheduler_configs, self._marks)]
         for side, pending in zip(self.sides, self._pending):
             if pending.stepped:
                 side.note_schedule(steps, pending.skipped)
@@ -507,10 +504,3 @@ _REASONS = {
     SCHEDULED: "a scheduled test of a lower learning rate",
     REGROWTH: "the backed-off learning rate held: a test of a higher one",
 }
-
-
-def _count(config: Any) -> int:
-    """How many times a scheduler has stepped (plateau schedulers are stepped by the loop after the batch: 0)."""
-    if config.reduce_on_plateau:
-        return 0
-    return int(getattr(config.scheduler, "last_epoch", 0))

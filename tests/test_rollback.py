@@ -214,7 +214,9 @@ def test_nan_weights_are_rolled_back_bit_for_bit() -> None:
     assert probe.at[6]["optimizers"][0]["state"][0]["step"].item() == 3.0
     assert trainer.global_step == 12 and all_finite(weights(model))
     assert rollback.rollbacks == 1 and rollback.snapshot_steps == [9, 12]
-    assert journal_kinds(trainer, rollback) == ["nonfinite", "rollback"]
+    # The scheduler went back 3 steps with the weights: the fit's end says so.
+    assert journal_kinds(trainer, rollback) == ["nonfinite", "rollback", "schedule_behind"]
+    assert rollback.board(trainer).journal.events[-1].details["behind"] == 3
 
 
 def test_without_a_detector_the_snapshot_check_finds_the_nan() -> None:
@@ -901,3 +903,38 @@ def test_a_resumed_run_rolls_back_exactly_as_the_uninterrupted_one(tmp_path: Pat
     assert [(h["step"], h["snapshot_step"]) for h in resumed_suite[-1].history] == history
     assert trainer.optimizers[0].param_groups[0]["lr"] == whole_lr
     assert_bit_identical(weights(resumed), weights(whole))
+
+
+def _one_cycle(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=40)
+
+
+def test_a_schedule_a_rollback_took_back_is_said_to_end_behind_the_fit(tmp_path: Path) -> None:
+    """NaN weights at step 25 roll the run back to the fit's start, schedule included: the OneCycleLR sized to the
+    fit's 40 steps ends 26 steps short of its end (its anneal cut off), and the journal and the summary say by how
+    much and what to do."""
+    from lightning_overflow import default_callbacks, read_journal
+    from lightning_overflow.fit_summary import plain_lines
+
+    model = TinyRegressor(scheduler=_one_cycle)
+    fit(model, [*default_callbacks(), FaultInjector(Fault(25, "nan_weight"))], max_steps=40, default_root_dir=tmp_path)
+    assert model.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 14
+    events = list(read_journal(tmp_path))
+    [late] = [e for e in events if e["kind"] == "schedule_behind"]
+    assert (late["step"], late["details"]) == (40, {"schedulers": [{"scheduler": "OneCycleLR", "behind": 26}],
+                                                    "behind": 26})  # fmt: skip
+    assert plain_lines(events)[-1] == (
+        "the learning-rate schedule ended behind the fit (OneCycleLR by 26 steps): a rollback returns it with the "
+        "weights and a skipped step holds it while the fit's step count goes on, so at step 40 it stood where step 14 "
+        "would have left it; a schedule sized to the fit (a OneCycleLR, a warm-up and its decay) has not reached its "
+        "end: train 26 more steps to finish it"
+    )
+
+
+def test_a_schedule_only_skipped_steps_held_is_not_said_to_end_behind(tmp_path: Path) -> None:
+    from lightning_overflow import default_callbacks, read_journal
+
+    model = TinyRegressor(scheduler=_one_cycle)
+    fit(model, [*default_callbacks(), FaultInjector(Fault(25, "nan_loss"))], max_steps=40, default_root_dir=tmp_path)
+    assert model.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 39  # the skipped step held it
+    assert "schedule_behind" not in [e["kind"] for e in read_journal(tmp_path)]
