@@ -73,6 +73,7 @@ from lightning_overflow.numerics import (
 )
 from lightning_overflow.numerics._float64 import div, to_float32
 from lightning_overflow.numerics.norms import any_sharded, host_total_norm, plain_cpu, plain_norms, shard_squares
+from lightning_overflow.replicas import checksum
 from lightning_overflow.policy import SIGNAL_KINDS, Signal, StepAction, Verdict, decide_step
 from lightning_overflow.schedule_lag import ScheduleLag
 from lightning_overflow.skip import BufferCopy, ClosureStepStart, HeldSchedules, skip_step
@@ -450,6 +451,7 @@ class HealthBoard:
         self._log_due: bool | None = None  # whether Lightning logs this batch, once asked
         self._summarised = False
         self.ending = LossEnding()
+        self._said_of_weights: list[float] | None = None  # the weights' checksum when the fit's end spoke of them
         self._published: dict[str, float] = {}
         self._counted = -1  # the journal's length when the counters were last published (-1: not yet in this fit)
         self._merge = StepMerge()  # the suite's metrics of a step in Lightning's own logging call of that step
@@ -548,6 +550,10 @@ class HealthBoard:
         if late is not None:
             self.record(Event(step=int(trainer.global_step), kind="schedule_behind", rank=0,
                               source="lightning_overflow", message=late[0], details=late[1]))  # fmt: skip
+        self._said_of_weights = None
+        if any(e.kind in _OF_THE_WEIGHTS for e in self.journal.events[len(events):]):
+            params = list(trainer.lightning_module.parameters())
+            self._said_of_weights = None if any_sharded(params) else checksum(params).tolist()
         alone = left_alone(events)  # suspicions nothing was left to answer: the journal says so, as the summary does
         if alone is not None:
             self.record(Event(step=int(trainer.global_step), kind="left_alone", rank=0, source="lightning_overflow",
@@ -1091,6 +1097,20 @@ class HealthBoard:
         self._window_open = False  # the accumulation window ends with this step
 
     # ---- summary ----------------------------------------------------------------------------------------------
+    def note_replaced_weights(self, trainer: pl.Trainer) -> None:
+        """When the fit's end said something of the weights it ended with (``behind``, ``ending``), and another
+        callback put other weights into the model after that (one that reloads the best checkpoint when training
+        ends), say that those words are not of the weights the fit returns (every rank alike: same weights)."""
+        said, self._said_of_weights = self._said_of_weights, None
+        if said is None or checksum(list(trainer.lightning_module.parameters())).tolist() == said:
+            return
+        message = ("after the fit's last step another callback put other weights into the model (one that reloads "
+                   "the best checkpoint when training ends, as scvi-tools' SaveCheckpoint(load_best_on_end=True) and "
+                   "GluonTS do): what is said above of the weights the fit ended with is not of the weights it "
+                   "returns")  # fmt: skip
+        self.record(Event(step=int(trainer.global_step), kind="weights_replaced", rank=0, source="lightning_overflow",
+                          message=message, details={}))  # fmt: skip
+
     def summarise(self, trainer: pl.Trainer) -> None:
         """The fit in plain words at its end, one line per finding, when anything happened (rank 0 only; once)."""
         if self._summarised:
@@ -1104,6 +1124,9 @@ class HealthBoard:
             if path is not None:
                 where = f" (the details: python -m lightning_overflow journal {path.parent if trainer.loggers else path})"
             log.info("\n".join([f"lightning_overflow: what happened in this fit{where}:", *(f"  - {l}" for l in lines)]))
+
+
+_OF_THE_WEIGHTS = ("behind", "ending", "schedule_behind")  # what the fit's end says of the weights it ended with
 
 
 @dataclass(slots=True)

@@ -122,6 +122,34 @@ def test_a_rollback_on_the_last_step_ends_the_summary_with_what_was_lost(tmp_pat
     assert trainer.global_step == 16
 
 
+class ReloadsTheStart(pl.Callback):
+    """Puts the fit's first weights back when training ends, as a callback that reloads its best checkpoint does."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.first = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.load_state_dict(self.first)
+
+
+@pytest.mark.parametrize("replaced", [False, True])
+def test_words_of_the_weights_the_fit_ended_with_are_said_not_to_hold_when_a_callback_replaced_them(
+    replaced: bool, tmp_path: Any
+) -> None:
+    model = TinyRegressor()
+    callbacks = default_callbacks(snapshot_every_n_steps=4) + [FaultInjector(Fault(step=15, kind="nan_weight"))]
+    fit(model, callbacks + ([ReloadsTheStart()] if replaced else []), max_steps=16, default_root_dir=tmp_path)
+    kinds = [e["kind"] for e in _journal(tmp_path)]
+    assert "behind" in kinds
+    assert ("weights_replaced" in kinds) is replaced
+    if replaced:
+        assert plain_lines(_journal(tmp_path))[-1] == (
+            "after the fit's last step another callback put other weights into the model (one that reloads the best "
+            "checkpoint when training ends, as scvi-tools' SaveCheckpoint(load_best_on_end=True) and GluonTS do): what "
+            "is said above of the weights the fit ended with is not of the weights it returns"
+        )
+
+
 def _journal(root: Any) -> list[dict[str, Any]]:
     from lightning_overflow import read_journal
 

@@ -132,6 +132,7 @@ class SuiteCallback(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         board = self.board(trainer)
+        board.note_replaced_weights(trainer)
         board.flush(trainer)
         board.summarise(trainer)
         board.upload_journal(trainer)
