@@ -129,6 +129,15 @@ def logged_per_step_only(trainer: pl.Trainer, key: str) -> bool:
     return any(not getattr(getattr(e, "meta", None), "on_epoch", True) for e in _logged_as(trainer, key))
 
 
+def logged_metric_objects(trainer: pl.Trainer, key: str) -> list[Any]:
+    """The torchmetrics ``Metric`` objects the training results logged ``key`` from (2.6.6: the ``value`` of an
+    entry whose ``is_tensor`` is false); empty when any entry logged a tensor."""
+    entries = _logged_as(trainer, key)
+    if not entries or any(getattr(e, "is_tensor", True) for e in entries):
+        return []
+    return [e.value for e in entries]
+
+
 def logged_in_training(trainer: pl.Trainer, key: str) -> bool:
     """Whether a hook of the training loop (``training_step``, ``on_train_*``) logged ``key`` in this epoch so far,
     as ``key`` or its ``_step``/``_epoch`` forms: Lightning's training results (2.6.6:

@@ -76,7 +76,7 @@ from lightning_overflow.numerics.norms import any_sharded, host_total_norm, plai
 from lightning_overflow.replicas import checksum
 from lightning_overflow.policy import SIGNAL_KINDS, Signal, StepAction, Verdict, decide_step
 from lightning_overflow.schedule_lag import ScheduleLag
-from lightning_overflow.skip import BufferCopy, ClosureStepStart, HeldSchedules, skip_step
+from lightning_overflow.skip import BufferCopy, ClosureStepStart, HeldSchedules, MetricCopy, skip_step
 from lightning_overflow.training_state import (
     NonFiniteConstants,
     StateCheck,
@@ -444,6 +444,7 @@ class HealthBoard:
         self._losses: list[Tensor] = []  # one process: this step's losses as they came
         self._held = HeldSchedules()
         self._buffers = BufferCopy()
+        self._metric_copy = MetricCopy()
         self._epoch_sums: list[tuple[Any, Tensor, Tensor | None]] = []  # the logged epoch sums as the window found them
         self._closure_start = ClosureStepStart()
         self._window_open = False
@@ -607,6 +608,7 @@ class HealthBoard:
         self._leader = None
         self._held = HeldSchedules()
         self._buffers.release()
+        self._metric_copy.release()
         self._epoch_sums = []
         self._closure_start.release()
         self._window_open = False
@@ -778,6 +780,7 @@ class HealthBoard:
             self.schedule_lag.begin_batch(trainer)
         if not self._window_open and pl_module.automatic_optimization:
             self._buffers.take(pl_module)
+            self._metric_copy.take(pl_module)
             self._epoch_sums = _compat.epoch_sums(trainer)
             self._window_open = True
         trials = self.trials
@@ -832,6 +835,7 @@ class HealthBoard:
         if self._held.schedulers or self._held.groups:  # a skipped step's schedules
             self._held.restore()
         self._closure_start.put_back()
+        self._metric_copy.end_batch()
         trials.end_batch(trainer, self)
         for participant in self.in_stage("_after_batch"):
             participant._after_batch(trainer, pl_module, outputs)
@@ -1085,7 +1089,7 @@ class HealthBoard:
     ) -> None:
         if action.skip_reason is not None:
             record.skipped, record.skip_reason = True, action.skip_reason
-            skip_step(trainer, optimizer, self._held, self._buffers, self._epoch_sums)
+            skip_step(trainer, optimizer, self._held, self._buffers, self._epoch_sums, self._metric_copy)
             self._closure_start.skipped(optimizer)
         else:
             for _, plan in action.clips:
@@ -1189,16 +1193,22 @@ def finite_checked_monitors(trainer: pl.Trainer) -> list[str]:
 
 def skipped_loss_route(trainer: pl.Trainer, monitor: str) -> str | None:
     """How a skipped step's inf/NaN loss reaches ``monitor``, a metric a training hook logs, in words; ``None`` where
-    it does not: a tensor summed over the epoch under automatic optimization, whose skipped steps the skip takes out
-    of the epoch's mean (:func:`~lightning_overflow.skip.skip_step`)."""
+    it does not: under automatic optimization, a tensor summed over the epoch, whose skipped steps the skip takes out
+    of the epoch's mean, or a torchmetrics ``Metric`` the module holds, whose state the skip puts back
+    (:func:`~lightning_overflow.skip.skip_step`)."""
     if not trainer.lightning_module.automatic_optimization:
         return "under manual optimization (a skipped step's logged values stay in the epoch's)"
     if _compat.summed_in_training(trainer, monitor):
         return None
+    metrics = _compat.logged_metric_objects(trainer, monitor)
+    held = {id(m) for m in trainer.lightning_module.modules()}
+    if metrics and all(id(m) in held for m in metrics):
+        return None
     if _compat.logged_per_step_only(trainer, monitor):
         return ("per step only (self.log(...) in training_step, whose default is on_epoch=False): it holds the value "
                 "of the last step before the check, inf/NaN where that step was skipped")  # fmt: skip
-    return "through state of its own (a torchmetrics Metric, or a value computed at the epoch's end)"
+    return ("through state of its own (a value computed at the epoch's end, or a torchmetrics Metric the module does "
+            "not hold as a submodule)")  # fmt: skip
 
 
 def _early_stops_on_nonfinite(trainer: pl.Trainer) -> list[tuple[str, dict[str, Any]]]:

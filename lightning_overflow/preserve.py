@@ -49,6 +49,8 @@ __all__ = [
     "RngState",
     "capture_attributes",
     "capture_rng",
+    "is_metric",
+    "metric_state",
     "metric_states",
     "preserved_state",
     "put_back_attributes",
@@ -173,7 +175,7 @@ def preserved_state(module: nn.Module, start_rng: RngState | None = None, kind: 
 
 def metric_states(module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
     """A copy of the state of every torchmetrics ``Metric`` among ``module``'s submodules."""
-    return [(m, _metric_state(m)) for m in module.modules() if _is_metric(m)]
+    return [(m, metric_state(m)) for m in module.modules() if is_metric(m)]
 
 
 def put_back_metric_states(states: list[tuple[nn.Module, dict[str, Any]]]) -> None:
@@ -183,12 +185,13 @@ def put_back_metric_states(states: list[tuple[nn.Module, dict[str, Any]]]) -> No
             setattr(metric, name, value)
 
 
-def _is_metric(module: nn.Module) -> bool:
+def is_metric(module: nn.Module) -> bool:
     """A torchmetrics ``Metric`` (duck-typed: its public ``metric_state`` property)."""
     return isinstance(getattr(type(module), "metric_state", None), property)
 
 
-def _metric_state(metric: nn.Module) -> dict[str, Any]:
+def metric_state(metric: nn.Module) -> dict[str, Any]:
+    """A copy of one metric's state (and of its update count and cached result)."""
     state: dict[str, Any] = {}
     for name, value in metric.metric_state.items():  # type: ignore[operator, union-attr]
         if isinstance(value, Tensor):
@@ -246,7 +249,7 @@ def capture_attributes(module: nn.Module) -> ModuleAttributes:
     walked = []
     for sub in module.modules():
         own = _library_names(type(sub))
-        if own is None or _is_metric(sub):
+        if own is None or is_metric(sub):
             continue
         kept = {name: _copy(value, memo, 0) for name, value in vars(sub).items() if _kept(name, value, own)}
         walked.append((sub, kept))

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_overflow import _compat
+from lightning_overflow.preserve import is_metric, metric_state
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -133,6 +134,54 @@ class BufferCopy:
         self._watched = False
 
 
+class MetricCopy:
+    """The states of the torchmetrics ``Metric`` objects a module's training steps update, as they were when an
+    accumulation window began, put back on a skip: a skipped step's inf/NaN loss is left out of a metric that
+    accumulates it (chemprop's ``train_loss``, a ``MeanMetric`` that ``EarlyStopping`` watches), as it is left out of
+    the epoch means Lightning keeps for ``self.log``.
+
+    Which metrics the training steps update is learned from their update counts: all are copied on the fit's first
+    batch, then those whose count moved in a training batch (validation metrics cost nothing). A metric a training
+    step updates for the first time later in the fit is copied from its next batch on.
+    """
+
+    def __init__(self) -> None:
+        self._module: nn.Module | None = None
+        self._metrics: list[nn.Module] = []
+        self._training: set[int] | None = None  # ids of the metrics the training steps update (None: not known yet)
+        self._counts: list[int] = []  # each metric's update count when the window began
+        self._saved: list[tuple[nn.Module, dict[str, Any]]] = []
+
+    def take(self, module: nn.Module) -> None:
+        if self._module is not module:
+            self._module, self._training = module, None
+            self._metrics = [m for m in module.modules() if is_metric(m)]
+        if not self._metrics:
+            return
+        self._counts = [_update_count(m) for m in self._metrics]
+        training = self._training
+        self._saved = [(m, metric_state(m)) for m in self._metrics if training is None or id(m) in training]
+
+    def end_batch(self) -> None:
+        """After a training batch: the metrics whose count moved since the window began are the training steps'."""
+        if not self._metrics or len(self._counts) != len(self._metrics):
+            return
+        moved = {id(m) for m, count in zip(self._metrics, self._counts) if _update_count(m) != count}
+        self._training = moved if self._training is None else self._training | moved
+
+    def put_back(self) -> None:
+        for metric, state in self._saved:
+            for name, value in state.items():
+                setattr(metric, name, value)
+
+    def release(self) -> None:
+        self._module, self._metrics, self._training, self._counts, self._saved = None, [], None, [], []
+
+
+def _update_count(metric: nn.Module) -> int:
+    return int(vars(metric).get("_update_count", 0))
+
+
 def _running_statistic(owner: nn.Module, name: str) -> bool:
     """A BatchNorm's (or InstanceNorm's) ``running_mean`` / ``running_var``: written by the forward in train mode."""
     return isinstance(owner, nn.modules.batchnorm._NormBase) and name in ("running_mean", "running_var")
@@ -191,11 +240,11 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def skip_step(
     trainer: pl.Trainer, optimizer: torch.optim.Optimizer, held: HeldSchedules, buffers: BufferCopy,
-    sums: list[tuple[Any, Tensor, Tensor | None]],
+    sums: list[tuple[Any, Tensor, Tensor | None]], metrics: MetricCopy,
 ) -> None:  # fmt: skip
-    """Make the coming ``optimizer.step()`` a no-op, put the buffers and the epoch's logged sums (``sums``, kept by
-    :func:`~lightning_overflow._compat.epoch_sums` when the window began) back and hold the step-interval schedulers
-    in ``held``.
+    """Make the coming ``optimizer.step()`` a no-op, put the buffers, the training metrics' states and the epoch's
+    logged sums (``sums``, kept by :func:`~lightning_overflow._compat.epoch_sums` when the window began) back and hold
+    the step-interval schedulers in ``held``.
 
     Under manual optimization the user steps the schedulers and may step several optimizers per batch: only the
     gradients are dropped there.
@@ -204,6 +253,7 @@ def skip_step(
     if not trainer.lightning_module.automatic_optimization:
         return
     buffers.put_back()
+    metrics.put_back()
     _compat.put_back_epoch_sums(trainer, sums)
     for config in trainer.lr_scheduler_configs:
         if config.interval != "step" or config.reduce_on_plateau:

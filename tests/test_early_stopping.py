@@ -33,6 +33,29 @@ class EpochLoss(TinyRegressor):
         return loss
 
 
+class OwnEpochMean(TinyRegressor):
+    """Keeps its training loss's mean in a torchmetrics Metric it does not hold as a submodule (in a plain dict):
+    state of its own, which a skipped step's NaN stays in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.own = {"train_loss": torchmetrics.MeanMetric(nan_strategy="disable")}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.own["train_loss"](loss.detach())
+        self.log("train_loss", self.own["train_loss"], on_step=False, on_epoch=True, metric_attribute="own")
+        return loss
+
+
+def _own(tmp_path: Any = None, *callbacks: Any) -> Any:
+    model = OwnEpochMean()
+    model.data.tensors[0][3 * model.batch_size, 0] = float("nan")  # batch 3 of every epoch: its loss is NaN
+    stopper = callbacks[0] if callbacks else EarlyStopping(monitor="train_loss", patience=100)
+    root = {"default_root_dir": str(tmp_path)} if tmp_path is not None else {}
+    return fit(model, [NonFiniteDetector(), stopper], max_steps=24, **root)
+
+
 def _fit(ignore_nan: bool) -> Any:
     stopper = EarlyStopping(monitor="train_loss", patience=100)  # check_finite=True by default
     model = EpochLoss(ignore_nan)
@@ -42,15 +65,15 @@ def _fit(ignore_nan: bool) -> Any:
 
 def test_the_combination_is_warned_about_once_the_training_step_logged_it() -> None:
     with pytest.warns(OverflowWarning) as caught:
-        _fit(ignore_nan=True)
+        _own()
     assert [str(w.message) for w in caught if "EarlyStopping" in str(w.message)] == [
         "NonFiniteDetector: EarlyStopping(monitor='train_loss', check_finite=True) stops the fit when 'train_loss' is "
-        "not finite, and 'train_loss' is logged from a training hook through state of its own (a torchmetrics "
-        "Metric, or a value computed at the epoch's end). A step this detector skips has an inf/NaN loss; kept "
-        "there, the value EarlyStopping checks is inf/NaN and the run is stopped although it was rescued. Log only "
-        "finite losses (torchmetrics.MeanMetric(nan_strategy='ignore') drops NaN, see the README), log the loss "
-        "tensor itself with self.log(..., on_epoch=True) (a skipped step's value is left out of the epoch's mean), "
-        "monitor a validation metric, or pass EarlyStopping(check_finite=False)."
+        "not finite, and 'train_loss' is logged from a training hook through state of its own (a value computed at "
+        "the epoch's end, or a torchmetrics Metric the module does not hold as a submodule). A step this detector "
+        "skips has an inf/NaN loss; kept there, the value EarlyStopping checks is inf/NaN and the run is stopped "
+        "although it was rescued. Log the loss tensor itself with self.log(..., on_epoch=True), or a torchmetrics "
+        "Metric held by the module (a skipped step's value is left out of either), log only finite losses, monitor a "
+        "validation metric, or pass EarlyStopping(check_finite=False)."
     ]
 
 
@@ -135,14 +158,45 @@ def test_a_skipped_steps_loss_is_left_out_of_its_epoch_mean_and_the_rescued_run_
     assert trainer.callback_metrics["train_loss"].item() == (total / 56).item()
 
 
-@pytest.mark.filterwarnings("ignore::lightning_overflow.OverflowWarning")
 def test_a_nan_ignoring_epoch_mean_keeps_the_rescued_run_going() -> None:
     assert _fit(ignore_nan=True).global_step == 24
 
 
+def test_a_metric_the_module_holds_gets_back_its_state_before_a_skipped_step_and_the_rescued_run_goes_on() -> None:
+    """A plain MeanMetric took in the skipped step's NaN, and EarlyStopping ended the rescued run after its first
+    epoch. The skip puts the metric's state back: each epoch's value is the mean of the steps that went ahead, and
+    nothing is warned about."""
+    bare_model = EpochLoss(ignore_nan=False)
+    bare_model.data.tensors[0][3 * bare_model.batch_size, 0] = float("nan")
+    assert fit(bare_model, [EarlyStopping(monitor="train_loss", patience=100)], max_steps=24).global_step == 8
+
+    class Kept(EpochLoss):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(loss.detach())
+            return loss
+
+    model = Kept(ignore_nan=False)
+    model.losses = []
+    model.data.tensors[0][3 * model.batch_size, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(model, [NonFiniteDetector(), EarlyStopping(monitor="train_loss", patience=100)], max_steps=24)
+    assert trainer.global_step == 24
+    assert not [w for w in caught if issubclass(w.category, OverflowWarning) and "EarlyStopping" in str(w.message)]
+    # The last epoch's value is the mean of its 7 steps that went ahead, as MeanMetric sums them.
+    last = model.losses[16:]
+    assert not torch.isfinite(last[3]) and all(torch.isfinite(v) for i, v in enumerate(last) if i != 3)
+    total = torch.tensor(0.0)
+    for i, value in enumerate(last):
+        if i != 3:
+            total = total + value
+    assert trainer.callback_metrics["train_loss"].item() == (total / 7).item()
+
+
 @pytest.mark.filterwarnings("ignore::lightning_overflow.OverflowWarning")
-def test_a_plain_epoch_mean_lets_early_stopping_end_it() -> None:
-    assert _fit(ignore_nan=False).global_step == 8
+def test_a_mean_of_its_own_lets_early_stopping_end_it() -> None:
+    assert _own().global_step == 8
 
 
 @pytest.mark.parametrize("monitor", ["val_loss", "val/acc", "validation_loss"])
@@ -187,10 +241,7 @@ def test_lightnings_anomaly_detection_is_warned_about_when_training_starts() -> 
 def test_a_fit_early_stopping_ends_on_a_nonfinite_metric_says_so(tmp_path: Any) -> None:
     from lightning_overflow import read_journal
 
-    stopper = EarlyStopping(monitor="train_loss", patience=100)
-    model = EpochLoss(ignore_nan=False)
-    model.data.tensors[0][3 * model.batch_size, 0] = float("nan")
-    trainer = fit(model, [NonFiniteDetector(), stopper], max_steps=24, default_root_dir=str(tmp_path))
+    trainer = _own(tmp_path)
     assert trainer.global_step == 8
     (stopped,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "stopped"]
     assert stopped["message"].startswith(
@@ -270,11 +321,8 @@ class LoudEarlyStopping(EarlyStopping):
 def test_a_librarys_subclass_of_early_stopping_is_warned_about_and_its_stop_said(tmp_path: Any) -> None:
     from lightning_overflow import read_journal
 
-    stopper = LoudEarlyStopping(monitor="train_loss", patience=100)
-    model = EpochLoss(ignore_nan=False)
-    model.data.tensors[0][3 * model.batch_size, 0] = float("nan")
     with pytest.warns(OverflowWarning) as caught:
-        trainer = fit(model, [NonFiniteDetector(), stopper], max_steps=24, default_root_dir=str(tmp_path))
+        trainer = _own(tmp_path, LoudEarlyStopping(monitor="train_loss", patience=100))
     assert any("EarlyStopping(monitor='train_loss', check_finite=True)" in str(w.message) for w in caught)
     assert trainer.global_step == 8
     (stopped,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "stopped"]

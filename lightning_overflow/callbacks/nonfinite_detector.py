@@ -872,9 +872,9 @@ def _state_recovery_in(trainer: pl.Trainer) -> bool:
 
 def _warn_about_early_stopping(trainer: pl.Trainer, monitors: list[str], warnings: WarningCache) -> list[str]:
     """A skipped step's loss is NaN. Logged as a tensor with ``self.log(..., on_epoch=True)`` from a hook of the batch,
-    it is taken out of the epoch's mean again (:func:`~lightning_overflow.skip.skip_step`); logged per step only, kept
-    in state of the user's own (a torchmetrics ``Metric``, a value computed at the epoch's end) or under manual
-    optimization, it makes the value checked NaN (:func:`~lightning_overflow.health.skipped_loss_route`), and
+    it is taken out of the epoch's mean again, and a torchmetrics ``Metric`` the module holds gets its state back
+    (:func:`~lightning_overflow.skip.skip_step`); logged per step only, kept in state of the user's own (a value
+    computed at the epoch's end) or under manual optimization, it makes the value checked NaN (:func:`~lightning_overflow.health.skipped_loss_route`), and
     ``EarlyStopping(check_finite=True)`` (its default) then ends the rescued run. Decided from where Lightning says the
     monitored metric was logged, not from its name: a validation metric (``val_loss``, neuralforecast's
     ``ptl/val_loss``) never holds a skipped training step's NaN. Returns the monitors no training hook logged so far."""
@@ -891,9 +891,9 @@ def _warn_about_early_stopping(trainer: pl.Trainer, monitors: list[str], warning
             f"NonFiniteDetector: EarlyStopping(monitor={monitor!r}, check_finite=True) stops the fit when "
             f"{monitor!r} is not finite, and {monitor!r} is logged from a training hook {how}. A step this detector "
             "skips has an inf/NaN loss; kept there, the value EarlyStopping checks is inf/NaN and the run is stopped "
-            "although it was rescued. Log only finite losses (torchmetrics.MeanMetric(nan_strategy='ignore') drops NaN, see the "
-            "README), log the loss tensor itself with self.log(..., on_epoch=True) (a skipped step's value is left "
-            "out of the epoch's mean), monitor a validation metric, or pass EarlyStopping(check_finite=False).",
+            "although it was rescued. Log the loss tensor itself with self.log(..., on_epoch=True), or a torchmetrics "
+            "Metric held by the module (a skipped step's value is left out of either), log only finite losses, "
+            "monitor a validation metric, or pass EarlyStopping(check_finite=False).",
         )
     return waiting
 
