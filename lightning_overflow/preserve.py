@@ -190,14 +190,17 @@ def is_metric(module: nn.Module) -> bool:
     return isinstance(getattr(type(module), "metric_state", None), property)
 
 
-def metric_state(metric: nn.Module) -> dict[str, Any]:
-    """A copy of one metric's state (and of its update count and cached result)."""
+def metric_state(metric: nn.Module, share_lists: bool = False) -> dict[str, Any]:
+    """A copy of one metric's state (and of its update count and cached result). ``share_lists``: a list state as a
+    new list of the same tensors, enough where the metric is only updated since (an update appends to a list state;
+    a copy of its tensors would cost every prediction collected so far)."""
     state: dict[str, Any] = {}
     for name, value in metric.metric_state.items():  # type: ignore[operator, union-attr]
         if isinstance(value, Tensor):
             state[name] = value.detach().clone()
         elif isinstance(value, list):
-            state[name] = [v.detach().clone() if isinstance(v, Tensor) else v for v in value]
+            state[name] = list(value) if share_lists else [v.detach().clone() if isinstance(v, Tensor) else v
+                                                           for v in value]  # fmt: skip
         else:
             state[name] = value
     # What an update changes beside the states: its count, and the cached result of compute().

@@ -160,7 +160,9 @@ class MetricCopy:
             return
         self._counts = [_update_count(m) for m in self._metrics]
         training = self._training
-        self._saved = [(m, metric_state(m)) for m in self._metrics if training is None or id(m) in training]
+        copied = [m for m in self._metrics if training is None or id(m) in training]
+        # A list state (predictions a curve metric collects) is only appended to: the same tensors in a new list.
+        self._saved = [(m, metric_state(m, share_lists=True)) for m in copied]
 
     def end_batch(self) -> None:
         """After a training batch: the metrics whose count moved since the window began are the training steps'."""

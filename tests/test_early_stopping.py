@@ -327,3 +327,24 @@ def test_a_librarys_subclass_of_early_stopping_is_warned_about_and_its_stop_said
     assert trainer.global_step == 8
     (stopped,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "stopped"]
     assert stopped["message"].startswith("EarlyStopping(monitor='train_loss') stopped the fit at step 8")
+
+
+def test_a_metric_collecting_predictions_is_put_back_to_the_ones_before_the_skipped_step() -> None:
+    """A curve metric collects every step's predictions in list states: after the skipped step it holds those of the
+    steps that went ahead, the same tensors, not copies made at each batch."""
+
+    class Collects(TinyRegressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = torchmetrics.CatMetric(nan_strategy="disable")
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.seen.update(loss.detach().reshape(1))
+            return loss
+
+    model = Collects()
+    model.data.tensors[0][3 * model.batch_size, 0] = float("nan")  # batch 3: its loss is NaN, its step skipped
+    fit(model, [NonFiniteDetector()], max_steps=6)
+    values = torch.cat(model.seen.value)
+    assert len(values) == 5 and bool(torch.isfinite(values).all())
