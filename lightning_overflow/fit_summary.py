@@ -19,8 +19,8 @@ from typing import Any
 
 from lightning_overflow.policy import NO_PROGRESS_LEVEL, REGROWTH, SCHEDULED, at_floor
 
-__all__ = ["DEAD_SHARE", "ENDING_BLOCK", "ENDING_RATIO", "ENDING_START", "LossEnding", "ending_words", "left_alone",
-           "named", "opened_because", "plain_lines", "schedule_behind", "stalled_ending"]
+__all__ = ["DEAD_SHARE", "ENDING_BLOCK", "ENDING_RATIO", "ENDING_START", "LossEnding", "answered_at", "ending_words",
+           "left_alone", "named", "opened_because", "plain_lines", "schedule_behind", "stalled_ending"]
 
 Event = Mapping[str, Any]
 
@@ -688,16 +688,19 @@ def _words(signal: str) -> str:
     return _WORDS.get(signal) or signal.replace("_", " ")
 
 
-def _answered(event: Event, by_kind: dict[str, list[Event]]) -> bool:
-    """Whether a suspicion's event is told by the line of what answered it (a trial opened by it, or under way when
-    it came, whose verdict it waited for; a remedy taken at once for it)."""
-    if event["kind"] not in SUSPICION_WORDS:
-        return False
-    step = int(event["step"])
-    opened = [(e["details"].get("opened_at"), int(e["step"])) for e in by_kind.get("trial", [])]
+def _answered(event: Event, by_kind: Mapping[str, list[Event]]) -> bool:
+    """Whether a suspicion's event is told by the line of what answered it."""
+    return event["kind"] in SUSPICION_WORDS and answered_at(int(event["step"]), by_kind)
+
+
+def answered_at(step: int, by_kind: Mapping[str, list[Event]]) -> bool:
+    """Whether the suite answered a suspicion raised at ``step`` (``by_kind``: the journal's events by kind): a trial
+    opened by it or under way when it came, whose verdict it waited for, or a remedy taken at once for it (a backoff
+    or undo at that step, a rollback it triggered)."""
+    opened = [(e.get("details", {}).get("opened_at"), int(e["step"])) for e in by_kind.get("trial", [])]
     return (
         any(start is not None and int(start) <= step <= end for start, end in opened)
-        or any(e["details"].get("trigger_step") == step for e in by_kind.get("rollback", []))
+        or any(e.get("details", {}).get("trigger_step") == step for e in by_kind.get("rollback", []))
         or any(int(e["step"]) == step for k in ("backoff", "undo") for e in by_kind.get(k, []))
     )
 

@@ -73,8 +73,8 @@ from lightning_overflow.numerics import (
 )
 from lightning_overflow.numerics._float64 import div, to_float32
 from lightning_overflow.numerics.norms import any_sharded, host_total_norm, plain_cpu, plain_norms, shard_squares
-from lightning_overflow.replicas import checksum
 from lightning_overflow.policy import SIGNAL_KINDS, Signal, StepAction, Verdict, decide_step
+from lightning_overflow.replicas import checksum
 from lightning_overflow.schedule_lag import ScheduleLag
 from lightning_overflow.skip import BufferCopy, ClosureStepStart, HeldSchedules, MetricCopy, skip_step
 from lightning_overflow.training_state import (
@@ -538,27 +538,24 @@ class HealthBoard:
         events = [asdict(e) for e in self.journal.events]
         details = self.ending.event_details() or stalled_ending(events, self.ending)
         if details is not None:
-            self.record(Event(step=int(trainer.global_step), kind="ending", rank=0, source="lightning_overflow",
-                              message=ending_words(details), details=details))  # fmt: skip
+            self._note_at_end(trainer, "ending", (ending_words(details), details))
         for stopper in _early_stops_on_nonfinite(trainer):
-            self.record(Event(step=int(trainer.global_step), kind="stopped", rank=0, source="lightning_overflow",
-                              message=stopper[0], details=stopper[1]))  # fmt: skip
-        behind = behind_a_restore(events, int(trainer.global_step))
-        if behind is not None:
-            self.record(Event(step=int(trainer.global_step), kind="behind", rank=0, source="lightning_overflow",
-                              message=behind[0], details=behind[1]))  # fmt: skip
+            self._note_at_end(trainer, "stopped", stopper)
+        self._note_at_end(trainer, "behind", behind_a_restore(events, int(trainer.global_step)))
         late = schedule_behind(events, self.schedule_lag.behind(trainer), int(trainer.global_step))
-        if late is not None:
-            self.record(Event(step=int(trainer.global_step), kind="schedule_behind", rank=0,
-                              source="lightning_overflow", message=late[0], details=late[1]))  # fmt: skip
+        self._note_at_end(trainer, "schedule_behind", late)
         self._said_of_weights = None
         if any(e.kind in _OF_THE_WEIGHTS for e in self.journal.events[len(events):]):
             params = list(trainer.lightning_module.parameters())
             self._said_of_weights = None if any_sharded(params) else checksum(params).tolist()
-        alone = left_alone(events)  # suspicions nothing was left to answer: the journal says so, as the summary does
-        if alone is not None:
-            self.record(Event(step=int(trainer.global_step), kind="left_alone", rank=0, source="lightning_overflow",
-                              message=alone[0], details=alone[1]))  # fmt: skip
+        # Suspicions nothing was left to answer: the journal says so, as the summary does.
+        self._note_at_end(trainer, "left_alone", left_alone(events))
+
+    def _note_at_end(self, trainer: pl.Trainer, kind: str, said: tuple[str, dict[str, Any]] | None) -> None:
+        """Journal what the fit's end found (``said``: the message and its facts; ``None``: nothing to say)."""
+        if said is not None:
+            self.record(Event(step=int(trainer.global_step), kind=kind, rank=0, source="lightning_overflow",
+                              message=said[0], details=said[1]))  # fmt: skip
 
     def answers(self, kind: str) -> bool:
         """Whether a participant acts on signals of ``kind`` (it lists it among its ``triggers``)."""
@@ -1102,7 +1099,7 @@ class HealthBoard:
 
     # ---- summary ----------------------------------------------------------------------------------------------
     def note_replaced_weights(self, trainer: pl.Trainer) -> None:
-        """When the fit's end said something of the weights it ended with (``behind``, ``ending``), and another
+        """When the fit's end said something of the weights it ended with (:data:`_OF_THE_WEIGHTS`), and another
         callback put other weights into the model after that (one that reloads the best checkpoint when training
         ends), say that those words are not of the weights the fit returns (every rank alike: same weights)."""
         said, self._said_of_weights = self._said_of_weights, None
@@ -1112,8 +1109,7 @@ class HealthBoard:
                    "the best checkpoint when training ends, as scvi-tools' SaveCheckpoint(load_best_on_end=True) and "
                    "GluonTS do): what is said above of the weights the fit ended with is not of the weights it "
                    "returns")  # fmt: skip
-        self.record(Event(step=int(trainer.global_step), kind="weights_replaced", rank=0, source="lightning_overflow",
-                          message=message, details={}))  # fmt: skip
+        self._note_at_end(trainer, "weights_replaced", (message, {}))
 
     def summarise(self, trainer: pl.Trainer) -> None:
         """The fit in plain words at its end, one line per finding, when anything happened (rank 0 only; once)."""

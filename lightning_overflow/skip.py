@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_overflow import _compat
-from lightning_overflow.preserve import is_metric, metric_state
+from lightning_overflow.preserve import is_metric, metric_state, put_back_metric_states
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -172,9 +172,7 @@ class MetricCopy:
         self._training = moved if self._training is None else self._training | moved
 
     def put_back(self) -> None:
-        for metric, state in self._saved:
-            for name, value in state.items():
-                setattr(metric, name, value)
+        put_back_metric_states(self._saved)
 
     def release(self) -> None:
         self._module, self._metrics, self._training, self._counts, self._saved = None, [], None, [], []

@@ -838,7 +838,8 @@ def answered_manually(call: Callable[[], Any], module: Any, inputs: Any,
     """``call()``, a ``training_step`` under manual optimization, where the optimizers step inside it: a step that a
     bad value broke (it raised) is answered by a step of each optimizer on the stand-in loss, through
     ``manual_backward``, so that the suite sees an inf/NaN loss and NaN gradients on each and skips them as any (a
-    step the ``training_step`` took before it raised stands). The gradients are cleared after each."""
+    step the ``training_step`` took before it raised stands). The gradients are cleared after each. Its step is not
+    run again to test the batch (:func:`answered_call` does): a rerun would step the optimizers."""
     try:
         return call()
     except Exception as error:  # answer_error passes on what no bad value causes
@@ -874,8 +875,9 @@ def _warn_about_early_stopping(trainer: pl.Trainer, monitors: list[str], warning
     """A skipped step's loss is NaN. Logged as a tensor with ``self.log(..., on_epoch=True)`` from a hook of the batch,
     it is taken out of the epoch's mean again, and a torchmetrics ``Metric`` the module holds gets its state back
     (:func:`~lightning_overflow.skip.skip_step`); logged per step only, kept in state of the user's own (a value
-    computed at the epoch's end) or under manual optimization, it makes the value checked NaN (:func:`~lightning_overflow.health.skipped_loss_route`), and
-    ``EarlyStopping(check_finite=True)`` (its default) then ends the rescued run. Decided from where Lightning says the
+    computed at the epoch's end) or under manual optimization, it makes the value checked NaN
+    (:func:`~lightning_overflow.health.skipped_loss_route`), and ``EarlyStopping(check_finite=True)`` (its default)
+    then ends the rescued run. Decided from where Lightning says the
     monitored metric was logged, not from its name: a validation metric (``val_loss``, neuralforecast's
     ``ptl/val_loss``) never holds a skipped training step's NaN. Returns the monitors no training hook logged so far."""
     waiting = []

@@ -228,6 +228,12 @@ class Replay:
         return self.trace is not None and self.trace.nonfinite
 
     @property
+    def suspects_batch(self) -> bool:
+        """Whether the replay reproduced the fault on a batch holding bad values: whether they broke it is to be
+        tried (:func:`~lightning_overflow.diagnosis.replay.diagnose_step`)."""
+        return self.reproduced and bool(self.describe_batch())
+
+    @property
     def blames_batch(self) -> bool:
         """Whether the batch's bad values are the fault's cause: it holds some, and they were not found harmless."""
         return bool(self.describe_batch()) and not self.batch_harmless

@@ -124,7 +124,7 @@ def diagnose_step(
     model that masks missing values); finite, and they are. Every rank replays twice or none does, so that the
     collectives a ``training_step`` calls are met on every rank."""
     replays = _gather(replay_batch(trainer, pl_module, kept))
-    if any(r.reproduced and r.describe_batch() for r in replays):  # the gathered replays: alike on every rank
+    if any(r.suspects_batch for r in replays):  # the gathered replays: alike on every rank
         mine = next(r for r in replays if r.rank == int(trainer.global_rank))
         harmless = replace(mine, batch_harmless=_still_nonfinite_without_bad_values(trainer, pl_module, kept, mine))
         replays = _gather(harmless)
@@ -263,7 +263,7 @@ def _still_nonfinite_without_bad_values(
     is, to meet the others' collectives, and answers ``False``; so does a replay that fails."""
     if kept is None or not replay.replayed:
         return False
-    suspect = replay.reproduced and bool(replay.describe_batch())
+    suspect = replay.suspects_batch
     try:
         with bad_values_zeroed(kept.batch if suspect else ()):
             trace = _traced_step(trainer, pl_module, kept, module_hooks=False)

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_overflow.fit_summary import answered_at
+
 __all__ = [
     "EVENT_MARKERS",
     "FINDING_KINDS",
@@ -94,6 +96,9 @@ def event_markers(events: Iterable[Mapping[str, Any]]) -> list[Marker]:
     """
     events = list(events)
     skipped = {int(e["step"]) for e in events if e["kind"] == "skip"}
+    by_kind: dict[str, list[Mapping[str, Any]]] = {}
+    for event in events:
+        by_kind.setdefault(str(event["kind"]), []).append(event)
     markers = []
     for event in events:
         kind, step = str(event["kind"]), int(event["step"])
@@ -101,25 +106,10 @@ def event_markers(events: Iterable[Mapping[str, Any]]) -> list[Marker]:
             continue
         since = None
         if kind in SUSPICION_KINDS:
-            kind = "suspicion" if _acted_on(step, events) else "suspicion_told"
+            kind = "suspicion" if answered_at(step, by_kind) else "suspicion_told"
         elif kind == "trial":
             details = event.get("details", {})
             kind = "trial_kept" if details.get("kept") else "trial_reverted"
             since = int(details.get("opened_at", step))
         markers.append(Marker(step, kind, EVENT_MARKERS.get(kind, OTHER_MARKER), since))
     return markers
-
-
-def _acted_on(step: int, events: list[Mapping[str, Any]]) -> bool:
-    """Whether the suite answered a suspicion at ``step``: a trial opened by it or under way when it came (whose
-    verdict answers it), or a backoff or rollback made at once for it (no trial could run)."""
-    for event in events:
-        details = event.get("details", {})
-        if event["kind"] == "trial" and details.get("opened_at") is not None:
-            if int(details["opened_at"]) <= step <= int(event["step"]):
-                return True
-        elif event["kind"] == "rollback" and details.get("trigger_step") == step:
-            return True
-        elif event["kind"] in ("backoff", "undo") and int(event["step"]) == step:
-            return True
-    return False
