@@ -48,10 +48,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from pytorch_lightning.utilities.enums import GradClipAlgorithmType
 from pytorch_lightning.utilities.types import LRSchedulerConfig
 from torch import Tensor, nn
 
-from lightning_overflow._validation import check_choice, check_int, check_type
+from lightning_overflow._validation import check_choice, check_float, check_int, check_type
 from lightning_overflow.callbacks import AutoClip, LRBackoff, NonFiniteDetector, Rollback
 from lightning_overflow.callbacks.nonfinite_detector import answered_call
 from lightning_overflow.composition import default_callbacks
@@ -250,6 +251,7 @@ class LoopHost:
     """
 
     training = True
+    arguments_of = "Guard"  # whose arguments a message about the loop's settings names
     accumulate_grad_batches = 1
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str | None = None
@@ -466,6 +468,15 @@ class Guard:
             too. Without it, the loop calls :meth:`step`.
         backward: ``backward(loss)``, the backward pass of :meth:`train_step` (``fabric.backward`` under Fabric);
             default ``scaler.scale(loss).backward()`` with a scaler, else ``loss.backward()``.
+        gradient_clip_val: the loop's own clipping, as ``Trainer(gradient_clip_val=...)`` (the ``max_norm`` of
+            ``clip_grad_norm_`` or ``fabric.clip_gradients``): the guard clips where the Trainer does, after the suite
+            judged the step and before ``optimizer.step()``, and a skipped step is not clipped. Clip here, not before
+            :meth:`step`: clipped first, an overflowed gradient reaches the suite as NaN everywhere and the true norm
+            is lost. ``AutoClip`` then acts as it does beside the Trainer's clipping (``default_callbacks()``
+            leaves the gradients to it; ``AutoClip()`` refuses the double clipping). Default ``None``: no clipping of
+            the loop's own.
+        gradient_clip_algorithm: ``"norm"`` (default: the total norm, ``clip_grad_norm_``) or ``"value"`` (each
+            element, ``clip_grad_value_``), as the Trainer's argument.
 
     Example:
         >>> model = torch.nn.Linear(4, 1)
@@ -495,8 +506,12 @@ class Guard:
         state: dict[str, Any] | None = None,
         loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
         backward: Callable[[Tensor], Any] | None = None,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
     ) -> None:
         check_type("model", model, nn.Module, "a torch.nn.Module")
+        gradient_clip_val = check_float("gradient_clip_val", gradient_clip_val, low=0.0, optional=True)
+        check_choice("gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value"))
         for name, value in (("loss_fn", loss_fn), ("backward", backward)):
             if value is not None and not callable(value):
                 raise TypeError(f"'{name}' must be a function or None (got {_shown(value)})")
@@ -532,6 +547,9 @@ class Guard:
         self.host = LoopHost(module, _unwrap_optimizer(optimizer), scheduler, scheduler_interval, self.callbacks,
                              [logger] if logger is not None else [], scaler, root, log_every_n_steps)  # fmt: skip
         self.host._guard = self
+        if gradient_clip_val is not None and gradient_clip_val > 0:  # 0 clips nothing, as under the Trainer
+            self.host.gradient_clip_val = gradient_clip_val
+            self.host.gradient_clip_algorithm = GradClipAlgorithmType(gradient_clip_algorithm)
         if loss_fn is not None:
             self.host.lightning_module.allow_side_runs(loss_fn, _side_run_model(model))
         self._batch_hooks: dict[str, list[Any]] = {}
@@ -739,6 +757,8 @@ class Guard:
             self._hook("on_before_optimizer_step", host.optimizers[0])
             record = board.current
             skipped = record is not None and record.step == step and record.skipped
+            if not skipped and host.gradient_clip_val is not None:
+                self._clip(host.gradient_clip_val, host.gradient_clip_algorithm)
             if scaler is not None:
                 # A skipped step has no gradients left: the scaler's step is then a no-op, and its update lowers
                 # the scale when the unscale found inf/NaN, as under the Trainer.
@@ -765,6 +785,14 @@ class Guard:
             lr=[float(group["lr"]) for group in host.optimizers[0].param_groups],
             events=events[journaled:] if len(events) > journaled else [],
         )
+
+    def _clip(self, value: float, algorithm: Any) -> None:
+        """The loop's own clipping, as Lightning's precision plugin clips for ``Trainer(gradient_clip_val=...)``."""
+        grads = [p for group in self.host.optimizers[0].param_groups for p in group["params"] if p.grad is not None]
+        if algorithm == GradClipAlgorithmType.VALUE:
+            nn.utils.clip_grad_value_(grads, value)
+        else:
+            nn.utils.clip_grad_norm_(grads, value)
 
     def _counts(self) -> tuple[int, int, int]:
         """How many steps were clipped, backoffs made and rollbacks made so far (the callbacks' public counts)."""

@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 
 from lightning_overflow import (
+    AutoClip,
     DivergenceError,
     Guard,
     LossSpikeDetector,
@@ -73,11 +74,14 @@ def loop(
     fabric: bool = False,
     batches: bool = False,
     keep: Callable[[int], bool] = lambda step: False,
+    clip: tuple[float, str] | None = None,
     **model_kwargs: Any,
 ) -> Run:
     """Train ``TinyRegressor`` for ``steps`` optimizer steps in a plain loop (or a Fabric loop) with ``Guard`` (or
     bare, ``callbacks=None``), injecting ``fault`` at step ``at`` as ``FaultInjector`` does under the Trainer.
-    ``batches``: the guard runs each step (``Guard(loss_fn=...)``, ``guard.train_step(batch)``)."""
+    ``batches``: the guard runs each step (``Guard(loss_fn=...)``, ``guard.train_step(batch)``). ``clip``: the loop's
+    own clipping, ``(value, algorithm)``: the guard's ``gradient_clip_val``, or ``clip_grad_norm_`` /
+    ``clip_grad_value_`` before a bare loop's ``optimizer.step()``."""
     pl.seed_everything(0, verbose=False)
     factory = model_kwargs.pop("scheduler", None)
     model = TinyRegressor(**model_kwargs)
@@ -104,6 +108,8 @@ def loop(
         extra: dict[str, Any] = {}
         if batches:
             extra = {"loss_fn": loss_fn, "backward": runner.backward if fabric else None}
+        if clip is not None:
+            extra.update(gradient_clip_val=clip[0], gradient_clip_algorithm=clip[1])
         guard = Guard(trained, stepper, scheduler, callbacks, default_root_dir=tmp_path, **extra)
     run = Run(model, optimizer, guard)
     step = 0
@@ -126,6 +132,10 @@ def loop(
                 if guard is not None:
                     run.outcomes.append(guard.step(loss))
                 else:
+                    if clip is not None and clip[1] == "norm":
+                        nn.utils.clip_grad_norm_(model.parameters(), clip[0])
+                    elif clip is not None:
+                        nn.utils.clip_grad_value_(model.parameters(), clip[0])
                     stepper.step()
                     if scheduler is not None:
                         scheduler.step()
@@ -229,6 +239,65 @@ def test_a_healthy_plain_loop_is_bit_identical_with_and_without_the_guard(tmp_pa
     assert bare.lrs == guarded.lrs
     assert guarded.guard is not None and guarded.guard.events == []
     assert not any(o.skipped or o.clipped or o.backed_off or o.rolled_back for o in guarded.outcomes)
+
+
+# ---- the loop's own clipping -----------------------------------------------------------------------------------------
+CLIPS = {"norm": 0.5, "value": 0.1}  # TinyRegressor's norms are 0.3 to 3.3 here: most steps are clipped
+
+
+@pytest.mark.parametrize("algorithm", list(CLIPS))
+def test_the_loops_own_clipping_is_that_of_a_bare_loop_and_autoclip_leaves_the_gradients_to_it(
+    tmp_path: Path, algorithm: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    clip = (CLIPS[algorithm], algorithm)
+    options: dict[str, Any] = {"optimizer": "adamw", "scheduler": warmup}
+    unclipped = loop(40, None, tmp_path, **options)
+    bare = loop(40, None, tmp_path, clip=clip, **options)
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+        guarded = loop(40, default_callbacks(), tmp_path, clip=clip, **options)
+    assert not torch.equal(weights(unclipped.model)["net.0.weight"], weights(bare.model)["net.0.weight"])
+    assert_bit_identical(weights(bare.model), weights(guarded.model))
+    assert_optimizer_state_equal(optimizer_state(bare.optimizer), optimizer_state(guarded.optimizer))
+    assert guarded.guard is not None and guarded.guard.events == []
+    assert not any(o.clipped for o in guarded.outcomes)  # AutoClip scaled nothing: the loop's clipping did
+    said = [r.getMessage() for r in caplog.records if "AutoClip leaves" in r.getMessage()]
+    assert said == [
+        f"lightning_overflow: AutoClip leaves this fit's gradients to Guard(gradient_clip_val={clip[0]}, "
+        f"gradient_clip_algorithm='{algorithm}'), which clips every step: your clipping is kept (the rest of the "
+        "suite acts as usual)"
+    ]
+
+
+def test_a_nan_loss_is_skipped_under_the_loops_own_clipping(tmp_path: Path) -> None:
+    """The guard judges the step before it clips: a NaN loss is skipped as without the clipping, and the state after
+    the step is bit for bit the state before it."""
+    run = loop(12, default_callbacks(), tmp_path, fault="nan_loss", clip=(0.5, "norm"),
+               keep=lambda step: step == FAULT_STEP)  # fmt: skip
+    assert [o.step for o in run.outcomes if o.skipped] == [FAULT_STEP]
+    before, after = run.before[FAULT_STEP], run.after[FAULT_STEP]
+    assert_bit_identical(before["model"], after["model"])
+    assert_optimizer_state_equal(before["optimizer"], after["optimizer"])
+
+
+def test_the_trainer_with_the_same_clipping_makes_the_same_decisions(tmp_path: Path) -> None:
+    plain = loop(16, default_callbacks(), tmp_path / "plain", fault="nan_weight", clip=(0.5, "norm"))
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer([*default_callbacks(), FaultInjector(Fault(FAULT_STEP, "nan_weight"))], max_steps=16,
+                           default_root_dir=str(tmp_path / "trainer"), gradient_clip_val=0.5)  # fmt: skip
+    trainer.fit(TinyRegressor())
+    assert plain.events() and plain.events() == [(e.step, e.kind) for e in board_for(trainer).journal.events]
+
+
+def test_autoclip_that_refuses_double_clipping_names_the_guards_argument(tmp_path: Path) -> None:
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError) as info:
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[AutoClip()], default_root_dir=tmp_path,
+              gradient_clip_val=1.0)  # fmt: skip
+    assert str(info.value).startswith(
+        "AutoClip(mode='zscore') and Guard(gradient_clip_val=1.0) would both clip every step's gradients (double "
+        "clipping: AutoClip first, then Lightning's clip_grad_norm_, which zeroes finite gradients whose FP32 norm "
+        "overflows). Remove gradient_clip_val from the Guard;"
+    )
 
 
 # ---- Fabric, and the Trainer: the same decisions at the same steps ---------------------------------------------------
@@ -368,12 +437,15 @@ def test_the_guard_looks_through_wrappers_and_refuses_sharding() -> None:
                                 "under manual optimization")),
         ({"scheduler": 0.5}, ("'scheduler' must be a learning-rate scheduler (with step() and state_dict()) or None "
                               "(got float 0.5)")),
+        ({"gradient_clip_val": "1"}, "'gradient_clip_val' must be a number or None (got '1')"),
+        ({"gradient_clip_val": -1.0}, "'gradient_clip_val' must be in [0, inf) (got -1)"),
+        ({"gradient_clip_algorithm": "max"}, "'gradient_clip_algorithm' must be one of 'norm', 'value' (got 'max')"),
     ],
 )  # fmt: skip
 def test_the_guard_refuses_what_it_cannot_guard(kwargs: dict[str, Any], message: str, tmp_path: Path) -> None:
     model = nn.Linear(2, 1)
     given = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), **kwargs}
-    with pytest.raises(TypeError) as info:
+    with pytest.raises((TypeError, ValueError)) as info:
         Guard(default_root_dir=tmp_path, **given)
     assert str(info.value) == message
 

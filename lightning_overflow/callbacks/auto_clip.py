@@ -305,11 +305,12 @@ class AutoClip(SuiteCallback):
         trainer_clips = clip_val is not None and clip_val > 0
         module_clips = stage == "fit" and _compat.clips_its_own_gradients(pl_module)
         self._deferred = trainer_clips or (module_clips and self.if_trainer_clips == "defer")
+        owner = getattr(trainer, "arguments_of", "Trainer")  # a plain loop's Guard takes the Trainer's argument
         if trainer_clips and self.if_trainer_clips == "raise":
             raise ValueError(
-                f"AutoClip(mode={self.mode!r}) and Trainer(gradient_clip_val={clip_val}) would both clip every step's "
+                f"AutoClip(mode={self.mode!r}) and {owner}(gradient_clip_val={clip_val}) would both clip every step's "
                 "gradients (double clipping: AutoClip first, then Lightning's clip_grad_norm_, which zeroes finite "
-                "gradients whose FP32 norm overflows). Remove gradient_clip_val from the Trainer; for a constant "
+                f"gradients whose FP32 norm overflows). Remove gradient_clip_val from the {owner}; for a constant "
                 f"threshold use AutoClip(mode='fixed', max_norm={clip_val}), or pass max_norm={clip_val} to cap "
                 "an adaptive mode; or keep your clipping with AutoClip(if_trainer_clips='defer')."
             )
@@ -322,8 +323,8 @@ class AutoClip(SuiteCallback):
             whose = (
                 f"{type(pl_module).__name__}.configure_gradient_clipping"
                 if module_clips
-                else f"Trainer(gradient_clip_val={clip_val}, gradient_clip_algorithm={algorithm!r}), which clips every "
-                "step"
+                else f"{owner}(gradient_clip_val={clip_val}, gradient_clip_algorithm={algorithm!r}), which clips "
+                "every step"
             )
             log.info(
                 f"lightning_overflow: AutoClip leaves this fit's gradients to {whose}: your clipping is kept (the rest "
