@@ -56,7 +56,7 @@ from lightning_overflow._validation import check_choice, check_float, check_int,
 from lightning_overflow.callbacks import AutoClip, LRBackoff, NonFiniteDetector, Rollback
 from lightning_overflow.callbacks.nonfinite_detector import answered_call
 from lightning_overflow.composition import default_callbacks
-from lightning_overflow.distributed import world
+from lightning_overflow.distributed import sum_and_read, world
 from lightning_overflow.events import Event
 from lightning_overflow.faulted_steps import FaultedStep
 from lightning_overflow.health import HealthBoard, board_for
@@ -278,7 +278,9 @@ class LoopHost:
         self.loggers = loggers
         self.optimizers = [optimizer]
         self.lr_scheduler_configs = (
-            [LRSchedulerConfig(scheduler, interval=scheduler_interval)] if scheduler is not None else []
+            [LRSchedulerConfig(scheduler, interval=scheduler_interval, reduce_on_plateau=_on_plateau(scheduler))]
+            if scheduler is not None
+            else []
         )
         self.lightning_module = _LoopModule(module, self)
         self.strategy = PlainLoopStrategy(self.lightning_module.device, self)
@@ -406,6 +408,20 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
+def _on_plateau(scheduler: Any) -> bool:
+    """Whether ``scheduler`` steps on a watched value (``ReduceLROnPlateau``) rather than on a count."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _mean_over_ranks(metric: float | Tensor, device: torch.device) -> float:
+    """``metric`` as a float, averaged over the ranks under ``torch.distributed`` (one all-reduce on ``device``): a
+    scheduler that steps on it then decides alike on every rank."""
+    size = world()[1]
+    if size == 1:
+        return float(metric)
+    return sum_and_read(torch.tensor([float(metric)], dtype=torch.float64, device=device))[0] / size
+
+
 def _shown(value: Any) -> str:
     """A value in an error message: a number or a string as written, anything else by its type."""
     if isinstance(value, (int, float, str)):
@@ -451,7 +467,9 @@ class Guard:
         optimizer: its optimizer (or Fabric's wrapper of it). The guard calls its ``step()`` and ``zero_grad()``.
         scheduler: a learning-rate scheduler the guard steps: after every optimizer step that was not skipped
             (``scheduler_interval="step"``, the default), or at :meth:`end_epoch` (``"epoch"``). Step no other
-            scheduler of this optimizer yourself: ``LRBackoff`` scales the one it knows.
+            scheduler of this optimizer yourself: ``LRBackoff`` scales the one it knows. A ``ReduceLROnPlateau``
+            steps on the value it watches: build the guard with ``scheduler_interval="epoch"`` and hand the value to
+            ``guard.end_epoch(metric)``.
         callbacks: the suite callbacks (default: ``default_callbacks()``). Another callback in the list is called
             too, with the host as its trainer: it finds there only what the suite reads of a Trainer.
         logger: a Lightning logger (``CSVLogger``, ``TensorBoardLogger``...) for the suite's metrics and, beside its
@@ -530,6 +548,12 @@ class Guard:
                 f"{_shown(scheduler)})"
             )
         check_choice("scheduler_interval", scheduler_interval, ("step", "epoch"))
+        if _on_plateau(scheduler) and scheduler_interval != "epoch":
+            raise ValueError(
+                "a ReduceLROnPlateau scheduler steps on the value it watches, which guard.step(loss) is not given "
+                f"(got scheduler_interval={scheduler_interval!r}): build the guard with scheduler_interval='epoch' and "
+                "call guard.end_epoch(metric) with that value (a validation loss) at the end of each epoch"
+            )
         log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=0)
         if callbacks is None:
             callbacks = default_callbacks()
@@ -801,14 +825,34 @@ class Guard:
         rollbacks = sum(rollback.rollbacks for rollback in self._rollbacks)
         return clipped, backoffs, rollbacks
 
-    def end_epoch(self) -> None:
+    def end_epoch(self, metric: float | Tensor | None = None) -> None:
         """An epoch ended: the callbacks' epoch aggregates are logged, an ``interval="epoch"`` scheduler steps, and
-        ``current_epoch`` moves on (optional: without it the whole run is epoch 0)."""
+        ``current_epoch`` moves on (optional: without it the whole run is epoch 0).
+
+        Args:
+            metric: the value a ``ReduceLROnPlateau`` scheduler watches (a validation loss), required with one and
+                refused without. Under ``torch.distributed`` the scheduler steps on its mean over the ranks, so that
+                every rank reduces its rate at the same epoch.
+        """
         if self._closed:
             return
+        plateau = self._interval == "epoch" and _on_plateau(self.scheduler)
+        if plateau and metric is None:
+            raise ValueError(
+                f"guard.end_epoch() at epoch {self.host.current_epoch}: the ReduceLROnPlateau scheduler steps on the "
+                "value it watches: pass it, guard.end_epoch(metric)"
+            )
+        if metric is not None and not plateau:
+            raise ValueError(
+                f"'metric' is the value a ReduceLROnPlateau scheduler watches, and this guard steps none (got "
+                f"metric={_shown(metric)}, scheduler={type(self.scheduler).__name__}, scheduler_interval="
+                f"{self._interval!r})"
+            )
         with self._guarded():
             self._hook("on_train_epoch_end")
-            if self.scheduler is not None and self._interval == "epoch":
+            if plateau:
+                self.scheduler.step(_mean_over_ranks(metric, self.host.strategy.root_device))
+            elif self.scheduler is not None and self._interval == "epoch":
                 self.scheduler.step()
             self.host.current_epoch += 1
             self._epoch_open = False

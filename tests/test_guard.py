@@ -7,6 +7,7 @@ can be compared with a ``Trainer(callbacks=default_callbacks())`` fit of the sam
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable
@@ -298,6 +299,105 @@ def test_autoclip_that_refuses_double_clipping_names_the_guards_argument(tmp_pat
         "clipping: AutoClip first, then Lightning's clip_grad_norm_, which zeroes finite gradients whose FP32 norm "
         "overflows). Remove gradient_clip_val from the Guard;"
     )
+
+
+# ---- a ReduceLROnPlateau scheduler: stepped at the epoch's end on the value it watches --------------------------------
+@dataclass
+class PlateauRun:
+    model: TinyRegressor
+    guard: Guard | None
+    lrs: list[float]  # the rate each step trained with
+    states: dict[int, dict[str, Any]]  # the scheduler's state at the start of each step
+
+
+def plateau_loop(epochs: int, callbacks: list[Any] | None, tmp_path: Path, nan_weight_at: int | None = None
+                 ) -> PlateauRun:  # fmt: skip
+    """``TinyRegressor`` (8 batches an epoch) under SGD with ``ReduceLROnPlateau`` on the epoch's mean training loss:
+    ``guard.end_epoch(mean)``, or ``scheduler.step(mean)`` in a bare loop."""
+    pl.seed_everything(0, verbose=False)
+    model = TinyRegressor(optimizer="sgd", lr=0.05)
+    optimizer = model.configure_optimizers()
+    plateau = sched.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.05)
+    guard = None
+    if callbacks is not None:
+        guard = Guard(model, optimizer, plateau, callbacks, scheduler_interval="epoch", default_root_dir=tmp_path)
+    run = PlateauRun(model, guard, [], {})
+    step = 0
+    for _ in range(epochs):
+        total = 0.0
+        for x, y in model.train_dataloader():
+            run.states[step] = copy.deepcopy(plateau.state_dict())
+            if step == nan_weight_at:
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] = float("nan")
+            run.lrs.append(float(optimizer.param_groups[0]["lr"]))
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            total += loss.item()
+            if guard is not None:
+                guard.step(loss)
+            else:
+                optimizer.step()
+                optimizer.zero_grad()
+            step += 1
+        if guard is not None:
+            guard.end_epoch(total / 8)
+        else:
+            plateau.step(total / 8)
+    if guard is not None:
+        guard.close()
+    return run
+
+
+def test_a_plateau_scheduler_steps_on_the_value_handed_to_end_epoch_as_in_a_bare_loop(tmp_path: Path) -> None:
+    bare = plateau_loop(8, None, tmp_path)
+    guarded = plateau_loop(8, default_callbacks(), tmp_path)
+    assert bare.lrs[::8] == [0.05, 0.05, 0.05, 0.025, 0.0125, 0.0125, 0.0125, 0.0125]  # it reduced twice
+    assert guarded.lrs == bare.lrs
+    assert_bit_identical(weights(bare.model), weights(guarded.model))
+    assert guarded.guard is not None and guarded.guard.events == []
+
+
+def test_a_rollback_puts_the_plateau_scheduler_back_and_the_backoff_scales_its_rate(tmp_path: Path) -> None:
+    """A snapshot at step 30, the epoch's end after step 31 (the scheduler steps), NaN weights at step 33: the
+    scheduler is the snapshot's again, and the rate half of the snapshot's."""
+    run = plateau_loop(6, default_callbacks(snapshot_every_n_steps=5), tmp_path, nan_weight_at=33)
+    assert run.guard is not None
+    assert [(e.step, e.kind) for e in run.guard.events] == [(33, "nonfinite"), (33, "backoff"), (34, "rollback")]
+    assert run.states[33] != run.states[30]  # the epoch's end moved it
+    restored, snapshot = run.states[35], run.states[30]
+    for key in ("last_epoch", "best", "num_bad_epochs", "cooldown_counter"):
+        assert restored[key] == snapshot[key], key
+    assert run.lrs[34] == 0.5 * run.lrs[30]
+
+
+def test_a_plateau_scheduler_needs_the_epoch_interval_and_the_value_it_watches(tmp_path: Path) -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = sched.ReduceLROnPlateau(optimizer)
+    with pytest.raises(ValueError) as per_step:
+        Guard(model, optimizer, plateau, default_root_dir=tmp_path)
+    assert str(per_step.value) == (
+        "a ReduceLROnPlateau scheduler steps on the value it watches, which guard.step(loss) is not given (got "
+        "scheduler_interval='step'): build the guard with scheduler_interval='epoch' and call guard.end_epoch(metric) "
+        "with that value (a validation loss) at the end of each epoch"
+    )
+    guard = Guard(model, optimizer, plateau, scheduler_interval="epoch", default_root_dir=tmp_path)
+    with pytest.raises(ValueError) as no_metric:
+        guard.end_epoch()
+    assert str(no_metric.value) == (
+        "guard.end_epoch() at epoch 0: the ReduceLROnPlateau scheduler steps on the value it watches: pass it, "
+        "guard.end_epoch(metric)"
+    )
+    guard.close()
+    counted = Guard(model, optimizer, sched.StepLR(optimizer, 2), scheduler_interval="epoch", default_root_dir=tmp_path)
+    with pytest.raises(ValueError) as stray:
+        counted.end_epoch(0.5)
+    assert str(stray.value) == (
+        "'metric' is the value a ReduceLROnPlateau scheduler watches, and this guard steps none (got metric=float "
+        "0.5, scheduler=StepLR, scheduler_interval='epoch')"
+    )
+    counted.close()
 
 
 # ---- Fabric, and the Trainer: the same decisions at the same steps ---------------------------------------------------

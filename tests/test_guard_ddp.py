@@ -63,6 +63,9 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
         else:
             optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
             callbacks = default_callbacks(snapshot_every_n_steps=4)
+        plateau = scenario == "plateau"  # ReduceLROnPlateau, stepped every 4 steps on a value each rank has its own
+        if plateau:
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
         raising = scenario.startswith("raises")  # loss_fn raises on a NaN batch: after the forward pass, or in it
         runs_steps = scenario == "diverging_steps" or raising  # the guard runs each step: trials beside the loop
         if raising:
@@ -79,7 +82,9 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
 
         guard = None if scenario == "diverging_bare" else Guard(model, optimizer, scheduler, callbacks=callbacks,
                                                                  default_root_dir=directory,
-                                                                 loss_fn=loss_fn if runs_steps else None)  # fmt: skip
+                                                                 loss_fn=loss_fn if runs_steps else None,
+                                                                 scheduler_interval="epoch" if plateau else "step",
+                                                                 )  # fmt: skip
         outcomes, snapshots, lrs = [], {}, []
         for step in range(DIVERGING_STEPS if diverging else STEPS):
             snapshots[step] = _digest(module)
@@ -104,6 +109,9 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
                     optimizer.zero_grad()
                     continue
                 outcome = guard.step(loss)
+            if plateau and step % 4 == 3:  # rank 0's value falls, rank 1's rises; their mean stays at 0.5
+                epoch = step // 4
+                guard.end_epoch(1 / (epoch + 1) if rank == 0 else 1 - 1 / (epoch + 1))
             if outcome.rolled_back:
                 report["restored"] = _digest(module)
             outcomes.append([outcome.step, outcome.skipped, outcome.rolled_back, outcome.backed_off,
@@ -201,6 +209,17 @@ def test_a_forward_pass_that_raises_inside_ddp_keeps_its_error(tmp_path: Path) -
     """Raised inside DDP's forward pass, the step left the reducer awaiting no backward: a stand-in's would leave
     the other rank waiting in its reduction, so the module's own error stands, on each rank whose forward raised."""
     run(tmp_path, "raises_in_forward", errors=("ValueError: the input holds inf/NaN",) * 2)
+
+
+def test_a_plateau_scheduler_steps_on_the_mean_of_the_ranks_values_and_lowers_the_rate_on_both_alike(
+    tmp_path: Path,
+) -> None:
+    """Each rank hands ``end_epoch`` its own value (one falls, one rises): alone, rank 0 would never lower its rate
+    and rank 1 would at every epoch. On their mean, a plateau, both lower it at the same epochs."""
+    reports = run(tmp_path, "plateau")
+    assert reports[0]["lrs"] == reports[1]["lrs"]
+    assert reports[0]["lrs"][::4] == [0.01, 0.01, 0.005]  # the first epoch sets the best; the second stalls at it
+    assert reports[0]["digest"] == reports[1]["digest"]
 
 
 def test_a_nan_weight_on_rank_1_only_rolls_both_ranks_back_to_the_same_snapshot(tmp_path: Path) -> None:
