@@ -28,6 +28,13 @@ ENDING_BLOCK = 40  # finite losses whose median is one loss level: shorter stret
 ENDING_START = 5  # the first finite losses, whose median is where the run started
 ENDING_RATIO = 10.0  # a run whose last loss level is this many times its best has lost most of what it learnt
 DEAD_SHARE = 0.5  # parameter tensors without any gradient, as a share of those the optimizer steps: a dead network
+START_NORMS = 25  # the gradient norms of the fit's first steps: the first one's, and those it is measured against
+START_OUT_OF_SCALE = 100.0
+"""A fit's first gradient norm this many times the median of the next ones' came from an initialisation out of
+scale: measured, tanh RNNs whose recurrent matrix is drawn at 2x and 2.5x orthogonal start at 420x and 22,000x (their
+first update saturates the state, and they end 17x to 38x above the same RNN drawn right, whatever clips them) and a
+ReLU RNN over long sequences at 150x; every other scenario of the rescue benchmark, faults and learning rates up to
+40x included, at 7x or less."""
 MAX_STEPS = 6  # steps listed in a line before "..."
 SIGNAL_WORDS = {
     "nonfinite_persistent": "steps that kept failing",
@@ -99,11 +106,15 @@ class LossEnding:
     silent: tuple[int, int] = (0, 0)  # (tensors without gradient, tensors) at the last step
     silent_names: tuple[str, ...] = ()  # some of them, at the last step
     _lived: bool = False  # a step where most tensors had a gradient
+    start_norms: list[float] = field(default_factory=list)  # the finite gradient norms of steps 0 to START_NORMS - 1
 
-    def add(self, step: int, loss: float | None, silent: tuple[int, int] | None = None, names: Sequence[str] = ()
-            ) -> None:  # fmt: skip
+    def add(self, step: int, loss: float | None, silent: tuple[int, int] | None = None, names: Sequence[str] = (),
+            norm: float = math.nan) -> None:  # fmt: skip
         """Take one step's loss (``None``: none was seen, as under a Pyro plan's own backward) and, where known,
-        ``(gradient tensors exactly 0, tensors)`` with some of their ``names``."""
+        ``(gradient tensors exactly 0, tensors)`` with some of their ``names``, and its total gradient ``norm`` (kept
+        for the fit's first ``START_NORMS`` steps, from step 0: a resumed fit has no start of its own)."""
+        if step < START_NORMS and math.isfinite(norm) and (step == 0 or self.start_norms):
+            self.start_norms.append(norm)
         if silent is not None and silent[1] > 0:
             if silent[0] < DEAD_SHARE * silent[1]:
                 self._lived, self.silent_tail = True, 0
@@ -167,7 +178,7 @@ class LossEnding:
                     "block": ENDING_BLOCK}  # fmt: skip
         last = self.last
         if not math.isfinite(last):
-            return None
+            return self._start_out_of_scale()
         facts = {"last": last, "last_from": self.last_from, "last_step": self.last_step, "block": ENDING_BLOCK}
         if self.best > 0 and math.isfinite(self.best) and last >= ENDING_RATIO * self.best and not (
             self.start > 0 and self.start < self.best
@@ -177,7 +188,19 @@ class LossEnding:
         if self.start > 0 and last >= ENDING_RATIO * self.start:
             return {**facts, "against": "start", "start": self.start, "start_steps": ENDING_START,
                     "start_step": self.start_step, "ratio": last / self.start}  # fmt: skip
-        return None
+        return self._start_out_of_scale()
+
+    def _start_out_of_scale(self) -> dict[str, Any] | None:
+        """The facts of a fit whose first gradient norm was ``START_OUT_OF_SCALE`` times the median of the next ones'
+        or more (at least ten of them finite), ``None`` otherwise."""
+        first, after = self.start_norms[:1], self.start_norms[1:]
+        if not first or len(after) < 10:
+            return None
+        typical = statistics.median(after)
+        if not (typical > 0 and first[0] >= START_OUT_OF_SCALE * typical):
+            return None
+        return {"start_norm": first[0], "typical_norm": typical, "norm_steps": len(after),
+                "scale_ratio": first[0] / typical}
 
 
 def stalled_ending(events: Iterable[Event], ending: LossEnding) -> dict[str, Any] | None:
@@ -225,6 +248,11 @@ def ending_words(facts: Mapping[str, Any]) -> str:
                 f"gradient at all on each of the fit's last {facts['silent_steps']} steps (from step "
                 f"{facts['silent_from']} on; they had one before){f', among them {names}' if names else ''}: units "
                 "whose outputs are 0 for every input (a dead ReLU layer) pass nothing back")
+    if "start_norm" in facts:
+        return (f"the fit's first step had a gradient norm of {_number(facts['start_norm'])}, "
+                f"{facts['scale_ratio']:.3g}x the median of the {facts['norm_steps']} steps after it "
+                f"({_number(facts['typical_norm'])}): the model was drawn out of scale (a recurrent matrix, or "
+                "layers, drawn too large)")
     last = f"median {_number(facts['last'])} over steps {facts.get('last_from', '?')}-{facts['last_step']}"
     if facts.get("stalled"):
         return (f"the training loss ended at {facts['ratio']:.2g}x where it started ({last}, "
@@ -580,6 +608,10 @@ def _endings(endings: list[Event], by_kind: dict[str, list[Event]]) -> list[str]
     if details.get("stalled"):
         return [f"{message}: if it should come down further, look at the model, its initialisation or the data rather "
                 "than the learning rate"]
+    if "start_norm" in details:
+        return [f"{message}. A run that starts so can end far above what the same model drawn right reaches: compare "
+                "its loss with such a run's, and draw the weights smaller (std = gain / sqrt(fan_in); an orthogonal "
+                "recurrent matrix of gain 1) or warm the learning rate up"]
     if "silent_tensors" in details:
         return [f"{message}{after}: it learns no more, and its weights are not worth keeping; try a lower learning "
                 "rate, a smaller initialisation (std = gain / sqrt(fan_in)) or a normalisation layer between the "
@@ -594,6 +626,8 @@ def _ending_facts(details: Mapping[str, Any]) -> bool:
         return "nonfinite_from" in details
     if "silent_tensors" in details:
         return all(key in details for key in ("tensors", "silent_steps", "silent_from"))
+    if "start_norm" in details:
+        return all(key in details for key in ("typical_norm", "norm_steps", "scale_ratio"))
     if details.get("stalled"):
         return all(key in details for key in ("last", "last_step", "ratio", "start", "start_steps", "trial_step"))
     needed = ("last", "last_step", "ratio", "start", "start_steps") if details.get("against") == "start" else (

@@ -941,7 +941,7 @@ class HealthBoard:
             participant._after_step(trainer, record, action)
         if record.optimizer_index == 0:
             loss = record.loss_mean if record.loss_seen else None
-            self.ending.add(record.step, loss, *_silent(record))
+            self.ending.add(record.step, loss, *_silent(record), norm=record.total_norm)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> StepHealth:
         """The step's record with the gradients' norms (device values, read with the rest of the step's)."""

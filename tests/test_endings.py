@@ -118,6 +118,61 @@ def test_a_run_the_full_suite_keeps_finite_but_far_above_its_best_says_so_at_its
 
 
 
+class _RecurrentDrawnLarge(pl.LightningModule):
+    """A tanh RNN over 48 steps whose recurrent matrix is orthogonal times ``gain``, SGD: at 2.5 its first gradient
+    norm is about 1,000x those of the steps after it (its first update saturates the state), at 1 about 1.7x."""
+
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = nn.RNN(2, 16, batch_first=True), nn.Linear(16, 1)
+        with torch.no_grad():
+            nn.init.orthogonal_(self.rnn.weight_hh_l0)
+            self.rnn.weight_hh_l0.mul_(gain)
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randn(256, 48, 2, generator=gen), 0.1 * torch.randn(256, 48, 1, generator=gen)
+        y[:, 2:, 0] += x[:, :-2, 0]  # the first feature of two steps before
+        self.data = TensorDataset(x, y)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.rnn(x)[0]), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=32)
+
+
+@pytest.mark.parametrize("gain", [2.5, 1.0])
+def test_a_fit_whose_first_gradients_were_out_of_scale_says_so_at_its_end(
+    caplog: pytest.LogCaptureFixture, tmp_path: Any, gain: float
+) -> None:
+    """No rule acts on the first step (nothing is known of a normal one yet), and the loss ends neither far above its
+    best nor its start: the end still says that the model was drawn out of scale. Drawn right, nothing is said."""
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+        fit(_RecurrentDrawnLarge(gain), default_callbacks(), max_steps=40, default_root_dir=tmp_path)
+    endings = [e for e in read_journal(tmp_path) if e["kind"] == "ending"] if (tmp_path / "overflow_events.jsonl"
+                                                                               ).exists() else []  # fmt: skip
+    if gain == 1.0:
+        assert endings == []
+        return
+    (ending,) = endings
+    details = ending["details"]
+    assert details["norm_steps"] == 24 and details["scale_ratio"] == details["start_norm"] / details["typical_norm"]
+    assert details["scale_ratio"] > 500
+    (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith(_SUMMARY)]
+    (line,) = [line for line in summary.splitlines() if "first step" in line]
+    assert line.startswith(f"  - the fit's first step had a gradient norm of {details['start_norm']:.4g}, ")
+    assert line.endswith(
+        "the model was drawn out of scale (a recurrent matrix, or layers, drawn too large). A run that starts so can "
+        "end far above what the same model drawn right reaches: compare its loss with such a run's, and draw the "
+        "weights smaller (std = gain / sqrt(fan_in); an orthogonal recurrent matrix of gain 1) or warm the learning "
+        "rate up"
+    )
+
+
 class _JournaledSuspect(SuiteCallback):
     """A detector that suspects the loss at exact steps and journals it, as LossSpikeDetector does."""
 

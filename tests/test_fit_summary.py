@@ -17,7 +17,14 @@ from torch import Tensor
 
 from lightning_overflow import LRBackoff, NonFiniteDetector, read_journal
 from lightning_overflow.cli import main
-from lightning_overflow.fit_summary import LossEnding, ending_words, left_alone, plain_lines, stalled_ending
+from lightning_overflow.fit_summary import (
+    ENDING_BLOCK,
+    LossEnding,
+    ending_words,
+    left_alone,
+    plain_lines,
+    stalled_ending,
+)
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 from tests.conftest import fit, tuned
 
@@ -576,3 +583,32 @@ def test_a_fit_whose_losses_the_suite_never_sees_is_not_said_to_end_on_inf_nan(c
         fit(OwnBackward(), [NonFiniteDetector()], max_steps=80, default_root_dir=tmp_path)
     assert not [r for r in caplog.records if r.name == SUMMARY_LOGGER]
     assert not (tmp_path / "overflow_events.jsonl").exists()  # nothing journaled
+
+
+# ---- a start out of scale ---------------------------------------------------------------------------------------------
+def _started(norms: list[float], first_step: int = 0) -> LossEnding:
+    ending = LossEnding()
+    for i, norm in enumerate(norms):
+        ending.add(first_step + i, 1.0, norm=norm)
+    return ending
+
+
+def test_a_first_gradient_norm_100x_the_next_ones_is_an_ending_fact_and_less_is_none() -> None:
+    after = [1.0, 2.0, 3.0] * 8  # median 2.0 over 24 steps
+    assert _started([200.0, *after]).event_details() == {
+        "start_norm": 200.0, "typical_norm": 2.0, "norm_steps": 24, "scale_ratio": 100.0}  # fmt: skip
+    assert _started([199.0, *after]).event_details() is None
+    assert _started([1e4, *after[:9]]).event_details() is None  # too few steps after it to know a normal one
+    assert _started([1e4, *after], first_step=100).event_details() is None  # a resumed fit: no start of its own
+    assert _started([1e4, math.inf, *after]).event_details()["norm_steps"] == 23  # steps 2-24: an overflow not counted
+    assert ending_words(_started([200.0, *after]).event_details()) == (
+        "the fit's first step had a gradient norm of 200, 100x the median of the 24 steps after it (2): the model "
+        "was drawn out of scale (a recurrent matrix, or layers, drawn too large)"
+    )
+
+
+def test_a_loss_far_above_its_best_is_told_before_a_start_out_of_scale() -> None:
+    ending = _started([1e4] + [1.0] * 24)
+    for step in range(25, 25 + 3 * ENDING_BLOCK):
+        ending.add(step, 1.0 if step < 25 + 2 * ENDING_BLOCK else 50.0)
+    assert ending.event_details()["against"] == "best"
