@@ -775,7 +775,9 @@ class HealthBoard:
         self._merge.send_leftover()  # a held step that Lightning did not log after all
         if trainer.lr_scheduler_configs:
             self.schedule_lag.begin_batch(trainer)
-        if not self._window_open and pl_module.automatic_optimization:
+        if not pl_module.automatic_optimization:
+            self._buffers.take(pl_module)  # each batch: what a skipped step's forward wrote inf/NaN into goes back
+        elif not self._window_open:
             self._buffers.take(pl_module)
             self._metric_copy.take(pl_module)
             self._epoch_sums = _compat.epoch_sums(trainer)

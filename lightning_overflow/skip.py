@@ -124,6 +124,21 @@ class BufferCopy:
                 if owner._buffers.get(name) is not live:
                     owner._buffers[name] = saved.clone()
 
+    def put_back_nonfinite(self) -> None:
+        """The buffers that hold inf/NaN now, as the batch found them; the others as they are. Under manual
+        optimization a batch steps several optimizers, and a forward pass for one of them writes buffers the others'
+        steps rely on: what a skipped step must not leave behind is the inf/NaN its forward wrote (a BatchNorm's
+        running statistics of a NaN batch). One host read a buffer: on a skipped step only."""
+        with torch.no_grad():
+            for (owner, name), saved in zip(self._owners, self._saved):
+                live = owner._buffers.get(name)
+                if live is None or not live.is_floating_point() or bool(torch.isfinite(live).all()):
+                    continue
+                if live.shape == saved.shape:
+                    live.copy_(saved)
+                else:  # re-assigned by the forward pass: the copy goes back in its place
+                    owner._buffers[name] = saved.clone()
+
     def saved(self) -> dict[str, Tensor]:
         """The copies by buffer name: the buffers as the current step found them, before its forward passes."""
         return dict(zip(self._names, self._saved))
@@ -246,11 +261,13 @@ def skip_step(
     logged sums (``sums``, kept by :func:`~lightning_overflow._compat.epoch_sums` when the window began) back and hold
     the step-interval schedulers in ``held``.
 
-    Under manual optimization the user steps the schedulers and may step several optimizers per batch: only the
-    gradients are dropped there.
+    Under manual optimization the user steps the schedulers and may step several optimizers per batch: the
+    gradients are dropped there, and the buffers that hold inf/NaN are put back as the batch found them (the others
+    may hold what another optimizer's step of the batch relies on).
     """
     optimizer.zero_grad(set_to_none=True)
     if not trainer.lightning_module.automatic_optimization:
+        buffers.put_back_nonfinite()
         return
     buffers.put_back()
     metrics.put_back()

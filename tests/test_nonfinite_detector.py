@@ -21,6 +21,8 @@ from conftest import (
     weights,
 )
 from pytorch_lightning.plugins import MixedPrecision
+from torch import nn
+from torch.utils.data import TensorDataset
 
 from lightning_overflow import (
     DivergenceError,
@@ -28,6 +30,7 @@ from lightning_overflow import (
     NonFiniteDetector,
     NonFiniteError,
     OverflowWarning,
+    default_callbacks,
     read_journal,
 )
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
@@ -249,6 +252,40 @@ def test_manual_optimization_with_two_optimizers() -> None:
     assert detector.skipped_steps == 1 and trainer.global_step == 10
     assert_bit_identical(recorder.d_before[4], recorder.d_after[4])
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _BatchNormGAN(TinyGAN):
+    """``TinyGAN`` whose discriminator normalises its hidden layer (``BatchNorm1d``), trained on data whose sample 21
+    is NaN: batch 1 of each epoch (global steps 2 and 3, the discriminator's and the generator's) holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.discriminator = nn.Sequential(nn.Linear(2, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        x = self.data.tensors[0].clone()
+        x[21, 0] = float("nan")
+        self.data = TensorDataset(x)
+
+
+@pytest.mark.parametrize("suite", ["detector", "default"])
+def test_under_manual_optimization_a_skip_puts_back_the_buffers_its_forward_made_nonfinite(
+    suite: str, tmp_path: Any
+) -> None:
+    """The discriminator's forward on the NaN batch writes NaN into its running statistics before its step is
+    skipped. The skip puts those buffers back: the generator's step of the same batch goes on, the run skips that
+    one step per epoch and nothing else (it had ended in NonFiniteError with the detector alone, and been backed off
+    twice and rolled back at every epoch with the whole suite), and the discriminator's weights are unchanged by
+    the batch."""
+    recorder = ManualRecorder()
+    callbacks = [NonFiniteDetector()] if suite == "detector" else default_callbacks()
+    model = _BatchNormGAN()
+    trainer = fit(model, [*callbacks, recorder], max_steps=40, default_root_dir=tmp_path)
+    assert trainer.global_step == 40
+    kinds = [(e["step"], e["kind"]) for e in _events(tmp_path)]
+    assert kinds == [(step, kind) for step in (2, 10, 18, 26, 34) for kind in ("nonfinite", "skip")]
+    params = dict(model.discriminator.named_parameters()).keys()  # its buffers moved with the generator's forward
+    assert_bit_identical(*({k: v for k, v in d.items() if k in params} for d in (recorder.d_before[2],
+                                                                             recorder.d_after[2])))  # fmt: skip
+    assert all(bool(torch.isfinite(v).all()) for v in model.state_dict().values() if v.is_floating_point())
 
 
 def test_state_survives_a_checkpoint(tmp_path: Any) -> None:

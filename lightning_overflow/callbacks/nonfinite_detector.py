@@ -102,7 +102,9 @@ class NonFiniteDetector(SuiteCallback):
 
     An intervention when ``action="skip"``: a non-finite step becomes a true no-op (``zero_grad(set_to_none=True)``:
     weights, moments, weight decay and the optimizer's step counts untouched) and the step-interval LR schedulers
-    are held where they were. ``global_step`` still advances (Lightning counts the attempt).
+    are held where they were. ``global_step`` still advances (Lightning counts the attempt). The buffers the step's
+    forward passes wrote (BatchNorm's running statistics) are put back too; under manual optimization, where a batch
+    steps several optimizers and one's forward writes buffers another's step relies on, only those that hold inf/NaN.
 
     Args:
         action: ``"skip"`` (default) skips the step and goes on; ``"raise"`` raises :class:`NonFiniteError` at the
