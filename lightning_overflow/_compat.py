@@ -9,6 +9,7 @@ import importlib.util
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
@@ -101,6 +102,23 @@ def put_back_epoch_sums(trainer: pl.Trainer, kept: list[tuple[Any, Tensor, Tenso
         kept_ids.add(id(entry))
     for entry in _training_results(trainer).values():
         if _sums_over_the_epoch(entry) and id(entry) not in kept_ids:
+            step_value, reset = entry._forward_cache, entry.has_reset
+            entry.reset()
+            entry._forward_cache, entry.has_reset = step_value, reset
+
+
+def put_back_nonfinite_epoch_sums(trainer: pl.Trainer, kept: list[tuple[Any, Tensor, Tensor | None]]) -> None:
+    """The epoch sums that hold inf/NaN now, as :func:`epoch_sums` kept them (one first logged since starts again
+    from its defaults); the others as they are. One host read a sum."""
+    before = {id(entry): (value, count) for entry, value, count in kept}
+    for entry in _training_results(trainer).values():
+        if not _sums_over_the_epoch(entry) or bool(torch.isfinite(entry.value).all()):
+            continue
+        if id(entry) in before:
+            entry.value, count = before[id(entry)]
+            if count is not None:
+                entry.cumulated_batch_size = count
+        else:
             step_value, reset = entry._forward_cache, entry.has_reset
             entry.reset()
             entry._forward_cache, entry.has_reset = step_value, reset

@@ -448,6 +448,7 @@ class HealthBoard:
         self._epoch_sums: list[tuple[Any, Tensor, Tensor | None]] = []  # the logged epoch sums as the window found them
         self._closure_start = ClosureStepStart()
         self._window_open = False
+        self._skipped_in_batch = False  # manual optimization: a step of this batch was skipped
         self._leader: StepParticipant | None = None
         self._log_due: bool | None = None  # whether Lightning logs this batch, once asked
         self._summarised = False
@@ -608,7 +609,7 @@ class HealthBoard:
         self._metric_copy.release()
         self._epoch_sums = []
         self._closure_start.release()
-        self._window_open = False
+        self._window_open = self._skipped_in_batch = False
         self.signals.clear()
         self.metrics.clear()
         self._merge.uninstall()
@@ -776,7 +777,11 @@ class HealthBoard:
         if trainer.lr_scheduler_configs:
             self.schedule_lag.begin_batch(trainer)
         if not pl_module.automatic_optimization:
-            self._buffers.take(pl_module)  # each batch: what a skipped step's forward wrote inf/NaN into goes back
+            # Each batch: what a skipped step's forward wrote inf/NaN into, and what the batch logged inf/NaN into
+            # the epoch's sums (after its steps, as often as before), goes back.
+            self._buffers.take(pl_module)
+            self._epoch_sums = _compat.epoch_sums(trainer)
+            self._skipped_in_batch = False
         elif not self._window_open:
             self._buffers.take(pl_module)
             self._metric_copy.take(pl_module)
@@ -835,6 +840,9 @@ class HealthBoard:
             self._held.restore()
         self._closure_start.put_back()
         self._metric_copy.end_batch()
+        if self._skipped_in_batch and not pl_module.automatic_optimization:
+            _compat.put_back_nonfinite_epoch_sums(trainer, self._epoch_sums)
+        self._skipped_in_batch = False
         trials.end_batch(trainer, self)
         for participant in self.in_stage("_after_batch"):
             participant._after_batch(trainer, pl_module, outputs)
@@ -1090,6 +1098,7 @@ class HealthBoard:
             record.skipped, record.skip_reason = True, action.skip_reason
             skip_step(trainer, optimizer, self._held, self._buffers, self._epoch_sums, self._metric_copy)
             self._closure_start.skipped(optimizer)
+            self._skipped_in_batch = True
         else:
             for _, plan in action.clips:
                 for tensors, coef in plan.scales:
@@ -1194,13 +1203,15 @@ def skipped_loss_route(trainer: pl.Trainer, monitor: str) -> str | None:
     it does not: under automatic optimization, a tensor summed over the epoch, whose skipped steps the skip takes out
     of the epoch's mean, or a torchmetrics ``Metric`` the module holds, whose state the skip puts back
     (:func:`~lightning_overflow.skip.skip_step`)."""
-    if not trainer.lightning_module.automatic_optimization:
-        return "under manual optimization (a skipped step's logged values stay in the epoch's)"
     if _compat.summed_in_training(trainer, monitor):
         return None
+    manual = not trainer.lightning_module.automatic_optimization
     metrics = _compat.logged_metric_objects(trainer, monitor)
     held = {id(m) for m in trainer.lightning_module.modules()}
     if metrics and all(id(m) in held for m in metrics):
+        if manual:
+            return ("through a torchmetrics Metric, whose state a skip under manual optimization does not put back "
+                    "(a batch steps several optimizers)")  # fmt: skip
         return None
     if _compat.logged_per_step_only(trainer, monitor):
         return ("per step only (self.log(...) in training_step, whose default is on_epoch=False): it holds the value "

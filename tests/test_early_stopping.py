@@ -13,9 +13,11 @@ import torch
 import torchmetrics
 from conftest import fit
 from pytorch_lightning.callbacks import EarlyStopping
+from torch import nn
+from torch.utils.data import TensorDataset
 
 from lightning_overflow import NonFiniteDetector, OverflowWarning
-from lightning_overflow.testing import TinyRegressor
+from lightning_overflow.testing import TinyGAN, TinyRegressor
 
 
 class EpochLoss(TinyRegressor):
@@ -347,3 +349,60 @@ def test_a_metric_collecting_predictions_is_put_back_to_the_ones_before_the_skip
     fit(model, [NonFiniteDetector()], max_steps=6)
     values = torch.cat(model.seen.value)
     assert len(values) == 5 and bool(torch.isfinite(values).all())
+
+
+class LoggingGAN(TinyGAN):
+    """``TinyGAN`` logging both losses per epoch after its two steps, as GANs do; sample 21 is NaN, so the
+    discriminator's loss of batch 1 of each epoch (4 batches of 16) is NaN, and the generator's is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        x = self.data.tensors[0].clone()
+        x[21, 0] = float("nan")
+        self.data = TensorDataset(x)
+        self.d_losses: list[torch.Tensor] = []
+        self.g_losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        (real,) = batch
+        opt_d, opt_g = self.optimizers()  # type: ignore[misc]
+        z = torch.randn(real.shape[0], self.latent, generator=self.noise_gen)
+        bce, ones, zeros = nn.functional.binary_cross_entropy_with_logits, torch.ones(16, 1), torch.zeros(16, 1)
+        fake = self.generator(z)
+        d_loss = bce(self.discriminator(real), ones) + bce(self.discriminator(fake.detach()), zeros)
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = bce(self.discriminator(fake), ones)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.d_losses.append(d_loss.detach().clone())
+        self.g_losses.append(g_loss.detach().clone())
+        self.log("d_loss", d_loss, on_step=False, on_epoch=True)
+        self.log("g_loss", g_loss, on_step=False, on_epoch=True)
+
+
+def test_under_manual_optimization_a_skipped_steps_nan_is_left_out_of_the_epoch_means_the_batch_logged() -> None:
+    """Logged after both steps of the batch, the skipped discriminator step's NaN loss is taken out of its epoch
+    mean, and the generator's loss of the same batch, finite, stays in its own: EarlyStopping on d_loss lets the
+    rescued run go on (bare, the NaN mean ends it after the first epoch)."""
+    bare = fit(LoggingGAN(), [EarlyStopping(monitor="d_loss", patience=100)], max_steps=24)
+    assert bare.global_step == 8  # 4 batches of 2 optimizer steps
+    model = LoggingGAN()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(model, [NonFiniteDetector(), EarlyStopping(monitor="d_loss", patience=100)], max_steps=24)
+    assert trainer.global_step == 24
+    assert not [w for w in caught if issubclass(w.category, OverflowWarning) and "EarlyStopping" in str(w.message)]
+    d_last, g_last = model.d_losses[8:], model.g_losses[8:]  # the third epoch's 4 batches
+    assert not torch.isfinite(d_last[1]) and all(torch.isfinite(v) for v in g_last)
+    expected_d = torch.tensor(0.0)
+    for i, value in enumerate(d_last):
+        if i != 1:
+            expected_d = expected_d + value * 16
+    expected_g = torch.tensor(0.0)
+    for value in g_last:
+        expected_g = expected_g + value * 16
+    assert trainer.callback_metrics["d_loss"].item() == (expected_d / 48).item()
+    assert trainer.callback_metrics["g_loss"].item() == (expected_g / 64).item()
