@@ -64,6 +64,7 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
             optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
             callbacks = default_callbacks(snapshot_every_n_steps=4)
         plateau = scenario == "plateau"  # ReduceLROnPlateau, stepped every 4 steps on a value each rank has its own
+        clipped = scenario == "nan_loss_clipped"  # the loop's own clipping, at a norm every step reaches
         if plateau:
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
         raising = scenario.startswith("raises")  # loss_fn raises on a NaN batch: after the forward pass, or in it
@@ -84,6 +85,7 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
                                                                  default_root_dir=directory,
                                                                  loss_fn=loss_fn if runs_steps else None,
                                                                  scheduler_interval="epoch" if plateau else "step",
+                                                                 gradient_clip_val=0.05 if clipped else None,
                                                                  )  # fmt: skip
         outcomes, snapshots, lrs = [], {}, []
         for step in range(DIVERGING_STEPS if diverging else STEPS):
@@ -100,7 +102,7 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
                 outcome = guard.train_step((inputs, y[batch]))
             else:
                 loss = loss_fn(model, (x[batch], y[batch]))
-                if scenario == "nan_loss" and step == 3 and rank == 1:
+                if scenario in ("nan_loss", "nan_loss_clipped") and step == 3 and rank == 1:
                     loss = loss * float("nan")
                 loss.backward()
                 if guard is None:
@@ -189,6 +191,20 @@ def test_a_nan_loss_on_rank_1_only_is_skipped_on_both_ranks(tmp_path: Path) -> N
     assert all(r["finite"] and r["global_step"] == STEPS for r in reports)
     journal = [json.loads(line) for line in (tmp_path / "overflow_events.jsonl").read_text().splitlines()]
     assert journal[0]["kind"] == "nonfinite" and journal[0]["details"]["ranks"] == [1]
+
+
+def test_the_loops_own_clipping_clips_both_ranks_alike_and_a_nan_loss_on_rank_1_is_skipped_on_both(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "clipped").mkdir()
+    (tmp_path / "plain").mkdir()
+    reports = run(tmp_path / "clipped", "nan_loss_clipped")
+    unclipped = run(tmp_path / "plain", "nan_loss")
+    assert reports[0]["outcomes"] == reports[1]["outcomes"]
+    assert [o[0] for o in reports[0]["outcomes"] if o[1]] == [3]
+    assert reports[0]["snapshots"]["4"] == reports[0]["snapshots"]["3"]  # nothing moved at step 3
+    assert reports[0]["digest"] == reports[1]["digest"] != unclipped[0]["digest"]  # the clip changed the run
+    assert all(r["finite"] and r["global_step"] == STEPS for r in reports)
 
 
 def test_a_loss_fn_that_raises_on_a_nan_batch_of_rank_1_only_is_skipped_on_both_ranks(tmp_path: Path) -> None:
