@@ -39,6 +39,7 @@ rank (one all-reduce a step), and a rollback restores every rank to the same sna
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -56,7 +57,7 @@ from lightning_overflow._validation import check_choice, check_float, check_int,
 from lightning_overflow.callbacks import AutoClip, LRBackoff, NonFiniteDetector, Rollback
 from lightning_overflow.callbacks.nonfinite_detector import answered_call
 from lightning_overflow.composition import default_callbacks
-from lightning_overflow.distributed import sum_and_read, world
+from lightning_overflow.distributed import pack_per_rank, sum_and_read, world
 from lightning_overflow.events import Event
 from lightning_overflow.faulted_steps import FaultedStep
 from lightning_overflow.health import HealthBoard, board_for
@@ -413,13 +414,19 @@ def _on_plateau(scheduler: Any) -> bool:
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
-def _mean_over_ranks(metric: float | Tensor, device: torch.device) -> float:
-    """``metric`` as a float, averaged over the ranks under ``torch.distributed`` (one all-reduce on ``device``): a
-    scheduler that steps on it then decides alike on every rank."""
-    size = world()[1]
+def _mean_over_ranks(metric: float | Tensor | None, device: torch.device) -> tuple[float, tuple[int, ...]]:
+    """``(metric's mean over the ranks, the ranks that passed none)``. Under ``torch.distributed`` one all-reduce on
+    ``device``, entered by every rank whether it has a value or not: a rank without one cannot leave the others
+    waiting in it, and every rank learns alike that one is missing. A scheduler that steps on the mean decides alike
+    on every rank."""
+    rank, size = world()
+    given = metric is not None
+    value = float(metric) if given else 0.0  # type: ignore[arg-type]
     if size == 1:
-        return float(metric)
-    return sum_and_read(torch.tensor([float(metric)], dtype=torch.float64, device=device))[0] / size
+        return value, () if given else (0,)
+    parts = [torch.tensor(value, dtype=torch.float64), torch.tensor(0.0 if given else 1.0, dtype=torch.float64)]
+    summed = sum_and_read(pack_per_rank(parts, rank, size, device))
+    return sum(summed[:size]) / size, tuple(r for r, flag in enumerate(summed[size:]) if flag)
 
 
 def _shown(value: Any) -> str:
@@ -837,21 +844,26 @@ class Guard:
         if self._closed:
             return
         plateau = self._interval == "epoch" and _on_plateau(self.scheduler)
-        if plateau and metric is None:
-            raise ValueError(
-                f"guard.end_epoch() at epoch {self.host.current_epoch}: the ReduceLROnPlateau scheduler steps on the "
-                "value it watches: pass it, guard.end_epoch(metric)"
-            )
         if metric is not None and not plateau:
             raise ValueError(
                 f"'metric' is the value a ReduceLROnPlateau scheduler watches, and this guard steps none (got "
                 f"metric={_shown(metric)}, scheduler={type(self.scheduler).__name__}, scheduler_interval="
                 f"{self._interval!r})"
             )
+        mean = math.nan
+        if plateau:
+            mean, missing = _mean_over_ranks(metric, self.host.strategy.root_device)
+            if missing:
+                where = f" rank(s) {', '.join(map(str, missing))} passed none:" if world()[1] > 1 else ""
+                raise ValueError(
+                    f"guard.end_epoch() at epoch {self.host.current_epoch}: the ReduceLROnPlateau scheduler steps on "
+                    f"the value it watches:{where} pass it, guard.end_epoch(metric)"
+                    + (" on every rank (it steps on the mean over the ranks)" if where else "")
+                )
         with self._guarded():
             self._hook("on_train_epoch_end")
             if plateau:
-                self.scheduler.step(_mean_over_ranks(metric, self.host.strategy.root_device))
+                self.scheduler.step(mean)
             elif self.scheduler is not None and self._interval == "epoch":
                 self.scheduler.step()
             self.host.current_epoch += 1

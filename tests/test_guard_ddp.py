@@ -63,7 +63,7 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
         else:
             optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
             callbacks = default_callbacks(snapshot_every_n_steps=4)
-        plateau = scenario == "plateau"  # ReduceLROnPlateau, stepped every 4 steps on a value each rank has its own
+        plateau = scenario.startswith("plateau")  # ReduceLROnPlateau, stepped every 4 steps on each rank's own value
         clipped = scenario == "nan_loss_clipped"  # the loop's own clipping, at a norm every step reaches
         if plateau:
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
@@ -113,7 +113,8 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
                 outcome = guard.step(loss)
             if plateau and step % 4 == 3:  # rank 0's value falls, rank 1's rises; their mean stays at 0.5
                 epoch = step // 4
-                guard.end_epoch(1 / (epoch + 1) if rank == 0 else 1 - 1 / (epoch + 1))
+                value = 1 / (epoch + 1) if rank == 0 else 1 - 1 / (epoch + 1)
+                guard.end_epoch(None if scenario == "plateau_rank_0_only" and rank == 1 else value)
             if outcome.rolled_back:
                 report["restored"] = _digest(module)
             outcomes.append([outcome.step, outcome.skipped, outcome.rolled_back, outcome.backed_off,
@@ -236,6 +237,15 @@ def test_a_plateau_scheduler_steps_on_the_mean_of_the_ranks_values_and_lowers_th
     assert reports[0]["lrs"] == reports[1]["lrs"]
     assert reports[0]["lrs"][::4] == [0.01, 0.01, 0.005]  # the first epoch sets the best; the second stalls at it
     assert reports[0]["digest"] == reports[1]["digest"]
+
+
+def test_a_plateau_value_passed_on_rank_0_only_is_refused_on_both_ranks_alike(tmp_path: Path) -> None:
+    """Rank 1 hands end_epoch no value (a validation run on rank 0 only): both ranks raise the same error after the
+    one all-reduce they both enter, instead of rank 0 waiting in it for ever."""
+    message = ("ValueError: guard.end_epoch() at epoch 0: the ReduceLROnPlateau scheduler steps on the value it "
+               "watches: rank(s) 1 passed none: pass it, guard.end_epoch(metric) on every rank (it steps on the mean "
+               "over the ranks)")  # fmt: skip
+    run(tmp_path, "plateau_rank_0_only", errors=(message, message))
 
 
 def test_a_nan_weight_on_rank_1_only_rolls_both_ranks_back_to_the_same_snapshot(tmp_path: Path) -> None:
