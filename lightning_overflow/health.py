@@ -1200,24 +1200,32 @@ def finite_checked_monitors(trainer: pl.Trainer) -> list[str]:
 
 def skipped_loss_route(trainer: pl.Trainer, monitor: str) -> str | None:
     """How a skipped step's inf/NaN loss reaches ``monitor``, a metric a training hook logs, in words; ``None`` where
-    it does not: under automatic optimization, a tensor summed over the epoch, whose skipped steps the skip takes out
-    of the epoch's mean, or a torchmetrics ``Metric`` the module holds, whose state the skip puts back
-    (:func:`~lightning_overflow.skip.skip_step`)."""
+    it does not: a tensor summed over the epoch, whose skipped steps the skip takes out of the epoch's mean (under
+    manual optimization, the sums the batch made inf/NaN), or a torchmetrics ``Metric`` the module holds, whose state
+    the skip puts back (:func:`~lightning_overflow.skip.skip_step`; under manual optimization it does not, and only a
+    metric that leaves inf/NaN out keeps the value finite)."""
     if _compat.summed_in_training(trainer, monitor):
         return None
     manual = not trainer.lightning_module.automatic_optimization
     metrics = _compat.logged_metric_objects(trainer, monitor)
     held = {id(m) for m in trainer.lightning_module.modules()}
     if metrics and all(id(m) in held for m in metrics):
-        if manual:
+        if manual and not all(_drops_nonfinite(m) for m in metrics):
             return ("through a torchmetrics Metric, whose state a skip under manual optimization does not put back "
-                    "(a batch steps several optimizers)")  # fmt: skip
+                    "(a batch steps several optimizers), and which keeps inf/NaN values")  # fmt: skip
         return None
     if _compat.logged_per_step_only(trainer, monitor):
         return ("per step only (self.log(...) in training_step, whose default is on_epoch=False): it holds the value "
                 "of the last step before the check, inf/NaN where that step was skipped")  # fmt: skip
     return ("through state of its own (a value computed at the epoch's end, or a torchmetrics Metric the module does "
             "not hold as a submodule)")  # fmt: skip
+
+
+def _drops_nonfinite(metric: Any) -> bool:
+    """Whether a torchmetrics aggregation metric leaves inf/NaN values out (``nan_strategy`` ``"warn"``, its default,
+    or ``"ignore"``) or replaces them by a number; ``"error"``, ``"disable"`` and metrics without the setting do not."""
+    strategy = getattr(metric, "nan_strategy", "disable")
+    return strategy in ("warn", "ignore") or isinstance(strategy, (int, float))
 
 
 def _early_stops_on_nonfinite(trainer: pl.Trainer) -> list[tuple[str, dict[str, Any]]]:

@@ -406,3 +406,42 @@ def test_under_manual_optimization_a_skipped_steps_nan_is_left_out_of_the_epoch_
         expected_g = expected_g + value * 16
     assert trainer.callback_metrics["d_loss"].item() == (expected_d / 48).item()
     assert trainer.callback_metrics["g_loss"].item() == (expected_g / 64).item()
+
+
+class MetricGAN(LoggingGAN):
+    """``LoggingGAN`` whose discriminator loss goes through a ``MeanMetric`` the module holds."""
+
+    def __init__(self, nan_strategy: str) -> None:
+        super().__init__()
+        self.d_mean = torchmetrics.MeanMetric(nan_strategy=nan_strategy)
+
+    def log(self, name: str, value: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        if name == "d_loss":
+            self.d_mean(value)
+            value = self.d_mean
+        super().log(name, value, **kwargs)
+
+
+@pytest.mark.parametrize("nan_strategy", ["disable", "ignore"])
+def test_under_manual_optimization_a_metric_that_keeps_nan_is_warned_about_and_one_that_drops_it_is_not(
+    nan_strategy: str,
+) -> None:
+    """Under manual optimization a skip puts no metric state back: a MeanMetric that keeps NaN makes the epoch's value
+    NaN (warned about, and EarlyStopping ends the run, as it does bare); one that leaves NaN out keeps it going."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(MetricGAN(nan_strategy), [NonFiniteDetector(), EarlyStopping(monitor="d_loss", patience=100)],
+                      max_steps=24)  # fmt: skip
+    said = [str(w.message) for w in caught if issubclass(w.category, OverflowWarning) and "EarlyStopping" in
+            str(w.message)]  # fmt: skip
+    if nan_strategy == "ignore":
+        assert trainer.global_step == 24 and said == []
+        return
+    assert trainer.global_step == 8
+    (message,) = said
+    assert ("'d_loss' is logged from a training hook through a torchmetrics Metric, whose state a skip under manual "
+            "optimization does not put back (a batch steps several optimizers), and which keeps inf/NaN values. "
+            ) in message  # fmt: skip
+    assert ("Log the loss tensor itself with self.log(..., on_epoch=True) (a batch with a skipped step puts back the "
+            "epoch sums it made inf/NaN), or a torchmetrics aggregation metric that leaves inf/NaN out (MeanMetric's "
+            "default nan_strategy='warn', or 'ignore'), log only finite losses") in message  # fmt: skip
