@@ -874,8 +874,8 @@ def _state_recovery_in(trainer: pl.Trainer) -> bool:
 
 
 _EARLY_STOPPING_FIXES = {
-    True: "Log the loss tensor itself with self.log(..., on_epoch=True), or a torchmetrics Metric held by the module (a "
-          "skipped step's value is left out of either)",
+    True: "Log the loss tensor itself with self.log(..., on_epoch=True), or a torchmetrics Metric held by the module "
+          "(a skipped step's value is left out of either)",
     False: "Log the loss tensor itself with self.log(..., on_epoch=True) (a batch with a skipped step puts back the "
            "epoch sums it made inf/NaN), or a torchmetrics aggregation metric that leaves inf/NaN out (MeanMetric's "
            "default nan_strategy='warn', or 'ignore')",
