@@ -31,10 +31,13 @@ DEAD_SHARE = 0.5  # parameter tensors without any gradient, as a share of those 
 START_NORMS = 25  # the gradient norms of the fit's first steps: the first one's, and those it is measured against
 START_OUT_OF_SCALE = 100.0
 """A fit's first gradient norm this many times the median of the next ones' came from an initialisation out of
-scale: measured, tanh RNNs whose recurrent matrix is drawn at 2x and 2.5x orthogonal start at 420x and 22,000x (their
-first update saturates the state, and they end 17x to 38x above the same RNN drawn right, whatever clips them) and a
-ReLU RNN over long sequences at 150x; every other scenario of the rescue benchmark, faults and learning rates up to
-40x included, at 7x or less."""
+scale, where the loss did not come down with the gradients (its median over those steps at least
+``START_LOSS_KEPT`` of the first step's): measured, tanh RNNs whose recurrent matrix is drawn at 2x and 2.5x orthogonal
+start at 420x and 22,000x (their first update saturates the state, and they end 17x to 38x above the same RNN drawn
+right, whatever clips them) and a ReLU RNN over long sequences at 150x; every other scenario of the rescue benchmark,
+faults and learning rates up to 40x included, at 7x or less. A problem solved in its first steps (a linear regression
+under LBFGS) has its gradients fall as far, and its loss with them."""
+START_LOSS_KEPT = 0.1
 MAX_STEPS = 6  # steps listed in a line before "..."
 SIGNAL_WORDS = {
     "nonfinite_persistent": "steps that kept failing",
@@ -107,14 +110,20 @@ class LossEnding:
     silent_names: tuple[str, ...] = ()  # some of them, at the last step
     _lived: bool = False  # a step where most tensors had a gradient
     start_norms: list[float] = field(default_factory=list)  # the finite gradient norms of steps 0 to START_NORMS - 1
+    start_losses: list[float] = field(default_factory=list)  # the losses of the same steps
+    _norm_step: int = -1  # the step of the last of them
 
     def add(self, step: int, loss: float | None, silent: tuple[int, int] | None = None, names: Sequence[str] = (),
             norm: float = math.nan) -> None:  # fmt: skip
         """Take one step's loss (``None``: none was seen, as under a Pyro plan's own backward) and, where known,
         ``(gradient tensors exactly 0, tensors)`` with some of their ``names``, and its total gradient ``norm`` (kept
-        for the fit's first ``START_NORMS`` steps, from step 0: a resumed fit has no start of its own)."""
-        if step < START_NORMS and math.isfinite(norm) and (step == 0 or self.start_norms):
+        for the fit's first ``START_NORMS`` steps, from step 0: a resumed fit has no start of its own; one a step, the
+        first evaluation's, where an optimizer such as LBFGS evaluates its closure several times a step)."""
+        if (step < START_NORMS and step > self._norm_step and math.isfinite(norm) and loss is not None
+                and math.isfinite(loss) and (step == 0 or self.start_norms)):  # fmt: skip
             self.start_norms.append(norm)
+            self.start_losses.append(loss)
+            self._norm_step = step
         if silent is not None and silent[1] > 0:
             if silent[0] < DEAD_SHARE * silent[1]:
                 self._lived, self.silent_tail = True, 0
@@ -178,7 +187,7 @@ class LossEnding:
                     "block": ENDING_BLOCK}  # fmt: skip
         last = self.last
         if not math.isfinite(last):
-            return self._start_out_of_scale()
+            return None
         facts = {"last": last, "last_from": self.last_from, "last_step": self.last_step, "block": ENDING_BLOCK}
         if self.best > 0 and math.isfinite(self.best) and last >= ENDING_RATIO * self.best and not (
             self.start > 0 and self.start < self.best
@@ -188,17 +197,21 @@ class LossEnding:
         if self.start > 0 and last >= ENDING_RATIO * self.start:
             return {**facts, "against": "start", "start": self.start, "start_steps": ENDING_START,
                     "start_step": self.start_step, "ratio": last / self.start}  # fmt: skip
-        return self._start_out_of_scale()
+        return None
 
-    def _start_out_of_scale(self) -> dict[str, Any] | None:
-        """The facts of a fit whose first gradient norm was ``START_OUT_OF_SCALE`` times the median of the next ones'
-        or more (at least ten of them finite), ``None`` otherwise."""
+    def start_out_of_scale(self) -> dict[str, Any] | None:
+        """The facts of an ``ending`` event for a fit whose first gradient norm was ``START_OUT_OF_SCALE`` times the
+        median of the next ones' or more (at least ten of them with a finite loss) while its loss kept
+        ``START_LOSS_KEPT`` of the first step's, ``None`` otherwise: told where no other ending is
+        (:meth:`event_details`, :func:`stalled_ending`)."""
         first, after = self.start_norms[:1], self.start_norms[1:]
         if not first or len(after) < 10:
             return None
         typical = statistics.median(after)
         if not (typical > 0 and first[0] >= START_OUT_OF_SCALE * typical):
             return None
+        if statistics.median(self.start_losses[1:]) < START_LOSS_KEPT * self.start_losses[0]:
+            return None  # the loss came down with the gradients: a problem solved, not a model out of scale
         return {"start_norm": first[0], "typical_norm": typical, "norm_steps": len(after),
                 "scale_ratio": first[0] / typical}
 

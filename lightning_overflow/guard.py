@@ -420,13 +420,25 @@ def _mean_over_ranks(metric: float | Tensor | None, device: torch.device) -> tup
     waiting in it, and every rank learns alike that one is missing. A scheduler that steps on the mean decides alike
     on every rank."""
     rank, size = world()
-    given = metric is not None
-    value = float(metric) if given else 0.0  # type: ignore[arg-type]
+    value = _number(metric)
+    given = value is not None
     if size == 1:
-        return value, () if given else (0,)
-    parts = [torch.tensor(value, dtype=torch.float64), torch.tensor(0.0 if given else 1.0, dtype=torch.float64)]
+        return (value if given else math.nan), () if given else (0,)  # type: ignore[return-value]
+    parts = [torch.tensor(value if given else 0.0, dtype=torch.float64),
+             torch.tensor(0.0 if given else 1.0, dtype=torch.float64)]  # fmt: skip
     summed = sum_and_read(pack_per_rank(parts, rank, size, device))
     return sum(summed[:size]) / size, tuple(r for r, flag in enumerate(summed[size:]) if flag)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float (a number or a one-element tensor), ``None`` where it is none or not a number: a value
+    that cannot be read is refused on every rank alike, after the all-reduce every rank enters."""
+    if value is None or isinstance(value, (bool, str)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def _shown(value: Any) -> str:
@@ -847,7 +859,8 @@ class Guard:
         if metric is not None and not plateau:
             raise ValueError(
                 f"'metric' is the value a ReduceLROnPlateau scheduler watches, and this guard steps none (got "
-                f"metric={_shown(metric)}, scheduler={type(self.scheduler).__name__}, scheduler_interval="
+                f"metric={_shown(metric)}, scheduler="
+                f"{type(self.scheduler).__name__ if self.scheduler is not None else None}, scheduler_interval="
                 f"{self._interval!r})"
             )
         mean = math.nan
@@ -855,9 +868,10 @@ class Guard:
             mean, missing = _mean_over_ranks(metric, self.host.strategy.root_device)
             if missing:
                 where = f" rank(s) {', '.join(map(str, missing))} passed none:" if world()[1] > 1 else ""
+                given = f" (got {_shown(metric)})" if metric is not None and _number(metric) is None else ""
                 raise ValueError(
                     f"guard.end_epoch() at epoch {self.host.current_epoch}: the ReduceLROnPlateau scheduler steps on "
-                    f"the value it watches:{where} pass it, guard.end_epoch(metric)"
+                    f"the value it watches:{where} pass it as a number{given}, guard.end_epoch(metric)"
                     + (" on every rank (it steps on the mean over the ranks)" if where else "")
                 )
         with self._guarded():

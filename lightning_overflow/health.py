@@ -537,7 +537,7 @@ class HealthBoard:
         finite is not the same as well."""
         # The fit's events, taken once: what reads them below reads none of the end's own (ending, stopped).
         events = [asdict(e) for e in self.journal.events]
-        details = self.ending.event_details() or stalled_ending(events, self.ending)
+        details = self.ending.event_details() or stalled_ending(events, self.ending) or self.ending.start_out_of_scale()
         if details is not None:
             self._note_at_end(trainer, "ending", (ending_words(details), details))
         for stopper in _early_stops_on_nonfinite(trainer):
@@ -1202,30 +1202,22 @@ def skipped_loss_route(trainer: pl.Trainer, monitor: str) -> str | None:
     """How a skipped step's inf/NaN loss reaches ``monitor``, a metric a training hook logs, in words; ``None`` where
     it does not: a tensor summed over the epoch, whose skipped steps the skip takes out of the epoch's mean (under
     manual optimization, the sums the batch made inf/NaN), or a torchmetrics ``Metric`` the module holds, whose state
-    the skip puts back (:func:`~lightning_overflow.skip.skip_step`; under manual optimization it does not, and only a
-    metric that leaves inf/NaN out keeps the value finite)."""
+    the skip puts back (:func:`~lightning_overflow.skip.skip_step`; under manual optimization it does not)."""
     if _compat.summed_in_training(trainer, monitor):
         return None
     manual = not trainer.lightning_module.automatic_optimization
     metrics = _compat.logged_metric_objects(trainer, monitor)
     held = {id(m) for m in trainer.lightning_module.modules()}
     if metrics and all(id(m) in held for m in metrics):
-        if manual and not all(_drops_nonfinite(m) for m in metrics):
+        if manual:  # a nan_strategy leaves NaN out, never inf
             return ("through a torchmetrics Metric, whose state a skip under manual optimization does not put back "
-                    "(a batch steps several optimizers), and which keeps inf/NaN values")  # fmt: skip
+                    "(a batch steps several optimizers)")  # fmt: skip
         return None
     if _compat.logged_per_step_only(trainer, monitor):
         return ("per step only (self.log(...) in training_step, whose default is on_epoch=False): it holds the value "
                 "of the last step before the check, inf/NaN where that step was skipped")  # fmt: skip
     return ("through state of its own (a value computed at the epoch's end, or a torchmetrics Metric the module does "
             "not hold as a submodule)")  # fmt: skip
-
-
-def _drops_nonfinite(metric: Any) -> bool:
-    """Whether a torchmetrics aggregation metric leaves inf/NaN values out (``nan_strategy`` ``"warn"``, its default,
-    or ``"ignore"``) or replaces them by a number; ``"error"``, ``"disable"`` and metrics without the setting do not."""
-    strategy = getattr(metric, "nan_strategy", "disable")
-    return strategy in ("warn", "ignore") or isinstance(strategy, (int, float))
 
 
 def _early_stops_on_nonfinite(trainer: pl.Trainer) -> list[tuple[str, dict[str, Any]]]:

@@ -125,15 +125,18 @@ class BufferCopy:
                     owner._buffers[name] = saved.clone()
 
     def put_back_nonfinite(self) -> None:
-        """The buffers that hold inf/NaN now, as the batch found them; the others as they are. Under manual
-        optimization a batch steps several optimizers, and a forward pass for one of them writes buffers the others'
-        steps rely on: what a skipped step must not leave behind is the inf/NaN its forward wrote (a BatchNorm's
-        running statistics of a NaN batch). One host read a buffer: on a skipped step only."""
+        """The buffers that hold inf/NaN now and did not when the batch began, as the batch found them; the others as
+        they are. Under manual optimization a batch steps several optimizers, and a forward pass for one of them
+        writes buffers the others' steps rely on: what a skipped step must not leave behind is the inf/NaN its
+        forward wrote (a BatchNorm's running statistics of a NaN batch), and a constant that holds -inf (a causal
+        mask) is none of that. One host read a buffer: on a skipped step only."""
         with torch.no_grad():
             for (owner, name), saved in zip(self._owners, self._saved):
                 live = owner._buffers.get(name)
                 if live is None or not live.is_floating_point() or bool(torch.isfinite(live).all()):
                     continue
+                if not bool(torch.isfinite(saved).all()):
+                    continue  # inf/NaN before the batch: not this batch's doing
                 if live.shape == saved.shape:
                     live.copy_(saved)
                 else:  # re-assigned by the forward pass: the copy goes back in its place

@@ -5,6 +5,7 @@ InfoNCE whose raw ``exp`` overflows on every step (SwaV's Sinkhorn at a tiny eps
 from __future__ import annotations
 
 import logging
+import statistics
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_overflow import DivergenceError, LRBackoff, NonFiniteDetector, default_callbacks, read_journal
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
-from lightning_overflow.health import StepHealth
+from lightning_overflow.health import StepHealth, board_for
 from lightning_overflow.policy import StepAction
 from lightning_overflow.testing import TinyRegressor
 
@@ -171,6 +172,35 @@ def test_a_fit_whose_first_gradients_were_out_of_scale_says_so_at_its_end(
         "weights smaller (std = gain / sqrt(fan_in); an orthogonal recurrent matrix of gain 1) or warm the learning "
         "rate up"
     )
+
+
+class _SolvedByLBFGS(pl.LightningModule):
+    """A noise-free linear regression under LBFGS: its first step solves it, and its gradients fall 10,000x."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 1)
+        x = torch.randn(256, 4, generator=torch.Generator().manual_seed(0))
+        self.data = TensorDataset(x, x @ torch.tensor([[1.0], [2.0], [-1.0], [0.5]]) + 3)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.linear(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=1, max_iter=20)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=256)
+
+
+def test_a_problem_solved_in_its_first_step_is_not_a_model_out_of_scale(tmp_path: Any) -> None:
+    trainer = fit(_SolvedByLBFGS(), default_callbacks(), max_steps=30, default_root_dir=tmp_path)
+    ending = board_for(trainer).ending
+    assert len(ending.start_norms) == 25  # one norm a step, though LBFGS evaluates its closure up to 20 times
+    assert ending.start_norms[0] > 1e4 * statistics.median(ending.start_norms[1:])
+    assert not (tmp_path / "overflow_events.jsonl").exists()  # nothing journaled: no ending
 
 
 class _JournaledSuspect(SuiteCallback):

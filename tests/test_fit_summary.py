@@ -585,26 +585,41 @@ def test_a_fit_whose_losses_the_suite_never_sees_is_not_said_to_end_on_inf_nan(c
     assert not (tmp_path / "overflow_events.jsonl").exists()  # nothing journaled
 
 
-# ---- a start out of scale ---------------------------------------------------------------------------------------------
-def _started(norms: list[float], first_step: int = 0) -> LossEnding:
+# ---- a start out of scale --------------------------------------------------------------------------------------------
+def _started(norms: list[float], first_step: int = 0, losses: list[float] | None = None) -> LossEnding:
     ending = LossEnding()
     for i, norm in enumerate(norms):
-        ending.add(first_step + i, 1.0, norm=norm)
+        ending.add(first_step + i, 1.0 if losses is None else losses[i], norm=norm)
     return ending
 
 
 def test_a_first_gradient_norm_100x_the_next_ones_is_an_ending_fact_and_less_is_none() -> None:
     after = [1.0, 2.0, 3.0] * 8  # median 2.0 over 24 steps
-    assert _started([200.0, *after]).event_details() == {
+    assert _started([200.0, *after]).start_out_of_scale() == {
         "start_norm": 200.0, "typical_norm": 2.0, "norm_steps": 24, "scale_ratio": 100.0}  # fmt: skip
-    assert _started([199.0, *after]).event_details() is None
-    assert _started([1e4, *after[:9]]).event_details() is None  # too few steps after it to know a normal one
-    assert _started([1e4, *after], first_step=100).event_details() is None  # a resumed fit: no start of its own
-    assert _started([1e4, math.inf, *after]).event_details()["norm_steps"] == 23  # steps 2-24: an overflow not counted
-    assert ending_words(_started([200.0, *after]).event_details()) == (
+    assert _started([200.0, *after]).event_details() is None  # told only where no other ending is
+    assert _started([199.0, *after]).start_out_of_scale() is None
+    assert _started([1e4, *after[:9]]).start_out_of_scale() is None  # too few steps after it to know a normal one
+    assert _started([1e4, *after], first_step=100).start_out_of_scale() is None  # a resumed fit: no start of its own
+    assert _started([1e4, math.inf, *after]).start_out_of_scale()["norm_steps"] == 23  # an overflow not counted
+    solved = [10.0] + [0.99] * 24  # the loss came down with the gradients: a problem solved in its first step
+    assert _started([200.0, *after], losses=solved).start_out_of_scale() is None
+    assert _started([200.0, *after], losses=[10.0] + [1.0] * 24).start_out_of_scale() is not None  # a tenth kept
+    assert ending_words(_started([200.0, *after]).start_out_of_scale()) == (
         "the fit's first step had a gradient norm of 200, 100x the median of the 24 steps after it (2): the model "
         "was drawn out of scale (a recurrent matrix, or layers, drawn too large)"
     )
+
+
+def test_a_closure_evaluated_several_times_a_step_gives_the_start_one_norm_a_step() -> None:
+    """LBFGS evaluates its closure up to ``max_iter`` times a step: only each step's first evaluation counts, so the
+    first norm is not measured against the norms the line search reaches within the same step."""
+    ending = LossEnding()
+    for step in range(25):
+        for evaluation in range(20):
+            ending.add(step, 1.0, norm=(400.0 if step == 0 else 2.0) / (evaluation + 1) ** 3)
+    assert len(ending.start_norms) == 25
+    assert ending.start_out_of_scale()["scale_ratio"] == 200.0
 
 
 def test_a_loss_far_above_its_best_is_told_before_a_start_out_of_scale() -> None:

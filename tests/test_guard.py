@@ -55,6 +55,7 @@ class Run:
     lrs: list[float] = field(default_factory=list)  # the rate each step trained with
     before: dict[int, dict[str, Any]] = field(default_factory=dict)  # the state at the start of each step
     after: dict[int, dict[str, Any]] = field(default_factory=dict)  # the state after each guard.step
+    norms: list[float] = field(default_factory=list)  # the total gradient norm the suite judged at each guard.step
 
     def events(self) -> list[tuple[int, str]]:
         assert self.guard is not None
@@ -132,6 +133,8 @@ def loop(
                     loss.backward()
                 if guard is not None:
                     run.outcomes.append(guard.step(loss))
+                    record = guard.board.current
+                    run.norms.append(record.total_norm if record is not None else math.nan)
                 else:
                     if clip is not None and clip[1] == "norm":
                         nn.utils.clip_grad_norm_(model.parameters(), clip[0])
@@ -261,6 +264,13 @@ def test_the_loops_own_clipping_is_that_of_a_bare_loop_and_autoclip_leaves_the_g
     assert_optimizer_state_equal(optimizer_state(bare.optimizer), optimizer_state(guarded.optimizer))
     assert guarded.guard is not None and guarded.guard.events == []
     assert not any(o.clipped for o in guarded.outcomes)  # AutoClip scaled nothing: the loop's clipping did
+    # The suite judged the step's true gradients, before the clip: at step 0 those of the same model on its first batch.
+    pl.seed_everything(0, verbose=False)
+    fresh = TinyRegressor(optimizer="adamw")
+    x, y = next(iter(fresh.train_dataloader()))
+    nn.functional.mse_loss(fresh(x), y).backward()
+    first = float(torch.nn.utils.get_total_norm([p.grad for p in fresh.parameters() if p.grad is not None]))
+    assert first > 1.0 and guarded.norms[0] == pytest.approx(first, rel=1e-6)
     said = [r.getMessage() for r in caplog.records if "AutoClip leaves" in r.getMessage()]
     assert said == [
         f"lightning_overflow: AutoClip leaves this fit's gradients to Guard(gradient_clip_val={clip[0]}, "
@@ -285,8 +295,10 @@ def test_the_trainer_with_the_same_clipping_makes_the_same_decisions(tmp_path: P
     pl.seed_everything(0, verbose=False)
     trainer = make_trainer([*default_callbacks(), FaultInjector(Fault(FAULT_STEP, "nan_weight"))], max_steps=16,
                            default_root_dir=str(tmp_path / "trainer"), gradient_clip_val=0.5)  # fmt: skip
-    trainer.fit(TinyRegressor())
+    model = TinyRegressor()
+    trainer.fit(model)
     assert plain.events() and plain.events() == [(e.step, e.kind) for e in board_for(trainer).journal.events]
+    assert_bit_identical(weights(plain.model), weights(model))  # the same clip, at the same place
 
 
 def test_autoclip_that_refuses_double_clipping_names_the_guards_argument(tmp_path: Path) -> None:
@@ -296,12 +308,12 @@ def test_autoclip_that_refuses_double_clipping_names_the_guards_argument(tmp_pat
               gradient_clip_val=1.0)  # fmt: skip
     assert str(info.value).startswith(
         "AutoClip(mode='zscore') and Guard(gradient_clip_val=1.0) would both clip every step's gradients (double "
-        "clipping: AutoClip first, then Lightning's clip_grad_norm_, which zeroes finite gradients whose FP32 norm "
+        "clipping: AutoClip first, then Guard's clip_grad_norm_, which zeroes finite gradients whose FP32 norm "
         "overflows). Remove gradient_clip_val from the Guard;"
     )
 
 
-# ---- a ReduceLROnPlateau scheduler: stepped at the epoch's end on the value it watches --------------------------------
+# ---- a ReduceLROnPlateau scheduler: stepped at the epoch's end on the value it watches -------------------------------
 @dataclass
 class PlateauRun:
     model: TinyRegressor
@@ -386,8 +398,14 @@ def test_a_plateau_scheduler_needs_the_epoch_interval_and_the_value_it_watches(t
     with pytest.raises(ValueError) as no_metric:
         guard.end_epoch()
     assert str(no_metric.value) == (
-        "guard.end_epoch() at epoch 0: the ReduceLROnPlateau scheduler steps on the value it watches: pass it, "
-        "guard.end_epoch(metric)"
+        "guard.end_epoch() at epoch 0: the ReduceLROnPlateau scheduler steps on the value it watches: pass it as a "
+        "number, guard.end_epoch(metric)"
+    )
+    with pytest.raises(ValueError) as not_a_number:
+        guard.end_epoch("low")  # type: ignore[arg-type]
+    assert str(not_a_number.value) == (
+        "guard.end_epoch() at epoch 0: the ReduceLROnPlateau scheduler steps on the value it watches: pass it as a "
+        "number (got str 'low'), guard.end_epoch(metric)"
     )
     guard.close()
     counted = Guard(model, optimizer, sched.StepLR(optimizer, 2), scheduler_interval="epoch", default_root_dir=tmp_path)

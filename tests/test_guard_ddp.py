@@ -243,8 +243,8 @@ def test_a_plateau_value_passed_on_rank_0_only_is_refused_on_both_ranks_alike(tm
     """Rank 1 hands end_epoch no value (a validation run on rank 0 only): both ranks raise the same error after the
     one all-reduce they both enter, instead of rank 0 waiting in it for ever."""
     message = ("ValueError: guard.end_epoch() at epoch 0: the ReduceLROnPlateau scheduler steps on the value it "
-               "watches: rank(s) 1 passed none: pass it, guard.end_epoch(metric) on every rank (it steps on the mean "
-               "over the ranks)")  # fmt: skip
+               "watches: rank(s) 1 passed none: pass it as a number, guard.end_epoch(metric) on every rank (it steps "
+               "on the mean over the ranks)")  # fmt: skip
     run(tmp_path, "plateau_rank_0_only", errors=(message, message))
 
 

@@ -10,6 +10,7 @@ import torch
 from conftest import fit
 
 from lightning_overflow import NonFiniteDetector, default_callbacks
+from lightning_overflow.skip import BufferCopy
 from lightning_overflow.testing import TinyRegressor
 
 BAD_BATCH = 3
@@ -64,3 +65,23 @@ def test_the_whole_suite_keeps_buffers_through_accumulated_micro_batches() -> No
     after, _ = probe.at[3]
     for key in ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"):
         assert torch.equal(before[key], after[key]), key
+
+
+def test_under_manual_optimization_a_skip_puts_back_only_the_buffers_the_batch_made_nonfinite() -> None:
+    """What a manual-optimization skip puts back (``BufferCopy.put_back_nonfinite``): a running statistic the batch
+    made NaN goes back to its value at the batch's start; one it moved and left finite stays as it is (another
+    optimizer's step may rely on it); a constant that held -inf before the batch (a causal mask), here re-assigned at
+    another length by the forward pass, is not this batch's doing and stays as the forward left it."""
+    module = torch.nn.Module()
+    module.register_buffer("mean", torch.tensor([1.0, 2.0]))
+    module.register_buffer("var", torch.tensor([3.0, 4.0]))
+    module.register_buffer("mask", torch.full((4,), float("-inf")))
+    copy = BufferCopy()
+    copy.take(module)
+    module.mean.copy_(torch.tensor([float("nan"), 5.0]))
+    module.var.copy_(torch.tensor([6.0, 7.0]))
+    module.mask = torch.full((6,), float("-inf"))
+    copy.put_back_nonfinite()
+    assert torch.equal(module.mean, torch.tensor([1.0, 2.0]))
+    assert torch.equal(module.var, torch.tensor([6.0, 7.0]))
+    assert module.mask.shape == (6,) and bool(torch.isneginf(module.mask).all())

@@ -309,10 +309,11 @@ class AutoClip(SuiteCallback):
         if trainer_clips and self.if_trainer_clips == "raise":
             raise ValueError(
                 f"AutoClip(mode={self.mode!r}) and {owner}(gradient_clip_val={clip_val}) would both clip every step's "
-                "gradients (double clipping: AutoClip first, then Lightning's clip_grad_norm_, which zeroes finite "
-                f"gradients whose FP32 norm overflows). Remove gradient_clip_val from the {owner}; for a constant "
-                f"threshold use AutoClip(mode='fixed', max_norm={clip_val}), or pass max_norm={clip_val} to cap "
-                "an adaptive mode; or keep your clipping with AutoClip(if_trainer_clips='defer')."
+                f"gradients (double clipping: AutoClip first, then {'Lightning' if owner == 'Trainer' else owner}'s "
+                "clip_grad_norm_, which zeroes finite gradients whose FP32 norm overflows). Remove gradient_clip_val "
+                f"from the {owner}; for a constant threshold use AutoClip(mode='fixed', max_norm={clip_val}), or pass "
+                f"max_norm={clip_val} to cap an adaptive mode; or keep your clipping with "
+                "AutoClip(if_trainer_clips='defer')."
             )
         super().setup(trainer, pl_module, stage)
         if stage != "fit":

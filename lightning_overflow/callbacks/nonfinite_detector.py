@@ -877,8 +877,7 @@ _EARLY_STOPPING_FIXES = {
     True: "Log the loss tensor itself with self.log(..., on_epoch=True), or a torchmetrics Metric held by the module "
           "(a skipped step's value is left out of either)",
     False: "Log the loss tensor itself with self.log(..., on_epoch=True) (a batch with a skipped step puts back the "
-           "epoch sums it made inf/NaN), or a torchmetrics aggregation metric that leaves inf/NaN out (MeanMetric's "
-           "default nan_strategy='warn', or 'ignore')",
+           "epoch sums it made inf/NaN)",
 }  # by automatic optimization: under manual optimization a skip puts no metric state back
 
 
