@@ -423,7 +423,7 @@ def _mean_over_ranks(metric: float | Tensor | None, device: torch.device) -> tup
     value = _number(metric)
     given = value is not None
     if size == 1:
-        return (value if given else math.nan), () if given else (0,)  # type: ignore[return-value]
+        return (value, ()) if value is not None else (math.nan, (0,))
     parts = [torch.tensor(value if given else 0.0, dtype=torch.float64),
              torch.tensor(0.0 if given else 1.0, dtype=torch.float64)]  # fmt: skip
     summed = sum_and_read(pack_per_rank(parts, rank, size, device))
@@ -831,11 +831,11 @@ class Guard:
 
     def _clip(self, value: float, algorithm: Any) -> None:
         """The loop's own clipping, as Lightning's precision plugin clips for ``Trainer(gradient_clip_val=...)``."""
-        grads = [p for group in self.host.optimizers[0].param_groups for p in group["params"] if p.grad is not None]
+        params = [p for group in self.host.optimizers[0].param_groups for p in group["params"] if p.grad is not None]
         if algorithm == GradClipAlgorithmType.VALUE:
-            nn.utils.clip_grad_value_(grads, value)
+            nn.utils.clip_grad_value_(params, value)
         else:
-            nn.utils.clip_grad_norm_(grads, value)
+            nn.utils.clip_grad_norm_(params, value)
 
     def _counts(self) -> tuple[int, int, int]:
         """How many steps were clipped, backoffs made and rollbacks made so far (the callbacks' public counts)."""
