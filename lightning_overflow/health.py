@@ -777,9 +777,10 @@ class HealthBoard:
         if trainer.lr_scheduler_configs:
             self.schedule_lag.begin_batch(trainer)
         if not pl_module.automatic_optimization:
-            # Each batch: what a skipped step's forward wrote inf/NaN into, and what the batch logged inf/NaN into
-            # the epoch's sums (after its steps, as often as before), goes back.
+            # Each batch: what a skipped step's forward wrote inf/NaN into, and what the batch logged or fed its
+            # metrics inf/NaN into (after its steps, as often as before), goes back.
             self._buffers.take(pl_module)
+            self._metric_copy.take(pl_module)
             self._epoch_sums = _compat.epoch_sums(trainer)
             self._skipped_in_batch = False
         elif not self._window_open:
@@ -842,6 +843,7 @@ class HealthBoard:
         self._metric_copy.end_batch()
         if self._skipped_in_batch and not pl_module.automatic_optimization:
             _compat.put_back_nonfinite_epoch_sums(trainer, self._epoch_sums)
+            self._metric_copy.put_back_nonfinite()
         self._skipped_in_batch = False
         trials.end_batch(trainer, self)
         for participant in self.in_stage("_after_batch"):
@@ -1200,18 +1202,14 @@ def finite_checked_monitors(trainer: pl.Trainer) -> list[str]:
 
 def skipped_loss_route(trainer: pl.Trainer, monitor: str) -> str | None:
     """How a skipped step's inf/NaN loss reaches ``monitor``, a metric a training hook logs, in words; ``None`` where
-    it does not: a tensor summed over the epoch, whose skipped steps the skip takes out of the epoch's mean (under
-    manual optimization, the sums the batch made inf/NaN), or a torchmetrics ``Metric`` the module holds, whose state
-    the skip puts back (:func:`~lightning_overflow.skip.skip_step`; under manual optimization it does not)."""
+    it does not: a tensor summed over the epoch, whose skipped steps the skip takes out of the epoch's mean, or a
+    torchmetrics ``Metric`` the module holds, whose state the skip puts back (:func:`~lightning_overflow.skip.skip_step`;
+    under manual optimization, the sums and states a batch with a skipped step made inf/NaN, at its end)."""
     if _compat.summed_in_training(trainer, monitor):
         return None
-    manual = not trainer.lightning_module.automatic_optimization
     metrics = _compat.logged_metric_objects(trainer, monitor)
     held = {id(m) for m in trainer.lightning_module.modules()}
     if metrics and all(id(m) in held for m in metrics):
-        if manual:  # a nan_strategy leaves NaN out, never inf
-            return ("through a torchmetrics Metric, whose state a skip under manual optimization does not put back "
-                    "(a batch steps several optimizers)")  # fmt: skip
         return None
     if _compat.logged_per_step_only(trainer, monitor):
         return ("per step only (self.log(...) in training_step, whose default is on_epoch=False): it holds the value "

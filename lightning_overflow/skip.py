@@ -192,8 +192,21 @@ class MetricCopy:
     def put_back(self) -> None:
         put_back_metric_states(self._saved)
 
+    def put_back_nonfinite(self) -> None:
+        """Manual optimization, where a batch steps several optimizers and updates metrics for each: the states of
+        the metrics that hold inf/NaN now and did not when the batch began, as the batch found them; the others as
+        they are. One host read a state tensor: after a batch with a skipped step only."""
+        put_back_metric_states([(m, saved) for m, saved in self._saved
+                                if _finite(saved) and not _finite(m.metric_state)])  # type: ignore[arg-type]
+
     def release(self) -> None:
         self._module, self._metrics, self._training, self._counts, self._saved = None, [], None, [], []
+
+
+def _finite(state: dict[str, Any]) -> bool:
+    """Whether every floating-point tensor of a metric's state (a list state's too) is finite."""
+    tensors = [v for value in state.values() for v in (value if isinstance(value, list) else [value])]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if isinstance(t, Tensor) and t.is_floating_point())
 
 
 def _update_count(metric: nn.Module) -> int:

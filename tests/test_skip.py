@@ -8,9 +8,10 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from conftest import fit
+from torchmetrics import CatMetric, MeanMetric
 
 from lightning_overflow import NonFiniteDetector, default_callbacks
-from lightning_overflow.skip import BufferCopy
+from lightning_overflow.skip import BufferCopy, MetricCopy
 from lightning_overflow.testing import TinyRegressor
 
 BAD_BATCH = 3
@@ -85,3 +86,21 @@ def test_under_manual_optimization_a_skip_puts_back_only_the_buffers_the_batch_m
     assert torch.equal(module.mean, torch.tensor([1.0, 2.0]))
     assert torch.equal(module.var, torch.tensor([6.0, 7.0]))
     assert module.mask.shape == (6,) and bool(torch.isneginf(module.mask).all())
+
+
+def test_under_manual_optimization_a_skip_puts_back_only_the_metric_states_the_batch_made_nonfinite() -> None:
+    """``MetricCopy.put_back_nonfinite``: a mean fed NaN and a list of predictions fed a NaN go back to their states at
+    the batch's start; a metric the batch fed finite values keeps them."""
+    module = torch.nn.Module()
+    module.mean, module.cat, module.kept = MeanMetric(nan_strategy="disable"), CatMetric(), MeanMetric()
+    module.mean.update(torch.tensor(1.0))
+    module.cat.update(torch.tensor([1.0]))
+    copy = MetricCopy()
+    copy.take(module)
+    module.mean.update(torch.tensor(float("nan")))
+    module.cat.update(torch.tensor([float("nan")]))
+    module.kept.update(torch.tensor(3.0))
+    copy.put_back_nonfinite()
+    assert module.mean.compute().item() == 1.0
+    assert module.cat.compute().reshape(-1).tolist() == [1.0]
+    assert module.kept.compute().item() == 3.0

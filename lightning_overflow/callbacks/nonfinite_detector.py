@@ -873,20 +873,12 @@ def _state_recovery_in(trainer: pl.Trainer) -> bool:
     return any(getattr(cb, "restores_state", False) for cb in trainer.callbacks)  # type: ignore[attr-defined]
 
 
-_EARLY_STOPPING_FIXES = {
-    True: "Log the loss tensor itself with self.log(..., on_epoch=True), or a torchmetrics Metric held by the module "
-          "(a skipped step's value is left out of either)",
-    False: "Log the loss tensor itself with self.log(..., on_epoch=True) (a batch with a skipped step puts back the "
-           "epoch sums it made inf/NaN)",
-}  # by automatic optimization: under manual optimization a skip puts no metric state back
-
-
 def _warn_about_early_stopping(trainer: pl.Trainer, monitors: list[str], warnings: WarningCache) -> list[str]:
     """A skipped step's loss is NaN. Logged as a tensor with ``self.log(..., on_epoch=True)`` from a hook of the batch,
     it is taken out of the epoch's mean again, and a torchmetrics ``Metric`` the module holds gets its state back
-    (:func:`~lightning_overflow.skip.skip_step`; under manual optimization, where a batch's epoch sums go back only
-    where it made them inf/NaN, a metric's state does not); logged per step only, or kept in state of the user's own
-    (a value computed at the epoch's end), it makes the value checked NaN
+    (:func:`~lightning_overflow.skip.skip_step`; under manual optimization, where a batch steps several optimizers,
+    the sums and states the batch made inf/NaN go back at its end); logged per step only, or kept in state of the
+    user's own (a value computed at the epoch's end), it makes the value checked NaN
     (:func:`~lightning_overflow.health.skipped_loss_route`), and ``EarlyStopping(check_finite=True)`` (its default)
     then ends the rescued run. Decided from where Lightning says the
     monitored metric was logged, not from its name: a validation metric (``val_loss``, neuralforecast's
@@ -904,8 +896,9 @@ def _warn_about_early_stopping(trainer: pl.Trainer, monitors: list[str], warning
             f"NonFiniteDetector: EarlyStopping(monitor={monitor!r}, check_finite=True) stops the fit when "
             f"{monitor!r} is not finite, and {monitor!r} is logged from a training hook {how}. A step this detector "
             "skips has an inf/NaN loss; kept there, the value EarlyStopping checks is inf/NaN and the run is stopped "
-            f"although it was rescued. {_EARLY_STOPPING_FIXES[trainer.lightning_module.automatic_optimization]}, log "
-            "only finite losses, monitor a validation metric, or pass EarlyStopping(check_finite=False).",
+            "although it was rescued. Log the loss tensor itself with self.log(..., on_epoch=True), or a torchmetrics "
+            "Metric held by the module (a skipped step's value is left out of either), log only finite losses, "
+            "monitor a validation metric, or pass EarlyStopping(check_finite=False).",
         )
     return waiting
 
