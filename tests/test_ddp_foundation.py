@@ -10,9 +10,11 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from ddp_utils import run_ddp
+from torch import nn
+from torch.utils.data import TensorDataset
 
-from lightning_overflow import GradNormMonitor, NonFiniteDetector, Rollback
-from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+from lightning_overflow import GradNormMonitor, NonFiniteDetector, Rollback, default_callbacks
+from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
 
@@ -94,3 +96,35 @@ def test_a_snapshot_is_refused_when_the_replicas_disagree_and_every_rank_returns
         assert [(h["step"], h["reason"], h["trigger_step"], h["snapshot_step"]) for h in history] == [
             (6, "replica_mismatch", 6, 3)
         ]
+
+
+class BatchNormGAN(TinyGAN):
+    """``TinyGAN`` whose discriminator has BatchNorm; sample 21 of its data is NaN (DDP's sampler gives it to one rank
+    an epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.discriminator = nn.Sequential(nn.Linear(2, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        x = self.data.tensors[0].clone()
+        x[21, 0] = float("nan")
+        self.data = TensorDataset(x)
+
+
+def test_a_gan_whose_batch_holds_nan_on_one_rank_skips_the_discriminators_step_on_both_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """Manual optimization under DDP: one rank's discriminator writes NaN into its BatchNorm statistics before its step
+    is skipped; both ranks skip that step, that rank puts its statistics back, and nothing else happens (no backoff,
+    no rollback): every weight and statistic finite at the end on both ranks."""
+    reports = run_ddp(BatchNormGAN(), default_callbacks(), tmp_path, max_steps=24,
+                      strategy="ddp_fork_find_unused_parameters_true")  # fmt: skip
+    assert [r["error"] for r in reports] == [None, None]
+    assert all(r["finite"] and r["global_step"] == 24 for r in reports)
+    assert reports[0]["states"] == reports[1]["states"]
+    events = [json.loads(line) for line in (tmp_path / "overflow_events.jsonl").read_text().splitlines()]
+    kinds = [(e["step"], e["kind"]) for e in events]
+    skipped = [step for step, kind in kinds if kind == "skip"]
+    # One a epoch (2 batches of 2 optimizer steps on each rank), each the discriminator's (the first of its batch).
+    assert len(skipped) == 6 and all(step % 2 == 0 for step in skipped)
+    assert {kind for _, kind in kinds} == {"nonfinite", "skip"}
+    assert all(len(e["details"]["ranks"]) == 1 for e in events if e["kind"] == "nonfinite")
