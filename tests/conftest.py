@@ -11,6 +11,10 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from lightning_overflow.testing import TinyGAN
 
 logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -132,3 +136,21 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
         monkeypatch.setattr(torch.Tensor, name, counting)
     return reads
+
+
+def with_nan_sample(data: TensorDataset, index: int = 21) -> TensorDataset:
+    """``data`` (one tensor of features) with the first feature of sample ``index`` NaN: ``TinyGAN``'s data in batches
+    of 16 holds it in batch 1 of each epoch."""
+    x = data.tensors[0].clone()
+    x[index, 0] = float("nan")
+    return TensorDataset(x)
+
+
+class BatchNormGAN(TinyGAN):
+    """``TinyGAN`` whose discriminator normalises its hidden layer (``BatchNorm1d``), trained on data whose sample 21
+    is NaN (:func:`with_nan_sample`; under DDP the sampler gives it to one rank an epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.discriminator = nn.Sequential(nn.Linear(2, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.data = with_nan_sample(self.data)

@@ -9,12 +9,11 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from conftest import BatchNormGAN
 from ddp_utils import run_ddp
-from torch import nn
-from torch.utils.data import TensorDataset
 
 from lightning_overflow import GradNormMonitor, NonFiniteDetector, Rollback, default_callbacks
-from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(180)]
 
@@ -96,18 +95,6 @@ def test_a_snapshot_is_refused_when_the_replicas_disagree_and_every_rank_returns
         assert [(h["step"], h["reason"], h["trigger_step"], h["snapshot_step"]) for h in history] == [
             (6, "replica_mismatch", 6, 3)
         ]
-
-
-class BatchNormGAN(TinyGAN):
-    """``TinyGAN`` whose discriminator has BatchNorm; sample 21 of its data is NaN (DDP's sampler gives it to one rank
-    an epoch)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.discriminator = nn.Sequential(nn.Linear(2, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
-        x = self.data.tensors[0].clone()
-        x[21, 0] = float("nan")
-        self.data = TensorDataset(x)
 
 
 def test_a_gan_whose_batch_holds_nan_on_one_rank_skips_the_discriminators_step_on_both_and_nothing_else(

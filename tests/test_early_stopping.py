@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 import torch
 import torchmetrics
-from conftest import fit
+from conftest import fit, with_nan_sample
 from pytorch_lightning.callbacks import EarlyStopping
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from lightning_overflow import NonFiniteDetector, OverflowWarning
 from lightning_overflow.testing import TinyGAN, TinyRegressor
@@ -357,9 +356,7 @@ class LoggingGAN(TinyGAN):
 
     def __init__(self) -> None:
         super().__init__()
-        x = self.data.tensors[0].clone()
-        x[21, 0] = float("nan")
-        self.data = TensorDataset(x)
+        self.data = with_nan_sample(self.data)
         self.d_losses: list[torch.Tensor] = []
         self.g_losses: list[torch.Tensor] = []
 

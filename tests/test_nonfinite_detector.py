@@ -12,6 +12,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from conftest import (
+    BatchNormGAN,
     MemoryLogger,
     assert_bit_identical,
     assert_optimizer_state_equal,
@@ -21,8 +22,6 @@ from conftest import (
     weights,
 )
 from pytorch_lightning.plugins import MixedPrecision
-from torch import nn
-from torch.utils.data import TensorDataset
 
 from lightning_overflow import (
     DivergenceError,
@@ -254,18 +253,6 @@ def test_manual_optimization_with_two_optimizers() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-class _BatchNormGAN(TinyGAN):
-    """``TinyGAN`` whose discriminator normalises its hidden layer (``BatchNorm1d``), trained on data whose sample 21
-    is NaN: batch 1 of each epoch (global steps 2 and 3, the discriminator's and the generator's) holds it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.discriminator = nn.Sequential(nn.Linear(2, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
-        x = self.data.tensors[0].clone()
-        x[21, 0] = float("nan")
-        self.data = TensorDataset(x)
-
-
 @pytest.mark.parametrize("suite", ["detector", "default"])
 def test_under_manual_optimization_a_skip_puts_back_the_buffers_its_forward_made_nonfinite(
     suite: str, tmp_path: Any
@@ -277,7 +264,7 @@ def test_under_manual_optimization_a_skip_puts_back_the_buffers_its_forward_made
     the batch."""
     recorder = ManualRecorder()
     callbacks = [NonFiniteDetector()] if suite == "detector" else default_callbacks()
-    model = _BatchNormGAN()
+    model = BatchNormGAN()  # sample 21: batch 1 of each epoch, global steps 2 and 3
     trainer = fit(model, [*callbacks, recorder], max_steps=40, default_root_dir=tmp_path)
     assert trainer.global_step == 40
     kinds = [(e["step"], e["kind"]) for e in _events(tmp_path)]
