@@ -102,9 +102,7 @@ def put_back_epoch_sums(trainer: pl.Trainer, kept: list[tuple[Any, Tensor, Tenso
         kept_ids.add(id(entry))
     for entry in _training_results(trainer).values():
         if _sums_over_the_epoch(entry) and id(entry) not in kept_ids:
-            step_value, reset = entry._forward_cache, entry.has_reset
-            entry.reset()
-            entry._forward_cache, entry.has_reset = step_value, reset
+            _restart(entry)
 
 
 def put_back_nonfinite_epoch_sums(trainer: pl.Trainer, kept: list[tuple[Any, Tensor, Tensor | None]]) -> None:
@@ -119,9 +117,15 @@ def put_back_nonfinite_epoch_sums(trainer: pl.Trainer, kept: list[tuple[Any, Ten
             if count is not None:
                 entry.cumulated_batch_size = count
         else:
-            step_value, reset = entry._forward_cache, entry.has_reset
-            entry.reset()
-            entry._forward_cache, entry.has_reset = step_value, reset
+            _restart(entry)
+
+
+def _restart(entry: Any) -> None:
+    """An epoch sum first logged since the sums were kept: back to its defaults (``Metric.reset``), its step value
+    kept for the batch's step logging."""
+    step_value, reset = entry._forward_cache, entry.has_reset
+    entry.reset()
+    entry._forward_cache, entry.has_reset = step_value, reset
 
 
 def summed_in_training(trainer: pl.Trainer, key: str) -> bool:

@@ -57,7 +57,7 @@ from lightning_overflow._validation import check_choice, check_float, check_int,
 from lightning_overflow.callbacks import AutoClip, LRBackoff, NonFiniteDetector, Rollback
 from lightning_overflow.callbacks.nonfinite_detector import answered_call
 from lightning_overflow.composition import default_callbacks
-from lightning_overflow.distributed import pack_per_rank, sum_and_read, world
+from lightning_overflow.distributed import per_rank_values, ranks_where, world
 from lightning_overflow.events import Event
 from lightning_overflow.faulted_steps import FaultedStep
 from lightning_overflow.health import HealthBoard, board_for
@@ -419,15 +419,15 @@ def _mean_over_ranks(metric: float | Tensor | None, device: torch.device) -> tup
     ``device``, entered by every rank whether it has a value or not: a rank without one cannot leave the others
     waiting in it, and every rank learns alike that one is missing. A scheduler that steps on the mean decides alike
     on every rank."""
-    rank, size = world()
+    size = world()[1]
     value = _number(metric)
     given = value is not None
     if size == 1:
         return (value, ()) if value is not None else (math.nan, (0,))
     parts = [torch.tensor(value if given else 0.0, dtype=torch.float64),
              torch.tensor(0.0 if given else 1.0, dtype=torch.float64)]  # fmt: skip
-    summed = sum_and_read(pack_per_rank(parts, rank, size, device))
-    return sum(summed[:size]) / size, tuple(r for r, flag in enumerate(summed[size:]) if flag)
+    summed = per_rank_values(parts, device)
+    return sum(summed[:size]) / size, ranks_where(summed[size:], size)[0]
 
 
 def _number(value: Any) -> float | None:

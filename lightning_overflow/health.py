@@ -776,14 +776,9 @@ class HealthBoard:
         self._merge.send_leftover()  # a held step that Lightning did not log after all
         if trainer.lr_scheduler_configs:
             self.schedule_lag.begin_batch(trainer)
-        if not pl_module.automatic_optimization:
-            # Each batch: what a skipped step's forward wrote inf/NaN into, and what the batch logged or fed its
-            # metrics inf/NaN into (after its steps, as often as before), goes back.
-            self._buffers.take(pl_module)
-            self._metric_copy.take(pl_module)
-            self._epoch_sums = _compat.epoch_sums(trainer)
-            self._skipped_in_batch = False
-        elif not self._window_open:
+        # An accumulation window begins here; under manual optimization every batch begins one, since the batch steps
+        # its optimizers itself: what a skipped step left inf/NaN in its buffers, logged sums and metrics goes back.
+        if not self._window_open or not pl_module.automatic_optimization:
             self._buffers.take(pl_module)
             self._metric_copy.take(pl_module)
             self._epoch_sums = _compat.epoch_sums(trainer)
