@@ -17,6 +17,7 @@ if importlib.util.find_spec("lightning") is not None and importlib.util.find_spe
     import lightning.pytorch as _unified
 
     _SWA: tuple[type, ...] = (pl.callbacks.StochasticWeightAveraging, _unified.callbacks.StochasticWeightAveraging)
+    CALLBACK_BASES: tuple[type, ...] = (pl.Callback, _unified.Callback)
 
     class Callback(pl.Callback, _unified.Callback):  # type: ignore[misc]
         """A Lightning ``Callback`` in both namespaces: ``pytorch_lightning`` and the unified ``lightning.pytorch``.
@@ -28,8 +29,10 @@ if importlib.util.find_spec("lightning") is not None and importlib.util.find_spe
 else:
     Callback = pl.Callback  # type: ignore[misc]
     _SWA = (pl.callbacks.StochasticWeightAveraging,)
+    CALLBACK_BASES = (pl.Callback,)
 
 __all__ = [
+    "CALLBACK_BASES",
     "Callback",
     "REPLICATED_STRATEGIES",
     "SHARDED_STRATEGIES",
@@ -240,6 +243,17 @@ def weight_averages(trainer: Any) -> list[tuple[Any, nn.Module, bool]]:
     return found
 
 
+def scale_swa_lrs(trainer: Any, scale: float, given: dict[int, Any]) -> None:
+    """``StochasticWeightAveraging`` sets the rates of the first optimizer's groups from its ``swa_lrs`` when its
+    epochs begin (its ``_swa_lrs``, 2.6.6), which would undo a backoff made before then: they are set to ``scale``
+    times those it was given (``given``, by callback id, kept by the caller). Once begun, its ``SWALR`` reads each
+    group's ``swa_lr``, which a backoff scales with the rates."""
+    for callback in getattr(trainer, "callbacks", []):
+        if isinstance(callback, _SWA) and not getattr(callback, "_initialized", True):
+            lrs = given.setdefault(id(callback), callback._swa_lrs)
+            callback._swa_lrs = [lr * scale for lr in lrs] if isinstance(lrs, list) else lrs * scale
+
+
 def unmute_hooks(callback: Any, hooks: tuple[str, ...]) -> None:
     """Undo :func:`mute_hooks`: the class's hooks answer again."""
     for name in hooks:
@@ -258,6 +272,9 @@ REPLACED_METHODS = {
     "training_step": "a step that a bad value breaks (torch.distributions raises on a NaN argument; a library "
     "returns a loss cut from the graph) leaves no loss to skip, and no hook runs around training_step: "
     "NonFiniteDetector's guarded_training_step answers it there",
+    "configure_gradient_clipping": "Lightning clips right after the callbacks' on_before_optimizer_step, with no hook "
+    "between, and a skipped step has no gradients left: torch's clip_grad_value_ raises on an empty list of them "
+    "(HeldSchedules.hold_clipping, for that one call)",
 }
 """The Lightning methods the suite replaces on live objects, for a fit or a side run, and why: no public hook does it
 (2.6.6). The instance attribute shadows the class's method and is removed afterwards."""

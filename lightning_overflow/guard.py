@@ -38,6 +38,7 @@ rank (one all-reduce a step), and a rollback restores every rank to the same sna
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -53,6 +54,7 @@ from pytorch_lightning.utilities.enums import GradClipAlgorithmType
 from pytorch_lightning.utilities.types import LRSchedulerConfig
 from torch import Tensor, nn
 
+from lightning_overflow import _compat
 from lightning_overflow._validation import check_choice, check_float, check_int, check_type
 from lightning_overflow.callbacks import AutoClip, LRBackoff, NonFiniteDetector, Rollback
 from lightning_overflow.callbacks.nonfinite_detector import answered_call
@@ -75,6 +77,11 @@ NO_REPLAY = (
     "this step and the layers it runs through"
 )
 
+SCALER_SKIPPED = (
+    "the GradScaler found inf/NaN gradients: it skipped the optimizer step and lowered its scale, as it does while it "
+    "calibrates"
+)
+
 
 @dataclass
 class StepOutcome:
@@ -84,7 +91,8 @@ class StepOutcome:
         step: the step's index (``global_step`` before it; every step counts, skipped or not). What the suite does
             at the end of the step (a backoff, a rollback) is journaled at ``step + 1``, the ``global_step`` a
             Trainer reads then, as under the Trainer.
-        skipped: the step was a no-op (the optimizer was not called); ``skip_reason`` says why.
+        skipped: the step was a no-op (the optimizer was not called: the suite skipped it, or a GradScaler found
+            inf/NaN gradients); ``skip_reason`` says why.
         clipped: the gradients were clipped (``AutoClip`` scaled them down).
         backed_off: the learning rate was backed off at the end of this step (``LRBackoff``).
         rolled_back: the training state was restored to a verified snapshot (``Rollback``); the weights, optimizer
@@ -409,6 +417,22 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
+def _fabric_scaler(wrapped: Any) -> Any | None:
+    """The ``GradScaler`` of Fabric's precision (``"16-mixed"``) behind a ``_FabricModule`` or ``_FabricOptimizer``,
+    ``None`` otherwise (``MixedPrecision.scaler`` is public; lightning 2.6.6)."""
+    precision = getattr(getattr(wrapped, "_strategy", None), "precision", None)
+    return getattr(precision, "scaler", None)
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (``LBFGS``): it evaluates the loss itself, several times a step."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def _on_plateau(scheduler: Any) -> bool:
     """Whether ``scheduler`` steps on a watched value (``ReduceLROnPlateau``) rather than on a count."""
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -459,6 +483,73 @@ def _losses(loss: Any) -> list[Tensor]:
     return losses
 
 
+def _check_scheduler_optimizer(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """A scheduler must schedule the guard's optimizer: a backoff scales the rates it sets, a rollback restores it."""
+    own = getattr(scheduler, "optimizer", None)
+    if isinstance(own, torch.optim.Optimizer) and _unwrap_optimizer(own) is not optimizer:  # Fabric's wrapper is one
+        raise ValueError(
+            f"'scheduler' schedules another optimizer (a {type(own).__name__}) than the guard's (a "
+            f"{type(optimizer).__name__}): build it on the optimizer given to the guard"
+        )
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    """The optimizer must step the model's parameters (some of its own, a learned loss weight, may be outside it)."""
+    own = {id(p) for p in module.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params and own and not any(id(p) in own for p in params):
+        raise ValueError(
+            f"'optimizer' steps none of the model's parameters ({len(params)} tensors, none of the model's "
+            f"{len(own)}): build it on model.parameters() of the model given to the guard"
+        )
+
+
+def _check_scaler(scaler: Any, fabric_scaler: Any) -> None:
+    missing = [name for name in ("scale", "unscale_", "step", "update", "state_dict")
+               if not callable(getattr(scaler, name, None))]  # fmt: skip
+    if missing:
+        raise TypeError(f"'scaler' must be a torch.amp.GradScaler or None (got {_shown(scaler)}, without "
+                        f"{', '.join(missing)})")  # fmt: skip
+    if fabric_scaler is not None and scaler is not fabric_scaler:
+        raise ValueError(
+            "'scaler' is another GradScaler than the one of Fabric's precision ('16-mixed'), which scales "
+            "fabric.backward(loss): pass none, and the guard uses Fabric's"
+        )
+
+
+def _checked_callbacks(callbacks: Any) -> list[Any]:
+    """The callbacks as a list of Lightning ``Callback`` instances (of either namespace; one alone too, as the Trainer
+    takes it): a list inside the list (``[default_callbacks()]``) or a class (``[NonFiniteDetector]``) would otherwise
+    leave the loop unprotected, or fail at the first hook."""
+    items = [callbacks] if isinstance(callbacks, _compat.CALLBACK_BASES) else None
+    if isinstance(callbacks, (list, tuple)):
+        items = list(callbacks)
+    if items is None:
+        hint = ": call it, callbacks=default_callbacks()" if callable(callbacks) else ""
+        raise TypeError(f"'callbacks' must be a list of Lightning callbacks or None (got {_shown(callbacks)}){hint}")
+    for item in items:
+        if not isinstance(item, _compat.CALLBACK_BASES):
+            hint = (": pass the list itself, callbacks=default_callbacks()" if isinstance(item, (list, tuple))
+                    else f": an instance, {item.__name__}()" if isinstance(item, type) else "")  # fmt: skip
+            raise TypeError(f"'callbacks' must be a list of Lightning callbacks (got {_shown(item)} in it){hint}")
+    return items
+
+
+def _checked_state(state: Any) -> dict[str, Any] | None:
+    """A guard's :meth:`Guard.state_dict`, checked before any callback loads from it."""
+    if state is None:
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int) or state["global_step"] < 0:
+        hint = (": pass the guard's part of the checkpoint, state=checkpoint['guard']"
+                if isinstance(state, dict) and isinstance(state.get("guard"), dict) else "")  # fmt: skip
+        step = state.get("global_step") if isinstance(state, dict) else None
+        raise ValueError(
+            "'state' must be a Guard.state_dict(), with its global_step a count of steps at least 0 (got "
+            f"{_shown(state) if not isinstance(state, dict) else f'a dict with global_step={step!r}'}){hint}"
+        )
+    return state
+
+
 def _check_strategy(model: nn.Module, module: nn.Module) -> None:
     """The plain loop supports one device and replicated DDP; a sharded model belongs to the Trainer's
     ``ModelParallelStrategy``."""
@@ -483,7 +574,8 @@ class Guard:
     Args:
         model: the model the loop trains (a ``DistributedDataParallel`` model, or what ``fabric.setup`` returned:
             the guard looks through the wrapper).
-        optimizer: its optimizer (or Fabric's wrapper of it). The guard calls its ``step()`` and ``zero_grad()``.
+        optimizer: its optimizer (or Fabric's wrapper of it). The guard calls its ``step()`` and
+            ``zero_grad(set_to_none=True)``; one whose ``step`` needs a closure (``LBFGS``) is refused.
         scheduler: a learning-rate scheduler the guard steps: after every optimizer step that was not skipped
             (``scheduler_interval="step"``, the default), or at :meth:`end_epoch` (``"epoch"``). Step no other
             scheduler of this optimizer yourself: ``LRBackoff`` scales the one it knows. A ``ReduceLROnPlateau``
@@ -494,7 +586,9 @@ class Guard:
         logger: a Lightning logger (``CSVLogger``, ``TensorBoardLogger``...) for the suite's metrics and, beside its
             files, the journal; without one the journal goes to ``default_root_dir``.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop that calls ``scaler.scale(loss).backward()``:
-            the guard unscales the gradients before it judges them and steps through the scaler.
+            the guard unscales the gradients before it judges them and steps through the scaler. Under Fabric's
+            ``precision="16-mixed"`` the guard finds Fabric's own (pass none, or that one) and lets Fabric's optimizer
+            step and update it.
         default_root_dir: where the journal goes without a logger (default: the working directory).
         log_every_n_steps: how often the suite's metrics go to the logger (as ``Trainer(log_every_n_steps=...)``).
         state: a :meth:`state_dict` of the guard of the run this one resumes (from :meth:`save_checkpoint`'s file):
@@ -574,18 +668,39 @@ class Guard:
                 "call guard.end_epoch(metric) with that value (a validation loss) at the end of each epoch"
             )
         log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=0)
+        check_type("default_root_dir", default_root_dir, (str, os.PathLike), "a path", optional=True)
+        if logger is not None and not callable(getattr(logger, "log_metrics", None)):
+            raise TypeError(f"'logger' must be a Lightning logger (CSVLogger, TensorBoardLogger...) or None (got "
+                            f"{_shown(logger)})")  # fmt: skip
+        inner = _unwrap_optimizer(optimizer)
+        if _needs_closure(inner):
+            raise TypeError(
+                f"'optimizer' is a {type(inner).__name__}, whose step(closure) evaluates the loss itself, several "
+                "times a step: a Guard steps the optimizer once with the gradients the loop computed. Train it with "
+                "the Trainer and default_callbacks() (its LightningModule's training_step is the closure)"
+            )
+        _check_scheduler_optimizer(scheduler, inner)
+        _check_optimizer_params(inner, _unwrap_module(model))
+        fabric_scaler = _fabric_scaler(model) or _fabric_scaler(optimizer)
+        if scaler is not None:
+            _check_scaler(scaler, fabric_scaler)
+        scaler = scaler if scaler is not None else fabric_scaler
         if callbacks is None:
             callbacks = default_callbacks()
+        callbacks = _checked_callbacks(callbacks)
+        state = _checked_state(state)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
+        # Fabric's optimizer steps and updates the scaler of its precision itself (MixedPrecision.optimizer_step)
+        self._scaler_in_step = scaler is not None and _fabric_scaler(optimizer) is scaler
         self.loss_fn = loss_fn
         self._backward = backward
         self._interval = scheduler_interval
         module = _unwrap_module(model)
         _check_strategy(model, module)
-        self.callbacks = list(callbacks)
+        self.callbacks = callbacks
         root = str(Path(default_root_dir)) if default_root_dir is not None else os.getcwd()
         self.host = LoopHost(module, _unwrap_optimizer(optimizer), scheduler, scheduler_interval, self.callbacks,
                              [logger] if logger is not None else [], scaler, root, log_every_n_steps)  # fmt: skip
@@ -791,24 +906,33 @@ class Guard:
         journaled = len(events)
         counts = self._counts()
         with self._guarded():
-            for value in losses:
-                self._hook("on_before_backward", value)
-            self._hook("on_after_backward")
             scaler = self.scaler
+            for value in losses:
+                # The Trainer's hook receives the loss the backward pass started from, scaled under a GradScaler
+                self._hook("on_before_backward", scaler.scale(value.detach()) if scaler is not None else value)
+            self._hook("on_after_backward")
             if scaler is not None:
                 scaler.unscale_(host.optimizers[0])  # the suite judges the true gradients, as under the Trainer
             self._hook("on_before_optimizer_step", host.optimizers[0])
             record = board.current
-            skipped = record is not None and record.step == step and record.skipped
+            judged = record is not None and record.step == step
+            skipped = judged and record.skipped
             if not skipped and host.gradient_clip_val is not None:
                 self._clip(host.gradient_clip_val, host.gradient_clip_algorithm)
-            if scaler is not None:
-                # A skipped step has no gradients left: the scaler's step is then a no-op, and its update lowers
-                # the scale when the unscale found inf/NaN, as under the Trainer.
+            scaling = scaler is not None and scaler.is_enabled()
+            # Whether the scaler skips the step itself: the record's gradients tell it without a read; where no
+            # callback judged the step, the scaler's scale falls
+            scale = scaler.get_scale() if scaling and not judged else None
+            # With a scaler the optimizer is stepped through it even on a skip: a skipped step has no gradients left,
+            # so the scaler's step is a no-op, and its update lowers the scale where the unscale found inf/NaN.
+            if self._scaler_in_step:
+                self.optimizer.step()
+            elif scaler is not None:
                 scaler.step(self.optimizer)
                 scaler.update()
             elif not skipped:
                 self.optimizer.step()
+            overflowed = scaling and not skipped and (not record.grads_finite if judged else scaler.get_scale() < scale)
             host.global_step += 1
             if self.scheduler is not None and self._interval == "step" and not skipped:
                 self.scheduler.step()
@@ -820,8 +944,8 @@ class Guard:
         after = self._counts()
         return StepOutcome(
             step=step,
-            skipped=skipped,
-            skip_reason=record.skip_reason if skipped and record is not None else "",
+            skipped=skipped or overflowed,
+            skip_reason=record.skip_reason if skipped and record is not None else SCALER_SKIPPED if overflowed else "",
             clipped=after[0] > counts[0],
             backed_off=after[1] > counts[1],
             rolled_back=after[2] > counts[2],

@@ -88,6 +88,7 @@ __all__ = [
     "CLIP_REBASELINE_AFTER",
     "CONFIRM_STEPS",
     "DEFAULT_BACKOFF_TRIGGERS",
+    "DEFAULT_LOSS_SCALE",
     "DEFAULT_ROLLBACK_TRIGGERS",
     "DIVERGENCE_SIGNALS",
     "GRAD_RATIO",
@@ -335,6 +336,9 @@ def at_floor(scale: float, floor: float) -> bool:
 # NonFiniteDetector
 MAX_SCALER_OVERFLOWS = 20
 """Consecutive GradScaler overflows taken as calibration: the scale falls from 65536 to 1 in 16."""
+DEFAULT_LOSS_SCALE = 2.0**16
+"""GradScaler's default initial scale: overflows at a scale above it are calibration however many, since a scaler
+started higher halves down to it first (``init_scale=2**40``: 24 overflows more, none of them a divergence)."""
 MIN_LOSS_SCALE = 1e-4
 """A GradScaler scale below this is a detection (``scaler_collapse``)."""
 BURST_COUNT, BURST_WINDOW = 3, 50

@@ -457,7 +457,8 @@ def test_a_divergence_error_ends_the_guard_as_it_ends_a_fit(tmp_path: Path) -> N
     callbacks = [NonFiniteDetector(), LRBackoff(triggers=("nonfinite_burst",), min_scale=0.5, cooldown=0, trial=None)]
     with pytest.raises(DivergenceError):
         loop(30, callbacks, tmp_path, fault=None, **diverging(lr=5.0))
-    guard = Guard(nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1), default_root_dir=tmp_path)
+    model = nn.Linear(2, 1)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), default_root_dir=tmp_path)
     guard.close()
     with pytest.raises(RuntimeError, match="closed"):
         guard.step(torch.zeros(()))
@@ -558,14 +559,70 @@ def test_the_guard_looks_through_wrappers_and_refuses_sharding() -> None:
         ({"gradient_clip_val": "1"}, "'gradient_clip_val' must be a number or None (got '1')"),
         ({"gradient_clip_val": -1.0}, "'gradient_clip_val' must be in [0, inf) (got -1)"),
         ({"gradient_clip_algorithm": "max"}, "'gradient_clip_algorithm' must be one of 'norm', 'value' (got 'max')"),
+        # What would otherwise leave the loop unprotected without a word, or fail later with an unrelated error
+        ({"callbacks": [default_callbacks()]}, ("'callbacks' must be a list of Lightning callbacks (got a list of 6 "
+                                                "in it): pass the list itself, callbacks=default_callbacks()")),
+        ({"callbacks": default_callbacks}, ("'callbacks' must be a list of Lightning callbacks or None (got a "
+                                            "function): call it, callbacks=default_callbacks()")),
+        ({"callbacks": [NonFiniteDetector]}, ("'callbacks' must be a list of Lightning callbacks (got a type in it): "
+                                              "an instance, NonFiniteDetector()")),
+        ({"callbacks": "skip"}, "'callbacks' must be a list of Lightning callbacks or None (got str 'skip')"),
+        ({"default_root_dir": 123}, "'default_root_dir' must be a path or None (got 123)"),
+        ({"logger": "csv"}, ("'logger' must be a Lightning logger (CSVLogger, TensorBoardLogger...) or None (got str "
+                             "'csv')")),
+        ({"scaler": True}, ("'scaler' must be a torch.amp.GradScaler or None (got bool True, without scale, unscale_, "
+                            "step, update, state_dict)")),
+        ({"state": {"model": {}, "guard": {"global_step": 3}}}, (
+            "'state' must be a Guard.state_dict(), with its global_step a count of steps at least 0 (got a dict with "
+            "global_step=None): pass the guard's part of the checkpoint, state=checkpoint['guard']")),
+        ({"state": {"global_step": -5}}, ("'state' must be a Guard.state_dict(), with its global_step a count of steps "
+                                          "at least 0 (got a dict with global_step=-5)")),
+        ({"scheduler": sched.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 2)}, (
+            "'scheduler' schedules another optimizer (a SGD) than the guard's (a SGD): build it on the optimizer "
+            "given to the guard")),
+        ({"optimizer": torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)}, (
+            "'optimizer' steps none of the model's parameters (2 tensors, none of the model's 2): build it on "
+            "model.parameters() of the model given to the guard")),
     ],
 )  # fmt: skip
 def test_the_guard_refuses_what_it_cannot_guard(kwargs: dict[str, Any], message: str, tmp_path: Path) -> None:
     model = nn.Linear(2, 1)
-    given = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), **kwargs}
+    given = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "default_root_dir": tmp_path,
+             **kwargs}  # fmt: skip
     with pytest.raises((TypeError, ValueError)) as info:
-        Guard(default_root_dir=tmp_path, **given)
+        Guard(**given)
     assert str(info.value) == message
+
+
+def test_a_callback_of_the_unified_namespace_is_accepted(tmp_path: Path) -> None:
+    """Fabric users write ``lightning.pytorch`` callbacks; the guard calls any Lightning callback's hooks."""
+    import lightning.pytorch as unified
+
+    class Counts(unified.Callback):
+        steps = 0
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            Counts.steps += 1
+
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Guard(model, optimizer, None, [Counts()], default_root_dir=tmp_path) as guard:
+        model(torch.ones(4, 2)).square().mean().backward()
+        guard.step(model.weight.sum())
+    assert Counts.steps == 1
+
+
+def test_an_optimizer_that_evaluates_the_loss_itself_is_refused(tmp_path: Path) -> None:
+    """LBFGS's ``step(closure)`` re-evaluates the loss several times a step; the guard steps once with the loop's
+    gradients. It was accepted, and the first step ended the guard with LBFGS's own ``TypeError``."""
+    model = nn.Linear(2, 1)
+    with pytest.raises(TypeError) as info:
+        Guard(model, torch.optim.LBFGS(model.parameters()), default_root_dir=tmp_path)
+    assert str(info.value) == (
+        "'optimizer' is a LBFGS, whose step(closure) evaluates the loss itself, several times a step: a Guard steps "
+        "the optimizer once with the gradients the loop computed. Train it with the Trainer and default_callbacks() "
+        "(its LightningModule's training_step is the closure)"
+    )
 
 
 def test_a_step_without_gradients_or_with_a_float_loss_is_refused_before_anything_happens(tmp_path: Path) -> None:
@@ -613,6 +670,131 @@ def test_a_grad_scaler_skip_lowers_the_scale_and_leaves_the_weights(tmp_path: Pa
             if step == 5:
                 assert_bit_identical(before, weights(model))
                 assert scaler.get_scale() == 2.0**9  # the scaler saw the inf/NaN gradients, as under the Trainer
+
+
+def _amp_loop(tmp_path: Path | None, init_scale: float, steps: int = 30, nan_at: int | None = None,
+              **guard_kwargs: Any) -> tuple[nn.Module, torch.amp.GradScaler, list[StepOutcome]]:  # fmt: skip
+    """A plain fp16 loop under ``torch.autocast`` with a ``GradScaler``: guarded (``tmp_path``) or bare (``None``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    guard = Guard(model, optimizer, scaler=scaler, default_root_dir=tmp_path, **guard_kwargs) if tmp_path else None
+    data = torch.Generator().manual_seed(0)
+    teacher = torch.randn(8, 1, generator=data)
+    outcomes = []
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=data)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x).float(), x @ teacher)
+        if step == nan_at:
+            loss = loss * float("nan")
+        scaler.scale(loss).backward()
+        if guard is not None:
+            outcomes.append(guard.step(loss))
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    if guard is not None:
+        guard.close()
+    return model, scaler, outcomes
+
+
+def test_a_scaled_loop_is_judged_on_its_true_loss_and_a_high_initial_scale_is_calibration(tmp_path: Path) -> None:
+    """The loss handed to ``guard.step`` is the unscaled one: the suite must not divide it by the scale again (it
+    read 2e-12 of the true loss, doubling with every halving of the scale: a false divergence). A scaler started at
+    2**40 overflows 24 times more than one started at 2**16 before it comes down to a workable scale: calibration,
+    not a collapse."""
+    bare, bare_scaler, _ = _amp_loop(None, 2.0**40)
+    guarded, scaler, outcomes = _amp_loop(tmp_path, 2.0**40)
+    assert_bit_identical(weights(bare), weights(guarded))
+    assert scaler.get_scale() == bare_scaler.get_scale() < 2.0**16
+    assert not [e for o in outcomes for e in o.events]
+    overflowed = [o.step for o in outcomes if o.skipped]
+    assert overflowed[:24] == list(range(24))  # the scaler's own skips, each told as one
+    assert {o.skip_reason for o in outcomes if o.skipped} == {
+        "the GradScaler found inf/NaN gradients: it skipped the optimizer step and lowered its scale, as it does "
+        "while it calibrates"
+    }
+
+
+def test_a_nan_loss_under_a_scaler_is_the_suites_skip(tmp_path: Path) -> None:
+    guarded, scaler, outcomes = _amp_loop(tmp_path, 2.0**8, steps=12, nan_at=6)
+    skipped = [(o.step, o.skip_reason) for o in outcomes if o.skipped]
+    assert skipped == [(6, "non-finite loss")]
+    assert scaler.get_scale() == 2.0**7  # the scaler saw the inf/NaN gradients and lowered its scale
+
+
+def _fabric_16_mixed_loop(tmp_path: Path | None, init_scale: float, clip: float | None = None, steps: int = 40,
+                          hand_scaler: bool = False, **guard_kwargs: Any
+                          ) -> tuple[nn.Module, Any, list[StepOutcome]]:  # fmt: skip
+    """A Fabric loop under ``precision="16-mixed"`` (its ``MixedPrecision`` plugin with a CPU ``GradScaler``, as it
+    builds one on CUDA), guarded (``tmp_path``; ``hand_scaler``: given that scaler too) or bare (``None``, clipping
+    with ``fabric.clip_gradients``)."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    fabric.seed_everything(0, verbose=False)
+    model, optimizer = fabric.setup(*(lambda m: (m, torch.optim.AdamW(m.parameters(), lr=1e-2)))(
+        nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))))  # fmt: skip
+    guard = None
+    if tmp_path is not None:
+        if hand_scaler:
+            guard_kwargs["scaler"] = scaler
+        guard = Guard(model, optimizer, default_root_dir=tmp_path, gradient_clip_val=clip, **guard_kwargs)
+    data = torch.Generator().manual_seed(0)
+    teacher = torch.randn(8, 1, generator=data)
+    outcomes = []
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=data)
+        loss = nn.functional.mse_loss(model(x).float(), x @ teacher)
+        fabric.backward(loss)
+        if guard is not None:
+            outcomes.append(guard.step(loss))
+        else:
+            if clip is not None:
+                fabric.clip_gradients(model, optimizer, max_norm=clip)
+            optimizer.step()
+            optimizer.zero_grad()
+    if guard is not None:
+        guard.close()
+    return model, scaler, outcomes
+
+
+@pytest.mark.parametrize("hand_scaler", [False, True])
+def test_under_fabric_16_mixed_the_guard_steps_through_fabrics_scaler_as_a_bare_loop_does(
+    tmp_path: Path, hand_scaler: bool
+) -> None:
+    """Fabric's optimizer steps and updates the scaler of its precision: the guard judges the unscaled gradients,
+    lets Fabric step (a skip included, so that the scale comes down), and never updates the scaler twice. Before,
+    the first routine overflow was skipped without Fabric's step: the scale never fell, every step overflowed and a
+    healthy run ended in ``DivergenceError``; handed the scaler, the guard updated it twice (an ``AssertionError``)."""
+    bare, bare_scaler, _ = _fabric_16_mixed_loop(None, 2.0**16)
+    guarded, scaler, outcomes = _fabric_16_mixed_loop(tmp_path, 2.0**16, hand_scaler=hand_scaler)
+    assert_bit_identical(weights(bare), weights(guarded))
+    assert scaler.get_scale() == bare_scaler.get_scale() < 2.0**16  # it overflowed, and came down as bare
+    assert [o.step for o in outcomes if o.skipped] and not [e for o in outcomes for e in o.events]
+
+
+def test_a_scaler_beside_fabrics_own_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as other:
+        _fabric_16_mixed_loop(tmp_path, 2.0**16, scaler=torch.amp.GradScaler("cpu"))
+    assert str(other.value) == (
+        "'scaler' is another GradScaler than the one of Fabric's precision ('16-mixed'), which scales "
+        "fabric.backward(loss): pass none, and the guard uses Fabric's"
+    )
+
+
+def test_under_fabric_16_mixed_the_guards_clipping_is_fabrics_on_unscaled_gradients(tmp_path: Path) -> None:
+    bare, _, _ = _fabric_16_mixed_loop(None, 2.0**4, clip=0.5)
+    guarded, _, outcomes = _fabric_16_mixed_loop(tmp_path, 2.0**4, clip=0.5)
+    unclipped, _, _ = _fabric_16_mixed_loop(None, 2.0**4)
+    assert not [o for o in outcomes if o.skipped]
+    assert_bit_identical(weights(bare), weights(guarded))
+    assert not torch.equal(weights(unclipped)["0.weight"], weights(guarded)["0.weight"])
 
 
 def test_the_readme_snippet_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

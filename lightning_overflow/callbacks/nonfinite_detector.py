@@ -46,6 +46,7 @@ from lightning_overflow.numerics.snapshots import nonfinite_flag
 from lightning_overflow.policy import (
     BURST_COUNT,
     BURST_WINDOW,
+    DEFAULT_LOSS_SCALE,
     HEADROOM_WARN_DECADES,
     MAX_SCALER_OVERFLOWS,
     MAX_SKIPPED_SHARE,
@@ -98,7 +99,9 @@ class NonFiniteDetector(SuiteCallback):
     unchanged, and so does every error under a sharded strategy (FSDP).
 
     Under ``16-mixed`` the GradScaler overflows routinely while it calibrates its scale; such steps are left to the
-    scaler. Only ``MAX_SCALER_OVERFLOWS`` (20) consecutive overflows, or a scale below ``MIN_LOSS_SCALE`` (1e-4), count.
+    scaler. Only ``MAX_SCALER_OVERFLOWS`` (20) consecutive overflows, or a scale below ``MIN_LOSS_SCALE`` (1e-4),
+    count; overflows at a scale above ``DEFAULT_LOSS_SCALE`` (GradScaler's default 65536: a scaler started higher
+    halves down to it first) are calibration, not counted.
 
     An intervention when ``action="skip"``: a non-finite step becomes a true no-op (``zero_grad(set_to_none=True)``:
     weights, moments, weight decay and the optimizer's step counts untouched) and the step-interval LR schedulers
@@ -495,8 +498,10 @@ class NonFiniteDetector(SuiteCallback):
 
     def _judge_scaler(self, record: StepHealth) -> Finding | None:
         """Routine GradScaler overflow is calibration, not divergence, unless it persists or the scale collapses."""
-        self._scaler_overflows += 1
         scale = record.loss_scale or 0.0
+        if scale > DEFAULT_LOSS_SCALE:  # a scaler started higher halves down to the default first: not counted
+            return None
+        self._scaler_overflows += 1
         if self._scaler_overflows <= self.max_scaler_overflows and scale >= self.min_loss_scale:
             return None
         finding = self._grad_finding(record)
