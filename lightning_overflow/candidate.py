@@ -133,6 +133,7 @@ class Candidate:
     nonfinite: bool = False
     window_buffers: dict[str, Tensor] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)  # parameter ``id`` -> name, for the optimizer state
+    scheduler_ids: list[int] = field(default_factory=list)  # the schedulers captured (``id``); none after a checkpoint
     attributes: ModuleAttributes | None = field(default=None, repr=False)
 
     # ---- building and swapping -----------------------------------------------------------------------------------
@@ -154,6 +155,7 @@ class Candidate:
             precision=copy.deepcopy(trainer.precision_plugin.state_dict()),
             pending_schedule=[0] * len(trainer.lr_scheduler_configs),
             names={id(p): name for name, p in module.named_parameters()},
+            scheduler_ids=[id(c.scheduler) for c in trainer.lr_scheduler_configs],
         )
 
     def swap(self, trainer: pl.Trainer) -> None:
@@ -173,9 +175,9 @@ class Candidate:
             for group, values in zip(optimizer.param_groups, groups):
                 group.update(values)
             self.optimizers[index] = live
-        for index, config in enumerate(trainer.lr_scheduler_configs):
-            live_schedule = copy.deepcopy(config.scheduler.state_dict())
-            config.scheduler.load_state_dict(self.schedulers[index])
+        for index, scheduler in self._own_schedulers(trainer):
+            live_schedule = copy.deepcopy(scheduler.state_dict())
+            scheduler.load_state_dict(self.schedulers[index])
             self.schedulers[index] = live_schedule
         live_precision = copy.deepcopy(trainer.precision_plugin.state_dict())
         if self.precision:
@@ -197,10 +199,20 @@ class Candidate:
             optimizer.state = _clone_optimizer_state(state)
             for group, values in zip(optimizer.param_groups, groups):
                 group.update(copy.deepcopy(values))
-        for index, config in enumerate(trainer.lr_scheduler_configs):
-            config.scheduler.load_state_dict(copy.deepcopy(self.schedulers[index]))
+        for index, scheduler in self._own_schedulers(trainer):
+            scheduler.load_state_dict(copy.deepcopy(self.schedulers[index]))
         if self.precision:
             trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
+
+    def _own_schedulers(self, trainer: pl.Trainer) -> list[tuple[int, Any]]:
+        """The live schedulers this candidate holds a state of, with their index in its lists. One a callback added or
+        swapped in since it was captured (``StochasticWeightAveraging``'s ``SWALR``, as its epochs begin) is both
+        branches' alike: it is left as it is."""
+        configs = trainer.lr_scheduler_configs
+        if self.scheduler_ids:
+            return [(i, c.scheduler) for i, c in enumerate(configs)
+                    if i < len(self.scheduler_ids) and id(c.scheduler) == self.scheduler_ids[i]]  # fmt: skip
+        return [(i, c.scheduler) for i, c in enumerate(configs) if i < len(self.schedulers)]
 
     @contextmanager
     def swapped_in(self, trainer: pl.Trainer) -> Iterator[None]:
@@ -350,13 +362,13 @@ class Candidate:
         same number of times before its next step, unless its own step was skipped (its schedule holds then)."""
         if skipped:
             return
-        for index, steps in enumerate(steps_by_scheduler):
+        for index, steps in enumerate(steps_by_scheduler[: len(self.pending_schedule)]):
             self.pending_schedule[index] += steps
 
     def _catch_up_schedule(self, trainer: pl.Trainer) -> None:
-        for index, config in enumerate(trainer.lr_scheduler_configs):
+        for index, scheduler in self._own_schedulers(trainer):
             for _ in range(self.pending_schedule[index]):
-                config.scheduler.step()
+                scheduler.step()
             self.pending_schedule[index] = 0
 
     def catch_up(self, trainer: pl.Trainer) -> None:

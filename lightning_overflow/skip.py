@@ -46,6 +46,7 @@ class HeldSchedules:
 
     schedulers: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
     groups: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = field(default_factory=list)
+    clipping: tuple[Any, Any] | None = None  # (the module, what its instance held): its clipping, held for the skip
 
     def restore(self) -> None:
         for scheduler, state in self.schedulers:
@@ -55,6 +56,25 @@ class HeldSchedules:
                 group.update(values)
         self.schedulers.clear()
         self.groups.clear()
+        self.put_back_clipping()
+
+    def hold_clipping(self, pl_module: Any) -> None:
+        """Lightning clips right after the callbacks' ``on_before_optimizer_step`` (``Trainer(gradient_clip_val=...)``,
+        or the module's own ``configure_gradient_clipping``): a skipped step has no gradients left to clip, and
+        torch's ``clip_grad_value_`` raises on an empty list of them (torch 2.13.0). That one call does nothing."""
+        if self.clipping is not None:
+            return
+
+        def skipped(*_: Any, **__: Any) -> None:
+            self.put_back_clipping()
+
+        self.clipping = (pl_module, _compat.replace_method(pl_module, "configure_gradient_clipping", skipped))
+
+    def put_back_clipping(self) -> None:
+        if self.clipping is not None:
+            module, previous = self.clipping
+            self.clipping = None
+            _compat.restore_method(module, "configure_gradient_clipping", previous)
 
 
 class BufferCopy:
@@ -282,9 +302,12 @@ def skip_step(
     may hold what another optimizer's step of the batch relies on).
     """
     optimizer.zero_grad(set_to_none=True)
-    if not trainer.lightning_module.automatic_optimization:
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
         buffers.put_back_nonfinite()
         return
+    if isinstance(module, nn.Module):  # a LightningModule, whose clipping Lightning calls (not the plain loop's host)
+        held.hold_clipping(module)
     buffers.put_back()
     metrics.put_back()
     _compat.put_back_epoch_sums(trainer, sums)

@@ -17,7 +17,7 @@ from torch.nn.utils import prune
 from torch.optim.swa_utils import SWALR
 from typing_extensions import override
 
-from lightning_overflow import default_callbacks
+from lightning_overflow import LRBackoff, TrialConfig, default_callbacks
 from lightning_overflow._compat import Callback
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
@@ -99,6 +99,35 @@ def test_swa_rolls_back_to_before_its_scheduler_was_swapped_in() -> None:
     # The average took in step 8's weights, which the rollback abandoned: it starts again with the next epoch.
     assert swa.n_averaged.item() == 2  # the weights at the start of the third and fourth epochs
     assert trainer.global_step == 32 and all_finite(weights(trainer.lightning_module))
+
+
+@pytest.mark.parametrize("fault_step", [5, 20])
+def test_a_backoff_sticks_under_swa_whether_it_came_before_or_during_its_epochs(fault_step: int) -> None:
+    """SWA's ``SWALR`` anneals each group's rate towards its ``swa_lr``, and ``StochasticWeightAveraging`` sets both
+    from its ``swa_lrs`` when its epochs begin: a backoff must scale them too, or the rate climbs back to the
+    unscaled ``swa_lrs`` while the suite reports 0.5x (8 batches an epoch: SWA begins at step 8; step 5's backoff
+    came before it, step 20's during it)."""
+    rates = []
+    for suite in ([], [*default_callbacks(snapshot_every_n_steps=5), nan_weight_at(fault_step)]):
+        swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=2)
+        trainer = fit(TinyRegressor(lr=0.01), [*suite, swa], max_steps=-1, max_epochs=8)
+        rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+    assert rates[0] == 0.05 and rates[1] == 0.5 * rates[0]
+
+
+@pytest.mark.parametrize(("every", "start"), [(4, 3), (10, 4)])
+def test_swa_beginning_during_a_trial_and_a_trials_remedy_leave_swa_at_the_scale_the_run_holds(
+    every: int, start: int
+) -> None:
+    """SWA swaps its ``SWALR`` in as its epochs begin, perhaps while a trial runs: the candidate held no state of it
+    (an ``IndexError`` ended the fit). A trial's remedy sets its rate for the candidate alone: SWA's rates follow the
+    scale the run holds, not the remedy's (a discarded trial of x0.125 left SWA at 1/8 of its rate)."""
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=start, annealing_epochs=1)
+    suite = default_callbacks(trial=TrialConfig(steps=4, every_n_steps=every))
+    trainer = fit(TinyRegressor(lr=0.01), [*suite, swa], max_steps=-1, max_epochs=start + 2)
+    backoff = next(cb for cb in suite if isinstance(cb, LRBackoff))
+    assert trainer.global_step == 8 * (start + 2) and swa.n_averaged is not None and swa.n_averaged.item() > 0
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.05 * backoff.scales[0]
 
 
 def test_a_healthy_run_with_an_ema_is_bit_identical_with_and_without_the_suite() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytorch_lightning as pl
 from typing_extensions import override
 
+from lightning_overflow import _compat
 from lightning_overflow._validation import check_choices, check_float, check_int, check_type, refuse_removed
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
@@ -151,6 +152,7 @@ class LRBackoff(SuiteCallback):
         self._windows: list[int] = []
         self._last_regrowth: list[int] = []
         self.history: list[dict[str, Any]] = []
+        self._swa_lrs: dict[int, Any] = {}  # StochasticWeightAveraging's swa_lrs as given, by callback id
 
     @property
     def state_key(self) -> str:
@@ -180,6 +182,13 @@ class LRBackoff(SuiteCallback):
                 if any((group.get(HELD) or (None, None))[1] != self.scales[index] for group in optimizer.param_groups):
                     _hold(optimizer, self.scales[index])
         super().on_train_start(trainer, pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``StochasticWeightAveraging`` sets the rates from its ``swa_lrs`` as its epochs begin, after every callback's
+        epoch end: they follow the scale the run holds (not a trial's, which is the candidate's alone)."""
+        if self.scales and (self._swa_lrs or self.scales[0] != 1.0):
+            _compat.scale_swa_lrs(trainer, self.scales[0], self._swa_lrs)
 
     @override
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:

@@ -10,7 +10,7 @@ all of those together, so the schedule continues exactly ``factor`` times the on
 ============================  ==========================================================================
 where                         what is multiplied
 ============================  ==========================================================================
-every param group             ``lr``, ``initial_lr``, ``max_lr``, ``min_lr`` (those present)
+every param group             ``lr``, ``initial_lr``, ``max_lr``, ``min_lr``, ``swa_lr`` (those present)
 every scheduler (and child)   ``base_lrs``, ``max_lrs``, ``min_lrs``, ``eta_min``, ``_last_lr``
 ``ReduceLROnPlateau``         also ``default_min_lr`` and ``eps`` (its smallest reduction, in LR units)
 ============================  ==========================================================================
@@ -35,9 +35,9 @@ from lightning_overflow._validation import check_float, check_type
 
 __all__ = ["GROUP_LR_KEYS", "SCHEDULER_LR_LISTS", "group_rates", "scale_lr", "scheduler_tree", "schedules"]
 
-GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "swa_lr")
 """Param-group keys holding a learning rate (``initial_lr``: every ``LRScheduler``; ``max_lr``/``min_lr``:
-``OneCycleLR``)."""
+``OneCycleLR``; ``swa_lr``: ``SWALR``, which anneals ``lr`` towards it)."""
 
 SCHEDULER_LR_LISTS = ("base_lrs", "max_lrs", "min_lrs", "_last_lr")
 """Scheduler attributes holding one learning rate per param group."""
