@@ -46,7 +46,7 @@ def default_callbacks(
        changed) stops the run with :class:`~lightning_overflow.DivergenceError`, which lists what was tried.
 
     Args:
-        clip: the ``AutoClip`` mode (``"zscore"``, ``"percentile"``, ``"agc"``; ``"fixed"`` needs a threshold, so
+        clip: the ``AutoClip`` mode (``"zscore"``, ``"percentile"``, ``"agc"``; ``"fixed"`` needs a ``max_norm``, so
             build that ``AutoClip`` yourself), or ``None`` for no clipping. With ``Trainer(gradient_clip_val=...)``
             the Trainer's clipping is kept and ``AutoClip`` leaves the gradients to it (said once at setup).
         lr_factor: the LR multiplier of a backoff and of a trial's remedy (default 0.5).

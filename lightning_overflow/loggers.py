@@ -72,6 +72,7 @@ class StepMerge:
         self._served: set[int] = set()  # ids of the loggers whose call of the held step carried it
         self._wrapped: list[Any] = []
         self._previous: dict[int, Any] = {}  # what each logger instance held as log_metrics before (None: nothing)
+        self._told: set[str] = set()  # keys the module logs that the suite logs too, said once a fit
 
     def hold(self, loggers: Sequence[Any], step: int, metrics: dict[str, float]) -> None:
         """Keep ``metrics`` for Lightning's call of ``step`` on every logger."""
@@ -99,7 +100,15 @@ class StepMerge:
         self._served.add(id(logger))
         if len(self._served) == len(self._wrapped):
             self._held, self._served = None, set()
-        return {**metrics, **held[1]}
+        shared = sorted(set(held[1]).intersection(metrics).difference(self._told))
+        if shared:  # the module logs a key of the suite's own: the loggers keep the module's value
+            self._told.update(shared)
+            warnings.warn(
+                f"the module logs {', '.join(map(repr, shared))} at step {step}, a key the suite logs too: the loggers "
+                "keep the module's value and the suite's is not logged; log yours under another name to see both",
+                OverflowWarning, stacklevel=2,
+            )  # fmt: skip
+        return {**held[1], **metrics}
 
     def send_leftover(self) -> None:
         """Send a held step to the loggers whose call of it did not come, one call each."""
@@ -117,7 +126,7 @@ class StepMerge:
         for logger in self._wrapped:
             if isinstance(vars(logger).get("log_metrics"), _MergedLogMetrics):
                 _compat.restore_method(logger, "log_metrics", self._previous.get(id(logger)))
-        self._wrapped, self._previous = [], {}
+        self._wrapped, self._previous, self._told = [], {}, set()
 
 
 class _MergedLogMetrics:

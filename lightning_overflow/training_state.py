@@ -408,6 +408,8 @@ def without_tolerated_infinity(moment: Tensor) -> Tensor:
     """
     if not moment.is_floating_point() or moment.dim() == 0:
         return moment
+    if moment.is_sparse:  # SGD's momentum of a sparse gradient (nn.Embedding(sparse=True)): its values say it all
+        moment = moment.detach().coalesce().values()
     moment = local_shard(moment.detach())  # a DTensor's shard on this rank (it may be empty): the flags are per rank
     if moment.numel() == 0:
         return moment

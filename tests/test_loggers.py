@@ -352,3 +352,30 @@ def test_metrics_csv_has_one_row_per_logged_step(tmp_path: Path) -> None:
     assert by_step[9]["clip/coef"] == "" and by_step[9]["overflow/skipped_steps"] == "1.0"
     # The logger is given its own log_metrics back when the fit ends.
     assert "log_metrics" not in vars(logger)
+
+
+class CollidingRegressor(TinyRegressor):
+    """A module that logs under keys the suite logs too (its own gradient norm, a count of its own)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.log("grad_norm/total", 1000.0 + self.global_step)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_key_the_module_logs_too_keeps_the_modules_value_and_is_said_once(tmp_path: Path) -> None:
+    """The suite's held metrics used to overwrite the module's of the same name in the loggers, while
+    ``callback_metrics`` (what ``EarlyStopping`` reads) kept the module's: two numbers under one name, without a
+    word."""
+    import csv
+
+    logger = CSVLogger(str(tmp_path))
+    trainer = make_trainer(default_callbacks(), max_steps=6, logger=logger, log_every_n_steps=1, limit_val_batches=0)
+    with pytest.warns(OverflowWarning) as said:
+        trainer.fit(CollidingRegressor())
+    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    assert [float(row["grad_norm/total"]) for row in rows if row["grad_norm/total"]] == [1000.0 + s for s in range(6)]
+    told = [str(w.message) for w in said if "a key the suite logs too" in str(w.message)]
+    assert told == [
+        "the module logs 'grad_norm/total' at step 0, a key the suite logs too: the loggers keep the module's value "
+        "and the suite's is not logged; log yours under another name to see both"
+    ]

@@ -17,6 +17,7 @@ from conftest import (
     assert_bit_identical,
     assert_optimizer_state_equal,
     fit,
+    make_trainer,
     optimizer_state,
     tuned,
     weights,
@@ -73,6 +74,38 @@ def test_sgd_with_momentum_and_weight_decay_does_not_move_on_a_skipped_step(kind
     fit(TinyRegressor(optimizer="sgd"), [NonFiniteDetector(), FaultInjector(Fault(2, kind)), recorder], max_steps=4)
     assert_bit_identical(recorder.before[2][0], recorder.after[2][0])
     assert_optimizer_state_equal(recorder.before[2][1], recorder.after[2][1])
+
+
+class ClipsByValueItself(TinyRegressor):
+    """A module with its own clipping, by value, as ``configure_gradient_clipping``'s docs show it."""
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:  # fmt: skip
+        torch.nn.utils.clip_grad_value_(self.parameters(), 0.05)
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_a_skipped_step_is_not_clipped_and_the_next_one_is(own: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning clips right after the callbacks' ``on_before_optimizer_step``: a skipped step has no gradients left,
+    and torch's ``clip_grad_value_`` raises on an empty list of them (the fit crashed at the first skip under
+    ``gradient_clip_algorithm="value"``, or a module's own value clipping). The skipped step is not clipped; the
+    others are, as before."""
+    calls = []
+    original = torch.nn.utils.clip_grad_value_
+
+    def counted(parameters: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        original(parameters, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_value_", counted)
+    recorder = StepRecorder()
+    model = ClipsByValueItself() if own else TinyRegressor()
+    clipping = {} if own else {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"}
+    fit(model, [NonFiniteDetector(), FaultInjector(Fault(2, "nan_loss")), recorder], max_steps=5, **clipping)
+    assert_bit_identical(recorder.before[2][0], recorder.after[2][0])
+    assert len(calls) == 4  # steps 0, 1, 3 and 4
+    assert "configure_gradient_clipping" not in vars(model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_unprotected_run_is_poisoned_by_the_same_fault() -> None:
@@ -206,6 +239,15 @@ def test_persistent_gradscaler_overflow_is_reported() -> None:
     with pytest.raises(NonFiniteError, match=r"5 consecutive GradScaler overflows") as info:
         fit(TinyRegressor(), [detector, faults], max_steps=12, plugins=[MixedPrecision("16-mixed", "cpu")])
     assert "bf16-mixed" in info.value.hint
+
+
+def test_a_scaler_started_above_the_default_scale_calibrates_down_to_it_unreported() -> None:
+    """``GradScaler(init_scale=2**40)`` overflows 24 more times than the default's 2**16 before it is down to a
+    workable scale: 26 overflows in a row, none of them a divergence (reported as ``scaler_collapse`` before)."""
+    detector = NonFiniteDetector(action="raise")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    fit(TinyRegressor(), [detector], max_steps=40, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert detector.nonfinite_events == 0 and scaler.get_scale() <= 2.0**16
 
 
 def test_nan_loss_under_gradscaler_is_real() -> None:
@@ -355,3 +397,31 @@ def test_the_skip_budget_escalates_to_the_remedies_present_and_stops_when_they_a
     )
     budget = [(e["step"], e["details"]["skipped"]) for e in _events(tmp_path) if e["kind"] == "skip_budget"]
     assert budget == [(15, 11), (26, 11)]
+
+
+def test_a_fault_the_fit_went_past_without_firing_is_said() -> None:
+    """Under manual optimization with two optimizers a batch's ``global_step`` moves by two: a gradient fault at an
+    odd step never fires (its hook is set at a batch's start). A test written that way tested nothing, silently."""
+    odd = FaultInjector(Fault(9, "nan_grad"))
+    with pytest.warns(UserWarning, match=r"never fired, though the fit went on to step 16") as said:
+        fit(TinyGAN(), [odd], max_steps=16)
+    assert odd.fired == [] and len([w for w in said if "never fired" in str(w.message)]) == 1
+    even = FaultInjector(Fault(8, "nan_grad"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(TinyGAN(), [even], max_steps=16)
+    assert even.fired == [(8, "nan_grad", 0)] and not [w for w in caught if "never fired" in str(w.message)]
+
+
+def test_a_resumed_fit_is_not_told_of_the_faults_of_the_steps_before_it(tmp_path: Path) -> None:
+    first = FaultInjector(Fault(2, "nan_loss"), Fault(8, "nan_loss"))
+    trainer = fit(TinyRegressor(), [NonFiniteDetector(), first], max_steps=6, default_root_dir=tmp_path)
+    path = tmp_path / "at6.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = FaultInjector(Fault(2, "nan_loss"), Fault(8, "nan_loss"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([NonFiniteDetector(), resumed], max_steps=12, default_root_dir=tmp_path).fit(
+            TinyRegressor(), ckpt_path=path
+        )
+    assert resumed.fired == [(8, "nan_loss", 0)] and not [w for w in caught if "never fired" in str(w.message)]

@@ -158,6 +158,30 @@ def test_restore_optimizer_puts_back_moments_step_counts_and_hyperparameters() -
     assert live["state"][0]["step"].item() == 2.0
 
 
+def _sparse_sgd_step(embedding: torch.nn.Embedding, optimizer: torch.optim.Optimizer, rows: list[int],
+                     value: float = 1.0) -> None:  # fmt: skip
+    (embedding(torch.tensor(rows)).sum() * value).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_sparse_momentum_is_restored_in_place_and_checked_by_its_values() -> None:
+    """SGD's momentum of a sparse gradient is a sparse tensor: copied into a detached alias, the restore changed the
+    alias only (the NaN stayed in the optimizer); and the state check's ``amin`` does not run on it."""
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=0.1, momentum=0.9)
+    _sparse_sgd_step(embedding, optimizer, [1, 2])
+    snapshot = take_snapshot(optimizer.state_dict())
+    kept = optimizer.state[embedding.weight]["momentum_buffer"].to_dense().clone()
+    _sparse_sgd_step(embedding, optimizer, [2, 5], value=float("nan"))
+    live = optimizer.state[embedding.weight]["momentum_buffer"]
+    assert live.is_sparse and not torch.isfinite(live.to_dense()).all()
+    assert nonfinite_parts({}, [optimizer.state_dict()]) == ([], ["state.0.momentum_buffer"])
+    restore_optimizer_(optimizer, snapshot)
+    assert torch.equal(optimizer.state[embedding.weight]["momentum_buffer"].to_dense(), kept)
+    assert nonfinite_parts({}, [optimizer.state_dict()]) == ([], [])
+
+
 def test_restore_optimizer_loads_a_clone_when_the_state_has_another_shape() -> None:
     model, optimizer = _adam_after_steps(steps=0)
     snapshot = take_snapshot(optimizer.state_dict())  # no state yet: Adam creates it lazily

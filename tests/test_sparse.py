@@ -17,11 +17,12 @@ from lightning_overflow.testing import Fault, FaultInjector
 
 
 class SparseEmbedding(pl.LightningModule):
-    def __init__(self, optimizer: str = "sgd") -> None:
+    def __init__(self, optimizer: str = "sgd", momentum: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Embedding(50, 8, sparse=True)
         self.head = nn.Linear(8, 1)
         self.optimizer_name = optimizer
+        self.momentum = momentum
         self.automatic_optimization = optimizer == "sgd"
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -39,7 +40,7 @@ class SparseEmbedding(pl.LightningModule):
         if self.optimizer_name == "sparseadam":
             return [torch.optim.SparseAdam(list(self.embed.parameters()), lr=0.01),
                     torch.optim.SGD(self.head.parameters(), lr=0.01)]
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=self.momentum)
 
     def train_dataloader(self) -> DataLoader:
         gen = torch.Generator().manual_seed(0)
@@ -98,3 +99,16 @@ def test_sparse_adam_with_the_whole_suite() -> None:
     trainer = fit(model, [*default_callbacks(), FaultInjector(Fault(4, "nan_loss"))], max_steps=12)
     assert trainer.global_step == 12
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_nan_weights_beside_a_sparse_momentum_are_rolled_back_once() -> None:
+    """SGD keeps a sparse momentum for a sparse gradient; the state check of the NaN weights ran ``amin`` on it, which
+    sparse tensors lack: the fit crashed at the step it should have rolled back."""
+    model = SparseEmbedding(momentum=0.9)
+    nan_weight = FaultInjector(Fault(8, "nan_weight", parameter="embed.weight"))
+    trainer = fit(model, [*default_callbacks(snapshot_every_n_steps=5), nan_weight], max_steps=16)
+    rollback = trainer.callbacks[5]
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(10, 5)]
+    momentum = trainer.optimizers[0].state[model.embed.weight]["momentum_buffer"]
+    assert momentum.is_sparse and torch.isfinite(momentum.coalesce().values()).all()
+    assert trainer.global_step == 16 and all(torch.isfinite(p).all() for p in model.parameters())

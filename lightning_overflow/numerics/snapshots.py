@@ -574,7 +574,9 @@ def _pair(live: Any, snap: Any, dst: list[Tensor], src: list[Tensor], path: str)
             )
         if is_placeholder(snap, live):
             return  # another rank holds it and broadcasts it
-        dst.append(live.detach())
+        # A sparse tensor's detached alias gets the copied indices and values, not the tensor: it is copied itself
+        # (optimizer state, which autograd does not track: SGD's momentum of a sparse embedding's gradient)
+        dst.append(live.detach() if live.layout == torch.strided else live)
         src.append(snap)
     elif isinstance(live, Mapping):
         if not isinstance(snap, Mapping) or set(live) != set(snap):

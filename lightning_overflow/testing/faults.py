@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,7 @@ class FaultInjector(Callback):
         self._done: set[int] = set()
         self._wrapped: list[tuple[Any, str]] = []
         self._handles: list[Any] = []
+        self._start = 0  # the fit's first step
 
     def _due(self, trainer: pl.Trainer, kinds: tuple[str, ...]) -> list[tuple[int, Fault]]:
         due = []
@@ -116,11 +118,28 @@ class FaultInjector(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._warn_unfired(trainer)
         for module, name in self._wrapped:
             if name in vars(module):
                 delattr(module, name)
         self._wrapped.clear()
         self._remove_hooks()
+
+    def _warn_unfired(self, trainer: pl.Trainer) -> None:
+        """A fault the fit went past without firing would leave a test that tests nothing: say so (a resumed fit from
+        its own first step)."""
+        fired = {(step, kind) for step, kind, _ in self.fired}
+        missed = [fault for fault in self.faults
+                  if self._start <= fault.step < trainer.global_step and (fault.step, fault.kind) not in fired
+                  and fault.rank in (None, trainer.global_rank)]  # fmt: skip
+        if missed:
+            warnings.warn(
+                f"FaultInjector: {', '.join(map(repr, missed))} never fired, though the fit went on to step "
+                f"{trainer.global_step}: weight and gradient faults fire at a batch's start, at the batch's first "
+                "global_step (under manual optimization global_step moves by each optimizer's step, so a batch "
+                "stepping two optimizers starts at every other step); loss faults at the step whose loss it is",
+                stacklevel=2,
+            )
 
     def _faulty_output(self, trainer: pl.Trainer, output: Any) -> Any:
         if isinstance(output, Tensor):
@@ -136,6 +155,10 @@ class FaultInjector(Callback):
             self._fire(trainer, i, fault)
             loss = loss * _LOSS_FACTORS.get(fault.kind, fault.factor)
         return loss
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = int(trainer.global_step)  # a resumed fit starts past the faults of the steps before it
 
     # ---- gradient and weight faults ---------------------------------------------------------------------------
     @override
