@@ -156,6 +156,18 @@ class LossEnding:
             self.best, self.best_step, self.best_from = level, step, self._block_from
         self._block = []
 
+    def replace_from(self, first: int, losses: Sequence[float]) -> None:
+        """The losses taken in from step ``first`` on were those of a run a trial's remedy replaced: the remedy's
+        ``losses`` on the same batches, one a step, stand in their place (a non-finite one leaves its step out).
+        Without it, a fit that ends within ``ENDING_BLOCK`` steps of a kept remedy is judged on the run it left: the
+        median of the abandoned divergence said the loss "ended far above its best" of a run that ended well."""
+        kept = [(step, loss) for step, loss in self._recent if step < first]
+        self._recent.clear()
+        self._recent.extend(kept)
+        self._recent.extend((first + i, loss) for i, loss in enumerate(losses) if math.isfinite(loss))
+        if losses and math.isfinite(losses[-1]):
+            self.nonfinite_tail = 0
+
     @property
     def last(self) -> float:
         """The median of the last ``ENDING_BLOCK`` finite losses (``nan`` until there are that many)."""

@@ -709,7 +709,12 @@ class HealthBoard:
         return Remedy(snapshot.step, dict(snapshot.extras), scales, factor)
 
     def after_trial(self, trainer: pl.Trainer, outcome: TrialOutcome) -> None:
-        """Tell every participant how a trial ended."""
+        """Tell every participant how a trial ended. A kept remedy that trained beside the loop (``"ab"`` mode) is the
+        run now: its losses on the trial's batches stand for those of the run it replaced, at the fit's end."""
+        trial = outcome.trial
+        if outcome.kept and trial.config.mode == "ab" and outcome.remedy.factor in trial.lr_factors:
+            scores = trial.remedies[trial.lr_factors.index(outcome.remedy.factor)]
+            self.ending.replace_from(outcome.step - len(scores), scores)
         for participant in self.participants:
             participant._after_trial(trainer, outcome)
 

@@ -236,3 +236,22 @@ def test_suspicions_left_alone_at_the_learning_rate_floor_are_journaled_at_the_e
         "(the loss settled far above its best): the learning rate was already at its floor (0.25x its schedule), the "
         "lowest LRBackoff may set; try starting at a lower learning rate"
     )
+
+
+def test_a_fit_that_ends_soon_after_a_kept_remedy_is_judged_on_the_remedy(tmp_path: Any) -> None:
+    """A trial keeps its remedy (the snapshot before the fault, at half the rate) at step 53, and the fit ends at 70,
+    within a block of it: the losses of the run it replaced (about 1000, steps 33-52) no longer stand for the run's.
+    They used to: "the training loss ended 432x above its best", of weights that end at 0.09."""
+    from lightning_overflow.testing import Fault, FaultInjector
+
+    pl.seed_everything(0, verbose=False)
+    model = TinyRegressor(n_samples=256)
+    fault = FaultInjector(Fault(30, "scale_weight", parameter="net.2.weight", factor=30.0))
+    trainer = fit(model, [*default_callbacks(snapshot_every_n_steps=10), fault], max_steps=70,
+                  default_root_dir=tmp_path)  # fmt: skip
+    events = board_for(trainer).journal.events
+    kept = [e.step for e in events if e.kind == "trial" and e.details["kept"]]
+    assert kept == [53] and not [e for e in events if e.kind == "ending"]
+    x, y = model.data.tensors
+    with torch.no_grad():
+        assert nn.functional.mse_loss(model(x), y).item() < 0.2
