@@ -223,9 +223,10 @@ class Boom(Callback):
 
 @pytest.mark.filterwarnings("ignore:.*was called without a model")
 def test_an_exception_checkpoint_after_a_foreign_error_is_finite(tmp_path: Path) -> None:
-    """A user's error with NaN weights in memory: Rollback restores nothing in its own ``on_exception`` (that error
-    may be one rank's alone), but ``OnExceptionCheckpoint`` saves on every rank, and the guard restores the last
-    verified snapshot before that file is written; the user's error propagates."""
+    """A user's error with NaN weights in memory: ``OnExceptionCheckpoint`` (which Lightning calls after the other
+    callbacks) writes the last verified snapshot's weights, restored by Rollback's own ``on_exception`` in one
+    process (under DDP, where that error may be one rank's alone, by the guard before the file is written); the
+    user's error propagates."""
     rollback, probe = Rollback(every_n_steps=2), WeightsAt()
     callbacks = [OnExceptionCheckpoint(dirpath=tmp_path), rollback, probe, nan_grad(2), Boom(3)]
     trainer = make_trainer(callbacks, max_steps=10, enable_checkpointing=True, default_root_dir=tmp_path)
@@ -233,7 +234,7 @@ def test_an_exception_checkpoint_after_a_foreign_error_is_finite(tmp_path: Path)
         trainer.fit(TinyRegressor())
     assert_bit_identical(dict(saved(tmp_path / "on_exception.ckpt")["state_dict"]), probe.at[2])
     restores = [e for e in rollback.board(trainer).journal.events if e.kind == "exit_restore"]
-    assert [e.details for e in restores] == [{"error": "an exception", "snapshot_step": 2, "source": "memory"}]
+    assert [e.details for e in restores] == [{"error": "RuntimeError", "snapshot_step": 2, "source": "memory"}]
     assert rollback.rollbacks == 0 and rollback.history == []  # no rollback: the budget is untouched
 
 

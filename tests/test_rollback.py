@@ -27,7 +27,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from pytorch_lightning.plugins import MixedPrecision
 from typing_extensions import override
 
-from lightning_overflow import snapshot_store
+from lightning_overflow import default_callbacks, snapshot_store
 from lightning_overflow._compat import Callback
 from lightning_overflow.callbacks._base import SuiteCallback
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
@@ -653,13 +653,36 @@ class Boom(Callback):
             raise RuntimeError("boom")
 
 
-def test_a_foreign_error_leaves_the_state_as_it_is() -> None:
-    """A user's error may be raised on one rank only: Rollback enters no collective for it and restores nothing."""
-    rollback, model = Rollback(every_n_steps=100), TinyRegressor()
+def test_a_foreign_error_in_one_process_leaves_the_last_verified_weights_and_propagates() -> None:
+    """A user's error (or a KeyboardInterrupt) with NaN weights in memory: in one process Rollback restores the last
+    verified snapshot on the way out, as for its own errors (the model object held NaN weights, unsaid). Under DDP
+    such an error may be one rank's alone, and Rollback enters no collective for it."""
+    rollback, model, probe = Rollback(every_n_steps=100), TinyRegressor(), Probe()
     with pytest.raises(RuntimeError, match="^boom$"):
-        fit(model, [rollback, nan_at(3), Boom(4)], max_steps=10)
-    assert not all_finite(weights(model))
-    assert "exit_restore" not in [e.kind for e in rollback.board(model.trainer).journal.events]
+        fit(model, [rollback, probe, nan_at(3), Boom(4)], max_steps=10)
+    assert_bit_identical(weights(model), probe.at[0]["weights"])
+    (restore,) = [e for e in rollback.board(model.trainer).journal.events if e.kind == "exit_restore"]
+    assert restore.details == {"error": "RuntimeError", "snapshot_step": 0, "source": "memory"}
+
+
+class InterruptedAt(TinyRegressor):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step == 11:
+            raise KeyboardInterrupt
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_interrupted_fit_does_not_return_nan_weights() -> None:
+    """Ctrl-C at a step whose weights hold NaN: Lightning ends the fit gracefully (``SystemExit`` after its
+    ``on_exception``), and the model returned held NaN without a word, though snapshots of steps 5 and 10 were
+    there."""
+    model, probe = InterruptedAt(), Probe()
+    suite = default_callbacks(snapshot_every_n_steps=5)
+    with pytest.raises(SystemExit):
+        fit(model, [FaultInjector(Fault(11, "nan_weight")), *suite, probe], max_steps=-1, max_epochs=4)
+    assert_bit_identical(weights(model), probe.at[10]["weights"])
+    kinds = [(e.step, e.kind) for e in suite[-1].board(model.trainer).journal.events]
+    assert kinds == [(11, "exit_restore")]
 
 
 def test_without_rollback_the_same_run_writes_a_poisoned_checkpoint(tmp_path: Path) -> None:
@@ -913,7 +936,7 @@ def test_a_schedule_a_rollback_took_back_is_said_to_end_behind_the_fit(tmp_path:
     """NaN weights at step 25 roll the run back to the fit's start, schedule included: the OneCycleLR sized to the
     fit's 40 steps ends 26 steps short of its end (its anneal cut off), and the journal and the summary say by how
     much and what to do."""
-    from lightning_overflow import default_callbacks, read_journal
+    from lightning_overflow import read_journal
     from lightning_overflow.fit_summary import plain_lines
 
     model = TinyRegressor(scheduler=_one_cycle)

@@ -311,9 +311,11 @@ class Rollback(SuiteCallback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
-            # Only the suite's errors are raised on every rank together; a foreign one may come from one rank only,
-            # and the restore's collective would wait for ranks that never enter it.
-            if isinstance(exception, _SUITE_ERRORS) and self._candidates():
+            # Only the suite's errors are raised on every rank together; a foreign one (a KeyboardInterrupt, the
+            # module's own error) may come from one rank only, and the restore's collective would wait for ranks that
+            # never enter it. In one process the weights a foreign error left inf/NaN are restored too.
+            alike = isinstance(exception, _SUITE_ERRORS) or trainer.world_size == 1
+            if alike and self._candidates():
                 self._restore_if_nonfinite(trainer, type(exception).__name__)
         finally:
             super().on_exception(trainer, pl_module, exception)
@@ -437,7 +439,8 @@ class Rollback(SuiteCallback):
             self._refuse_checkpoint(trainer, check, "it was assembled outside trainer.save_checkpoint")
 
     def _restore_if_nonfinite(self, trainer: pl.Trainer, cause: str) -> None:
-        """On the way out of a fit stopped by a suite error (every rank): restore when the state holds inf/NaN."""
+        """On the way out of a fit stopped by an error (a suite error on every rank, any error in one process):
+        restore when the state holds inf/NaN."""
         check = self._check_live(trainer)
         if not check.finite:
             self._restore_for_exit(trainer, check, cause)
