@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
@@ -425,3 +426,19 @@ def test_a_resumed_fit_is_not_told_of_the_faults_of_the_steps_before_it(tmp_path
             TinyRegressor(), ckpt_path=path
         )
     assert resumed.fired == [(8, "nan_loss", 0)] and not [w for w in caught if "never fired" in str(w.message)]
+
+
+@pytest.mark.parametrize(("precision", "said"), [("16-true", True), ("bf16-true", False), ("16-mixed", False)])
+def test_an_eps_that_is_zero_in_the_weights_dtype_is_said_at_the_start(precision: str, said: bool) -> None:
+    """Adam's eps=1e-8 is 0 in float16: under ``16-true`` every update divides by zero wherever a second moment is
+    0, at any learning rate, and the backoffs that follow cannot help. Said once, at the start, with what to do."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with contextlib.suppress(NonFiniteError):  # 16-true: the first update wrote NaN into the weights
+            fit(TinyRegressor(optimizer="adam"), [NonFiniteDetector()], max_steps=2, precision=precision)
+    told = [str(w.message) for w in caught if "which is 0 in" in str(w.message)]
+    assert told == ([
+        "NonFiniteDetector: optimizer 0 (Adam) has eps=1e-08, which is 0 in float16, its parameters' dtype: its update "
+        "divides by the root of a second moment plus eps, inf/NaN wherever that moment is 0, at any learning rate. "
+        "Train in precision='bf16-true' or '16-mixed' (float32 weights), or pass a larger eps (1e-4)."
+    ] if said else [])

@@ -327,6 +327,7 @@ class NonFiniteDetector(SuiteCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         _warn_about_anomaly_detection(self._warnings)
+        _warn_about_vanishing_eps(trainer, self._warnings)
 
     @override
     def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -921,6 +922,27 @@ def _warn_about_spike_detection(trainer: pl.Trainer, warnings: WarningCache) -> 
             "rescue is stopped there. Remove SpikeDetection: LossSpikeDetector finds the spikes, and the suite skips "
             "the non-finite steps and tries the remedies of the rest.",
         )
+
+
+def _warn_about_vanishing_eps(trainer: pl.Trainer, warnings: WarningCache) -> None:
+    """An optimizer whose ``eps`` rounds to 0 in its parameters' dtype (Adam's 1e-8 in float16, under
+    ``precision="16-true"``) divides by 0 wherever a second moment is 0: every update writes inf/NaN, at any learning
+    rate. The backoffs and rollbacks that follow cannot help, and their hint (a lower rate) would mislead."""
+    for index, optimizer in enumerate(trainer.optimizers):
+        for group in optimizer.param_groups:
+            eps = group.get("eps")
+            dtypes = {p.dtype for p in group["params"] if p.is_floating_point()}
+            vanishing = [d for d in dtypes if d.itemsize < 4 and isinstance(eps, float) and 0 < eps
+                         and float(torch.tensor(eps, dtype=d)) == 0.0]  # fmt: skip
+            if vanishing:
+                warnings.warn(
+                    "eps",
+                    f"NonFiniteDetector: optimizer {index} ({type(optimizer).__name__}) has eps={eps:g}, which is 0 "
+                    f"in {str(vanishing[0]).replace('torch.', '')}, its parameters' dtype: its update divides by the "
+                    "root of a second moment plus eps, inf/NaN wherever that moment is 0, at any learning rate. Train "
+                    "in precision='bf16-true' or '16-mixed' (float32 weights), or pass a larger eps (1e-4).",
+                )
+                return
 
 
 def _warn_about_anomaly_detection(warnings: WarningCache) -> None:
