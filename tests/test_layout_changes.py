@@ -12,7 +12,13 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from conftest import assert_bit_identical, fit, weights
-from pytorch_lightning.callbacks import ModelCheckpoint, ModelPruning, StochasticWeightAveraging, WeightAveraging
+from pytorch_lightning.callbacks import (
+    BackboneFinetuning,
+    ModelCheckpoint,
+    ModelPruning,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 from torch.nn.utils import prune
 from torch.optim.swa_utils import SWALR
 from typing_extensions import override
@@ -192,3 +198,52 @@ def test_no_snapshot_left_that_fits_says_why_it_is_missing() -> None:
         "contained inf/NaN in net.0.bias at step 5 (epoch 0) on rank(s) 0.) but no snapshot verified finite "
         "is left: 2 could not be used in this fit (the journal's snapshot_unusable says why). Nothing was restored."
     )
+
+
+class Finetuned(pl.LightningModule):
+    """A backbone that ``BackboneFinetuning`` unfreezes at epoch 2 (step 16), adding its param group then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh())
+        self.head = torch.nn.Linear(16, 1)
+        self.data = TinyRegressor().data
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.data, batch_size=8)
+
+
+class RatesUsed(Callback):
+    """The rates each optimizer step used, by step (a step post-hook)."""
+
+    def __init__(self) -> None:
+        self.used: dict[int, list[float]] = {}
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.optimizers[0].register_step_post_hook(
+            lambda optimizer, *_: self.used.__setitem__(trainer.global_step, [g["lr"] for g in optimizer.param_groups])
+        )
+
+
+def test_a_param_group_added_since_the_snapshot_keeps_the_backoff_once_across_a_rollback() -> None:
+    """The backbone's group, added at step 16, kept its live rate through the rollback to step 15's snapshot (one
+    group then), already halved by the backoff; the ratio that brings the restored state to the backed-off scale
+    halved it again: 0.25x the bare run's until BackboneFinetuning next wrote it."""
+    runs = []
+    for suite in ([], [*default_callbacks(snapshot_every_n_steps=5), nan_weight_at(18)]):
+        torch.manual_seed(0)
+        rates = RatesUsed()
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=2, lambda_func=lambda epoch: 1.5, verbose=False)
+        fit(Finetuned(), [finetuning, rates, *suite], max_steps=-1, max_epochs=3)
+        runs.append(rates.used)
+    bare, suite_rates = runs
+    assert all(bare[step] == [0.01, 0.001] for step in range(17, 24))
+    assert all(suite_rates[step] == [0.005, 0.0005] for step in range(19, 24))

@@ -18,7 +18,7 @@ from lightning_overflow.diagnosis.hints import divergence_hint
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.fit_summary import opened_because
 from lightning_overflow.health import StepHealth
-from lightning_overflow.numerics.lr_scaling import group_rates, scale_lr, schedules
+from lightning_overflow.numerics.lr_scaling import group_rates, scale_group, scale_lr, schedules
 from lightning_overflow.policy import (
     DEFAULT_BACKOFF_TRIGGERS,
     REGROWTH,
@@ -406,6 +406,14 @@ class LRBackoff(SuiteCallback):
         than the snapshot's predate the state (a snapshot written before the entries were): its rates are taken as
         they are."""
         optimizer = trainer.optimizers[index]
+        for group in optimizer.param_groups:
+            held = group.get(HELD)
+            if held is not None and held[1] != scale and _as_number(group.get("lr")) == held[0]:
+                # A group the restore left as it was (added since the snapshot): its rate is the live one, at the
+                # scale it holds. At the snapshot's scale first, the ratio that brings the state to the current
+                # scale leaves it where it was (it was halved twice: BackboneFinetuning's group after a rollback).
+                scale_group(group, scale / held[1])
+                _hold_group(group, scale)
         if all((group.get(HELD) or (None, scale))[1] == scale for group in optimizer.param_groups):
             self._settle(trainer, index)
         _hold(optimizer, scale)

@@ -33,7 +33,8 @@ from torch import Tensor
 
 from lightning_overflow._validation import check_float, check_type
 
-__all__ = ["GROUP_LR_KEYS", "SCHEDULER_LR_LISTS", "group_rates", "scale_lr", "scheduler_tree", "schedules"]
+__all__ = ["GROUP_LR_KEYS", "SCHEDULER_LR_LISTS", "group_rates", "scale_group", "scale_lr", "scheduler_tree",
+           "schedules"]
 
 GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "swa_lr")
 """Param-group keys holding a learning rate (``initial_lr``: every ``LRScheduler``; ``max_lr``/``min_lr``:
@@ -104,14 +105,21 @@ def scale_lr(optimizer: torch.optim.Optimizer, factor: float, schedulers: Iterab
     check_type("schedulers", schedulers, Iterable, "an iterable of LR schedulers")
     seen: set[int] = set()
     for group in optimizer.param_groups:
-        for key in GROUP_LR_KEYS:
-            if key in group:
-                group[key] = _scaled(group[key], factor, seen)
+        scale_group(group, factor, seen)
     for root in schedulers:
         for scheduler in scheduler_tree(root):
             if not schedules(scheduler, optimizer):
                 continue
             _scale_scheduler(scheduler, factor, seen)
+
+
+def scale_group(group: dict[str, Any], factor: float, seen: set[int] | None = None) -> None:
+    """Multiply the rates of one param group (:data:`GROUP_LR_KEYS`) by ``factor``; ``seen``: the ids of tensors
+    already scaled (one tensor reachable from two places is scaled once)."""
+    seen = set() if seen is None else seen
+    for key in GROUP_LR_KEYS:
+        if key in group:
+            group[key] = _scaled(group[key], factor, seen)
 
 
 def schedules(scheduler: Any, optimizer: torch.optim.Optimizer) -> bool:
