@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -218,7 +219,16 @@ def _journal(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 print(("\n" if number else "") + f"{folder}:\n{NOTHING_TO_REPORT}")
         return 0
     for number, journal in enumerate(found):
-        events = list(read_journal(journal))
+        with warnings.catch_warnings(record=True) as skipped:
+            warnings.simplefilter("always")
+            events = list(read_journal(journal))
+        for warning in skipped[:3]:  # one line each, not Python's warning with its source line
+            print(f"{parser.prog}: {warning.message}", file=sys.stderr)
+        if len(skipped) > 3:
+            print(f"{parser.prog}: ... and {len(skipped) - 3} more line(s) skipped", file=sys.stderr)
+        if skipped and not events:
+            parser.error(f"argument RUN_DIR: '{journal}' holds no event that can be read ({len(skipped)} line(s) "
+                         "skipped): it is not a journal, or it was cut off while its first event was written")  # fmt: skip
         if args.json:
             for event in events:
                 print(json.dumps(event))
@@ -280,4 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-        return int(args.run(args.parser, args))  # the command's own parser, so errors name the command
+        try:
+            return int(args.run(args.parser, args))  # the command's own parser, so errors name the command
+        except BrokenPipeError:  # the reader closed the pipe (journal ... | head): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error as Python flushes
+            return 1

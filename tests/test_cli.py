@@ -228,5 +228,32 @@ def test_journal_of_a_path_without_a_run_is_refused(tmp_path: Path, capsys: pyte
         f"{JOURNAL}argument RUN_DIR: no journal (overflow_events.jsonl) at or under '{tmp_path}'\n")
 
 
+def test_journal_of_a_file_that_is_not_one_is_refused_in_a_few_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "the suite recorded no event" of a metrics.csv (after a Python warning of two lines per line)."""
+    csv = tmp_path / "metrics.csv"
+    csv.write_text("step,loss\n" + "".join(f"{i},0.{i}\n" for i in range(6)))
+    lines = refused(["journal", str(csv)], capsys).splitlines()
+    assert lines[0] == (f"lightning-overflow journal: {csv}:1: skipped a corrupt journal line (Expecting value: "
+                        "line 1 column 1 (char 0))")
+    assert lines[3:] == [
+        "lightning-overflow journal: ... and 4 more line(s) skipped",
+        f"{JOURNAL}argument RUN_DIR: '{csv}' holds no event that can be read (7 line(s) skipped): it is not a "
+        "journal, or it was cut off while its first event was written",
+    ]
+
+
+def test_journal_into_a_closed_pipe_stops_quietly(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    journal = tmp_path / "overflow_events.jsonl"
+    journal.write_text("".join(f'{{"step": {i}, "kind": "skip", "message": "step {i}"}}\n' for i in range(3000)))
+    done = subprocess.run(f"{sys.executable} -m lightning_overflow journal --json {journal} | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.stdout.startswith('{"step": 0, ') and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
 def test_no_command_is_one_line_too(capsys: pytest.CaptureFixture[str]) -> None:
     assert refused([], capsys) == "lightning-overflow: error: the following arguments are required: command\n"

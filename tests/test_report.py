@@ -488,6 +488,19 @@ def test_the_loss_goes_log_scale_only_when_it_spans_decades(tmp_path: Path) -> N
     assert panels(draw([calm, wild]))["loss"].get_yscale() == "log"
 
 
+def test_a_run_that_logs_a_validation_loss_only_draws_it_in_the_loss_panel(tmp_path: Path) -> None:
+    """The panel was left empty (the text named val_loss), and matplotlib warned of a legend without artists."""
+    run = load_run(write_run(tmp_path / "val", {"val_loss": steps([3.0, 2.0, 1.5]),
+                                                "grad_norm/total": steps([1.0] * 3)}))  # fmt: skip
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = panels(draw([run]))["loss"]
+    assert [line.get_label() for line in loss.get_lines()] == ["val: val_loss (validation)"]
+    assert list(loss.get_lines()[0].get_ydata()) == [3.0, 2.0, 1.5]
+
+
 def test_how_each_run_ended(tmp_path: Path) -> None:
     grad = {"grad_norm/total": steps([1.0] * 10)}
     finished = load_run(write_run(tmp_path / "f", {**grad, "train_loss": steps([2.0] * 10)}))

@@ -176,15 +176,14 @@ def _loss_panel(ax: Axes, looks: list[_Look]) -> None:
     for look in looks:
         run, colour = look.run, look.colour
         key, series = run.panels["loss"], run.panel("loss")
-        if key is None:
-            continue
-        ax.plot(*_finite(series), color=colour, lw=look.width, label=f"{run.label}: {key}")
-        finite += _finite(series)[1]
-        _nonfinite_on_top(ax, series, colour)
-        _mark(ax, series, look.markers)
-        for marker in look.markers:  # the steps a trial ran, shaded in its verdict's colour
-            if marker.since is not None:
-                ax.axvspan(marker.since, marker.step, color=marker.spec.colour, alpha=0.08, lw=0)
+        if key is not None:  # a run may log a validation loss only
+            ax.plot(*_finite(series), color=colour, lw=look.width, label=f"{run.label}: {key}")
+            finite += _finite(series)[1]
+            _nonfinite_on_top(ax, series, colour)
+            _mark(ax, series, look.markers)
+            for marker in look.markers:  # the steps a trial ran, shaded in its verdict's colour
+                if marker.since is not None:
+                    ax.axvspan(marker.since, marker.step, color=marker.spec.colour, alpha=0.08, lw=0)
         val_key, val = run.panels["validation loss"], run.panel("validation loss")
         if val_key is not None:
             ax.plot(*_finite(val), color=colour, lw=1.3, ls="--", marker="o", ms=6,
@@ -194,7 +193,8 @@ def _loss_panel(ax: Axes, looks: list[_Look]) -> None:
     ax.set_title("loss", loc="left", fontsize=10)
     if finite and min(finite) > 0 and max(finite) / min(finite) >= 30:
         ax.set_yscale("log")  # a divergence spans decades; the healthy runs would be a flat line beside it
-    ax.legend(loc="best", fontsize=9)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=9)
     ax.grid(alpha=0.3)
 
 
