@@ -328,7 +328,9 @@ class Candidate:
             put_back_attributes(live)
 
     def _step(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, clip: Clip | None) -> bool:
-        """Step the swapped-in candidate; return whether the step was skipped (nothing changed)."""
+        """Step the swapped-in candidate; return whether the step was skipped as the suite skips one (nothing
+        changed, the schedule held). A GradScaler's own overflow of a finite loss changes nothing either, but the
+        loop steps its schedule on it (as a bare loop and Lightning do): so does the candidate."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
         _average_across_ranks(grads)
@@ -337,8 +339,8 @@ class Candidate:
             scaler.unscale_(optimizer)
         total = math.sqrt(float(tensor_norms(grads).double().pow(2).sum())) if grads else 0.0
         window_start, self.window_buffers = self.window_buffers, {}
-        skip, self.nonfinite = self.nonfinite or not math.isfinite(total), False
-        if skip:  # the true no-op, as the loop's skip: no update, the buffers as the window found them
+        bad_loss, self.nonfinite = self.nonfinite, False
+        if bad_loss or not math.isfinite(total):  # the true no-op, as the loop's skip: no update, the buffers as the window found them
             optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
                 for name, buffer in trainer.lightning_module.named_buffers():
@@ -346,7 +348,7 @@ class Candidate:
                         buffer.copy_(window_start[name])
             if scaler is not None:
                 scaler.update()  # the scaler lowers its scale on the overflow, as it does for the loop
-            return True
+            return bad_loss or scaler is None
         if clip is not None:
             clip(grads, total)
         if scaler is not None:

@@ -726,6 +726,41 @@ def test_a_nan_loss_under_a_scaler_is_the_suites_skip(tmp_path: Path) -> None:
     assert scaler.get_scale() == 2.0**7  # the scaler saw the inf/NaN gradients and lowered its scale
 
 
+def test_a_candidates_schedule_steps_on_its_scalers_own_overflow_as_the_loops_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trial's candidate held its schedule on its GradScaler's own overflows (a finite loss), where the loop steps
+    its scheduler (as a bare loop and Lightning do): a kept remedy came back with its schedule steps short."""
+    from lightning_overflow import candidate
+
+    held = []
+    original = candidate.Candidate.train_on
+
+    def train_on(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step = original(self, *args, **kwargs)
+        held.append(step.skipped and math.isfinite(step.loss))
+        return step
+
+    monkeypatch.setattr(candidate.Candidate, "train_on", train_on)
+    data = torch.Generator().manual_seed(0)
+    x, teacher = torch.randn(40, 16, 8, generator=data), torch.randn(8, 1, generator=data)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1.0)  # far too high: suspicions, trials
+
+    def loss_fn(net: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = net(batch)
+        return nn.functional.mse_loss(out.float(), batch @ teacher)
+
+    scaler = torch.amp.GradScaler("cpu", growth_interval=7)
+    schedule = sched.LambdaLR(optimizer, lambda step: 1.0)
+    with Guard(model, optimizer, schedule, scaler=scaler, loss_fn=loss_fn, default_root_dir=tmp_path) as guard:
+        for batch in x:
+            guard.train_step(batch)
+    assert len(held) >= 20 and not any(held)
+
+
 def _fabric_16_mixed_loop(tmp_path: Path | None, init_scale: float, clip: float | None = None, steps: int = 40,
                           hand_scaler: bool = False, **guard_kwargs: Any
                           ) -> tuple[nn.Module, Any, list[StepOutcome]]:  # fmt: skip
