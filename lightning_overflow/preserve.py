@@ -129,8 +129,10 @@ def preserved_state(module: nn.Module, start_rng: RngState | None = None, kind: 
     ``torch.Generator`` stored as an attribute of one of the modules (those are put back, not rewound to the start
     of the step: the body runs with their current state).
 
-    Parameters and their ``.grad`` are the caller's business (compute gradients with ``torch.autograd.grad``, which
-    leaves ``.grad`` alone).
+    Parameters that no optimizer trains (``requires_grad=False``) are put back too: a momentum encoder or an EMA
+    teacher that ``training_step`` updates in place (MoCo's, BYOL's, DINO's) would otherwise take one more update per
+    replay. The trained parameters and their ``.grad`` are the caller's business (compute gradients with
+    ``torch.autograd.grad``, which leaves ``.grad`` alone).
 
     Args:
         module: the model whose buffers (BatchNorm running statistics and counters) and torchmetrics states are kept.
@@ -150,6 +152,7 @@ def preserved_state(module: nn.Module, start_rng: RngState | None = None, kind: 
     numpy = sys.modules.get("numpy")
     numpy_rng = numpy.random.get_state() if numpy is not None else None
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    frozen = [(p, p.detach().clone()) for p in module.parameters() if not p.requires_grad]
     metrics = metric_states(module)
     owned = [g for m in module.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
     generators = [(g, g.get_state()) for g in owned]
@@ -168,7 +171,7 @@ def preserved_state(module: nn.Module, start_rng: RngState | None = None, kind: 
         if numpy is not None:
             numpy.random.set_state(numpy_rng)
         with torch.no_grad():
-            for live, saved in buffers:
+            for live, saved in buffers + frozen:
                 live.copy_(saved)
         put_back_metric_states(metrics)
 

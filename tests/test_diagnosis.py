@@ -557,3 +557,37 @@ def test_a_batch_with_inf_nan_and_huge_values_is_told_with_both() -> None:
     assert both.describe_batch() == "batch 5 holds 2 NaN and values up to 1e+30 in rows 0, 5, 13"
     assert both.blames_batch
     assert not Replay(0, True, batch_idx=5, batch_nonfinite=1, batch_nan=1, batch_harmless=True).blames_batch
+
+
+class MomentumTeacher(TinyRegressor):
+    """A student and a teacher that follows it by an exponential moving average written in ``training_step`` (the
+    momentum encoder of MoCo, BYOL, DINO): frozen parameters that no optimizer trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Linear(4, 1)
+        self.teacher.requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        with torch.no_grad():
+            self.teacher.weight.mul_(0.9).add_(self.net[0].weight[:1], alpha=0.1)
+        return super().training_step(batch, batch_idx) + 0.0 * self.teacher(batch[0]).mean()
+
+
+class TeacherAt(pl.Callback):
+    def __init__(self) -> None:
+        self.at: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *_: Any) -> None:
+        self.at[trainer.global_step] = (pl_module.teacher.weight.clone(), pl_module.net[0].weight[:1].clone())
+
+
+def test_the_replays_of_a_skipped_step_leave_a_momentum_teacher_as_the_step_left_it() -> None:
+    """The two diagnostic replays of a NaN step run ``training_step`` again: each moved the teacher one more EMA step
+    (three updates in one skipped step, bare makes one)."""
+    model, probe = MomentumTeacher(), TeacherAt()
+    model.data.tensors[0][3 * model.batch_size + 1, 0] = float("nan")  # the batch of step 3
+    fit(model, [NonFiniteDetector(), probe], max_steps=5)
+    teacher, student = probe.at[3]
+    once = teacher.clone().mul_(0.9).add_(student, alpha=0.1)
+    assert torch.equal(probe.at[4][0], once)  # the step's own update, and none of the replays'
