@@ -591,3 +591,30 @@ def test_the_replays_of_a_skipped_step_leave_a_momentum_teacher_as_the_step_left
     teacher, student = probe.at[3]
     once = teacher.clone().mul_(0.9).add_(student, alpha=0.1)
     assert torch.equal(probe.at[4][0], once)  # the step's own update, and none of the replays'
+
+
+class MemoryBank(TinyRegressor):
+    """A memory of the last batch's outputs in a buffer that the forward reads, then writes (a bank of negatives,
+    DINO's centre): the NaN batch writes its NaN into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bank", torch.zeros(self.batch_size, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        out = self(x)
+        loss = nn.functional.mse_loss(out, y) + 0.0 * self.bank.sum()
+        with torch.no_grad():
+            self.bank.copy_(out)
+        return loss
+
+
+def test_a_nan_sample_is_a_data_fault_though_the_forward_wrote_it_into_a_buffer(tmp_path: Path) -> None:
+    """The replay with the batch's NaN set to 0 read the bank the step's forward had written NaN into, came out NaN
+    all the same, and blamed the model (lightly's MoCo): the replays run on the buffers as the step read them."""
+    model = MemoryBank()
+    model.data.tensors[0][3 * model.batch_size + 1, 0] = float("nan")
+    fit(model, [NonFiniteDetector()], max_steps=5, default_root_dir=tmp_path)
+    assert [(e["step"], e["kind"]) for e in read_journal(tmp_path)] == [(3, "data_fault"), (3, "skip")]
+    assert torch.isfinite(model.bank).all()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
@@ -674,7 +675,8 @@ class NonFiniteDetector(SuiteCallback):
         """Replay the batch on every rank (the finding is identical on every rank, so all of them get here)."""
         if not self.diagnose or finding.kind not in ("loss", "grad"):
             return None
-        diagnosis = diagnose_step(trainer, trainer.lightning_module, self._kept, record.step, finding.ranks)
+        with _buffers_as_the_step_read_them(self.board(trainer).buffers_written()):
+            diagnosis = diagnose_step(trainer, trainer.lightning_module, self._kept, record.step, finding.ranks)
         self.last_diagnosis = diagnosis
         return diagnosis
 
@@ -922,6 +924,23 @@ def _warn_about_spike_detection(trainer: pl.Trainer, warnings: WarningCache) -> 
             "rescue is stopped there. Remove SpikeDetection: LossSpikeDetector finds the spikes, and the suite skips "
             "the non-finite steps and tries the remedies of the rest.",
         )
+
+
+@contextmanager
+def _buffers_as_the_step_read_them(written: list[tuple[str, torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """The buffers the step's forward wrote, as the window found them, for the replays of the step: a forward that
+    wrote its batch's NaN into a buffer (DINO's centre, a memory bank of negatives) would make the replay with the
+    batch's bad values set to 0 come out NaN all the same, and blame the model for the data. Put back after."""
+    now = [(live, live.detach().clone()) for _, live, _ in written]
+    with torch.no_grad():
+        for _, live, saved in written:
+            live.copy_(saved)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for live, value in now:
+                live.copy_(value)
 
 
 def _warn_about_vanishing_eps(trainer: pl.Trainer, warnings: WarningCache) -> None:
