@@ -277,7 +277,8 @@ def ending_words(facts: Mapping[str, Any]) -> str:
         return (f"the fit's first step had a gradient norm of {_number(facts['start_norm'])}, "
                 f"{facts['scale_ratio']:.3g}x the median of the {facts['norm_steps']} steps after it "
                 f"({_number(facts['typical_norm'])}): the model was drawn out of scale (a recurrent matrix, or "
-                "layers, drawn too large)")
+                "layers, drawn too large), or its first updates grew the weights of normalised layers, whose "
+                "gradients shrink as they grow (a learning rate too high)")
     last = f"median {_number(facts['last'])} over steps {facts.get('last_from', '?')}-{facts['last_step']}"
     if facts.get("stalled"):
         return (f"the training loss ended at {facts['ratio']:.2g}x where it started ({last}, "
@@ -636,7 +637,7 @@ def _endings(endings: list[Event], by_kind: dict[str, list[Event]]) -> list[str]
     if "start_norm" in details:
         return [f"{message}. A run that starts so can end far above what the same model drawn right reaches: compare "
                 "its loss with such a run's, and draw the weights smaller (std = gain / sqrt(fan_in); an orthogonal "
-                "recurrent matrix of gain 1) or warm the learning rate up"]
+                "recurrent matrix of gain 1), or lower the learning rate or warm it up"]
     if "silent_tensors" in details:
         return [f"{message}{after}: it learns no more, and its weights are not worth keeping; try a lower learning "
                 "rate, a smaller initialisation (std = gain / sqrt(fan_in)) or a normalisation layer between the "

@@ -167,10 +167,11 @@ def test_a_fit_whose_first_gradients_were_out_of_scale_says_so_at_its_end(
     (line,) = [line for line in summary.splitlines() if "first step" in line]
     assert line.startswith(f"  - the fit's first step had a gradient norm of {details['start_norm']:.4g}, ")
     assert line.endswith(
-        "the model was drawn out of scale (a recurrent matrix, or layers, drawn too large). A run that starts so can "
-        "end far above what the same model drawn right reaches: compare its loss with such a run's, and draw the "
-        "weights smaller (std = gain / sqrt(fan_in); an orthogonal recurrent matrix of gain 1) or warm the learning "
-        "rate up"
+        "the model was drawn out of scale (a recurrent matrix, or layers, drawn too large), or its first updates grew "
+        "the weights of normalised layers, whose gradients shrink as they grow (a learning rate too high). A run that "
+        "starts so can end far above what the same model drawn right reaches: compare its loss with such a run's, and "
+        "draw the weights smaller (std = gain / sqrt(fan_in); an orthogonal recurrent matrix of gain 1), or lower the "
+        "learning rate or warm it up"
     )
 
 
