@@ -340,7 +340,7 @@ class Candidate:
         total = math.sqrt(float(tensor_norms(grads).double().pow(2).sum())) if grads else 0.0
         window_start, self.window_buffers = self.window_buffers, {}
         bad_loss, self.nonfinite = self.nonfinite, False
-        if bad_loss or not math.isfinite(total):  # the true no-op, as the loop's skip: no update, the buffers as the window found them
+        if bad_loss or not math.isfinite(total):  # the true no-op, as the loop's: no update, the window's buffers
             optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
                 for name, buffer in trainer.lightning_module.named_buffers():

@@ -228,7 +228,7 @@ def _journal(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(f"{parser.prog}: ... and {len(skipped) - 3} more line(s) skipped", file=sys.stderr)
         if skipped and not events:
             parser.error(f"argument RUN_DIR: '{journal}' holds no event that can be read ({len(skipped)} line(s) "
-                         "skipped): it is not a journal, or it was cut off while its first event was written")  # fmt: skip
+                         "skipped): it is not a journal, or it was cut off while its first event was written")
         if args.json:
             for event in events:
                 print(json.dumps(event))

@@ -919,7 +919,7 @@ class Guard:
             skipped = judged and record.skipped
             if not skipped and host.gradient_clip_val is not None:
                 self._clip(host.gradient_clip_val, host.gradient_clip_algorithm)
-            scaling = scaler is not None and scaler.is_enabled()
+            scaling = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
             # Whether the scaler skips the step itself: the record's gradients tell it without a read; where no
             # callback judged the step, the scaler's scale falls
             scale = scaler.get_scale() if scaling and not judged else None

@@ -607,8 +607,8 @@ def test_a_first_gradient_norm_100x_the_next_ones_is_an_ending_fact_and_less_is_
     assert _started([200.0, *after], losses=[10.0] + [1.0] * 24).start_out_of_scale() is not None  # a tenth kept
     assert ending_words(_started([200.0, *after]).start_out_of_scale()) == (
         "the fit's first step had a gradient norm of 200, 100x the median of the 24 steps after it (2): the model "
-        "was drawn out of scale (a recurrent matrix, or layers, drawn too large), or its first updates grew the weights "
-        "of normalised layers, whose gradients shrink as they grow (a learning rate too high)"
+        "was drawn out of scale (a recurrent matrix, or layers, drawn too large), or its first updates grew the "
+        "weights of normalised layers, whose gradients shrink as they grow (a learning rate too high)"
     )
 
 
