@@ -665,6 +665,23 @@ def test_a_foreign_error_in_one_process_leaves_the_last_verified_weights_and_pro
     assert restore.details == {"error": "RuntimeError", "snapshot_step": 0, "source": "memory"}
 
 
+def test_a_check_that_fails_on_the_way_out_of_a_foreign_error_leaves_that_error_to_propagate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The module's own error is the one to see: a state its error left that the check cannot read is said, and the
+    error propagates unmasked."""
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("the check failed")
+
+    rollback, model = Rollback(every_n_steps=100), TinyRegressor()
+    monkeypatch.setattr(rollback, "_restore_if_nonfinite", broken)
+    with pytest.warns(OverflowWarning, match=r"on the way out of RuntimeError the state could not be checked or "
+                                             r"restored \(the check failed\); nothing was restored"):  # fmt: skip
+        with pytest.raises(RuntimeError, match="^boom$"):
+            fit(model, [rollback, nan_at(3), Boom(4)], max_steps=10)
+
+
 class InterruptedAt(TinyRegressor):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self.global_step == 11:

@@ -314,9 +314,16 @@ class Rollback(SuiteCallback):
             # Only the suite's errors are raised on every rank together; a foreign one (a KeyboardInterrupt, the
             # module's own error) may come from one rank only, and the restore's collective would wait for ranks that
             # never enter it. In one process the weights a foreign error left inf/NaN are restored too.
-            alike = isinstance(exception, _SUITE_ERRORS) or trainer.world_size == 1
-            if alike and self._candidates():
-                self._restore_if_nonfinite(trainer, type(exception).__name__)
+            ours = isinstance(exception, _SUITE_ERRORS)
+            if (ours or trainer.world_size == 1) and self._candidates():
+                try:
+                    self._restore_if_nonfinite(trainer, type(exception).__name__)
+                except Exception as failed:
+                    if ours:
+                        raise
+                    # The module's own error is the one to see: a check that fails on the state it left says so
+                    self._warnings.warn("exit_restore", f"Rollback: on the way out of {type(exception).__name__} the "
+                                        f"state could not be checked or restored ({failed}); nothing was restored")
         finally:
             super().on_exception(trainer, pl_module, exception)
 
