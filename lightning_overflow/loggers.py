@@ -100,7 +100,7 @@ class StepMerge:
         self._served.add(id(logger))
         if len(self._served) == len(self._wrapped):
             self._held, self._served = None, set()
-        shared = sorted(set(held[1]).intersection(metrics).difference(self._told))
+        shared = sorted(key for key in held[1] if key in metrics and key not in self._told)
         if shared:  # the module logs a key of the suite's own: the loggers keep the module's value
             self._told.update(shared)
             warnings.warn(

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_overflow import _compat
+from lightning_overflow.numerics.snapshots import nonfinite_indices
 from lightning_overflow.preserve import is_metric, metric_state, put_back_metric_states
 
 if TYPE_CHECKING:
@@ -149,14 +150,18 @@ class BufferCopy:
         they are. Under manual optimization a batch steps several optimizers, and a forward pass for one of them
         writes buffers the others' steps rely on: what a skipped step must not leave behind is the inf/NaN its
         forward wrote (a BatchNorm's running statistics of a NaN batch), and a constant that holds -inf (a causal
-        mask) is none of that. One host read a buffer: on a skipped step only."""
+        mask) is none of that. Two host reads at most: on a skipped step only."""
+        listed = [(owner, name, live, saved) for (owner, name), saved in zip(self._owners, self._saved)
+                  if (live := owner._buffers.get(name)) is not None]  # fmt: skip
+        now = set(nonfinite_indices([live for _, _, live, _ in listed]))
+        if not now:
+            return
+        before = set(nonfinite_indices([listed[i][3] for i in sorted(now)]))  # not this batch's doing
         with torch.no_grad():
-            for (owner, name), saved in zip(self._owners, self._saved):
-                live = owner._buffers.get(name)
-                if live is None or not live.is_floating_point() or bool(torch.isfinite(live).all()):
+            for position, i in enumerate(sorted(now)):
+                owner, name, live, saved = listed[i]
+                if position in before:
                     continue
-                if not bool(torch.isfinite(saved).all()):
-                    continue  # inf/NaN before the batch: not this batch's doing
                 if live.shape == saved.shape:
                     live.copy_(saved)
                 else:  # re-assigned by the forward pass: the copy goes back in its place
@@ -215,18 +220,27 @@ class MetricCopy:
     def put_back_nonfinite(self) -> None:
         """Manual optimization, where a batch steps several optimizers and updates metrics for each: the states of
         the metrics that hold inf/NaN now and did not when the batch began, as the batch found them; the others as
-        they are. One host read a state tensor: after a batch with a skipped step only."""
-        put_back_metric_states([(m, saved) for m, saved in self._saved
-                                if _finite(saved) and not _finite(m.metric_state)])  # type: ignore[arg-type]
+        they are. Two host reads at most: after a batch with a skipped step only."""
+        now = _nonfinite_states([m.metric_state for m, _ in self._saved])  # type: ignore[attr-defined]
+        if not now:
+            return
+        before = _nonfinite_states([saved for _, saved in self._saved])
+        put_back_metric_states([pair for i, pair in enumerate(self._saved) if i in now - before])
 
     def release(self) -> None:
         self._module, self._metrics, self._training, self._counts, self._saved = None, [], None, [], []
 
 
-def _finite(state: dict[str, Any]) -> bool:
-    """Whether every floating-point tensor of a metric's state (a list state's too) is finite."""
-    tensors = [v for value in state.values() for v in (value if isinstance(value, list) else [value])]
-    return all(bool(torch.isfinite(t).all()) for t in tensors if isinstance(t, Tensor) and t.is_floating_point())
+def _nonfinite_states(states: list[dict[str, Any]]) -> set[int]:
+    """The positions of the metric states (a list state's tensors too) that hold inf/NaN, with one host read."""
+    tensors, owners = [], []
+    for position, state in enumerate(states):
+        for value in state.values():
+            for tensor in value if isinstance(value, list) else [value]:
+                if isinstance(tensor, Tensor):
+                    tensors.append(tensor)
+                    owners.append(position)
+    return {owners[i] for i in nonfinite_indices(tensors)}
 
 
 def _update_count(metric: nn.Module) -> int:
