@@ -17,6 +17,7 @@ if importlib.util.find_spec("lightning") is not None and importlib.util.find_spe
     import lightning.pytorch as _unified
 
     _SWA: tuple[type, ...] = (pl.callbacks.StochasticWeightAveraging, _unified.callbacks.StochasticWeightAveraging)
+    _BACKBONE: tuple[type, ...] = (pl.callbacks.BackboneFinetuning, _unified.callbacks.BackboneFinetuning)
     CALLBACK_BASES: tuple[type, ...] = (pl.Callback, _unified.Callback)
 
     class Callback(pl.Callback, _unified.Callback):  # type: ignore[misc]
@@ -29,6 +30,7 @@ if importlib.util.find_spec("lightning") is not None and importlib.util.find_spe
 else:
     Callback = pl.Callback  # type: ignore[misc]
     _SWA = (pl.callbacks.StochasticWeightAveraging,)
+    _BACKBONE = (pl.callbacks.BackboneFinetuning,)
     CALLBACK_BASES = (pl.Callback,)
 
 __all__ = [
@@ -252,6 +254,27 @@ def scale_swa_lrs(trainer: Any, scale: float, given: dict[int, Any]) -> None:
         if isinstance(callback, _SWA) and not getattr(callback, "_initialized", True):
             lrs = given.setdefault(id(callback), callback._swa_lrs)
             callback._swa_lrs = [lr * scale for lr in lrs] if isinstance(lrs, list) else lrs * scale
+
+
+def backbone_rates(trainer: Any) -> list[float]:
+    """The backbone rates ``BackboneFinetuning`` callbacks remember (``previous_backbone_lr``, 2.6.6; none before
+    the unfreeze): each writes its next rate, ``lambda_func(epoch + 1)`` times the one it remembers, into the last
+    param group of every optimizer as its epochs begin, and remembers it."""
+    return [float(callback.previous_backbone_lr) for callback in getattr(trainer, "callbacks", [])
+            if isinstance(callback, _BACKBONE) and isinstance(callback.previous_backbone_lr, (int, float))]  # fmt: skip
+
+
+def follow_backbone_rates(trainer: Any, optimizer: Any) -> None:
+    """``BackboneFinetuning`` derives the backbone's rate from its own memory and from the live rate of the first
+    param group, which a backoff has scaled, so its memory is set to the rate the backbone's group holds now: every
+    rate it derives is then the bare run's times the scale the run holds, and its alignment with the first group
+    compares two rates at that scale (2.6.6)."""
+    rate = optimizer.param_groups[-1].get("lr") if optimizer.param_groups else None
+    if not isinstance(rate, (int, float)):
+        return
+    for callback in getattr(trainer, "callbacks", []):
+        if isinstance(callback, _BACKBONE) and isinstance(callback.previous_backbone_lr, (int, float)):
+            callback.previous_backbone_lr = float(rate)
 
 
 def unmute_hooks(callback: Any, hooks: tuple[str, ...]) -> None:

@@ -185,10 +185,13 @@ class LRBackoff(SuiteCallback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """``StochasticWeightAveraging`` sets the rates from its ``swa_lrs`` as its epochs begin, after every callback's
-        epoch end: they follow the scale the run holds (not a trial's, which is the candidate's alone)."""
+        """``StochasticWeightAveraging`` sets the rates from its ``swa_lrs``, and ``BackboneFinetuning`` the backbone's
+        from its memory, as their epochs begin, after every callback's epoch end: they follow the scale the run holds
+        (not a trial's, which is the candidate's alone)."""
         if self.scales and (self._swa_lrs or self.scales[0] != 1.0):
             _compat.scale_swa_lrs(trainer, self.scales[0], self._swa_lrs)
+        if self.history and trainer.optimizers:
+            _compat.follow_backbone_rates(trainer, trainer.optimizers[0])
 
     @override
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
@@ -376,6 +379,7 @@ class LRBackoff(SuiteCallback):
         optimizer = trainer.optimizers[index]
         written: list[tuple[int, float, float]] = []
         scheduled: list[list[float | None]] | None = None
+        last = len(optimizer.param_groups) - 1
         known: float | None = None  # the scale the optimizer's groups hold, read only for a group added since
         for g, group in enumerate(optimizer.param_groups):
             held = group.get(HELD)
@@ -391,8 +395,9 @@ class LRBackoff(SuiteCallback):
             now = _as_number(group.get("lr"))
             if now is None or now == held[0]:
                 continue
-            if scheduled is None:
-                scheduled = _scheduled(trainer, index)
+            if scheduled is None:  # the rates schedulers set; BackboneFinetuning's last group, derived from held rates
+                backbone = [[None] * last + [rate] for rate in _compat.backbone_rates(trainer)]
+                scheduled = [*_scheduled(trainer, index), *backbone]
             if not any(g < len(rates) and rates[g] == now for rates in scheduled):
                 written.append((g, now, held[1]))
                 group["lr"] = now = now * held[1]
