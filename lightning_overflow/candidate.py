@@ -124,7 +124,7 @@ class Candidate:
 
     params: dict[str, Tensor]
     grads: dict[str, Tensor | None]
-    buffers: dict[str, Tensor]
+    buffers: dict[str, Tensor | None]
     optimizers: list[tuple[Any, list[dict[str, Any]]]]
     schedulers: list[dict[str, Any]]
     precision: dict[str, Any]
@@ -135,6 +135,7 @@ class Candidate:
     names: dict[int, str] = field(default_factory=dict)  # parameter ``id`` -> name, for the optimizer state
     scheduler_ids: list[int] = field(default_factory=list)  # the schedulers captured (``id``); none after a checkpoint
     attributes: ModuleAttributes | None = field(default=None, repr=False)
+    swapped: bool = False  # swapped in: the live state is the candidate's, the run's is held here
 
     # ---- building and swapping -----------------------------------------------------------------------------------
     @classmethod
@@ -144,7 +145,7 @@ class Candidate:
         module = trainer.lightning_module
         with torch.no_grad():
             params = {name: p.data.clone() for name, p in module.named_parameters()}
-            buffers = {name: b.data.clone() for name, b in module.named_buffers()}
+            buffers = {name: None if b is None else b.data.clone() for name, (_, _, b) in _buffer_slots(module).items()}
         optimizers = [(_clone_optimizer_state(o.state), _hyperparameters(o)) for o in trainer.optimizers]
         return cls(
             params=params,
@@ -162,12 +163,12 @@ class Candidate:
         """Exchange this candidate with the live training state, in place (its own inverse)."""
         module = trainer.lightning_module
         for name, param in module.named_parameters():
+            if name not in self.params:  # added since the capture: the candidate starts from the run's
+                self.params[name], self.grads[name] = param.data.clone(), None
             side = self.params[name]
             self.params[name], param.data = param.data, side
             self.grads[name], param.grad = param.grad, self.grads[name]
-        for name, buffer in module.named_buffers():
-            side = self.buffers[name]
-            self.buffers[name], buffer.data = buffer.data, side
+        self._swap_buffers(module)
         for index, optimizer in enumerate(trainer.optimizers):
             state, groups = self.optimizers[index]
             live = (optimizer.state, _hyperparameters(optimizer))
@@ -184,16 +185,46 @@ class Candidate:
             trainer.precision_plugin.load_state_dict(self.precision)
         self.precision = live_precision
 
+    def _swap_buffers(self, module: torch.nn.Module) -> None:
+        """Exchange the buffers: their ``.data`` where both branches hold a tensor, the slot's value where one holds
+        ``None`` (registered empty, filled on first use) or has no such buffer (:data:`_ABSENT`: registered since by
+        one branch's own steps). A buffer the run registered since the capture starts as the run's in the
+        candidate; one the candidate's own step registered is the candidate's alone."""
+        slots = _buffer_slots(module)
+        for name in [*slots, *(n for n in self.buffers if n not in slots)]:
+            owner, key, live = slots.get(name) or (*_owner(module, name), _ABSENT)
+            if owner is None:
+                continue
+            if name not in self.buffers:
+                self.buffers[name] = _ABSENT if self.swapped else (None if live is None else live.data.clone())
+            side = self.buffers[name]
+            if isinstance(live, Tensor) and isinstance(side, Tensor):
+                self.buffers[name], live.data = live.data, side
+                continue
+            self.buffers[name] = live
+            if side is _ABSENT:
+                del owner._buffers[key]
+            else:
+                owner._buffers[key] = side
+        self.swapped = not self.swapped
+
     def copy_to_live(self, trainer: pl.Trainer) -> None:
         """Copy this candidate into the live training state, in place (the candidate stays as it is); the live
         gradients are cleared."""
         module = trainer.lightning_module
         with torch.no_grad():
             for name, param in module.named_parameters():
-                param.data.copy_(self.params[name])
+                if name in self.params:
+                    param.data.copy_(self.params[name])
                 param.grad = None
-            for name, buffer in module.named_buffers():
-                buffer.data.copy_(self.buffers[name])
+            for name, (owner, key, buffer) in _buffer_slots(module).items():
+                side = self.buffers.get(name, buffer)
+                if isinstance(buffer, Tensor) and isinstance(side, Tensor) and side.shape == buffer.shape:
+                    buffer.data.copy_(side)
+                elif side is _ABSENT:
+                    del owner._buffers[key]
+                elif side is not buffer:  # filled by one branch only, or grown by its own steps
+                    owner._buffers[key] = side.clone() if isinstance(side, Tensor) else None
         for index, optimizer in enumerate(trainer.optimizers):
             state, groups = self.optimizers[index]
             optimizer.state = _clone_optimizer_state(state)
@@ -226,7 +257,7 @@ class Candidate:
     @property
     def nbytes(self) -> int:
         """Device bytes the candidate holds (weights, buffers, optimizer state)."""
-        tensors = [*self.params.values(), *self.buffers.values()]
+        tensors = [*self.params.values(), *(b for b in self.buffers.values() if isinstance(b, Tensor))]
         for state, _ in self.optimizers:
             tensors += [v for values in state.values() for v in values.values() if isinstance(v, Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -390,7 +421,7 @@ class Candidate:
         return {
             "params": _to_host(self.params),
             "grads": _to_host(self.grads),
-            "buffers": _to_host(self.buffers),
+            "buffers": _to_host({k: v for k, v in self.buffers.items() if v is not _ABSENT}),
             "optimizers": [{"state": state, "groups": groups} for state, groups in optimizers],
             "schedulers": copy.deepcopy(self.schedulers),
             "precision": copy.deepcopy(self.precision),
@@ -434,6 +465,33 @@ class Candidate:
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
+_ABSENT: Any = object()
+"""A buffer one branch has no slot for (the other's own steps registered it)."""
+
+
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module | None, str]:
+    prefix, _, key = name.rpartition(".")
+    try:
+        return module.get_submodule(prefix), key
+    except AttributeError:
+        return None, key
+
+
+def _buffer_slots(module: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Tensor | None]]:
+    """Every buffer slot of ``module`` by name, as ``(owner, key, tensor)``: those registered as ``None`` too (a
+    memory bank filled on first use), which ``named_buffers()`` leaves out; a tensor in two slots, once (as there)."""
+    slots: dict[str, tuple[torch.nn.Module, str, Tensor | None]] = {}
+    seen: set[int] = set()
+    for prefix, owner in module.named_modules():
+        for key, value in owner._buffers.items():
+            if value is not None and id(value) in seen:
+                continue
+            if value is not None:
+                seen.add(id(value))
+            slots[f"{prefix}.{key}" if prefix else key] = (owner, key, value)
+    return slots
+
+
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 

@@ -114,6 +114,39 @@ def test_a_trial_leaves_the_runs_attributes_as_a_run_without_the_suite_leaves_th
     assert kinds == [None] * 31 + ["trial", "trial", None] * 20 + [None] * 29
 
 
+class Banked(TinyRegressor):
+    """A memory bank as modules write one: a buffer registered empty (``None``) and filled on first use, from step 35,
+    inside the trial; and a buffer registered in the middle of the fit, at step 40."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("bank", None)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        if self.trainer.global_step >= 35:
+            self.bank = x[:2].detach() if self.bank is None else torch.cat([self.bank, x[:2].detach()])[-6:]
+        if self.trainer.global_step >= 40 and not hasattr(self, "seen"):
+            self.register_buffer("seen", torch.zeros(1))
+        if hasattr(self, "seen"):
+            self.seen += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_buffer_filled_or_registered_during_a_trial_is_each_branchs_own() -> None:
+    """The candidates were captured when the bank was still empty and ``seen`` did not exist: swapping them in
+    raised ``KeyError: 'bank'``. Each branch now fills its own; the run ends as the bare run does, bit for bit."""
+    torch.manual_seed(0)
+    bare = Banked(dropout=0.2)
+    fit(bare, [], max_steps=80)
+    torch.manual_seed(0)
+    model = Banked(dropout=0.2)
+    fit(model, [Suspect(30), LRBackoff(), Rollback(every_n_steps=10)], max_steps=80)
+    assert model.bank.shape == (6, 4) and torch.equal(model.bank, bare.bank)
+    assert float(model.seen) == float(bare.seen) == 40.0
+    assert_bit_identical(weights(model), weights(bare))
+
+
 def test_a_candidate_keeps_its_own_side_effects_for_its_next_steps() -> None:
     """Each remedy sees, in its ``training_step``, the deque its own previous steps filled, not the run's."""
     torch.manual_seed(0)
