@@ -163,8 +163,6 @@ class Candidate:
         """Exchange this candidate with the live training state, in place (its own inverse)."""
         module = trainer.lightning_module
         for name, param in module.named_parameters():
-            if name not in self.params:  # added since the capture: the candidate starts from the run's
-                self.params[name], self.grads[name] = param.data.clone(), None
             side = self.params[name]
             self.params[name], param.data = param.data, side
             self.grads[name], param.grad = param.grad, self.grads[name]
@@ -184,6 +182,19 @@ class Candidate:
         if self.precision:
             trainer.precision_plugin.load_state_dict(self.precision)
         self.precision = live_precision
+
+    def layout_change(self, module: torch.nn.Module) -> str:
+        """How the module's parameters differ from this candidate's (empty when they do not): a layout changed
+        since the capture (``ModelPruning`` turns each ``weight`` into ``weight_orig`` and back) leaves a candidate
+        that cannot be swapped in."""
+        live = {name: p.shape for name, p in module.named_parameters()}
+        if live.keys() == self.params.keys() and all(live[n] == t.shape for n, t in self.params.items()):
+            return ""
+        gone, new = sorted(self.params.keys() - live.keys()), sorted(live.keys() - self.params.keys())
+        reshaped = sorted(n for n in live.keys() & self.params.keys() if live[n] != self.params[n].shape)
+        parts = [f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                 for label, names in (("without", gone), ("with", new), ("reshaped:", reshaped)) if names]  # fmt: skip
+        return "; ".join(parts)
 
     def _swap_buffers(self, module: torch.nn.Module) -> None:
         """Exchange the buffers: their ``.data`` where both branches hold a tensor, the slot's value where one holds

@@ -538,8 +538,10 @@ def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
     kept = [e for e in trials if e["details"].get("kept")]
     false = [e for e in trials if e["details"].get("false_alarm")]
     # A trial that a certain fault ended before its verdict has no comparisons; the fault's answer is told apart.
-    faulted = [e for e in trials if not e["details"].get("kept") and "comparisons" not in e["details"]]
-    other = len(trials) - len(kept) - len(false) - len(faulted)
+    reshaped = [e for e in trials if e["details"].get("layout_change")]
+    faulted = [e for e in trials if not e["details"].get("kept") and "comparisons" not in e["details"]
+               and e not in reshaped]  # fmt: skip
+    other = len(trials) - len(kept) - len(false) - len(faulted) - len([e for e in reshaped if e not in kept])
     extra = sum(int(e["details"].get("extra_steps", 0) or 0) for e in trials)
     signals = Counter(_words(str(e["details"].get("signal"))) for e in trials)
     why = "; ".join(f"{words} ({n}x)" if n > 1 else words for words, n in signals.items())
@@ -562,6 +564,9 @@ def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
         outcome.append(f"{n} false alarm{'s' if n > 1 else ''} (the run went on untouched)")
     if faulted:
         outcome.append(f"{len(faulted)} ended by a certain fault before a verdict (answered at once)")
+    if reshaped:
+        outcome.append(f"{len(reshaped)} ended before a verdict when the model's parameters changed (as pruning "
+                       "does): the state on the side no longer fitted the model")
     if other:
         outcome.append(f"{other} kept the run as it was (the remedy was no better)")
     # A follow-up (rung 2 and on) tries the same suspicion again at a lower rate: one suspicion, several trials.

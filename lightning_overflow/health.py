@@ -749,6 +749,8 @@ class HealthBoard:
             "incumbent_losses": list(trial.incumbent),
             "remedy_losses": [list(scores) for scores in trial.remedies],
         }
+        if outcome.layout_change:
+            details["layout_change"] = outcome.layout_change
         if verdict is not None:
             details["comparisons"] = [
                 {"lr_factor": f, "mean": c.mean, "stderr": c.stderr, "pairs": c.pairs, "better": c.better, "wins": c.wins}
@@ -791,7 +793,7 @@ class HealthBoard:
             self._window_open = True
         trials = self.trials
         if trials.sides:  # only a candidate on the side has anything to do with the batch here
-            trials.begin_batch(trainer, batch, batch_idx, self.candidate_clip(trainer) if trials.active else None)
+            trials.begin_batch(trainer, self, batch, batch_idx, self.candidate_clip(trainer) if trials.active else None)
         for participant in self.in_stage("_before_batch"):
             participant._before_batch(trainer, pl_module, batch, batch_idx)
 

@@ -124,8 +124,9 @@ class TrialOutcome:
         kept: whether the remedy is now the live state.
         remedy: what the remedy was.
         step: the optimizer step at which it ended.
-        verdict: the verdict (``None`` when a certain fault ended the trial).
+        verdict: the verdict (``None`` when a certain fault, or a change of the model's layout, ended the trial).
         why: a sentence for messages.
+        layout_change: how the model's parameters changed, when that ended the trial.
     """
 
     trial: Trial
@@ -134,6 +135,7 @@ class TrialOutcome:
     step: int
     verdict: TrialVerdict | None
     why: str
+    layout_change: str = ""
 
     @property
     def false_alarm(self) -> bool:
@@ -188,9 +190,9 @@ class TrialRunner:
         self.__init__()  # type: ignore[misc]
 
     # ---- the batch ------------------------------------------------------------------------------------------------
-    def begin_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int, clip: Clip | None) -> None:
+    def begin_batch(self, trainer: pl.Trainer, board: _Board, batch: Any, batch_idx: int, clip: Clip | None) -> None:
         """Before the loop trains on ``batch``: each candidate on the side trains on it (or is scored on it)."""
-        if not self.sides:
+        if not self.sides or self._end_on_layout_change(trainer, board):
             return
         steps = _compat.optimizer_steps_this_batch(trainer)
         if self._frozen:
@@ -277,7 +279,7 @@ class TrialRunner:
     def end_fit(self, trainer: pl.Trainer, board: _Board) -> None:
         """The fit ends with a trial under way: judged on the steps so far (too few keep the incumbent). One opened
         on the last batch (a follow-up of a trial that ended there) has no step: it is withdrawn, unjournaled."""
-        if self.trial is None:
+        if self.trial is None or self._end_on_layout_change(trainer, board):
             return
         if not self.trial.incumbent:
             if self._frozen:  # the live state is the remedy: the incumbent, frozen on the side, comes back
@@ -419,6 +421,22 @@ class TrialRunner:
             then = "no remedy's own losses were finite either: the fault is answered at once"
         self._finish(trainer, board, step, winner, None, f"{named(fault.kind)} at step {fault.step} ended the trial: {then}")
 
+    def _end_on_layout_change(self, trainer: pl.Trainer, board: _Board) -> bool:
+        """A model whose layout changed during the trial (``ModelPruning`` at an epoch's or a validation's end, or
+        making its pruning permanent as the fit ends) has no place for the candidates on the side: the trial ends
+        with the live state as it is (in ``"frozen"`` mode the remedy, since the incumbent cannot come back)."""
+        if self.trial is None:
+            return False
+        change = self.sides[0].layout_change(trainer.lightning_module)
+        if not change:
+            return False
+        step = int(trainer.global_step)
+        live = "the remedy, live, stays" if self._frozen else "the run goes on as it is"
+        why = (f"the model's parameters changed during the trial (now {change}): the state on the side no longer "
+               f"fits the model, and {live}")  # fmt: skip
+        self._finish(trainer, board, step, 0 if self._frozen else None, None, why, last=True, layout_change=change)
+        return True
+
     def _healthiest_remedy(self, also_finite_at: Sequence[int] = ()) -> int | None:
         """The remedy whose last ``TAKEOVER_LOSSES`` losses were finite and lowest (and finite on the batches
         ``also_finite_at``); ``None`` when none was."""
@@ -431,7 +449,7 @@ class TrialRunner:
 
     def _finish(
         self, trainer: pl.Trainer, board: _Board, step: int, winner: int | None, verdict: TrialVerdict | None,
-        why: str, last: bool = False,
+        why: str, last: bool = False, layout_change: str = "",
     ) -> None:
         """End the trial with ``winner`` live (``None``: the run as it was); ``last``: the fit ends here, so no next
         rung opens."""
@@ -446,7 +464,7 @@ class TrialRunner:
         remedy = self.remedies[0 if self._frozen else winner] if winner is not None else Remedy()
         self.trial, self.sides, self.remedies = None, [], []
         self._last_end = step
-        outcome = TrialOutcome(trial, winner is not None, remedy, step, verdict, why)
+        outcome = TrialOutcome(trial, winner is not None, remedy, step, verdict, why, layout_change)
         if outcome.kept:
             self.kept += 1
             self._false_alarms.pop(trial.kind, None)

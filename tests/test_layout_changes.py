@@ -28,6 +28,7 @@ from lightning_overflow._compat import Callback
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
 from lightning_overflow.exceptions import RollbackError
+from lightning_overflow.health import board_for
 from lightning_overflow.numerics.snapshots import restore_optimizer_, take_snapshot
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 
@@ -173,6 +174,26 @@ def test_a_model_that_pruning_reparametrized_is_snapshot_again_when_the_next_epo
     assert "net.0.weight_orig" in probe.at[13]["weights"]
     assert_bit_identical(probe.at[13]["weights"], probe.epoch_start[8])
     assert trainer.global_step == 24 and all_finite(weights(trainer.lightning_module))
+
+
+def test_a_trial_under_way_when_pruning_changes_the_layout_ends_with_the_run_as_it_is() -> None:
+    """Scheduled trials (every 5 steps, 20 steps long) are under way when ModelPruning turns each weight into
+    weight_orig and weight_mask at the first epoch's end (step 8), and when it makes the pruning permanent as the fit
+    ends (step 24): swapping the candidates of the old layout in raised ``KeyError: 'net.0.weight_orig'``, then
+    ``'net.0.weight'``. Each trial ends there with the run as it is, which ends bit-identical to the bare run."""
+    runs = []
+    for suite in ([], default_callbacks(trial=TrialConfig(every_n_steps=5))):
+        torch.manual_seed(0)
+        trainer = fit(TinyRegressor(), [ModelPruning("l1_unstructured", amount=0.3), *suite], max_steps=-1,
+                      max_epochs=3)  # fmt: skip
+        runs.append(trainer)
+    bare, suite_run = runs
+    assert_bit_identical(weights(suite_run.lightning_module), weights(bare.lightning_module))
+    trials = [e for e in board_for(suite_run).journal.events if e.kind == "trial"]
+    ended = [(e.step, e.details["layout_change"].split(";")[0]) for e in trials if "layout_change" in e.details]
+    assert ended == [(8, "without net.0.bias, net.0.weight, net.2.bias ..."),
+                     (24, "without net.0.bias_orig, net.0.weight_orig, net.2.bias_orig ...")]  # fmt: skip
+    assert not any(e.details["kept"] for e in trials)
 
 
 class PruneAt(Callback):
