@@ -156,6 +156,16 @@ def logged_per_step_only(trainer: pl.Trainer, key: str) -> bool:
     return any(not getattr(getattr(e, "meta", None), "on_epoch", True) for e in _logged_as(trainer, key))
 
 
+def monitors_one_step(trainer: pl.Trainer, key: str) -> bool:
+    """Whether a monitor of ``key`` reads one training step's value: ``key`` was logged on the step only, or is the
+    ``_step`` form of a value logged on the step and the epoch (2.6.6: ``meta.on_step``/``meta.on_epoch``)."""
+    for entry in _logged_as(trainer, key):
+        meta = getattr(entry, "meta", None)
+        if getattr(meta, "on_step", False) and (not getattr(meta, "on_epoch", True) or key.endswith("_step")):
+            return True
+    return False
+
+
 def logged_metric_objects(trainer: pl.Trainer, key: str) -> list[Any]:
     """The torchmetrics ``Metric`` objects the training results logged ``key`` from (2.6.6: the ``value`` of an
     entry whose ``is_tensor`` is false); empty when any entry logged a tensor."""

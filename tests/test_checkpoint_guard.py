@@ -359,8 +359,35 @@ def test_a_rollback_leaves_no_checkpoint_ranked_by_the_training_loss_of_the_weig
     assert held.message == (
         "Rollback: ModelCheckpoint(monitor='train_loss') wrote no checkpoint at step 16: 'train_loss' is logged by the "
         "training steps, and its value is that of the weights the rollback at step 16 replaced; the restored weights "
-        "(the snapshot of step 0) get no checkpoint ranked by it before the epoch of the rollback ends"
+        "(the snapshot of step 0) get checkpoints ranked by it once the epoch of the rollback ends"
     )
+
+
+class StepTrainLoss(TinyRegressor):
+    """Logs its training loss on the step and the epoch: ``train_loss_step`` holds each step's value."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+
+def test_after_a_rollback_a_checkpoint_ranked_by_one_steps_loss_is_held_at_that_step_only(tmp_path: Path) -> None:
+    """``train_loss_step`` is the replaced weights' at the rollback's step (6) only: every later step logs the
+    restored weights' own. That one save is held; the others, ``last.ckpt`` included, are written as without the
+    fault. They were all held until the epoch's end: in a one-epoch fit, ``last.ckpt`` stayed at step 6."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="train_loss_step", every_n_train_steps=1,
+                                 save_top_k=-1, save_last=True)  # fmt: skip
+    rollback = Rollback(every_n_steps=4)
+    model = StepTrainLoss(n_samples=128)  # 16 batches: one epoch
+    fit(model, [NonFiniteDetector(), rollback, FaultInjector(Fault(step=5, kind="nan_weight")), checkpoint],
+        max_steps=14, default_root_dir=tmp_path, enable_checkpointing=True)  # fmt: skip
+    [rolled] = [e for e in rollback.board(model.trainer).journal.events if e.kind == "rollback"]
+    assert (rolled.step, rolled.details["snapshot_step"]) == (6, 4)
+    assert names(tmp_path / "ckpt") == sorted([f"epoch=0-step={s}.ckpt" for s in range(1, 15) if s != 6] + ["last.ckpt"])
+    assert saved(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 14
+    [held] = [e for e in rollback.board(model.trainer).journal.events if e.kind == "checkpoint_skipped"]
+    assert held.step == 6 and held.message.endswith("get checkpoints ranked by it from the next step, logged of their own")
 
 
 class NanAfterTheStep(pl.Callback):

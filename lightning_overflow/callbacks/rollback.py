@@ -640,11 +640,12 @@ class Rollback(SuiteCallback):
         self._record_rollback(trainer, signal, target.step, source)
 
     def _hold_unscored_saves(self, trainer: pl.Trainer) -> None:
-        """After a rollback, until its epoch ends: the checkpoint callbacks that rank by a metric of the training steps
-        write nothing (they save after this callback's hook). The metric's value is that of the weights replaced, or
-        an epoch's mean of theirs: a file of the restored weights filed under it would be ranked by another state's
-        loss, kept as the best (the fit's first weights, after a rollback to its start) and the trained one removed.
-        A validation metric is computed on the restored weights: its checkpoints are written."""
+        """After a rollback, while a metric of the training steps is that of the weights replaced, the checkpoint
+        callbacks that rank by it write nothing (they save after this callback's hook): a file of the restored
+        weights filed under it would be ranked by another state's loss, kept as the best (the fit's first weights,
+        after a rollback to its start) and the trained one removed. One step's value (``train_loss_step``) is the
+        replaced weights' at the rollback's step only; an epoch's mean of theirs, until the rollback's epoch ends. A
+        validation metric is computed on the restored weights: its checkpoints are written."""
         unscored = self._unscored
         if unscored is None or unscored["epoch"] != trainer.current_epoch:
             return
@@ -653,16 +654,20 @@ class Rollback(SuiteCallback):
             monitor = getattr(callback, "monitor", None)
             if monitor is None or not _compat.logged_in_training(trainer, monitor):
                 continue
+            one_step = _compat.monitors_one_step(trainer, monitor)
+            if one_step and step != unscored["step"]:
+                continue  # logged by the restored weights' own steps since
             _compat.hold_checkpoint_saves(callback, step)
             if id(callback) in self._held:
                 continue
             self._held.add(id(callback))
+            until = "from the next step, logged of their own" if one_step else "once the epoch of the rollback ends"
             self._event(
                 trainer, "checkpoint_skipped",
                 f"Rollback: {type(callback).__name__}(monitor={monitor!r}) wrote no checkpoint at step {step}: "
                 f"{monitor!r} is logged by the training steps, and its value is that of the weights the rollback at "
                 f"step {unscored['step']} replaced; the restored weights (the snapshot of step {unscored['target']}) "
-                "get no checkpoint ranked by it before the epoch of the rollback ends",
+                f"get checkpoints ranked by it {until}",
                 monitor=monitor, rollback_step=unscored["step"], snapshot_step=unscored["target"],
             )  # fmt: skip
 
