@@ -196,6 +196,23 @@ def test_a_trial_under_way_when_pruning_changes_the_layout_ends_with_the_run_as_
     assert not any(e.details["kept"] for e in trials)
 
 
+def test_a_model_pruned_at_a_validation_inside_the_epoch_is_snapshot_again_at_the_next_batch() -> None:
+    """``ModelPruning(prune_on_train_epoch_end=False)`` prunes when validation ends: at step 4, inside the epoch
+    (``val_check_interval=0.5``, eight batches an epoch). The NaN weight of step 5 found the snapshots of steps 0 and
+    3 of the old layout only, and ended the fit in ``RollbackError``; the state is snapshot at the next batch now, and
+    goes back there."""
+    for pruning_first in (True, False):
+        rollback = Rollback(every_n_steps=3)
+        pruning = ModelPruning("l1_unstructured", amount=0.3, prune_on_train_epoch_end=False)
+        order = [pruning, NonFiniteDetector(), rollback] if pruning_first else [NonFiniteDetector(), rollback, pruning]
+        probe = AverageProbe(None)
+        torch.manual_seed(0)
+        trainer = fit(TinyRegressor(), [*order, probe, nan_weight_at(5)], max_steps=12, val_check_interval=0.5,
+                      limit_val_batches=1)  # fmt: skip
+        assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(6, 4)]
+        assert "net.0.weight_orig" in probe.at[6]["weights"] and all_finite(weights(trainer.lightning_module))
+
+
 class PruneAt(Callback):
     """Prunes the first layer at the end of one step, inside an epoch: no epoch boundary sees the new layout."""
 

@@ -217,6 +217,7 @@ class Rollback(SuiteCallback):
         self._dropped = 0  # snapshots found unusable and dropped this fit
         self._layout: tuple[Any, ...] = ()  # the model's layout (module_layout) when the last snapshot was taken
         self._warnings = WarningCache()
+        self._validated = False  # a validation ran since the last training batch
         self._unscored: dict[str, Any] | None = None  # the last rollback of the epoch under way: step, epoch, target
         self._held: set[int] = set()  # the checkpoint callbacks told of it (by id)
 
@@ -268,6 +269,15 @@ class Rollback(SuiteCallback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
         self._hold_unscored_saves(trainer)
+        # ModelPruning(prune_on_train_epoch_end=False) changes the layout here, in any order of the callbacks: the
+        # next training batch looks, as an epoch's start does.
+        self._validated = trainer.state.fn == "fit" and not trainer.sanity_checking
+
+    @override
+    def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._validated:
+            self._validated = False
+            self._retake_if_reshaped(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -367,12 +377,13 @@ class Rollback(SuiteCallback):
         if self._healthy < self.every_n_steps:
             return
         self._take_or_answer(trainer)
+
     def _retake_if_reshaped(self, trainer: pl.Trainer) -> None:
-        """A callback changed the model's layout at an epoch's boundary (``ModelPruning`` turns ``weight`` into
-        ``weight_orig`` and ``weight_mask``; a parametrization moves a weight): no snapshot of the old layout can be
-        restored into it, so the state is snapshot now, before a fault needs one. The layout is the same on every
-        rank, and so is the decision. Read first by the names alone (:func:`module_layout`): an epoch may be one
-        step long."""
+        """A callback changed the model's layout at an epoch's boundary or at a validation's end (``ModelPruning``
+        turns ``weight`` into ``weight_orig`` and ``weight_mask``; a parametrization moves a weight): no snapshot of
+        the old layout can be restored into it, so the state is snapshot now, before a fault needs one. The layout is
+        the same on every rank, and so is the decision. Read first by the names alone (:func:`module_layout`): an
+        epoch may be one step long."""
         newest = self._memory.snapshots[-1] if self._memory.snapshots else None
         if newest is None or self.board(trainer).trials.active:
             return
