@@ -862,9 +862,8 @@ class HealthBoard:
 
     def logs_now(self, trainer: pl.Trainer) -> bool:
         """Whether Lightning logs this batch's metrics: asked once per batch (its logging step stays the same until
-        the batch ends), and true as well once a stop was asked for since (Lightning logs the last batch)."""
-        if not trainer.loggers:
-            return False
+        the batch ends), and true as well once a stop was asked for since (Lightning logs the last batch). Without a
+        logger too: the values go to ``trainer.callback_metrics`` then, where Lightning puts its users' own."""
         if self._log_due is None:
             self._log_due = _compat.should_update_logs(trainer)
         return self._log_due or bool(trainer.should_stop)
@@ -907,10 +906,11 @@ class HealthBoard:
             self._merge.send_leftover()
             if len(self.journal.events) != self._counted:  # an event after the last batch: the epoch's or fit's end
                 counters = self._publish_counters(trainer)
-                if trainer.loggers:
-                    self.metrics.add(counters, _compat.batches_that_stepped(trainer))
+                self.metrics.add(counters, _compat.batches_that_stepped(trainer))
         for step, metrics in self.metrics.drain():
-            if step == lightning_step:
+            if not trainer.loggers:
+                pass
+            elif step == lightning_step:
                 self._merge.hold(trainer.loggers, step, metrics)
             else:
                 for logger in trainer.loggers:

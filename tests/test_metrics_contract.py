@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import torch
 from conftest import MemoryLogger, fit
 
 from lightning_overflow import default_callbacks
@@ -63,3 +65,22 @@ def test_counters_are_monitorable_and_shown_in_the_progress_bar_once_something_h
     faulty = fit(TinyRegressor(), [NonFiniteDetector(), FaultInjector(Fault(2, "nan_loss"))], max_steps=4)
     assert float(faulty.callback_metrics["overflow/skipped_steps"]) == 1.0
     assert faulty.progress_bar_metrics["skips"] == 1 and isinstance(faulty.progress_bar_metrics["skips"], int)
+
+
+def test_without_a_logger_every_contract_key_is_in_callback_metrics_for_monitors() -> None:
+    """``logger=False``: the values went nowhere, and ``EarlyStopping(monitor="grad_norm/total")`` raised that the
+    metric was not available. They are in ``trainer.callback_metrics`` as with a logger, and the monitors read them;
+    the last logged step's gradient norm is the one a logger would have received."""
+    from pytorch_lightning.callbacks import EarlyStopping
+
+    runs = {}
+    for logger in (False, True):
+        stopping = EarlyStopping(monitor="grad_norm/total", patience=1000, check_on_train_epoch_end=True)
+        faults = FaultInjector(Fault(30, "nan_loss"), Fault(40, "nan_weight"))
+        torch.manual_seed(0)
+        trainer = fit(TinyRegressor(), [*default_callbacks(snapshot_every_n_steps=5), faults, stopping], max_steps=60,
+                      logger=logger, log_every_n_steps=1)  # fmt: skip
+        runs[logger] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        assert not [key for key in CONTRACT if key not in trainer.callback_metrics]
+        assert math.isfinite(float(stopping.best_score)) and stopping.wait_count < 1000
+    assert runs[False] == runs[True]

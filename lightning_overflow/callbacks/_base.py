@@ -243,9 +243,9 @@ class SuiteCallback(Callback):
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _log(self, trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
-        """Queue metrics for the suite's one logging call of this batch (``step``: Lightning's logging step)."""
-        if trainer.loggers:
-            self.board(trainer).metrics.add(metrics, _compat.batches_that_stepped(trainer) if step is None else step)
+        """Queue metrics for the suite's one logging call of this batch (``step``: Lightning's logging step), and
+        ``trainer.callback_metrics``, with a logger or without."""
+        self.board(trainer).metrics.add(metrics, _compat.batches_that_stepped(trainer) if step is None else step)
 
     def _event(
         self, trainer: pl.Trainer, kind: str, message: str, rank: int = 0, step: int | None = None, **details: Any

@@ -89,7 +89,7 @@ class GradNormMonitor(SuiteCallback):
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
         self._update_epoch(record)
         total_due, per_parameter_due = self._due_now(trainer, record.log_step)
-        if (total_due or per_parameter_due) and trainer.loggers:
+        if total_due or per_parameter_due:
             self._log_step(trainer, record, total_due, per_parameter_due)
 
     @override
