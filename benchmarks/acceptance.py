@@ -157,6 +157,7 @@ def modules_of_a_healthy_step() -> tuple[int, list[str]]:
     from lightning_overflow.testing import TinyRegressor
 
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning_overflow").setLevel(logging.ERROR)
     modules: set[str] = set()
     measured = 10  # a step well past the start: snapshots and warm-ups behind it
 

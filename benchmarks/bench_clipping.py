@@ -151,6 +151,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # denormals can make CPU steps several times slower
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning_overflow").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
 

@@ -721,7 +721,8 @@ def summary_table(runs: list[dict[str, Any]]) -> None:
 
 
 def quiet() -> None:
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric"):
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric",
+                 "lightning_overflow"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*GPU available but not used.*")

@@ -108,6 +108,7 @@ def main() -> int:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning_overflow").setLevel(logging.ERROR)
     params = sum(p.numel() for p in MLP(samples=64).net.parameters())
     print(f"torch {torch.__version__}, CPU, 1 thread, Python {sys.version.split()[0]}; MLP {params / 1e6:.2f}M "
           f"parameters, {args.rounds} rounds x {WINDOW} steps")  # fmt: skip

@@ -203,7 +203,8 @@ class Run:
 
 def quiet() -> None:
     """Keep a run's console to what the benchmark prints: the journal holds what happened."""
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "arc"):
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "arc",
+                 "lightning_overflow"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
 

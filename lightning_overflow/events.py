@@ -9,6 +9,7 @@ listed in the event itself.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -24,9 +25,21 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_overflow.exceptions import OverflowWarning
 
-__all__ = ["JOURNAL_NAME", "Event", "Journal", "MetricBuffer", "WarningCache", "find_journals", "read_journal"]
+__all__ = ["JOURNAL_NAME", "Event", "log", "Journal", "MetricBuffer", "WarningCache", "find_journals", "read_journal"]
 
 JOURNAL_NAME = "overflow_events.jsonl"
+
+log = logging.getLogger("lightning_overflow")
+"""The suite's console: each action and the fit's summary, at INFO, on rank 0. A logger of its own, not a child of
+Lightning's: quieting Lightning (``logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)``, a library's
+switch for it such as pytorch-tabular's ``suppress_lightning_logger``) leaves what the suite did said;
+``logging.getLogger("lightning_overflow")`` sets it. Set up as Lightning sets up its own: INFO, and a handler of its
+own (standard error) unless the root logger has one."""
+if log.level == logging.NOTSET:
+    log.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers() and not log.handlers:
+    log.addHandler(logging.StreamHandler())
+    log.propagate = False
 
 
 @dataclass(frozen=True)

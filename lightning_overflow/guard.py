@@ -39,7 +39,6 @@ rank (one all-reduce a step), and a rollback restores every rank to the same sna
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -60,14 +59,13 @@ from lightning_overflow.callbacks import AutoClip, LRBackoff, NonFiniteDetector,
 from lightning_overflow.callbacks.nonfinite_detector import answered_call
 from lightning_overflow.composition import default_callbacks
 from lightning_overflow.distributed import per_rank_values, ranks_where, world
-from lightning_overflow.events import Event
+from lightning_overflow.events import Event, log
 from lightning_overflow.faulted_steps import FaultedStep
 from lightning_overflow.health import HealthBoard, board_for
 from lightning_overflow.numerics.norms import any_sharded
 
 __all__ = ["Guard", "LoopHost", "PlainLoopStrategy", "StepOutcome"]
 
-log = logging.getLogger("pytorch_lightning.lightning_overflow")
 
 NO_TRIALS = (
     "Guard.step(loss) is handed the loss, not the batch: no candidate can train beside a plain loop"

@@ -30,7 +30,6 @@ callbacks joined it, and it is held by those callbacks (``SuiteCallback._joined`
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import weakref
 from collections.abc import Mapping, Sequence
@@ -43,7 +42,7 @@ from torch import Tensor
 from lightning_overflow import _compat
 from lightning_overflow.candidate import Clip
 from lightning_overflow.distributed import read_packed, sum_and_read
-from lightning_overflow.events import Event, Journal, MetricBuffer, WarningCache
+from lightning_overflow.events import Event, Journal, MetricBuffer, WarningCache, log
 from lightning_overflow.fit_summary import (
     DEAD_SHARE,
     LossEnding,
@@ -107,7 +106,6 @@ __all__ = [
     "state_flags",
 ]
 
-log = logging.getLogger("pytorch_lightning.lightning_overflow")
 
 MAX_NAMES = 5  # offending parameter names quoted in a message
 

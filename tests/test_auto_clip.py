@@ -155,7 +155,7 @@ def test_the_default_composition_keeps_the_trainers_own_clipping_and_says_so_onc
     fit(bare, gradient_clip_val=0.01, gradient_clip_algorithm=algorithm, max_steps=24)
     pl.seed_everything(0, verbose=False)
     suite = TinyRegressor(lr=0.05)
-    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
         fit(suite, default_callbacks(), gradient_clip_val=0.01, gradient_clip_algorithm=algorithm, max_steps=24)
     assert_bit_identical(weights(bare), weights(suite))
     said = [r.getMessage() for r in caplog.records if "AutoClip leaves" in r.getMessage()]
@@ -622,7 +622,7 @@ def test_a_module_that_clips_its_own_gradients_keeps_its_clipping(caplog: pytest
     fit(bare, max_steps=24)
     pl.seed_everything(0, verbose=False)
     suite = _ClipsItself(lr=0.05)
-    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
         fit(suite, default_callbacks(), max_steps=24)
     assert_bit_identical(weights(bare), weights(suite))
     assert [r.getMessage() for r in caplog.records if "AutoClip leaves" in r.getMessage()] == [

@@ -48,7 +48,7 @@ class _OverflowingContrast(pl.LightningModule):
 def test_the_skip_budgets_error_names_the_op_its_fix_and_only_the_missing_callbacks(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
         with pytest.raises(DivergenceError) as caught:
             fit(_OverflowingContrast(), [NonFiniteDetector()], max_steps=60)
     message = str(caught.value)
@@ -69,7 +69,7 @@ def test_the_skip_budgets_error_names_the_op_its_fix_and_only_the_missing_callba
 def test_the_full_suite_stops_with_the_diagnosis_and_names_no_callback_it_has(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
         with pytest.raises(DivergenceError) as caught:
             fit(_OverflowingContrast(), default_callbacks(), max_steps=400)
     message = str(caught.value)
@@ -105,7 +105,7 @@ class _LostItsBest(pl.LightningModule):
 def test_a_run_the_full_suite_keeps_finite_but_far_above_its_best_says_so_at_its_end(
     caplog: pytest.LogCaptureFixture, tmp_path: Any, after: float, ratio: str
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
         fit(_LostItsBest(after), default_callbacks(), max_steps=200, default_root_dir=tmp_path)
     (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith(_SUMMARY)]
     (line,) = [line for line in summary.splitlines() if "the training loss ended" in line]
@@ -152,7 +152,7 @@ def test_a_fit_whose_first_gradients_were_out_of_scale_says_so_at_its_end(
 ) -> None:
     """No rule acts on the first step (nothing is known of a normal one yet), and the loss ends neither far above its
     best nor its start: the end still says that the model was drawn out of scale. Drawn right, nothing is said."""
-    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
         fit(_RecurrentDrawnLarge(gain), default_callbacks(), max_steps=40, default_root_dir=tmp_path)
     endings = [e for e in read_journal(tmp_path) if e["kind"] == "ending"] if (tmp_path / "overflow_events.jsonl"
                                                                                ).exists() else []  # fmt: skip

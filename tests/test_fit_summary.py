@@ -28,7 +28,7 @@ from lightning_overflow.fit_summary import (
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 from tests.conftest import fit, tuned
 
-SUMMARY_LOGGER = "pytorch_lightning.lightning_overflow"
+SUMMARY_LOGGER = "lightning_overflow"
 
 
 class CorruptRow(TinyRegressor):
@@ -76,6 +76,38 @@ def test_a_data_fault_is_one_line_naming_the_batch_and_row(caplog: pytest.LogCap
     # The skip refers to its finding; the diagnosis is written once, beside the message that says it.
     assert events[1]["details"] == {"where": "loss", "finding": "data_fault", "ranks": [0], "optimizer": 0}
     assert "message" not in fault["diagnosis"] and "batch 2 holds NaN in row 3" in events[0]["message"]
+
+
+QUIETED = """
+import logging, sys, warnings
+warnings.filterwarnings("ignore")
+logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)  # as users (and pytorch-tabular) quiet Lightning
+sys.path.insert(0, {tests!r})
+from conftest import fit
+from lightning_overflow import NonFiniteDetector
+from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+fit(TinyRegressor(), [NonFiniteDetector(), FaultInjector(Fault(2, "nan_loss"))], max_steps=4, default_root_dir={root!r})
+"""
+
+
+def test_quieting_lightnings_logger_leaves_the_summary_said(tmp_path: Path) -> None:
+    """The suite logged as a child of Lightning's logger: ``logging.getLogger("pytorch_lightning").setLevel(ERROR)``,
+    the usual way to quiet Lightning (pytorch-tabular's ``suppress_lightning_logger``), took every line of the suite
+    with it, though it skipped steps. Its own logger keeps them, on standard error, in a plain script."""
+    import subprocess
+    import sys
+
+    tests = str(Path(__file__).resolve().parent)
+    done = subprocess.run([sys.executable, "-c", QUIETED.format(tests=tests, root=str(tmp_path))],
+                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    said = [line for line in done.stderr.splitlines() if line.startswith(("lightning_overflow", "  - "))]
+    assert said == [
+        f"lightning_overflow: what happened in this fit (the details: python -m lightning_overflow journal "
+        f"{tmp_path / 'overflow_events.jsonl'}):",
+        "  - 1 step skipped: the loss was inf/NaN at step 2 (not reproduced on replay: a hardware fault, a "
+        "nondeterministic kernel or a race)",
+    ]
+    assert "GPU available" not in done.stderr and "GPU available" not in done.stdout  # Lightning's own stay quiet
 
 
 def test_a_backoff_series_says_where_the_learning_rate_ended(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:

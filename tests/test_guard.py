@@ -184,7 +184,7 @@ def test_a_nan_loss_at_step_k_skips_that_step_leaving_the_state_bit_identical(tm
 
 
 def test_the_fit_summary_tells_the_skip(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
         loop(12, default_callbacks(), tmp_path, fault="nan_loss")
     summary = [r.getMessage() for r in caplog.records if "what happened in this fit" in r.getMessage()]
     assert len(summary) == 1
@@ -257,7 +257,7 @@ def test_the_loops_own_clipping_is_that_of_a_bare_loop_and_autoclip_leaves_the_g
     options: dict[str, Any] = {"optimizer": "adamw", "scheduler": warmup}
     unclipped = loop(40, None, tmp_path, **options)
     bare = loop(40, None, tmp_path, clip=clip, **options)
-    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
         guarded = loop(40, default_callbacks(), tmp_path, clip=clip, **options)
     assert not torch.equal(weights(unclipped.model)["net.0.weight"], weights(bare.model)["net.0.weight"])
     assert_bit_identical(weights(bare.model), weights(guarded.model))
@@ -466,7 +466,7 @@ def test_a_divergence_error_ends_the_guard_as_it_ends_a_fit(tmp_path: Path) -> N
 
 def test_suspicions_are_answered_at_once_without_trials(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = nn.Linear(2, 1)
-    with caplog.at_level(logging.INFO, logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
         guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), default_root_dir=tmp_path)
     assert "not the batch" in guard.board.trials.unavailable and not guard.board.trials.runs
     assert any("no trials in this loop" in r.getMessage() for r in caplog.records)

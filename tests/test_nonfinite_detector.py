@@ -334,7 +334,7 @@ def test_state_survives_a_checkpoint(tmp_path: Any) -> None:
 
 
 def test_summary_line_at_the_end_of_fit(caplog: pytest.LogCaptureFixture, tmp_path: Any) -> None:
-    with caplog.at_level("INFO", logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level("INFO", logger="lightning_overflow"):
         fit(TinyRegressor(), [NonFiniteDetector(), FaultInjector(Fault(1, "nan_loss"))], max_steps=3,
             default_root_dir=tmp_path)
     assert (

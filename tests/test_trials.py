@@ -266,7 +266,7 @@ def test_a_fit_whose_steps_cannot_be_repeated_acts_at_once(tmp_path: Path, caplo
     """Manual optimization steps inside ``training_step``: no second candidate can repeat it, so a suspicion is
     answered at once, as without trials, and the fit says so when it starts."""
     suite = [Suspect(21), LRBackoff(), Rollback(every_n_steps=10)]
-    with caplog.at_level("INFO", logger="pytorch_lightning.lightning_overflow"):
+    with caplog.at_level("INFO", logger="lightning_overflow"):
         trainer = fit(ManualTiny(), suite, max_steps=30, default_root_dir=str(tmp_path))
     assert (
         "lightning_overflow: no trials in this fit (manual optimization steps its optimizers inside training_step, "

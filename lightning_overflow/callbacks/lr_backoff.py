@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -15,6 +14,7 @@ from lightning_overflow._validation import check_choices, check_float, check_int
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.diagnosis.hints import divergence_hint
+from lightning_overflow.events import log
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.fit_summary import opened_because
 from lightning_overflow.health import StepHealth
@@ -36,7 +36,6 @@ from lightning_overflow.trials import TrialOutcome
 
 __all__ = ["DEFAULT_TRIGGERS", "LRBackoff"]
 
-log = logging.getLogger("pytorch_lightning.lightning_overflow")
 
 DEFAULT_TRIGGERS = DEFAULT_BACKOFF_TRIGGERS
 """The signals that mean divergence (see the ladder in :mod:`lightning_overflow.policy`): a lone non-finite step,

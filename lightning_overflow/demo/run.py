@@ -173,7 +173,7 @@ def run_demo(steps: int = 500, seed: int = 0, out: Path = Path("overflow_demo"),
     if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"'lr' must be a finite number > 0 or None (got {lr!r})")
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
-    logging.getLogger("pytorch_lightning.lightning_overflow").setLevel(logging.INFO)  # the fit in plain words
+    logging.getLogger("lightning_overflow").setLevel(logging.INFO)  # the fit in plain words
     lr = DEFAULT_LR if lr is None else lr
     out = Path(out)
     print(f"lightning_overflow demo: a byte-level transformer on the standard library's source, Adam lr={lr:g}, "
