@@ -7,7 +7,9 @@ exchanges it with the live state *in place*: every parameter's and buffer's ``.d
 no copy, and the objects the optimizer, DDP's reducer and the skip's buffer copy hold stay the same objects), each
 optimizer's ``state`` and param-group hyperparameters, each LR scheduler's state and the GradScaler's. Swapped in, the
 candidate is the live state: ``training_step`` runs on it, the trainer's own optimizer steps it with the candidate's
-moments and learning rate, the trainer's schedulers step its schedule. Swapped back, the live state is exactly as it
+moments and learning rate, through the module's own hooks of an automatic step (``optimizer_step``, ``backward``,
+``on_before_optimizer_step``, ``configure_gradient_clipping``: see :meth:`Candidate.train_on`), and the trainer's
+schedulers step its schedule. Swapped back, the live state is exactly as it
 was, bit for bit.
 
 :meth:`Candidate.train_on` runs one batch through the candidate before the loop trains the live state on it: the
@@ -274,13 +276,22 @@ class Candidate:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- training and scoring ------------------------------------------------------------------------------------
-    def train_on(self, trainer: pl.Trainer, batch: Any, batch_idx: int, steps: bool, clip: Clip | None) -> CandidateStep:
-        """Train the candidate on the loop's ``batch`` (before the loop trains the live state on it).
+    def train_on(
+        self, trainer: pl.Trainer, batch: Any, batch_idx: int, steps: bool, clip: Clip | None,
+        settle: Callable[[], None] | None = None,
+    ) -> CandidateStep:
+        """Train the candidate on the loop's ``batch`` (before the loop trains the live state on it), through the
+        module's own hooks of an automatic step, as Lightning calls them for the loop: ``on_before_backward``,
+        ``backward``, ``on_after_backward``; on the batch that steps, ``optimizer_step`` (a warm-up written there),
+        whose optimizer's ``step`` runs the forward and backward passes, then ``on_before_optimizer_step`` and
+        ``configure_gradient_clipping`` (the module's own clipping, the Trainer's ``gradient_clip_val``).
 
         Args:
             steps: whether this batch ends an accumulation window (the loop's optimizer steps on it).
-            clip: scales the candidate's finite gradients in place, given them and their total norm (``None``: no
-                clip).
+            clip: scales the candidate's finite gradients in place, given them and their total norm, as the suite
+                clips the loop's step (``None``: no clip).
+            settle: holds the rates the module wrote (in ``optimizer_step``) at the scale the candidate's state
+                holds, as the suite does for the loop's step.
         """
         module = trainer.lightning_module
         rng = capture_rng()
@@ -289,26 +300,43 @@ class Candidate:
                 self._catch_up_schedule(trainer)
                 if not self.window_buffers:  # the buffers as the window began: a skipped step puts them back
                     self.window_buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-                args = (batch, batch_idx) if takes_batch_idx(module) else (batch,)
-                with trainer.precision_plugin.train_step_context():
-                    loss = loss_of(module.training_step(*args))
-                value = float(loss.detach().float().sum()) if loss is not None else math.nan
-                if math.isfinite(value):
-                    self.losses.append(value)
-                    scaler = _compat.scaler_of(trainer)
-                    scaled = loss / trainer.accumulate_grad_batches  # type: ignore[operator]
-                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
-                else:
-                    self.nonfinite = True
                 if not steps:
+                    _, value = self._forward_backward(trainer, batch, batch_idx)
                     return CandidateStep(value, stepped=False, skipped=False)
-                nonfinite = self.nonfinite
-                skipped = self._step(trainer, trainer.optimizers[0], clip)
+                optimizer = trainer.optimizers[0]
+                stepper = _CandidateOptimizer(
+                    optimizer, lambda: (self.nonfinite, self._step(trainer, optimizer, clip, settle))
+                )
+                module.optimizer_step(trainer.current_epoch, batch_idx, stepper,
+                                      lambda: self._forward_backward(trainer, batch, batch_idx)[0])  # fmt: skip
+                if stepper.result is None:  # the module's optimizer_step did not step: nothing trained
+                    optimizer.zero_grad(set_to_none=True)
         finally:
             restore_rng(rng)
+        nonfinite, skipped = stepper.result if stepper.result is not None else (True, True)
         mean = math.nan if nonfinite or not self.losses else sum(self.losses) / len(self.losses)
-        self.losses = []
+        self.losses, self.nonfinite = [], False
         return CandidateStep(mean, stepped=True, skipped=skipped)
+
+    def _forward_backward(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> tuple[Tensor | None, float]:
+        """The candidate's ``training_step`` on ``batch`` and, for a finite loss, its backward pass through the
+        module's hooks (as Lightning's closure); returns the loss and its value (``nan`` when there is none)."""
+        module = trainer.lightning_module
+        args = (batch, batch_idx) if takes_batch_idx(module) else (batch,)
+        with trainer.precision_plugin.train_step_context():
+            loss = loss_of(module.training_step(*args))
+        value = float(loss.detach().float().sum()) if loss is not None else math.nan
+        if not math.isfinite(value):
+            self.nonfinite = True
+            return loss, value
+        self.losses.append(value)
+        scaler = _compat.scaler_of(trainer)
+        scaled = loss / trainer.accumulate_grad_batches  # type: ignore[operator]
+        scaled = scaler.scale(scaled) if scaler is not None else scaled
+        module.on_before_backward(scaled)
+        module.backward(scaled)
+        module.on_after_backward()
+        return loss, value
 
     def score_on(self, trainer: pl.Trainer, batch: Any, batch_idx: int, steps: bool) -> CandidateStep:
         """Score the candidate, frozen, on the loop's ``batch``: its loss without a gradient, its buffers (BatchNorm
@@ -369,16 +397,22 @@ class Candidate:
                 self.attributes = capture_attributes(module)
             put_back_attributes(live)
 
-    def _step(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, clip: Clip | None) -> bool:
-        """Step the swapped-in candidate; return whether the step was skipped as the suite skips one (nothing
-        changed, the schedule held). A GradScaler's own overflow of a finite loss changes nothing either, but the
-        loop steps its schedule on it (as a bare loop and Lightning do): so does the candidate."""
+    def _step(
+        self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, clip: Clip | None,
+        settle: Callable[[], None] | None,
+    ) -> bool:
+        """Step the swapped-in candidate, its forward and backward passes done; return whether the step was skipped
+        as the suite skips one (nothing changed, the schedule held). A GradScaler's own overflow of a finite loss
+        changes nothing either, but the loop steps its schedule on it (as a bare loop and Lightning do): so does the
+        candidate."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
         _average_across_ranks(grads)
         scaler = _compat.scaler_of(trainer)
         if scaler is not None and grads:
             scaler.unscale_(optimizer)
+        if settle is not None:
+            settle()
         total = math.sqrt(float(tensor_norms(grads).double().pow(2).sum())) if grads else 0.0
         window_start, self.window_buffers = self.window_buffers, {}
         bad_loss, self.nonfinite = self.nonfinite, False
@@ -393,6 +427,9 @@ class Candidate:
             return bad_loss or scaler is None
         if clip is not None:
             clip(grads, total)
+        module = trainer.lightning_module
+        module.on_before_optimizer_step(optimizer)
+        module.configure_gradient_clipping(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -476,6 +513,25 @@ class Candidate:
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
+class _CandidateOptimizer:
+    """The optimizer a module's ``optimizer_step`` steps for a candidate, as Lightning's ``LightningOptimizer`` is for
+    the loop: ``step(closure)`` runs the closure (the forward and backward passes), then the candidate's step;
+    ``result`` says how that went (``None``: the module did not step). Every other attribute is the optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, after: Callable[[], tuple[bool, bool]]) -> None:
+        self.optimizer = optimizer
+        self._after = after
+        self.result: tuple[bool, bool] | None = None
+
+    def step(self, closure: Callable[[], Any] | None = None, **_: Any) -> Any:
+        loss = closure() if closure is not None else None
+        self.result = self._after()
+        return loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
 _ABSENT: Any = object()
 """A buffer one branch has no slot for (the other's own steps registered it)."""
 

@@ -231,6 +231,37 @@ class _LoopModule:
         loss_fn, model = self._side_run
         return loss_fn(model, batch)
 
+    # The hooks of a LightningModule's automatic step that a trial's candidate steps through (Candidate.train_on):
+    # the loop's own, as the guard runs it.
+    def on_before_backward(self, loss: Tensor) -> None:
+        pass
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+    def on_after_backward(self) -> None:
+        pass
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer.step(closure=optimizer_closure)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """The loop's own clipping (``Guard(gradient_clip_val=...)``), as Lightning's precision plugin clips for
+        ``Trainer(gradient_clip_val=...)``."""
+        if not gradient_clip_val:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            nn.utils.clip_grad_value_(params, gradient_clip_val)
+        else:
+            nn.utils.clip_grad_norm_(params, gradient_clip_val)
+
     def log(self, name: str, value: Any, **_: Any) -> None:
         """What a callback logs through the module at an epoch's end goes to the host's loggers (rank 0)."""
         host = self._host
@@ -915,8 +946,10 @@ class Guard:
             record = board.current
             judged = record is not None and record.step == step
             skipped = judged and record.skipped
-            if not skipped and host.gradient_clip_val is not None:
-                self._clip(host.gradient_clip_val, host.gradient_clip_algorithm)
+            if not skipped:
+                host.lightning_module.configure_gradient_clipping(
+                    host.optimizers[0], host.gradient_clip_val, host.gradient_clip_algorithm
+                )
             scaling = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
             # Whether the scaler skips the step itself: the record's gradients tell it without a read; where no
             # callback judged the step, the scaler's scale falls
@@ -950,14 +983,6 @@ class Guard:
             lr=[float(group["lr"]) for group in host.optimizers[0].param_groups],
             events=events[journaled:] if len(events) > journaled else [],
         )
-
-    def _clip(self, value: float, algorithm: Any) -> None:
-        """The loop's own clipping, as Lightning's precision plugin clips for ``Trainer(gradient_clip_val=...)``."""
-        params = [p for group in self.host.optimizers[0].param_groups for p in group["params"] if p.grad is not None]
-        if algorithm == GradClipAlgorithmType.VALUE:
-            nn.utils.clip_grad_value_(params, value)
-        else:
-            nn.utils.clip_grad_norm_(params, value)
 
     def _counts(self) -> tuple[int, int, int]:
         """How many steps were clipped, backoffs made and rollbacks made so far (the callbacks' public counts)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -761,16 +761,21 @@ class HealthBoard:
             log.info(message)
 
     def candidate_clip(self, trainer: pl.Trainer) -> Clip | None:
-        """The clip the loop's step would get, for the candidate's gradients: the Trainer's ``gradient_clip_val``,
-        or a clipper's current threshold."""
-        value = trainer.gradient_clip_val
-        if value is not None and value > 0:
-            algorithm = trainer.gradient_clip_algorithm or "norm"
-            return functools.partial(_clip_by_value if algorithm == "value" else _clip_by_norm, float(value))
+        """The suite's clip of the loop's step, for a candidate's gradients: a clipper's current threshold (the
+        Trainer's ``gradient_clip_val`` is the module's ``configure_gradient_clipping``, which the candidate calls)."""
         for participant in self.participants:
             clip = getattr(participant, "_candidate_clip", None)
             if clip is not None:
                 return clip(0)  # type: ignore[no-any-return]
+        return None
+
+    def candidate_rates(self, trainer: pl.Trainer) -> Callable[[], None] | None:
+        """What holds a candidate's rates at its own scale once its module wrote them (a warm-up in
+        ``optimizer_step``), as the suite holds the loop's."""
+        for participant in self.participants:
+            settle = getattr(participant, "_candidate_rates", None)
+            if settle is not None:
+                return functools.partial(settle, trainer)
         return None
 
     # ---- the batch --------------------------------------------------------------------------------------------
@@ -791,7 +796,7 @@ class HealthBoard:
             self._window_open = True
         trials = self.trials
         if trials.sides:  # only a candidate on the side has anything to do with the batch here
-            trials.begin_batch(trainer, self, batch, batch_idx, self.candidate_clip(trainer) if trials.active else None)
+            trials.begin_batch(trainer, self, batch, batch_idx)
         for participant in self.in_stage("_before_batch"):
             participant._before_batch(trainer, pl_module, batch, batch_idx)
 
@@ -1260,16 +1265,6 @@ def _refuse_a_second(participant: StepParticipant, joined: Sequence[StepParticip
                 f"{name} acts on the whole run, so two of them would act twice on every step and log into the same "
                 f"keys. Keep one {name}."
             )
-
-
-def _clip_by_norm(max_norm: float, grads: list[Tensor], total: float) -> None:
-    if total > max_norm:
-        torch._foreach_mul_(grads, max_norm / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_ scales
-
-
-def _clip_by_value(limit: float, grads: list[Tensor], total: float) -> None:
-    for grad in grads:
-        grad.clamp_(-limit, limit)
 
 
 def _index_of(items: Sequence[Any], item: Any) -> int:

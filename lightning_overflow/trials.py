@@ -190,15 +190,17 @@ class TrialRunner:
         self.__init__()  # type: ignore[misc]
 
     # ---- the batch ------------------------------------------------------------------------------------------------
-    def begin_batch(self, trainer: pl.Trainer, board: _Board, batch: Any, batch_idx: int, clip: Clip | None) -> None:
-        """Before the loop trains on ``batch``: each candidate on the side trains on it (or is scored on it)."""
+    def begin_batch(self, trainer: pl.Trainer, board: _Board, batch: Any, batch_idx: int) -> None:
+        """Before the loop trains on ``batch``: each candidate on the side trains on it (or is scored on it), its
+        step judged, clipped and its rates held as the suite does the loop's."""
         if not self.sides or self._end_on_layout_change(trainer, board):
             return
         steps = _compat.optimizer_steps_this_batch(trainer)
         if self._frozen:
             self._pending = [side.score_on(trainer, batch, batch_idx, steps) for side in self.sides]
-        else:
-            self._pending = [side.train_on(trainer, batch, batch_idx, steps, clip) for side in self.sides]
+            return
+        clip, settle = board.candidate_clip(trainer), board.candidate_rates(trainer)
+        self._pending = [side.train_on(trainer, batch, batch_idx, steps, clip, settle) for side in self.sides]
 
     def contribute(self, record: _Record) -> None:
         """Under DDP, each side candidate's loss on this rank rides on the step's one all-reduce."""

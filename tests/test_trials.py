@@ -200,6 +200,44 @@ def test_a_true_divergence_keeps_the_remedy_exactly_as_an_immediate_rollback_wou
     assert lrs == [0.5 * 0.01, 0.5 * 0.01]
 
 
+class SabotagedWithHooks(Sabotaged):
+    """Sabotaged, with a module's own step hooks, as users write them: a warm-up written in ``optimizer_step``
+    (Lightning's docs), a gradient edited in ``on_before_optimizer_step`` and its own clipping in
+    ``configure_gradient_clipping``."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr * min(1.0, (self.trainer.global_step + 1) / 100)
+        optimizer.step(closure=optimizer_closure)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.net[0].bias.grad.zero_()  # a bias the module keeps as it was
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+def test_a_remedy_trains_through_the_modules_own_step_hooks_as_the_loop_does() -> None:
+    """The same as above with the module's own warm-up, gradient edit and clipping: the remedy kept ends
+    bit-identical to the run that rolled back and backed off at once. The remedies trained without those hooks (at
+    the rate the trial captured, unclipped, the bias moving): the trial compared a run the module would never have
+    made with the run it made."""
+    finals, biases = [], []
+    for trial in (TrialConfig(remedies=1), None):
+        torch.manual_seed(0)
+        model = SabotagedWithHooks()
+        first_bias = model.net[0].bias.detach().clone()
+        suite = [Suspect(31), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial)]
+        fit(model, suite, max_steps=80)
+        finals.append(weights(model))
+        biases.append(torch.equal(model.net[0].bias, first_bias))
+        assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == ([(52, 30)] if trial else [(32, 30)])
+    assert_bit_identical(finals[0], finals[1])
+    assert biases == [True, True]
+
+
 def test_a_kept_remedy_is_journaled_as_the_backoff_and_the_rollback_it_is(tmp_path: Path) -> None:
     model = Sabotaged()
     suite = [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)]

@@ -371,6 +371,11 @@ class LRBackoff(SuiteCallback):
                 optimizer=record.optimizer_index, groups=groups, written=rates, scale=scale,
             )  # fmt: skip
 
+    def _candidate_rates(self, trainer: pl.Trainer) -> None:
+        """A trial's candidate, swapped in, after its module's ``optimizer_step`` wrote its rates: held at the
+        candidate's own scale (its param groups carry it), as :meth:`_contribute` holds the loop's."""
+        self._settle(trainer, 0)
+
     def _settle(self, trainer: pl.Trainer, index: int) -> list[tuple[int, float, float]]:
         """Hold the rates of optimizer ``index`` that its module's code wrote since the suite or a scheduler last set
         them: each is multiplied by the scale its group holds. Returns ``(group, rate written, scale)`` of each. A
