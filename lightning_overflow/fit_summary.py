@@ -331,22 +331,31 @@ def behind_a_restore(events: Iterable[Event], last_step: int) -> tuple[str, dict
     return message, {**facts, "remedy_steps": remedy} if remedy else facts
 
 
-def schedule_behind(events: Iterable[Event], lag: Sequence[tuple[str, int]], last_step: int
+def schedule_behind(events: Iterable[Event], lag: Sequence[tuple[str, int, str]], last_step: int
                     ) -> tuple[str, dict[str, Any]] | None:  # fmt: skip
-    """The LR schedulers ended behind the fit (``lag``: each one's class and steps behind, from
-    :class:`~lightning_overflow.schedule_lag.ScheduleLag`) after a rollback: the message and the facts of a
-    ``schedule_behind`` event; ``None`` without a rollback (a skipped step's hold alone is the skip's own)."""
+    """The LR schedulers ended behind the fit (``lag``: each one's class, how far behind and in what, ``"step"`` or
+    ``"epoch"``, from :class:`~lightning_overflow.schedule_lag.ScheduleLag`) after a rollback: the message and the
+    facts of a ``schedule_behind`` event; ``None`` without a rollback (a skipped step's hold alone is the skip's
+    own)."""
     if not lag or not any(e["kind"] == "rollback" for e in events):
         return None
-    most = max(steps for _, steps in lag)
-    which = ", ".join(f"{name} by {_count(steps, 'step')}" for name, steps in lag)
+    steps = max((n for _, n, unit in lag if unit == "step"), default=0)
+    epochs = max((n for _, n, unit in lag if unit == "epoch"), default=0)
+    which = ", ".join(f"{name} by {_count(n, unit)}" for name, n, unit in lag)
+    more = " and ".join(f"{n} more {unit}{'s' if n > 1 else ''}"
+                        for n, unit in ((steps, "step"), (epochs, "epoch")) if n)  # fmt: skip
+    if steps:
+        stood = (f"a rollback returns it with the weights and a skipped step holds it while the fit's step count goes "
+                 f"on, so at step {last_step} it stood where step {last_step - steps} would have left it")  # fmt: skip
+    else:
+        stood = "a rollback returns it with the weights while the fit's epoch count goes on"
     message = (
-        f"the learning-rate schedule ended behind the fit ({which}): a rollback returns it with the weights and a "
-        f"skipped step holds it while the fit's step count goes on, so at step {last_step} it stood where step "
-        f"{last_step - most} would have left it; a schedule sized to the fit (a OneCycleLR, a warm-up and its decay) "
-        f"has not reached its end: train {most} more step{'s' if most > 1 else ''} to finish it"
+        f"the learning-rate schedule ended behind the fit ({which}): {stood}; a schedule sized to the fit (a "
+        f"OneCycleLR, a warm-up and its decay) has not reached its end: train {more} to finish it"
     )
-    return message, {"schedulers": [{"scheduler": name, "behind": steps} for name, steps in lag], "behind": most}
+    schedulers = [{"scheduler": name, "behind": n, **({"unit": unit} if unit != "step" else {})}
+                  for name, n, unit in lag]  # fmt: skip
+    return message, {"schedulers": schedulers, "behind": steps or epochs}
 
 
 def plain_lines(events: Iterable[Event]) -> list[str]:

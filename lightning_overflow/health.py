@@ -683,6 +683,8 @@ class HealthBoard:
         Args:
             extras: what each participant's ``_snapshot_extra()`` returned when the snapshot was taken, by state key.
         """
+        if trainer.lr_scheduler_configs:
+            self.schedule_lag.restored(trainer)
         for participant in self.participants:
             participant._after_restore(trainer, extras.get(participant.state_key, {}))
 

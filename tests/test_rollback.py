@@ -971,6 +971,31 @@ def test_a_schedule_a_rollback_took_back_is_said_to_end_behind_the_fit(tmp_path:
     )
 
 
+def _step_lr_by_epoch(optimizer: torch.optim.Optimizer) -> Any:
+    return {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5), "interval": "epoch"}
+
+
+def test_a_schedule_by_epochs_a_rollback_took_back_is_said_to_end_behind_the_fit(tmp_path: Path) -> None:
+    """NaN weights at step 12 (epoch 1) roll the run back to the fit's start: the StepLR that halves the rate as each
+    epoch ends goes back to its count then (0), while the fit goes on from epoch 1. It ends one epoch behind the bare
+    run's (2 halvings, not 3), and nothing said so: the summary's "0.5x its schedule" ended at the bare run's rate."""
+    from lightning_overflow import read_journal
+    from lightning_overflow.fit_summary import plain_lines
+
+    model = TinyRegressor(scheduler=_step_lr_by_epoch)
+    fit(model, [*default_callbacks(), FaultInjector(Fault(12, "nan_weight"))], max_steps=-1, max_epochs=3,
+        default_root_dir=tmp_path)  # fmt: skip
+    assert model.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2
+    events = list(read_journal(tmp_path))
+    [late] = [e for e in events if e["kind"] == "schedule_behind"]
+    assert late["details"] == {"schedulers": [{"scheduler": "StepLR", "behind": 1, "unit": "epoch"}], "behind": 1}
+    assert plain_lines(events)[-1] == (
+        "the learning-rate schedule ended behind the fit (StepLR by 1 epoch): a rollback returns it with the weights "
+        "while the fit's epoch count goes on; a schedule sized to the fit (a OneCycleLR, a warm-up and its decay) has "
+        "not reached its end: train 1 more epoch to finish it"
+    )
+
+
 def test_a_schedule_only_skipped_steps_held_is_not_said_to_end_behind(tmp_path: Path) -> None:
     from lightning_overflow import default_callbacks, read_journal
 
