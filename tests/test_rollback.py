@@ -27,7 +27,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from pytorch_lightning.plugins import MixedPrecision
 from typing_extensions import override
 
-from lightning_overflow import default_callbacks, snapshot_store
+from lightning_overflow import LRBackoff, default_callbacks, snapshot_store
 from lightning_overflow._compat import Callback
 from lightning_overflow.callbacks._base import SuiteCallback
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
@@ -279,20 +279,29 @@ def test_rollbacks_outside_the_window_do_not_count() -> None:
 
 
 def test_rollback_error_when_no_state_was_ever_finite() -> None:
+    """A NaN in the weights before the first update (an initialisation computed from data holding inf/NaN, as
+    pytorch-tabular's GANDALF does): no rollback target, no backoff (the rate is not the cause: it said "consider
+    starting at 0.5x the learning rate"), and a hint about what set the state (it said to resume from a checkpoint
+    written before the divergence)."""
     model = TinyRegressor()
     with torch.no_grad():
         model.net[0].weight[0, 0] = float("nan")
-    rollback = Rollback(every_n_steps=2)
+    rollback, backoff = Rollback(every_n_steps=2), LRBackoff()
     with pytest.warns(OverflowWarning, match="the fit starts from a non-finite state, which is no"), pytest.raises(
         RollbackError
     ) as info:
-        fit(model, [NonFiniteDetector(), rollback])
+        fit(model, [NonFiniteDetector(), backoff, rollback])
     assert info.value.step == 1
     assert str(info.value).startswith(
         "Rollback: a rollback was needed at step 1 (nonfinite_state at step 0: NonFiniteDetector: the weights "
     )
     assert "no snapshot verified finite exists" in str(info.value)
-    assert "HINT: resume from a checkpoint written before the divergence" in str(info.value)
+    assert str(info.value).endswith(
+        "HINT: the state held inf/NaN before the fit's first update, which no learning rate or rollback can mend: "
+        "look at what set it (the model's initialisation, one computed from the data such as a mean of targets "
+        "holding inf/NaN, or the checkpoint or weights it was loaded from)."
+    )
+    assert backoff.history == [] and backoff.scales == [1.0]
 
 
 def test_healthy_run_is_bit_identical_with_and_without_rollback(tmp_path: Path) -> None:

@@ -152,6 +152,7 @@ class LRBackoff(SuiteCallback):
         self._last_regrowth: list[int] = []
         self.history: list[dict[str, Any]] = []
         self._swa_lrs: dict[int, Any] = {}  # StochasticWeightAveraging's swa_lrs as given, by callback id
+        self._first_step = 0  # the step the fit started (or resumed) at
 
     @property
     def state_key(self) -> str:
@@ -175,7 +176,8 @@ class LRBackoff(SuiteCallback):
         # every group holds the scale this callback holds (a new fit, a checkpoint of an earlier release, an optimizer
         # state loaded by hand or beside another LRBackoff's state carry none, or another). Not while a resumed trial
         # runs: the live state is then a candidate, whose entries came with it.
-        self._track(len(trainer.optimizers), int(trainer.global_step))
+        self._first_step = int(trainer.global_step)
+        self._track(len(trainer.optimizers), self._first_step)
         if not self.board(trainer).trials.active:
             for index, optimizer in enumerate(trainer.optimizers):
                 if any((group.get(HELD) or (None, None))[1] != self.scales[index] for group in optimizer.param_groups):
@@ -221,8 +223,10 @@ class LRBackoff(SuiteCallback):
 
     def _fired(self, signals: Sequence[Signal], n_optimizers: int) -> dict[int, list[Signal]]:
         """The trigger signals of this batch, by the optimizer they concern: each optimizer backs off on its own
-        signals (a GAN's discriminator diverging leaves the generator's rate alone)."""
-        relevant = [s for s in signals if s.kind in self.triggers and s.optimizer_index < n_optimizers]
+        signals (a GAN's discriminator diverging leaves the generator's rate alone). A state found inf/NaN before the
+        fit's first update is none of the rate's doing (an initialisation, the checkpoint it resumed from)."""
+        relevant = [s for s in signals if s.kind in self.triggers and s.optimizer_index < n_optimizers
+                    and not (s.kind == "nonfinite_state" and s.step <= self._first_step)]  # fmt: skip
         fired: dict[int, list[Signal]] = {}
         for signal in relevant:
             fired.setdefault(signal.optimizer_index, []).append(signal)

@@ -847,16 +847,23 @@ class Rollback(SuiteCallback):
         return True
 
     def _no_snapshot(self, trainer: pl.Trainer, signal: Signal) -> NoReturn:
-        why = (
-            f"is left: {self._dropped} could not be used in this fit (the journal's snapshot_unusable says why)"
-            if self._dropped
-            else "exists: the state the fit started from was already non-finite and no later state passed the check"
-        )
+        if self._dropped:
+            why = f"is left: {self._dropped} could not be used in this fit (the journal's snapshot_unusable says why)"
+            hint = (
+                "resume from a checkpoint written before the divergence (checkpoints written while Rollback is in the "
+                "callbacks are finite); with dirpath set, a resumed run can also return to the snapshot files listed "
+                "in its checkpoint"
+            )
+        else:
+            why = "exists: the state the fit started from was already non-finite and no later state passed the check"
+            hint = (
+                "the state held inf/NaN before the fit's first update, which no learning rate or rollback can mend: "
+                "look at what set it (the model's initialisation, one computed from the data such as a mean of "
+                "targets holding inf/NaN, or the checkpoint or weights it was loaded from)"
+            )
         message = (
             f"Rollback: a rollback was needed at step {trainer.global_step} ({signal.kind} at step {signal.step}: "
-            f"{signal.reason}) but no snapshot verified finite {why}. Nothing was restored. HINT: resume from a "
-            f"checkpoint written before the divergence (checkpoints written while Rollback is in the callbacks are "
-            f"finite); with dirpath set, a resumed run can also return to the snapshot files listed in its checkpoint."
+            f"{signal.reason}) but no snapshot verified finite {why}. Nothing was restored. HINT: {hint}."
         )
         self._event(trainer, "abort", message, reason=signal.kind)
         raise RollbackError(message, step=int(trainer.global_step))
