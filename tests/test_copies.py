@@ -120,3 +120,31 @@ def test_a_pickled_callback_carries_no_model_after_a_fit() -> None:
     copies = reader.load()
     assert not [g for g in reader.found if g.startswith(("torch.nn.", "lightning_overflow.testing"))]
     assert not any("log" in vars(cb) for cb in copies)
+
+
+class PickleModuleAt(pl.Callback):
+    """Pickles and deep-copies the module at the end of one batch, as a checkpoint that pickles it would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.copies: list[Any] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            self.copies = [pickle.loads(pickle.dumps(pl_module)), copy.deepcopy(pl_module)]
+
+
+def test_a_module_under_fault_injection_still_pickles_mid_fit() -> None:
+    """FaultInjector wrapped ``training_step`` in a closure on the module: pickling the module mid-fit raised
+    ``PicklingError``. The copies get the module's own method back; the live fit's fault still fires."""
+    from lightning_overflow import NonFiniteDetector
+    from lightning_overflow.testing import Fault, FaultInjector
+
+    probe, injector = PickleModuleAt(1), FaultInjector(Fault(3, "nan_loss"))
+    model = TinyRegressor()
+    fit(model, [NonFiniteDetector(), injector, probe], max_steps=5)
+    assert injector.fired == [(3, "nan_loss", 0)]
+    batch = next(iter(model.train_dataloader()))
+    for copied in probe.copies:
+        assert copied.training_step.__func__ is TinyRegressor.training_step
+        assert torch.isfinite(copied.training_step(batch, 0))

@@ -104,16 +104,7 @@ class FaultInjector(Callback):
             if fault.kind.endswith(("_grad", "_weight")):  # scale_weight too
                 _parameter(pl_module, fault.parameter)  # a wrong name fails now, not at the fault's step
         name = "training_step" if pl_module.automatic_optimization else "manual_backward"
-        original = getattr(pl_module, name)
-
-        @functools.wraps(original)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if name == "manual_backward":
-                args = (self._faulty_loss(trainer, args[0]), *args[1:])
-                return original(*args, **kwargs)
-            return self._faulty_output(trainer, original(*args, **kwargs))
-
-        setattr(pl_module, name, wrapped)
+        setattr(pl_module, name, _WithLossFaults(self, trainer, pl_module, name, getattr(pl_module, name)))
         self._wrapped.append((pl_module, name))
 
     @override
@@ -210,3 +201,23 @@ def _parameter(pl_module: pl.LightningModule, name: str | None) -> Tensor:
     if name not in params:
         raise ValueError(f"'parameter' must name a parameter of the model (got {name!r}; have {', '.join(params)})")
     return params[name]
+
+
+class _WithLossFaults:
+    """The module's ``training_step`` (or ``manual_backward``) with the injector's loss faults. An object rather than a
+    closure, so that the module still pickles and deep-copies in the middle of a fit (a checkpoint that pickles it,
+    a library that copies it): the copy gets the module's own method back."""
+
+    def __init__(self, injector: FaultInjector, trainer: pl.Trainer, module: Any, name: str, original: Any) -> None:
+        self._injector, self._trainer, self._module = injector, trainer, module
+        self._name, self._original = name, original
+        functools.update_wrapper(self, original)  # its signature is the method's (whether it takes batch_idx)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._name == "manual_backward":
+            args = (self._injector._faulty_loss(self._trainer, args[0]), *args[1:])
+            return self._original(*args, **kwargs)
+        return self._injector._faulty_output(self._trainer, self._original(*args, **kwargs))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
+        return getattr, (self._module, self._name)
