@@ -309,11 +309,13 @@ class Candidate:
                 )
                 module.optimizer_step(trainer.current_epoch, batch_idx, stepper,
                                       lambda: self._forward_backward(trainer, batch, batch_idx)[0])  # fmt: skip
-                if stepper.result is None:  # the module's optimizer_step did not step: nothing trained
+                if stepper.result is None:  # the module's optimizer_step did not step (its closure may have run)
                     optimizer.zero_grad(set_to_none=True)
+                    stepper.result = (self.nonfinite, False)  # no update, as the module chose; the schedule goes on
+                    self.window_buffers, self.nonfinite = {}, False
         finally:
             restore_rng(rng)
-        nonfinite, skipped = stepper.result if stepper.result is not None else (True, True)
+        nonfinite, skipped = stepper.result
         mean = math.nan if nonfinite or not self.losses else sum(self.losses) / len(self.losses)
         self.losses, self.nonfinite = [], False
         return CandidateStep(mean, stepped=True, skipped=skipped)

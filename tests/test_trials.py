@@ -6,6 +6,7 @@ trial is about; the remedies are those of ``LRBackoff`` and ``Rollback`` (the la
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from conftest import assert_bit_identical, fit, make_trainer, weights
 
 from lightning_overflow import (
-    LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback, TrialConfig, read_journal, side_run,
+    AutoClip, LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback, TrialConfig, read_journal, side_run,
 )
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
@@ -219,23 +220,47 @@ class SabotagedWithHooks(Sabotaged):
         self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
 
 
-def test_a_remedy_trains_through_the_modules_own_step_hooks_as_the_loop_does() -> None:
-    """The same as above with the module's own warm-up, gradient edit and clipping: the remedy kept ends
-    bit-identical to the run that rolled back and backed off at once. The remedies trained without those hooks (at
-    the rate the trial captured, unclipped, the bias moving): the trial compared a run the module would never have
-    made with the run it made."""
+class SabotagedSkippingSteps(Sabotaged):
+    """Sabotaged, with an ``optimizer_step`` that runs the closure but makes no update on every fourth batch (as
+    Lightning allows)."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if batch_idx % 4 == 3:
+            optimizer_closure()
+            return
+        optimizer.step(closure=optimizer_closure)
+
+
+@pytest.mark.parametrize(
+    ("model_class", "clipper", "fit_kwargs", "suspected", "rollbacks"),
+    [(SabotagedWithHooks, [], {}, 31, ([(52, 30)], [(32, 30)])),
+     (Sabotaged, [AutoClip(mode="fixed", max_norm=0.05, if_trainer_clips="defer")], {"gradient_clip_val": 1.0}, 31,
+      ([(52, 30)], [(32, 30)])),
+     (SabotagedSkippingSteps, [], {}, 32, ([(53, 30)], [(33, 30)]))],
+    ids=["warm_up_gradient_edit_and_own_clipping", "a_clipper_that_defers_to_the_trainers", "steps_it_skips"],
+)  # fmt: skip
+def test_a_remedy_trains_through_the_modules_own_step_hooks_as_the_loop_does(
+    model_class: type[Sabotaged], clipper: list[Any], fit_kwargs: dict[str, Any], suspected: int,
+    rollbacks: tuple[list[tuple[int, int]], list[tuple[int, int]]],
+) -> None:
+    """The same as above, with the module's own hooks of a step: the remedy kept ends bit-identical to the run that
+    rolled back and backed off at once. The remedies trained without those hooks (at the rate the trial captured,
+    unclipped, the bias moving), were clipped by a clipper that leaves the loop to the Trainer's clipping, and a
+    batch the module made no update on was scored as an inf/NaN loss: the trial compared a run the module would
+    never have made with the run it made."""
     finals, biases = [], []
     for trial in (TrialConfig(remedies=1), None):
         torch.manual_seed(0)
-        model = SabotagedWithHooks()
+        model = model_class()
         first_bias = model.net[0].bias.detach().clone()
-        suite = [Suspect(31), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial)]
-        fit(model, suite, max_steps=80)
+        suite = [Suspect(suspected), *copy.deepcopy(clipper), LRBackoff(trial=trial),
+                 Rollback(every_n_steps=10, trial=trial)]  # fmt: skip
+        fit(model, suite, max_steps=80, **fit_kwargs)
         finals.append(weights(model))
         biases.append(torch.equal(model.net[0].bias, first_bias))
-        assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == ([(52, 30)] if trial else [(32, 30)])
+        assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == rollbacks[0 if trial else 1]
     assert_bit_identical(finals[0], finals[1])
-    assert biases == [True, True]
+    assert biases == [model_class is SabotagedWithHooks] * 2
 
 
 def test_a_kept_remedy_is_journaled_as_the_backoff_and_the_rollback_it_is(tmp_path: Path) -> None:

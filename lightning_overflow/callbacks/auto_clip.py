@@ -498,7 +498,10 @@ class AutoClip(SuiteCallback):
 
     def _candidate_clip(self, index: int) -> Clip | None:
         """How the loop's step of optimizer ``index`` is clipped now, for a trial's candidate on the side: the same
-        threshold from the same statistics, which the candidate's norms do not teach (``"agc"``: ``max_norm`` only)."""
+        threshold from the same statistics, which the candidate's norms do not teach (``"agc"``: ``max_norm`` only);
+        none where it leaves the fit's clipping to the Trainer's or the module's own, as it does the loop's."""
+        if self._deferred:
+            return None
 
         def clip(grads: list[Tensor], total: float) -> None:
             threshold = self.max_norm if self.mode == "agc" else self._threshold(index, total)[0]
