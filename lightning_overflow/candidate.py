@@ -74,7 +74,7 @@ from lightning_overflow.training_step import loss_of, signature_parameters, sile
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["Candidate", "CandidateStep", "Clip", "trainable"]
+__all__ = ["Candidate", "CandidateStep", "Clip", "RateHold", "trainable"]
 
 Clip = Callable[[list[Tensor], float], None]
 """Scales finite gradients in place, given them and their total norm (the loop's clip, applied to a candidate)."""
@@ -95,6 +95,21 @@ def trainable(trainer: pl.Trainer) -> str:
     if _compat.sharded_strategy(trainer.strategy) is not None:
         return f"{type(trainer.strategy).__name__} shards the state"
     return ""
+
+
+@dataclass(frozen=True)
+class RateHold:
+    """How the suite holds a candidate's learning rates, as it holds the loop's.
+
+    Attributes:
+        written: the rates the loop wrote into the param groups before this batch, by group (``None`` where it wrote
+            none: a litgpt-style loop writes its own schedule before each step): the candidate's own rates for the
+            batch too, before its scale.
+        settle: holds the rates written since at the scale the candidate's state holds (``LRBackoff``).
+    """
+
+    written: list[float | None]
+    settle: Callable[[], Any]
 
 
 @dataclass
@@ -278,7 +293,7 @@ class Candidate:
     # ---- training and scoring ------------------------------------------------------------------------------------
     def train_on(
         self, trainer: pl.Trainer, batch: Any, batch_idx: int, steps: bool, clip: Clip | None,
-        settle: Callable[[], None] | None = None,
+        rates: RateHold | None = None,
     ) -> CandidateStep:
         """Train the candidate on the loop's ``batch`` (before the loop trains the live state on it), through the
         module's own hooks of an automatic step, as Lightning calls them for the loop: ``on_before_backward``,
@@ -290,14 +305,18 @@ class Candidate:
             steps: whether this batch ends an accumulation window (the loop's optimizer steps on it).
             clip: scales the candidate's finite gradients in place, given them and their total norm, as the suite
                 clips the loop's step (``None``: no clip).
-            settle: holds the rates the module wrote (in ``optimizer_step``) at the scale the candidate's state
-                holds, as the suite does for the loop's step.
+            rates: the rates the loop wrote before the batch, and what holds those and the ones the module writes
+                (in ``optimizer_step``) at the scale the candidate's state holds, as the suite does for the loop's.
         """
         module = trainer.lightning_module
         rng = capture_rng()
         try:
             with self._aside(trainer, trains=True):
                 self._catch_up_schedule(trainer)
+                if rates is not None:
+                    for group, rate in zip(trainer.optimizers[0].param_groups, rates.written):
+                        if rate is not None:
+                            group["lr"] = rate
                 if not self.window_buffers:  # the buffers as the window began: a skipped step puts them back
                     self.window_buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
                 if not steps:
@@ -305,7 +324,7 @@ class Candidate:
                     return CandidateStep(value, stepped=False, skipped=False)
                 optimizer = trainer.optimizers[0]
                 stepper = _CandidateOptimizer(
-                    optimizer, lambda: (self.nonfinite, self._step(trainer, optimizer, clip, settle))
+                    optimizer, lambda: (self.nonfinite, self._step(trainer, optimizer, clip, rates))
                 )
                 module.optimizer_step(trainer.current_epoch, batch_idx, stepper,
                                       lambda: self._forward_backward(trainer, batch, batch_idx)[0])  # fmt: skip
@@ -401,7 +420,7 @@ class Candidate:
 
     def _step(
         self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, clip: Clip | None,
-        settle: Callable[[], None] | None,
+        rates: RateHold | None,
     ) -> bool:
         """Step the swapped-in candidate, its forward and backward passes done; return whether the step was skipped
         as the suite skips one (nothing changed, the schedule held). A GradScaler's own overflow of a finite loss
@@ -413,8 +432,8 @@ class Candidate:
         scaler = _compat.scaler_of(trainer)
         if scaler is not None and grads:
             scaler.unscale_(optimizer)
-        if settle is not None:
-            settle()
+        if rates is not None:
+            rates.settle()
         total = math.sqrt(float(tensor_norms(grads).double().pow(2).sum())) if grads else 0.0
         window_start, self.window_buffers = self.window_buffers, {}
         bad_loss, self.nonfinite = self.nonfinite, False

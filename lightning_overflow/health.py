@@ -29,10 +29,9 @@ callbacks joined it, and it is held by those callbacks (``SuiteCallback._joined`
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,7 +39,7 @@ import torch
 from torch import Tensor
 
 from lightning_overflow import _compat
-from lightning_overflow.candidate import Clip
+from lightning_overflow.candidate import Clip, RateHold
 from lightning_overflow.distributed import read_packed, sum_and_read
 from lightning_overflow.events import Event, Journal, MetricBuffer, WarningCache, log
 from lightning_overflow.fit_summary import (
@@ -771,13 +770,14 @@ class HealthBoard:
                 return clip(0)  # type: ignore[no-any-return]
         return None
 
-    def candidate_rates(self, trainer: pl.Trainer) -> Callable[[], None] | None:
-        """What holds a candidate's rates at its own scale once its module wrote them (a warm-up in
-        ``optimizer_step``), as the suite holds the loop's."""
+    def candidate_rates(self, trainer: pl.Trainer) -> RateHold | None:
+        """How a candidate's rates are held at its own scale, as the suite holds the loop's: the rates the loop wrote
+        before this batch (read now, on the live state), and those its module writes (a warm-up in
+        ``optimizer_step``)."""
         for participant in self.participants:
-            settle = getattr(participant, "_candidate_rates", None)
-            if settle is not None:
-                return functools.partial(settle, trainer)
+            hold = getattr(participant, "_candidate_rates", None)
+            if hold is not None:
+                return hold(trainer)  # type: ignore[no-any-return]
         return None
 
     # ---- the batch --------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from lightning_overflow import _compat
-from lightning_overflow.candidate import Candidate, CandidateStep, Clip, trainable
+from lightning_overflow.candidate import Candidate, CandidateStep, trainable
 from lightning_overflow.fit_summary import named
 from lightning_overflow.policy import (
     CERTAIN_SIGNALS,
@@ -199,8 +199,8 @@ class TrialRunner:
         if self._frozen:
             self._pending = [side.score_on(trainer, batch, batch_idx, steps) for side in self.sides]
             return
-        clip, settle = board.candidate_clip(trainer), board.candidate_rates(trainer)
-        self._pending = [side.train_on(trainer, batch, batch_idx, steps, clip, settle) for side in self.sides]
+        clip, rates = board.candidate_clip(trainer), board.candidate_rates(trainer)
+        self._pending = [side.train_on(trainer, batch, batch_idx, steps, clip, rates) for side in self.sides]
 
     def contribute(self, record: _Record) -> None:
         """Under DDP, each side candidate's loss on this rank rides on the step's one all-reduce."""

@@ -384,10 +384,12 @@ def test_after_a_rollback_a_checkpoint_ranked_by_one_steps_loss_is_held_at_that_
         max_steps=14, default_root_dir=tmp_path, enable_checkpointing=True)  # fmt: skip
     [rolled] = [e for e in rollback.board(model.trainer).journal.events if e.kind == "rollback"]
     assert (rolled.step, rolled.details["snapshot_step"]) == (6, 4)
-    assert names(tmp_path / "ckpt") == sorted([f"epoch=0-step={s}.ckpt" for s in range(1, 15) if s != 6] + ["last.ckpt"])
+    written = [f"epoch=0-step={step}.ckpt" for step in range(1, 15) if step != 6]
+    assert names(tmp_path / "ckpt") == sorted([*written, "last.ckpt"])
     assert saved(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 14
     [held] = [e for e in rollback.board(model.trainer).journal.events if e.kind == "checkpoint_skipped"]
-    assert held.step == 6 and held.message.endswith("get checkpoints ranked by it from the next step, logged of their own")
+    assert held.step == 6
+    assert held.message.endswith("get checkpoints ranked by it from the next step, logged of their own")
 
 
 class NanAfterTheStep(pl.Callback):

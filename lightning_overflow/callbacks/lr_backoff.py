@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -12,6 +13,7 @@ from typing_extensions import override
 from lightning_overflow import _compat
 from lightning_overflow._validation import check_choices, check_float, check_int, check_type, refuse_removed
 from lightning_overflow.callback_state import StateReader, versioned
+from lightning_overflow.candidate import RateHold
 from lightning_overflow.callbacks._base import BACKOFF, SuiteCallback
 from lightning_overflow.diagnosis.hints import divergence_hint
 from lightning_overflow.events import log
@@ -375,10 +377,19 @@ class LRBackoff(SuiteCallback):
                 optimizer=record.optimizer_index, groups=groups, written=rates, scale=scale,
             )  # fmt: skip
 
-    def _candidate_rates(self, trainer: pl.Trainer) -> None:
-        """A trial's candidate, swapped in, after its module's ``optimizer_step`` wrote its rates: held at the
-        candidate's own scale (its param groups carry it), as :meth:`_contribute` holds the loop's."""
-        self._settle(trainer, 0)
+    def _candidate_rates(self, trainer: pl.Trainer) -> RateHold:
+        """For a trial's candidates on this batch (optimizer 0: a trial compares one): the rates the loop wrote into
+        the live param groups since the suite last held them (a litgpt-style loop writes its schedule before each
+        step), which each candidate takes as its own, and what holds the rates written at the candidate's own scale
+        (its param groups carry it) once it is swapped in, as :meth:`_contribute` holds the loop's."""
+        optimizer = trainer.optimizers[0]
+        scheduled = self._set_by_schedulers(trainer, 0)
+        written: list[float | None] = []
+        for g, group in enumerate(optimizer.param_groups):
+            held, now = group.get(HELD), _as_number(group.get("lr"))
+            fresh = held is not None and now is not None and now != held[0]
+            written.append(now if fresh and not any(g < len(r) and r[g] == now for r in scheduled) else None)
+        return RateHold(written, functools.partial(self._settle, trainer, 0))
 
     def _settle(self, trainer: pl.Trainer, index: int) -> list[tuple[int, float, float]]:
         """Hold the rates of optimizer ``index`` that its module's code wrote since the suite or a scheduler last set
@@ -387,7 +398,6 @@ class LRBackoff(SuiteCallback):
         optimizer = trainer.optimizers[index]
         written: list[tuple[int, float, float]] = []
         scheduled: list[list[float | None]] | None = None
-        last = len(optimizer.param_groups) - 1
         known: float | None = None  # the scale the optimizer's groups hold, read only for a group added since
         for g, group in enumerate(optimizer.param_groups):
             held = group.get(HELD)
@@ -398,19 +408,28 @@ class LRBackoff(SuiteCallback):
                 if known != 1.0:
                     _hold_group(group, known)  # a new group: its rate as added, held from the next one it is given
                 continue
-            if held[1] == 1.0:
-                continue  # nothing to hold (a healthy run costs no more); a new scale comes with a new entry
             now = _as_number(group.get("lr"))
+            if held[1] == 1.0:  # nothing to hold; the entry keeps the rate used, a trial's candidates read the next
+                if now is not None and now != held[0]:
+                    group[HELD] = [now, 1.0]
+                continue
             if now is None or now == held[0]:
                 continue
-            if scheduled is None:  # the rates schedulers set; BackboneFinetuning's last group, derived from held rates
-                backbone = [[None] * last + [rate] for rate in _compat.backbone_rates(trainer)]
-                scheduled = [*_scheduled(trainer, index), *backbone]
+            if scheduled is None:
+                scheduled = self._set_by_schedulers(trainer, index)
             if not any(g < len(rates) and rates[g] == now for rates in scheduled):
                 written.append((g, now, held[1]))
                 group["lr"] = now = now * held[1]
             group[HELD] = [now, held[1]]
         return written
+
+    @staticmethod
+    def _set_by_schedulers(trainer: pl.Trainer, index: int) -> list[list[float | None]]:
+        """The rates optimizer ``index``'s schedulers set last, by group, and BackboneFinetuning's for the last group
+        (derived from held rates): none of them written by the module's code."""
+        last = len(trainer.optimizers[index].param_groups) - 1
+        backbone = [[None] * last + [rate] for rate in _compat.backbone_rates(trainer)]
+        return [*_scheduled(trainer, index), *backbone]
 
     def _settle_restored(self, trainer: pl.Trainer, index: int, scale: float) -> None:
         """Hold optimizer ``index``'s state just restored from a snapshot taken at ``scale``. A rate its module wrote
