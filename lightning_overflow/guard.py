@@ -1027,6 +1027,7 @@ class Guard:
                 self.scheduler.step(mean)
             elif self.scheduler is not None and self._interval == "epoch":
                 self.scheduler.step()
+                self.board.trials.note_epoch_schedule()
             self.host.current_epoch += 1
             self._epoch_open = False
             self._batch_idx = 0

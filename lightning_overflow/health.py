@@ -714,6 +714,8 @@ class HealthBoard:
         if outcome.kept and trial.config.mode == "ab" and outcome.remedy.factor in trial.lr_factors:
             scores = trial.remedies[trial.lr_factors.index(outcome.remedy.factor)]
             self.ending.replace_from(outcome.step - len(scores), scores)
+            if trainer.lr_scheduler_configs:  # its schedules came back with it from its snapshot, as a rollback's do
+                self.schedule_lag.restored(trainer)
         for participant in self.participants:
             participant._after_trial(trainer, outcome)
 

@@ -225,6 +225,14 @@ class TrialRunner:
             if pending.stepped:
                 side.note_schedule(steps, pending.skipped)
 
+    def note_epoch_schedule(self) -> None:
+        """The loop stepped its scheduler as an epoch ended, outside every batch (a plain loop's ``end_epoch``): each
+        remedy on the side steps its own as often, before its next step."""
+        if self._frozen:
+            return
+        for side in self.sides:
+            side.note_schedule([1], skipped=False)
+
     def end_batch(self, trainer: pl.Trainer, board: _Board) -> None:
         """At the end of the batch, before the interventions act: score the step, end a trial or open one.
 

@@ -954,3 +954,31 @@ def test_a_trials_candidates_train_at_the_rate_the_loop_writes_before_each_step(
     trial = [rate for kind, rate in used if kind == "trial"]
     assert trial == pytest.approx([written[step] * f for step in range(31, 51) for f in (0.5, 0.125)], rel=1e-12)
     assert [rate for kind, rate in used if kind is None] == written  # a false alarm: the run as it was
+
+
+def test_a_trials_candidates_step_an_epoch_schedule_as_the_loop_ends_each_epoch(tmp_path: Path) -> None:
+    """``guard.end_epoch()`` steps a ``StepLR`` of ``scheduler_interval="epoch"`` outside every batch. The trial opened
+    at step 30 spans the epoch ends at steps 32, 40 and 48: its candidates' schedules never stepped there, and a
+    remedy kept came back an epoch behind for each. They step now as the loop's does."""
+    from test_trials import Suspect
+
+    from lightning_overflow import side_run
+
+    pl.seed_everything(0, verbose=False)
+    model = TinyRegressor(optimizer="sgd")  # eight batches an epoch
+    optimizer = model.configure_optimizers()
+    scheduler = sched.StepLR(optimizer, step_size=1, gamma=0.9)
+    used: list[tuple[str | None, float]] = []
+    optimizer.register_step_pre_hook(lambda opt, *_: used.append((side_run(), opt.param_groups[0]["lr"])))
+    guard = Guard(model, optimizer, scheduler, [Suspect(30), LRBackoff(), Rollback(every_n_steps=10)],
+                  scheduler_interval="epoch", default_root_dir=tmp_path,
+                  loss_fn=lambda net, batch: nn.functional.mse_loss(net(batch[0]), batch[1]))  # fmt: skip
+    for _ in range(7):
+        for x, y in model.train_dataloader():
+            guard.train_step((x, y))
+        guard.end_epoch()
+    guard.close()
+    trial = [rate for kind, rate in used if kind == "trial"]
+    expected = [0.01 * 0.9 ** (step // 8) * factor for step in range(31, 51) for factor in (0.5, 0.125)]
+    assert trial == pytest.approx(expected, rel=1e-12)
+    assert scheduler.last_epoch == 7

@@ -1005,6 +1005,30 @@ def test_a_schedule_by_epochs_a_rollback_took_back_is_said_to_end_behind_the_fit
     )
 
 
+def test_a_kept_remedy_that_took_an_epoch_schedule_back_is_said_to_end_behind_the_fit(tmp_path: Path) -> None:
+    """The trial's remedy (the snapshot of step 22, epoch 2, at half the rate), opened at step 32 (epoch 4), is kept
+    at step 52: its StepLR came back with it from the snapshot and stepped only at the epoch ends of the trial, two
+    epochs behind the run's, as an immediate rollback's is. That rollback said so; the kept remedy (journaled as the
+    rollback it is) did not."""
+    from test_trials import Sabotaged, Suspect
+
+    from lightning_overflow import Rollback, TrialConfig, read_journal
+
+    def step_lr(optimizer: torch.optim.Optimizer) -> Any:
+        return {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9), "interval": "epoch"}
+
+    torch.manual_seed(0)
+    model = Sabotaged(scheduler=step_lr)
+    trial = TrialConfig(remedies=1)
+    suite = [Suspect(31), LRBackoff(trial=trial), Rollback(every_n_steps=11, trial=trial)]
+    fit(model, suite, max_steps=80, default_root_dir=tmp_path)
+    events = list(read_journal(tmp_path))
+    assert [(e["step"], e["details"]["snapshot_step"]) for e in events if e["kind"] == "rollback"] == [(52, 22)]
+    [late] = [e for e in events if e["kind"] == "schedule_behind"]
+    assert late["details"] == {"schedulers": [{"scheduler": "StepLR", "behind": 2, "unit": "epoch"}], "behind": 2}
+    assert model.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 10 - 2
+
+
 def test_a_schedule_only_skipped_steps_held_is_not_said_to_end_behind(tmp_path: Path) -> None:
     from lightning_overflow import default_callbacks, read_journal
 
