@@ -274,6 +274,15 @@ def backbone_rates(trainer: Any) -> list[float]:
             if isinstance(callback, _BACKBONE) and isinstance(callback.previous_backbone_lr, (int, float))]  # fmt: skip
 
 
+def backbone_rate_given(trainer: Any, group: dict[str, Any]) -> bool:
+    """Whether ``group`` is the backbone's, just added by a ``BackboneFinetuning`` at the ``backbone_initial_lr`` it
+    was given (a rate as the user wrote it, not derived from the first group's live one; 2.6.6)."""
+    rate = group.get("lr")
+    return any(isinstance(callback, _BACKBONE) and callback.backbone_initial_lr is not None
+               and rate == callback.backbone_initial_lr == callback.previous_backbone_lr
+               for callback in getattr(trainer, "callbacks", []))  # fmt: skip
+
+
 def follow_backbone_rates(trainer: Any, optimizer: Any) -> None:
     """``BackboneFinetuning`` derives the backbone's rate from its own memory and from the live rate of the first
     param group, which a backoff has scaled, so its memory is set to the rate the backbone's group holds now: every

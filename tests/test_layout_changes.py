@@ -287,18 +287,26 @@ def test_a_param_group_added_since_the_snapshot_keeps_the_backoff_once_across_a_
     assert all(suite_rates[step] == [0.005, 0.0005] for step in range(19, 24))
 
 
-@pytest.mark.parametrize("fault_step", [10, 18], ids=["backoff_before_the_unfreeze", "backoff_after_it"])
-def test_backbone_finetuning_follows_the_backoff_through_every_epoch_and_its_alignment(fault_step: int) -> None:
+@pytest.mark.parametrize(
+    ("fault_step", "initial"), [(10, None), (18, None), (10, 0.001)],
+    ids=["backoff_before_the_unfreeze", "backoff_after_it", "before_the_unfreeze_at_a_rate_given"],
+)
+def test_backbone_finetuning_follows_the_backoff_through_every_epoch_and_its_alignment(
+    fault_step: int, initial: float | None
+) -> None:
     """BackboneFinetuning derives each epoch's backbone rate from the one it remembers, and aligns it with the first
     group's live rate. A backoff before the unfreeze gave it a memory already at the scale, which the suite scaled
     again as a rate written by the module: 0.25x the bare run's from the next epoch; after the unfreeze, its memory
     stayed at the bare rate, and the alignment came an epoch early. Both groups now run at 0.5x the bare run's at
-    every step after the backoff, and align when the bare run does (step 64)."""
+    every step after the backoff, and align when the bare run does (step 64). A ``backbone_initial_lr`` given is the
+    bare run's rate, brought to the scale when the group is added (it stayed at 1x for good, once its next rates
+    were taken for derived ones)."""
     runs = []
     for suite in ([], [*default_callbacks(snapshot_every_n_steps=5), nan_weight_at(fault_step)]):
         torch.manual_seed(0)
         rates = RatesUsed()
-        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=2, lambda_func=lambda epoch: 1.5, verbose=False)
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=2, lambda_func=lambda epoch: 1.5, verbose=False,
+                                        backbone_initial_lr=initial)  # fmt: skip
         fit(Finetuned(), [finetuning, rates, *suite], max_steps=-1, max_epochs=9)
         runs.append(rates.used)
     bare, suite_rates = runs

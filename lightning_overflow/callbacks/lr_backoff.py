@@ -406,6 +406,9 @@ class LRBackoff(SuiteCallback):
                     holding = (other[HELD][1] for other in optimizer.param_groups if HELD in other)
                     known = next(holding, self._scale(index))
                 if known != 1.0:
+                    if g == len(optimizer.param_groups) - 1 and _compat.backbone_rate_given(trainer, group):
+                        scale_group(group, known)  # a rate given as is, not derived from the held ones
+                        _compat.follow_backbone_rates(trainer, optimizer)
                     _hold_group(group, known)  # a new group: its rate as added, held from the next one it is given
                 continue
             now = _as_number(group.get("lr"))
