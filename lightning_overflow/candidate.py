@@ -327,7 +327,7 @@ class Candidate:
                     optimizer, lambda: (self.nonfinite, self._step(trainer, optimizer, clip, rates))
                 )
                 module.optimizer_step(trainer.current_epoch, batch_idx, stepper,
-                                      lambda: self._forward_backward(trainer, batch, batch_idx)[0])  # fmt: skip
+                                      lambda: self._closure(trainer, batch, batch_idx))  # fmt: skip
                 if stepper.result is None:  # the module's optimizer_step did not step (its closure may have run)
                     optimizer.zero_grad(set_to_none=True)
                     stepper.result = (self.nonfinite, False)  # no update, as the module chose; the schedule goes on
@@ -338,6 +338,12 @@ class Candidate:
         mean = math.nan if nonfinite or not self.losses else sum(self.losses) / len(self.losses)
         self.losses, self.nonfinite = [], False
         return CandidateStep(mean, stepped=True, skipped=skipped)
+
+    def _closure(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> Tensor | None:
+        """What the module's ``optimizer_step`` gets as its closure: the forward and backward passes, then the loss
+        as Lightning's closure returns it (divided by the accumulation, detached)."""
+        loss, _ = self._forward_backward(trainer, batch, batch_idx)
+        return None if loss is None else loss.detach() / trainer.accumulate_grad_batches
 
     def _forward_backward(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> tuple[Tensor | None, float]:
         """The candidate's ``training_step`` on ``batch`` and, for a finite loss, its backward pass through the
