@@ -432,9 +432,10 @@ class Candidate:
         as the suite skips one (nothing changed, the schedule held). A GradScaler's own overflow of a finite loss
         changes nothing either, but the loop steps its schedule on it (as a bare loop and Lightning do): so does the
         candidate."""
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        bad_loss, self.nonfinite = _average_across_ranks(every, self.nonfinite), False
+        params = [p for p in every if p.grad is not None]
         grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
-        _average_across_ranks(grads)
         scaler = _compat.scaler_of(trainer)
         if scaler is not None and grads:
             scaler.unscale_(optimizer)
@@ -442,7 +443,6 @@ class Candidate:
             rates.settle()
         total = math.sqrt(float(tensor_norms(grads).double().pow(2).sum())) if grads else 0.0
         window_start, self.window_buffers = self.window_buffers, {}
-        bad_loss, self.nonfinite = self.nonfinite, False
         if bad_loss or not math.isfinite(total):  # the true no-op, as the loop's: no update, the window's buffers
             optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
@@ -601,14 +601,25 @@ def _clone_optimizer_state(state: Any) -> Any:
     return cloned
 
 
-def _average_across_ranks(grads: list[Tensor]) -> None:
-    """Average the candidate's gradients across ranks, as DDP does for the loop (one all-reduce per tensor)."""
+def _average_across_ranks(params: list[Tensor], bad_loss: bool) -> bool:
+    """Average the candidate's gradients across ranks, as DDP does for the loop, and return whether the loss was
+    inf/NaN on any rank (then every rank skips the step). Every rank makes the same collectives whatever its own
+    step left: a rank whose loss was inf/NaN made no backward pass, and a parameter without a gradient on one rank
+    takes part with zeros (one all-reduce and one host read say which, then one all-reduce per gradient)."""
     world_size = world()[1]
-    if not grads or world_size == 1:
-        return
-    for grad in grads:
-        dist.all_reduce(grad)
-        grad.div_(world_size)
+    if world_size == 1 or not params:
+        return bad_loss
+    present = torch.tensor([float(p.grad is not None) for p in params] + [float(bad_loss)], device=params[0].device)
+    dist.all_reduce(present)
+    *anywhere, bad = present.tolist()
+    for param, ranks in zip(params, anywhere):
+        if ranks == 0:
+            continue  # no gradient on any rank: left as the loop's step leaves it
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad)
+        param.grad.div_(world_size)
+    return bad > 0
 
 
 @contextmanager

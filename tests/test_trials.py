@@ -524,6 +524,31 @@ def test_under_ddp_both_ranks_run_the_same_trial_and_reach_the_same_verdict(tmp_
     assert (first["step"], first["details"]["kept"]) == (52, True)
 
 
+class RankNaN(Sabotaged):
+    """Sabotaged; at step 35 the loss of a trial's candidate is NaN on rank 1 alone (its share of the batch)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if side_run() == "trial" and self.trainer.global_rank == 1 and self.trainer.global_step == 35:
+            loss = loss * float("nan")
+        return loss
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(180)
+def test_under_ddp_a_candidates_loss_nonfinite_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's candidate made no backward pass at step 35, so it all-reduced fewer gradients than rank 0's: the
+    collectives no longer matched (gloo aborted the fit; NCCL would hang). Every rank now makes the same
+    collectives, and skips that candidate's step alike."""
+    from ddp_utils import run_ddp
+
+    reports = run_ddp(RankNaN(), [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)], tmp_path, max_steps=60)
+    assert [r["error"] for r in reports] == [None, None]
+    assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]
+    (first, *_) = _trials(tmp_path)
+    assert first["step"] == 52 and math.isnan(float(first["details"]["remedy_losses"][0][35 - 32]))
+
+
 def test_a_backed_off_rate_that_held_is_grown_back_only_when_a_trial_finds_the_higher_one_better(tmp_path: Path) -> None:
     """After the remedy kept at step 52 (half the rate), 30 steps without a suspicion make the regrowth due: a trial
     of twice the rate against the rate that held opens at step 82. The higher rate does no better: the rate stays,
