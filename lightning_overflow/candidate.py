@@ -162,7 +162,12 @@ class Candidate:
         module = trainer.lightning_module
         with torch.no_grad():
             params = {name: p.data.clone() for name, p in module.named_parameters()}
-            buffers = {name: None if b is None else b.data.clone() for name, (_, _, b) in _buffer_slots(module).items()}
+            buffers: dict[str, Tensor | None] = {}
+            copies: dict[int, Tensor] = {}  # a tensor in two slots has one copy, as it is one tensor
+            for name, (_, _, buffer) in _buffer_slots(module).items():
+                if buffer is not None and id(buffer) not in copies:
+                    copies[id(buffer)] = buffer.data.clone()
+                buffers[name] = None if buffer is None else copies[id(buffer)]
         optimizers = [(_clone_optimizer_state(o.state), _hyperparameters(o)) for o in trainer.optimizers]
         return cls(
             params=params,
@@ -219,6 +224,7 @@ class Candidate:
         one branch's own steps). A buffer the run registered since the capture starts as the run's in the
         candidate; one the candidate's own step registered is the candidate's alone."""
         slots = _buffer_slots(module)
+        exchanged: dict[int, str] = {}  # a tensor in several slots is exchanged once, at its first
         for name in [*slots, *(n for n in self.buffers if n not in slots)]:
             owner, key, live = slots.get(name) or (*_owner(module, name), _ABSENT)
             if owner is None:
@@ -227,6 +233,10 @@ class Candidate:
                 self.buffers[name] = _ABSENT if self.swapped else (None if live is None else live.data.clone())
             side = self.buffers[name]
             if isinstance(live, Tensor) and isinstance(side, Tensor):
+                if id(live) in exchanged:
+                    self.buffers[name] = self.buffers[exchanged[id(live)]]
+                    continue
+                exchanged[id(live)] = name
                 self.buffers[name], live.data = live.data, side
                 continue
             self.buffers[name] = live
@@ -285,7 +295,8 @@ class Candidate:
     @property
     def nbytes(self) -> int:
         """Device bytes the candidate holds (weights, buffers, optimizer state)."""
-        tensors = [*self.params.values(), *(b for b in self.buffers.values() if isinstance(b, Tensor))]
+        buffers = {id(b): b for b in self.buffers.values() if isinstance(b, Tensor)}  # one tensor in two slots: once
+        tensors = [*self.params.values(), *buffers.values()]
         for state, _ in self.optimizers:
             tensors += [v for values in state.values() for v in values.values() if isinstance(v, Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -573,17 +584,10 @@ def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module | None, 
 
 def _buffer_slots(module: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Tensor | None]]:
     """Every buffer slot of ``module`` by name, as ``(owner, key, tensor)``: those registered as ``None`` too (a
-    memory bank filled on first use), which ``named_buffers()`` leaves out; a tensor in two slots, once (as there)."""
-    slots: dict[str, tuple[torch.nn.Module, str, Tensor | None]] = {}
-    seen: set[int] = set()
-    for prefix, owner in module.named_modules():
-        for key, value in owner._buffers.items():
-            if value is not None and id(value) in seen:
-                continue
-            if value is not None:
-                seen.add(id(value))
-            slots[f"{prefix}.{key}" if prefix else key] = (owner, key, value)
-    return slots
+    memory bank filled on first use), which ``named_buffers()`` leaves out, and each slot of a tensor two modules
+    share (one of them may be given a tensor of its own later)."""
+    return {f"{prefix}.{key}" if prefix else key: (owner, key, value)
+            for prefix, owner in module.named_modules(remove_duplicate=False) for key, value in owner._buffers.items()}
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -147,6 +147,41 @@ def test_a_buffer_filled_or_registered_during_a_trial_is_each_branchs_own() -> N
     assert_bit_identical(weights(model), weights(bare))
 
 
+class SharedScale(TinyRegressor):
+    """One buffer in two submodules' slots; at step 35, inside the trial, one slot is given a tensor of its own (an
+    ordinary buffer assignment), and it is updated in place from then on."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.enc, self.dec = nn.Module(), nn.Module()
+        scale = torch.ones(4)
+        self.enc.register_buffer("scale", scale)
+        self.dec.register_buffer("scale", scale)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.trainer.global_step == 35:
+            self.enc.scale = self.enc.scale * 1.0
+        if self.trainer.global_step > 35:
+            self.enc.scale.mul_(0.999)
+        return super().training_step((x * self.enc.scale * self.dec.scale, y), batch_idx)
+
+
+def test_a_shared_buffer_one_slot_of_which_is_reassigned_during_a_trial_stays_in_both_slots() -> None:
+    """The candidates were captured with the shared tensor under one of its names only: once the other slot held
+    a tensor of its own, it looked registered since, and swapping the run back deleted it (``AttributeError`` at
+    the run's next step). Every slot is the run's own again, and the run ends as the bare run does."""
+    runs = []
+    for suite in ([], [Suspect(30), LRBackoff(), Rollback(every_n_steps=10)]):
+        torch.manual_seed(0)
+        model = SharedScale(dropout=0.2)
+        fit(model, suite, max_steps=80)
+        runs.append(model)
+    bare, model = runs
+    assert [name for name, _ in model.named_buffers()] == ["enc.scale", "dec.scale"]
+    assert_bit_identical(weights(model), weights(bare))
+
+
 def test_a_candidate_keeps_its_own_side_effects_for_its_next_steps() -> None:
     """Each remedy sees, in its ``training_step``, the deque its own previous steps filled, not the run's."""
     torch.manual_seed(0)
