@@ -102,9 +102,9 @@ class RateHold:
     """How the suite holds a candidate's learning rates, as it holds the loop's.
 
     Attributes:
-        written: the rates the loop wrote into the param groups before this batch, by group (``None`` where it wrote
-            none: a litgpt-style loop writes its own schedule before each step): the candidate's own rates for the
-            batch too, before its scale.
+        written: the rates the loop's code wrote into the param groups, as written, by group (``None`` where a
+            scheduler sets the rate, or no code wrote one: a litgpt-style loop writes its own schedule before each
+            step): the candidate's own rates for the batch too, before its scale.
         settle: holds the rates written since at the scale the candidate's state holds (``LRBackoff``).
     """
 
@@ -340,6 +340,9 @@ class Candidate:
                 module.optimizer_step(trainer.current_epoch, batch_idx, stepper,
                                       lambda: self._closure(trainer, batch, batch_idx))  # fmt: skip
                 if stepper.result is None:  # the module's optimizer_step did not step (its closure may have run)
+                    # A rank whose module chose so (its loss inf/NaN) makes the collectives the others' steps make.
+                    _average_across_ranks([p for group in optimizer.param_groups for p in group["params"]],
+                                          self.nonfinite)  # fmt: skip
                     optimizer.zero_grad(set_to_none=True)
                     stepper.result = (self.nonfinite, False)  # no update, as the module chose; the schedule goes on
                     self.window_buffers, self.nonfinite = {}, False

@@ -927,11 +927,19 @@ def test_under_fabrics_precision_a_candidate_trains_through_fabrics_forward(tmp_
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def test_a_trials_candidates_train_at_the_rate_the_loop_writes_before_each_step(tmp_path: Path) -> None:
-    """A litgpt-style loop writes its own schedule into the param groups before each step (a warm-up here). The
-    candidates of the trial opened at step 30 ran at the rate they were captured with, times their factor, while the
-    loop's rose: a remedy kept at "x0.5" had been measured at a rate the run never used. Each candidate now trains
-    at the loop's rate of the step times its factor, as the run does at its own scale."""
+@pytest.mark.parametrize(
+    ("schedule", "suspected"),
+    [(lambda step: 0.01 * min(1.0, (step + 1) / 60), 30), (lambda step: 0.01 if step < 32 else 0.001, 35)],
+    ids=["a_warm_up", "a_step_down_before_the_trial_then_the_same_rate"],
+)
+def test_a_trials_candidates_train_at_the_rate_the_loop_writes_before_each_step(
+    tmp_path: Path, schedule: Callable[[int], float], suspected: int
+) -> None:
+    """A litgpt-style loop writes its own schedule into the param groups before each step. The candidates of the
+    trial ran at the rate they were captured with, times their factor, while the loop's rose (a warm-up); or, once
+    a loop's rate that stepped down before the trial opened stayed the same, at their snapshot's: a remedy kept at
+    "x0.5" had been measured at a rate the run never used. Each candidate now trains at the loop's rate of the step
+    times its factor, as the run does at its own scale."""
     from test_trials import Suspect
 
     from lightning_overflow import side_run
@@ -941,18 +949,19 @@ def test_a_trials_candidates_train_at_the_rate_the_loop_writes_before_each_step(
     optimizer = model.configure_optimizers()
     used: list[tuple[str | None, float]] = []
     optimizer.register_step_pre_hook(lambda opt, *_: used.append((side_run(), opt.param_groups[0]["lr"])))
-    guard = Guard(model, optimizer, callbacks=[Suspect(30), LRBackoff(), Rollback(every_n_steps=10)],
+    guard = Guard(model, optimizer, callbacks=[Suspect(suspected), LRBackoff(), Rollback(every_n_steps=10)],
                   default_root_dir=tmp_path, loss_fn=lambda net, batch: nn.functional.mse_loss(net(batch[0]), batch[1]))
-    written = []
+    written: list[float] = []
     while len(written) < 60:
         for x, y in model.train_dataloader():
-            written.append(0.01 * min(1.0, (len(written) + 1) / 60))
+            written.append(schedule(len(written)))
             for group in optimizer.param_groups:
                 group["lr"] = written[-1]
             guard.train_step((x, y))
     guard.close()
     trial = [rate for kind, rate in used if kind == "trial"]
-    assert trial == pytest.approx([written[step] * f for step in range(31, 51) for f in (0.5, 0.125)], rel=1e-12)
+    steps = range(suspected + 1, suspected + 21)
+    assert trial == pytest.approx([written[step] * f for step in steps for f in (0.5, 0.125)], rel=1e-12)
     assert [rate for kind, rate in used if kind is None] == written  # a false alarm: the run as it was
 
 

@@ -524,6 +524,44 @@ def test_under_ddp_both_ranks_run_the_same_trial_and_reach_the_same_verdict(tmp_
     assert (first["step"], first["details"]["kept"]) == (52, True)
 
 
+class Seen:
+    """An object of the user's own class: shared by the run and its side runs (the suite does not copy it)."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[str | None, float]] = []
+        self.closures: list[tuple[str | None, float, bool]] = []
+
+
+class ClosureValues(Sabotaged):
+    """Sabotaged; records each ``training_step`` loss, and what the closure its ``optimizer_step`` runs returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = Seen()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.seen.losses.append((side_run(), float(loss)))
+        return loss
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        value = optimizer_closure()
+        self.seen.closures.append((side_run(), float(value), value.requires_grad))
+        optimizer.step()
+
+
+def test_a_candidates_closure_returns_its_loss_as_lightnings_does() -> None:
+    """Under accumulation (two batches a step) Lightning's closure returns the stepping batch's loss divided by two,
+    detached; a candidate's returned it whole, with its graph."""
+    model, trial = ClosureValues(), TrialConfig(remedies=1)
+    fit(model, [Suspect(31), LRBackoff(trial=trial), Rollback(every_n_steps=10, trial=trial)], max_steps=60,
+        accumulate_grad_batches=2)  # fmt: skip
+    for kind in (None, "trial"):
+        losses = [loss for side, loss in model.seen.losses if side == kind]
+        closures = [(value, grad) for side, value, grad in model.seen.closures if side == kind]
+        assert closures and closures == [(loss / 2, False) for loss in losses[1::2]]
+
+
 class RankNaN(Sabotaged):
     """Sabotaged; at step 35 the loss of a trial's candidate is NaN on rank 1 alone (its share of the batch)."""
 
@@ -534,15 +572,27 @@ class RankNaN(Sabotaged):
         return loss
 
 
+class RankNaNSkippedByTheModule(RankNaN):
+    """RankNaN, whose ``optimizer_step`` makes no update on an inf/NaN loss (a common guard of a module's own)."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        loss = optimizer_closure()
+        if loss is not None and torch.isfinite(loss):
+            optimizer.step()
+
+
 @pytest.mark.ddp
 @pytest.mark.timeout(180)
-def test_under_ddp_a_candidates_loss_nonfinite_on_one_rank_is_skipped_on_every_rank(tmp_path: Path) -> None:
-    """Rank 1's candidate made no backward pass at step 35, so it all-reduced fewer gradients than rank 0's: the
-    collectives no longer matched (gloo aborted the fit; NCCL would hang). Every rank now makes the same
-    collectives, and skips that candidate's step alike."""
+@pytest.mark.parametrize("model_class", [RankNaN, RankNaNSkippedByTheModule], ids=["suite_skips", "module_skips"])
+def test_under_ddp_a_candidates_loss_nonfinite_on_one_rank_is_skipped_on_every_rank(
+    tmp_path: Path, model_class: type[RankNaN]
+) -> None:
+    """Rank 1's candidate made no backward pass at step 35, so it all-reduced fewer gradients than rank 0's (or
+    none, where its module's ``optimizer_step`` made no update): the collectives no longer matched (gloo aborted the
+    fit; NCCL would hang). Every rank now makes the same collectives, and skips that candidate's step alike."""
     from ddp_utils import run_ddp
 
-    reports = run_ddp(RankNaN(), [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)], tmp_path, max_steps=60)
+    reports = run_ddp(model_class(), [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)], tmp_path, max_steps=60)
     assert [r["error"] for r in reports] == [None, None]
     assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]
     (first, *_) = _trials(tmp_path)

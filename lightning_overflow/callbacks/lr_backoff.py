@@ -155,6 +155,7 @@ class LRBackoff(SuiteCallback):
         self.history: list[dict[str, Any]] = []
         self._swa_lrs: dict[int, Any] = {}  # StochasticWeightAveraging's swa_lrs as given, by callback id
         self._first_step = 0  # the step the fit started (or resumed) at
+        self._written: dict[int, float] = {}  # by group of optimizer 0: the rate its code last wrote, before the scale
 
     @property
     def state_key(self) -> str:
@@ -387,8 +388,12 @@ class LRBackoff(SuiteCallback):
         written: list[float | None] = []
         for g, group in enumerate(optimizer.param_groups):
             held, now = group.get(HELD), _as_number(group.get("lr"))
-            fresh = held is not None and now is not None and now != held[0]
-            written.append(now if fresh and not any(g < len(r) and r[g] == now for r in scheduled) else None)
+            if held is None or now is None or any(g < len(r) and r[g] == now for r in scheduled):
+                written.append(None)  # a scheduler's: the candidate's own schedulers set its rate
+            elif held[1] == 1.0 or now != held[0]:
+                written.append(now)  # as the loop has it: unscaled
+            else:
+                written.append(self._written.get(g))  # held at the scale since: the rate as the code wrote it
         return RateHold(written, functools.partial(self._settle, trainer, 0))
 
     def _settle(self, trainer: pl.Trainer, index: int) -> list[tuple[int, float, float]]:
@@ -412,16 +417,19 @@ class LRBackoff(SuiteCallback):
                     _hold_group(group, known)  # a new group: its rate as added, held from the next one it is given
                 continue
             now = _as_number(group.get("lr"))
-            if held[1] == 1.0:  # nothing to hold; the entry keeps the rate used, a trial's candidates read the next
-                if now is not None and now != held[0]:
-                    group[HELD] = [now, 1.0]
-                continue
             if now is None or now == held[0]:
+                continue
+            if held[1] == 1.0:  # nothing to hold; the entry keeps the rate used, a trial's candidates read the next
+                group[HELD] = [now, 1.0]
+                if index == 0:
+                    self._written[g] = now
                 continue
             if scheduled is None:
                 scheduled = self._set_by_schedulers(trainer, index)
             if not any(g < len(rates) and rates[g] == now for rates in scheduled):
                 written.append((g, now, held[1]))
+                if index == 0:
+                    self._written[g] = now
                 group["lr"] = now = now * held[1]
             group[HELD] = [now, held[1]]
         return written
