@@ -316,7 +316,10 @@ REPLACED_METHODS = {
     "NonFiniteDetector's guarded_training_step answers it there",
     "configure_gradient_clipping": "Lightning clips right after the callbacks' on_before_optimizer_step, with no hook "
     "between, and a skipped step has no gradients left: torch's clip_grad_value_ raises on an empty list of them "
-    "(HeldSchedules.hold_clipping, for that one call)",
+    "(HeldSchedules.hold_step_hooks, for that one call)",
+    "on_before_optimizer_step": "Lightning calls the module's right after the callbacks', with no hook between, and "
+    "a skipped step has no gradients left: a module's hook that edits one meets None (HeldSchedules.hold_step_hooks, "
+    "for that one call; Lightning's own skip calls it not at all)",
 }
 """The Lightning methods the suite replaces on live objects, for a fit or a side run, and why: no public hook does it
 (2.6.6). The instance attribute shadows the class's method and is removed afterwards."""

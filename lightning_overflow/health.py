@@ -601,7 +601,7 @@ class HealthBoard:
         self._loss_count = 0
         self._losses = []
         self._leader = None
-        self._held.put_back_clipping()  # a fit that ended inside a skipped step
+        self._held.put_back_hooks()  # a fit that ended inside a skipped step
         self._held = HeldSchedules()
         self._buffers.release()
         self._metric_copy.release()

@@ -41,13 +41,17 @@ def repeats_closure(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer).__name__ in CLOSURE_OPTIMIZERS
 
 
+STEP_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
+"""The module's hooks Lightning calls between the callbacks' ``on_before_optimizer_step`` and the update."""
+
+
 @dataclass
 class HeldSchedules:
     """Scheduler states and param-group hyperparameters to put back after Lightning stepped the schedulers."""
 
     schedulers: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
     groups: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = field(default_factory=list)
-    clipping: tuple[Any, Any] | None = None  # (the module, what its instance held): its clipping, held for the skip
+    hooks: list[tuple[Any, str, Any]] = field(default_factory=list)  # (module, hook, what its instance held)
 
     def restore(self) -> None:
         for scheduler, state in self.schedulers:
@@ -57,25 +61,28 @@ class HeldSchedules:
                 group.update(values)
         self.schedulers.clear()
         self.groups.clear()
-        self.put_back_clipping()
+        self.put_back_hooks()
 
-    def hold_clipping(self, pl_module: Any) -> None:
-        """Lightning clips right after the callbacks' ``on_before_optimizer_step`` (``Trainer(gradient_clip_val=...)``,
-        or the module's own ``configure_gradient_clipping``): a skipped step has no gradients left to clip, and
-        torch's ``clip_grad_value_`` raises on an empty list of them (torch 2.13.0). That one call does nothing."""
-        if self.clipping is not None:
-            return
+    def hold_step_hooks(self, pl_module: Any, names: tuple[str, ...] = STEP_HOOKS) -> None:
+        """Right after the callbacks' ``on_before_optimizer_step`` Lightning calls the module's own, then clips
+        (``Trainer(gradient_clip_val=...)``, or the module's ``configure_gradient_clipping``). A skipped step has no
+        gradients left: a hook that edits one meets ``None``, and torch's ``clip_grad_value_`` raises on an empty
+        list of them (torch 2.13.0). Lightning's own skip (``training_step`` returning ``None``) calls neither: for
+        this step, each does nothing, then answers again."""
+        for name in names:
+            if any(held_name == name for _, held_name, _ in self.hooks):
+                continue
 
-        def skipped(*_: Any, **__: Any) -> None:
-            self.put_back_clipping()
+            def skipped(*_: Any, _name: str = name, **__: Any) -> None:
+                self.put_back_hooks(_name)
 
-        self.clipping = (pl_module, _compat.replace_method(pl_module, "configure_gradient_clipping", skipped))
+            self.hooks.append((pl_module, name, _compat.replace_method(pl_module, name, skipped)))
 
-    def put_back_clipping(self) -> None:
-        if self.clipping is not None:
-            module, previous = self.clipping
-            self.clipping = None
-            _compat.restore_method(module, "configure_gradient_clipping", previous)
+    def put_back_hooks(self, name: str | None = None) -> None:
+        """The module's hooks answer again (``name``: that one only)."""
+        for held in [h for h in self.hooks if name is None or h[1] == name]:
+            self.hooks.remove(held)
+            _compat.restore_method(*held)
 
 
 class BufferCopy:
@@ -317,11 +324,14 @@ def skip_step(
     """
     optimizer.zero_grad(set_to_none=True)
     module = trainer.lightning_module
+    lightning = isinstance(module, nn.Module)  # a LightningModule, whose hooks Lightning calls (not the loop's host)
     if not module.automatic_optimization:
+        if lightning:
+            held.hold_step_hooks(module, ("on_before_optimizer_step",))  # no clipping hook under manual optimization
         buffers.put_back_nonfinite()
         return
-    if isinstance(module, nn.Module):  # a LightningModule, whose clipping Lightning calls (not the plain loop's host)
-        held.hold_clipping(module)
+    if lightning:
+        held.hold_step_hooks(module)
     buffers.put_back()
     metrics.put_back()
     _compat.put_back_epoch_sums(trainer, sums)

@@ -109,6 +109,44 @@ def test_a_skipped_step_is_not_clipped_and_the_next_one_is(own: bool, monkeypatc
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class EditsItsGradients(TinyRegressor):
+    """A module whose ``on_before_optimizer_step`` edits a gradient (a bias it keeps where it is), counting its calls;
+    under manual optimization too."""
+
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = not manual
+        self.calls: list[int] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.calls.append(self.trainer.global_step)
+        self.net[0].bias.grad.zero_()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return None
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_a_skipped_step_does_not_call_the_modules_own_before_optimizer_step_hook(manual: bool) -> None:
+    """A skipped step has no gradients left: the module's hook met ``None`` and the fit crashed (``AttributeError``)
+    where the bare fit finished. As Lightning's own skip (``training_step`` returning ``None``), the skipped step
+    calls it not; every other step does, as before."""
+    model = EditsItsGradients(manual)
+    first_bias = model.net[0].bias.detach().clone()
+    recorder = StepRecorder()
+    fit(model, [NonFiniteDetector(), FaultInjector(Fault(2, "nan_grad")), recorder], max_steps=5)
+    assert_bit_identical(recorder.before[2][0], recorder.after[2][0])
+    assert model.calls == [0, 1, 3, 4]
+    assert torch.equal(model.net[0].bias, first_bias) and "on_before_optimizer_step" not in vars(model)
+
+
 def test_unprotected_run_is_poisoned_by_the_same_fault() -> None:
     model = TinyRegressor(optimizer="adamw")
     fit(model, [FaultInjector(Fault(3, "nan_loss"))], max_steps=6)
