@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["flags_by_rank", "pack_per_rank", "per_rank_values", "ranks_where", "read_packed", "sum_and_read", "world"]
+__all__ = ["flags_by_rank", "named_on_any_rank", "pack_per_rank", "per_rank_values", "ranks_where", "read_packed",
+           "sum_and_read", "world"]
 
 
 def world() -> tuple[int, int]:
@@ -80,3 +81,16 @@ def flags_by_rank(flags: list[Tensor], device: torch.device | str) -> list[tuple
     Entered on every rank together.
     """
     return ranks_where(per_rank_values(flags, device), world()[1])
+
+
+def named_on_any_rank(*names: list[str]) -> tuple[list[str], ...]:
+    """Each list of names joined over the ranks (rank 0's first, then each rank's new ones, in order): what one rank
+    found by name, every rank names alike (a message, an error, a callback's state). Entered on every rank together;
+    off the hot path (it pickles the lists)."""
+    world_size = world()[1]
+    if world_size == 1:
+        return names
+    gathered: list[tuple[list[str], ...] | None] = [None] * world_size
+    dist.all_gather_object(gathered, names)
+    return tuple(list(dict.fromkeys(name for lists in gathered if lists is not None for name in lists[i]))
+                 for i in range(len(names)))  # fmt: skip

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from lightning_overflow import _compat
-from lightning_overflow.distributed import per_rank_values, ranks_where, world
+from lightning_overflow.distributed import named_on_any_rank, per_rank_values, ranks_where, world
 from lightning_overflow.numerics.norms import any_sharded, local_shard
 from lightning_overflow.numerics.snapshots import (
     SnapshotError,
@@ -419,10 +419,8 @@ def without_tolerated_infinity(moment: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class StateCheck:
-    """Which ranks hold non-finite weights (parameters and buffers) or optimizer state, and this rank's offenders.
-
-    Identical on every rank but for the names, which are local (a rank whose state is finite lists none).
-    """
+    """Which ranks hold non-finite weights (parameters and buffers) or optimizer state, and the offenders' names on
+    any of them: identical on every rank."""
 
     weight_ranks: tuple[int, ...]
     state_ranks: tuple[int, ...]
@@ -543,7 +541,7 @@ def check_state(
         mismatch = compare(summed[2 * world_size :], world_size) if parity is not None else None
         return StateCheck((), (), replica_ranks=mismatch.ranks if mismatch is not None else ())
     names = labels() if labels is not None else None
-    weight_names, state_names = nonfinite_parts(model_state, optimizer_states, constants, names)
+    weight_names, state_names = named_on_any_rank(*nonfinite_parts(model_state, optimizer_states, constants, names))
     return StateCheck(weight_ranks, state_ranks, tuple(weight_names), tuple(state_names))
 
 

@@ -39,12 +39,29 @@ def test_action_raise_stops_every_rank_with_the_same_error(tmp_path: Path) -> No
         assert "the loss was inf/NaN at step 2 (epoch 0) on rank(s) 1" in report["error"]["message"]
 
 
-def test_nonfinite_weight_on_one_rank_is_found_by_every_rank(tmp_path: Path) -> None:
-    faults = FaultInjector(Fault(4, "nan_weight", rank=0))
+@pytest.mark.parametrize("rank", [0, 1])
+def test_nonfinite_weight_on_one_rank_is_found_and_named_by_every_rank(tmp_path: Path, rank: int) -> None:
+    """The names of the tensors were the rank's own: the rank whose weights were finite raised an error naming
+    none (``parameters=[]``), and rank 0 writes the journal and the checkpoints. Every rank names them alike."""
+    faults = FaultInjector(Fault(4, "nan_weight", rank=rank))
     reports = run_ddp(TinyRegressor(), [NonFiniteDetector(check_weights_every_n_steps=2), faults], tmp_path)
     for report in reports:
         assert report["error"]["type"] == "NonFiniteError"
-        assert report["error"]["attrs"]["kind"] == "weight" and report["error"]["attrs"]["ranks"] == [0]
+        attrs = report["error"]["attrs"]
+        assert attrs["kind"] == "weight" and attrs["ranks"] == [rank] and attrs["parameters"] == ["net.0.weight"]
+        assert f"contained inf/NaN in net.0.weight at step 4 (epoch 1) on rank(s) {rank}." in report["error"]["message"]
+
+
+def test_a_rollback_for_nonfinite_weights_on_one_rank_leaves_every_ranks_callbacks_alike(tmp_path: Path) -> None:
+    """LRBackoff keeps the reason of each backoff in its state: it named the parameter on rank 1 only."""
+    from lightning_overflow import LRBackoff
+
+    faults = FaultInjector(Fault(3, "nan_weight", rank=1))
+    callbacks = [NonFiniteDetector(), LRBackoff(), Rollback(every_n_steps=2), faults]
+    reports = run_ddp(TinyRegressor(), callbacks, tmp_path)
+    assert [r["error"] for r in reports] == [None, None] and reports[0]["digest"] == reports[1]["digest"]
+    assert reports[0]["states"] == reports[1]["states"]
+    assert "inf/NaN in net.0.weight at step 3" in next(s for s in reports[0]["states"] if s.startswith("LRBackoff"))
 
 
 class PerturbOnRank(pl.Callback):
