@@ -341,6 +341,25 @@ def test_a_nan_weight_in_one_ranks_shard_is_found_by_every_rank(tmp_path: Path) 
     assert [report["error"]["parameters"] for report in reports] == [["net.0.bias"], ["net.0.bias"]]
 
 
+def test_fault_injector_writes_a_weight_fault_into_the_ranks_own_shard(tmp_path: Path) -> None:
+    """FaultInjector wrote through the sharded parameter: a view that needs a collective only the faulting rank
+    entered (gloo aborted the fit; NCCL would hang), or, on every rank, into a temporary (the fault never happened,
+    and a test of it tested nothing). It writes into the rank's own shard now."""
+    detector = NonFiniteDetector(check_weights_every_n_steps=1, diagnose=False)
+    fault = FaultInjector(Fault(4, "nan_weight", rank=1, parameter="net.0.weight"))
+    reports = fit_sharded([detector, fault], tmp_path)
+    for report in reports:
+        error = report["error"]
+        assert error["type"] == "NonFiniteError" and error["ranks"] == [1] and error["parameters"] == ["net.0.weight"]
+
+
+def test_fault_injector_refuses_a_gradient_fault_it_cannot_deliver_to_a_shard(tmp_path: Path) -> None:
+    """A tensor hook on a sharded parameter never sees its gradient (FSDP2's reduce-scatter writes it): the fault
+    was said fired and never happened."""
+    with pytest.raises(Exception, match=r"nan_grad.*cannot reach a sharded parameter's gradient \(FSDP2 writes it"):
+        fit_sharded([NonFiniteDetector(), FaultInjector(Fault(3, "nan_grad", rank=1))], tmp_path)
+
+
 # ---- AutoClip -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["fixed", "percentile", "zscore"])
 def test_autoclip_clips_by_the_global_norm_with_thresholds_identical_on_both_ranks(tmp_path: Path, mode: str) -> None:

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_overflow._compat import Callback
 from lightning_overflow._validation import check_bool, check_choice, check_float, check_int, check_type
+from lightning_overflow.numerics.norms import any_sharded, local_shard
 
 __all__ = ["FAULT_KINDS", "Fault", "FaultInjector"]
 
@@ -150,6 +151,13 @@ class FaultInjector(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = int(trainer.global_step)  # a resumed fit starts past the faults of the steps before it
+        for fault in self.faults:
+            if fault.kind.endswith("_grad") and any_sharded([_parameter(pl_module, fault.parameter)]):
+                raise ValueError(
+                    f"FaultInjector: {fault!r} cannot reach a sharded parameter's gradient (FSDP2 writes it by its "
+                    "reduce-scatter, past any tensor hook): inject a loss fault on that rank (nan_loss, inf_loss) or "
+                    "a weight fault instead"
+                )
 
     # ---- gradient and weight faults ---------------------------------------------------------------------------
     @override
@@ -157,11 +165,11 @@ class FaultInjector(Callback):
         for i, fault in self._due(trainer, ("nan_weight", "inf_weight")):
             self._fire(trainer, i, fault)
             with torch.no_grad():
-                _parameter(pl_module, fault.parameter).view(-1)[0] = _VALUES[fault.kind]
+                _own_part(trainer, pl_module, fault).view(-1)[0] = _VALUES[fault.kind]
         for i, fault in self._due(trainer, ("scale_weight",)):
             self._fire(trainer, i, fault)
             with torch.no_grad():
-                _parameter(pl_module, fault.parameter).mul_(fault.factor)
+                _own_part(trainer, pl_module, fault).mul_(fault.factor)
         for i, fault in self._due(trainer, ("nan_grad", "inf_grad")):
             self._fire(trainer, i, fault)
             # A tensor hook changes the gradient before DDP all-reduces it, as a real fault on one rank would.
@@ -192,6 +200,18 @@ class _Poison:
         grad = grad.clone()
         grad.view(-1)[0] = self.value
         return grad
+
+
+def _own_part(trainer: pl.Trainer, pl_module: pl.LightningModule, fault: Fault) -> Tensor:
+    """The part of the fault's parameter this rank holds (its shard under FSDP2: written there without a collective,
+    as a fault of this rank's own would be; the whole parameter otherwise)."""
+    part = local_shard(_parameter(pl_module, fault.parameter))
+    if part.numel() == 0:
+        raise ValueError(
+            f"FaultInjector: {fault!r} names a parameter of which rank {trainer.global_rank} holds no element (its "
+            "shard is empty): name a larger parameter, or another rank"
+        )
+    return part
 
 
 def _parameter(pl_module: pl.LightningModule, name: str | None) -> Tensor:
