@@ -32,9 +32,11 @@ class Fault:
         step: the ``trainer.global_step`` at which it fires (the first batch, or backward, of that step).
         kind: ``"nan_loss"`` / ``"inf_loss"`` (the loss is multiplied by NaN/inf, so the gradients follow),
             ``"loss_spike"`` (the loss is multiplied by ``factor``), ``"nan_grad"`` / ``"inf_grad"`` (one element
-            of one parameter's gradient, before the DDP all-reduce), ``"nan_weight"`` / ``"inf_weight"`` (one
-            element of one parameter, before the batch), ``"scale_weight"`` (one parameter multiplied by ``factor``
-            before the batch: finite weights that run away, as a too-high learning rate makes them).
+            of one parameter's gradient, before the DDP all-reduce; refused for a parameter FSDP2 shards, whose
+            gradient no tensor hook sees), ``"nan_weight"`` / ``"inf_weight"`` (one element of one parameter, before
+            the batch; under FSDP2, of the rank's own shard), ``"scale_weight"`` (one parameter, or the rank's shard
+            of it, multiplied by ``factor`` before the batch: finite weights that run away, as a too-high learning
+            rate makes them).
         rank: the global rank it fires on (``None``: every rank).
         parameter: the parameter name for gradient and weight faults (``None``: the first parameter).
         factor: the multiplier of ``"loss_spike"`` and ``"scale_weight"`` (default 1e3).
