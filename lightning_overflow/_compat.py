@@ -318,8 +318,8 @@ REPLACED_METHODS = {
     "between, and a skipped step has no gradients left: torch's clip_grad_value_ raises on an empty list of them "
     "(HeldSchedules.hold_step_hooks, for that one call)",
     "on_before_optimizer_step": "Lightning calls the module's right after the callbacks', with no hook between, and "
-    "a skipped step has no gradients left: a module's hook that edits one meets None (HeldSchedules.hold_step_hooks, "
-    "for that one call; Lightning's own skip calls it not at all)",
+    "a step the suite skipped has no gradients left: a module's hook that edits one meets None "
+    "(HeldSchedules.hold_step_hooks, for that one call)",
 }
 """The Lightning methods the suite replaces on live objects, for a fit or a side run, and why: no public hook does it
 (2.6.6). The instance attribute shadows the class's method and is removed afterwards."""

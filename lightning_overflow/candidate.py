@@ -340,11 +340,12 @@ class Candidate:
                 module.optimizer_step(trainer.current_epoch, batch_idx, stepper,
                                       lambda: self._closure(trainer, batch, batch_idx))  # fmt: skip
                 if stepper.result is None:  # the module's optimizer_step did not step (its closure may have run)
-                    # A rank whose module chose so (its loss inf/NaN) makes the collectives the others' steps make.
-                    _average_across_ranks([p for group in optimizer.param_groups for p in group["params"]],
-                                          self.nonfinite)  # fmt: skip
+                    # A rank whose module chose so (its loss inf/NaN) makes the collectives the others' steps make,
+                    # and holds its schedule as they hold theirs when a rank's loss was inf/NaN.
+                    bad = _average_across_ranks([p for group in optimizer.param_groups for p in group["params"]],
+                                                self.nonfinite)  # fmt: skip
                     optimizer.zero_grad(set_to_none=True)
-                    stepper.result = (self.nonfinite, False)  # no update, as the module chose; the schedule goes on
+                    stepper.result = (self.nonfinite, bad)  # no update, as the module chose
                     self.window_buffers, self.nonfinite = {}, False
         finally:
             restore_rng(rng)

@@ -65,10 +65,11 @@ class HeldSchedules:
 
     def hold_step_hooks(self, pl_module: Any, names: tuple[str, ...] = STEP_HOOKS) -> None:
         """Right after the callbacks' ``on_before_optimizer_step`` Lightning calls the module's own, then clips
-        (``Trainer(gradient_clip_val=...)``, or the module's ``configure_gradient_clipping``). A skipped step has no
-        gradients left: a hook that edits one meets ``None``, and torch's ``clip_grad_value_`` raises on an empty
-        list of them (torch 2.13.0). Lightning's own skip (``training_step`` returning ``None``) calls neither: for
-        this step, each does nothing, then answers again."""
+        (``Trainer(gradient_clip_val=...)``, or the module's ``configure_gradient_clipping``). A step the suite
+        skipped has no gradients left (set to ``None``, so that the optimizer leaves every parameter as it was),
+        where the same step without the suite had them: a hook that edits one meets ``None``, and torch's
+        ``clip_grad_value_`` raises on an empty list of them (torch 2.13.0). For this step each does nothing, then
+        answers again: the module's hooks see only steps that update."""
         for name in names:
             if any(held_name == name for _, held_name, _ in self.hooks):
                 continue

@@ -353,11 +353,22 @@ def test_fault_injector_writes_a_weight_fault_into_the_ranks_own_shard(tmp_path:
         assert error["type"] == "NonFiniteError" and error["ranks"] == [1] and error["parameters"] == ["net.0.weight"]
 
 
-def test_fault_injector_refuses_a_gradient_fault_it_cannot_deliver_to_a_shard(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("fault", "refusal"),
+    [(Fault(3, "nan_grad", rank=1), r"nan_grad.*cannot reach a sharded parameter's gradient \(FSDP2 writes it"),
+     (Fault(3, "nan_weight", rank=1, parameter="net.2.bias"),
+      r"names a parameter of which rank\(s\) 1 hold no element \(their shard is empty\)")],
+    ids=["a_gradient_fault", "a_weight_fault_in_an_empty_shard"],
+)  # fmt: skip
+def test_fault_injector_refuses_a_fault_it_cannot_deliver_to_a_shard(
+    tmp_path: Path, fault: Fault, refusal: str
+) -> None:
     """A tensor hook on a sharded parameter never sees its gradient (FSDP2's reduce-scatter writes it): the fault
-    was said fired and never happened."""
-    with pytest.raises(Exception, match=r"nan_grad.*cannot reach a sharded parameter's gradient \(FSDP2 writes it"):
-        fit_sharded([NonFiniteDetector(), FaultInjector(Fault(3, "nan_grad", rank=1))], tmp_path)
+    was said fired and never happened. A weight fault in a shard a rank holds nothing of raised on that rank alone,
+    at the fault's step (the others went on into their next collective). Both are refused at the fit's start, on
+    every rank."""
+    with pytest.raises(Exception, match=refusal):
+        fit_sharded([NonFiniteDetector(), FaultInjector(fault)], tmp_path)
 
 
 # ---- AutoClip -----------------------------------------------------------------------------------------------------

@@ -928,12 +928,15 @@ def test_under_fabrics_precision_a_candidate_trains_through_fabrics_forward(tmp_
 
 
 @pytest.mark.parametrize(
-    ("schedule", "suspected"),
-    [(lambda step: 0.01 * min(1.0, (step + 1) / 60), 30), (lambda step: 0.01 if step < 32 else 0.001, 35)],
-    ids=["a_warm_up", "a_step_down_before_the_trial_then_the_same_rate"],
-)
+    ("schedule", "suspected", "nan_weight_at", "scale"),
+    [(lambda step: 0.01 * min(1.0, (step + 1) / 60), 30, None, 1.0),
+     (lambda step: 0.01 if step < 32 else 0.001, 35, None, 1.0),
+     (lambda step: 0.01 if step < 34 else 0.001, 35, 12, 0.5)],
+    ids=["a_warm_up", "a_step_down_before_the_trial_then_the_same_rate",
+         "a_step_down_written_once_after_a_backoff"],
+)  # fmt: skip
 def test_a_trials_candidates_train_at_the_rate_the_loop_writes_before_each_step(
-    tmp_path: Path, schedule: Callable[[int], float], suspected: int
+    tmp_path: Path, schedule: Callable[[int], float], suspected: int, nan_weight_at: int | None, scale: float
 ) -> None:
     """A litgpt-style loop writes its own schedule into the param groups before each step. The candidates of the
     trial ran at the rate they were captured with, times their factor, while the loop's rose (a warm-up); or, once
@@ -949,20 +952,26 @@ def test_a_trials_candidates_train_at_the_rate_the_loop_writes_before_each_step(
     optimizer = model.configure_optimizers()
     used: list[tuple[str | None, float]] = []
     optimizer.register_step_pre_hook(lambda opt, *_: used.append((side_run(), opt.param_groups[0]["lr"])))
-    guard = Guard(model, optimizer, callbacks=[Suspect(suspected), LRBackoff(), Rollback(every_n_steps=10)],
-                  default_root_dir=tmp_path, loss_fn=lambda net, batch: nn.functional.mse_loss(net(batch[0]), batch[1]))
+    callbacks = [NonFiniteDetector(), Suspect(suspected), LRBackoff(), Rollback(every_n_steps=10)]
+    guard = Guard(model, optimizer, callbacks=callbacks, default_root_dir=tmp_path,
+                  loss_fn=lambda net, batch: nn.functional.mse_loss(net(batch[0]), batch[1]))  # fmt: skip
     written: list[float] = []
     while len(written) < 60:
         for x, y in model.train_dataloader():
+            if len(written) == nan_weight_at:  # a backoff to 0.5x, and a rollback
+                with torch.no_grad():
+                    model.net[0].weight.view(-1)[0] = float("nan")
             written.append(schedule(len(written)))
-            for group in optimizer.param_groups:
-                group["lr"] = written[-1]
+            if nan_weight_at is None or len(written) in (1, 35):  # written when it changes only, after the snapshot
+                for group in optimizer.param_groups:
+                    group["lr"] = written[-1]
             guard.train_step((x, y))
     guard.close()
     trial = [rate for kind, rate in used if kind == "trial"]
     steps = range(suspected + 1, suspected + 21)
-    assert trial == pytest.approx([written[step] * f for step in steps for f in (0.5, 0.125)], rel=1e-12)
-    assert [rate for kind, rate in used if kind is None] == written  # a false alarm: the run as it was
+    assert trial == pytest.approx([written[step] * scale * f for step in steps for f in (0.5, 0.125)], rel=1e-12)
+    if nan_weight_at is None:
+        assert [rate for kind, rate in used if kind is None] == written  # a false alarm: the run as it was
 
 
 def test_a_trials_candidates_step_an_epoch_schedule_as_the_loop_ends_each_epoch(tmp_path: Path) -> None:

@@ -135,9 +135,9 @@ class EditsItsGradients(TinyRegressor):
 
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
 def test_a_skipped_step_does_not_call_the_modules_own_before_optimizer_step_hook(manual: bool) -> None:
-    """A skipped step has no gradients left: the module's hook met ``None`` and the fit crashed (``AttributeError``)
-    where the bare fit finished. As Lightning's own skip (``training_step`` returning ``None``), the skipped step
-    calls it not; every other step does, as before."""
+    """A step the suite skipped has no gradients left: the module's hook met ``None`` and the fit crashed
+    (``AttributeError``) where the bare fit, whose step had them, finished. The skipped step calls it not; every
+    other step does, as before."""
     model = EditsItsGradients(manual)
     first_bias = model.net[0].bias.detach().clone()
     recorder = StepRecorder()

@@ -589,11 +589,13 @@ def test_under_ddp_a_candidates_loss_nonfinite_on_one_rank_is_skipped_on_every_r
 ) -> None:
     """Rank 1's candidate made no backward pass at step 35, so it all-reduced fewer gradients than rank 0's (or
     none, where its module's ``optimizer_step`` made no update): the collectives no longer matched (gloo aborted the
-    fit; NCCL would hang). Every rank now makes the same collectives, and skips that candidate's step alike."""
+    fit; NCCL would hang). Every rank now makes the same collectives, and skips that candidate's step alike, its
+    schedule held on every rank (it went on where the module made no update, and the kept remedy's rates differed)."""
     from ddp_utils import run_ddp
 
-    reports = run_ddp(model_class(), [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)], tmp_path, max_steps=60)
-    assert [r["error"] for r in reports] == [None, None]
+    model = model_class(scheduler=lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.97))
+    reports = run_ddp(model, [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)], tmp_path, max_steps=60)
+    assert [r["error"] for r in reports] == [None, None] and reports[0]["lrs"] == reports[1]["lrs"]
     assert reports[0]["digest"] == reports[1]["digest"] and reports[0]["states"] == reports[1]["states"]
     (first, *_) = _trials(tmp_path)
     assert first["step"] == 52 and math.isnan(float(first["details"]["remedy_losses"][0][35 - 32]))

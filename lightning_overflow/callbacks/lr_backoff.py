@@ -379,10 +379,11 @@ class LRBackoff(SuiteCallback):
             )  # fmt: skip
 
     def _candidate_rates(self, trainer: pl.Trainer) -> RateHold:
-        """For a trial's candidates on this batch (optimizer 0: a trial compares one): the rates the loop wrote into
-        the live param groups since the suite last held them (a litgpt-style loop writes its schedule before each
-        step), which each candidate takes as its own, and what holds the rates written at the candidate's own scale
-        (its param groups carry it) once it is swapped in, as :meth:`_contribute` holds the loop's."""
+        """For a trial's candidates on this batch (optimizer 0: a trial compares one): the rate of each param group
+        as the loop's code last wrote it, before any scale (a litgpt-style loop writes its schedule before each
+        step; ``None`` where a scheduler sets the rate, or no code wrote one), which each candidate takes as its own,
+        and what holds the rates written at the candidate's own scale (its param groups carry it) once it is swapped
+        in, as :meth:`_contribute` holds the loop's."""
         optimizer = trainer.optimizers[0]
         scheduled = self._set_by_schedulers(trainer, 0)
         written: list[float | None] = []
@@ -394,12 +395,13 @@ class LRBackoff(SuiteCallback):
                 written.append(now)  # as the loop has it: unscaled
             else:
                 written.append(self._written.get(g))  # held at the scale since: the rate as the code wrote it
-        return RateHold(written, functools.partial(self._settle, trainer, 0))
+        return RateHold(written, functools.partial(self._settle, trainer, 0, record=False))
 
-    def _settle(self, trainer: pl.Trainer, index: int) -> list[tuple[int, float, float]]:
+    def _settle(self, trainer: pl.Trainer, index: int, record: bool = True) -> list[tuple[int, float, float]]:
         """Hold the rates of optimizer ``index`` that its module's code wrote since the suite or a scheduler last set
         them: each is multiplied by the scale its group holds. Returns ``(group, rate written, scale)`` of each. A
-        group added since (``add_param_group``) takes the scale of the optimizer's other groups from its next rate."""
+        group added since (``add_param_group``) takes the scale of the optimizer's other groups from its next rate.
+        ``record``: remember the rates as written, for a trial's candidates (the run's own, not a candidate's)."""
         optimizer = trainer.optimizers[index]
         written: list[tuple[int, float, float]] = []
         scheduled: list[list[float | None]] | None = None
@@ -421,14 +423,14 @@ class LRBackoff(SuiteCallback):
                 continue
             if held[1] == 1.0:  # nothing to hold; the entry keeps the rate used, a trial's candidates read the next
                 group[HELD] = [now, 1.0]
-                if index == 0:
+                if index == 0 and record:
                     self._written[g] = now
                 continue
             if scheduled is None:
                 scheduled = self._set_by_schedulers(trainer, index)
             if not any(g < len(rates) and rates[g] == now for rates in scheduled):
                 written.append((g, now, held[1]))
-                if index == 0:
+                if index == 0 and record:
                     self._written[g] = now
                 group["lr"] = now = now * held[1]
             group[HELD] = [now, held[1]]

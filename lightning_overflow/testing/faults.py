@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_overflow._compat import Callback
 from lightning_overflow._validation import check_bool, check_choice, check_float, check_int, check_type
+from lightning_overflow.distributed import flags_by_rank
 from lightning_overflow.numerics.norms import any_sharded, local_shard
 
 __all__ = ["FAULT_KINDS", "Fault", "FaultInjector"]
@@ -153,13 +154,25 @@ class FaultInjector(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = int(trainer.global_step)  # a resumed fit starts past the faults of the steps before it
-        for fault in self.faults:
-            if fault.kind.endswith("_grad") and any_sharded([_parameter(pl_module, fault.parameter)]):
+        sharded = [f for f in self.faults if f.kind.endswith(("_grad", "_weight"))
+                   and any_sharded([_parameter(pl_module, f.parameter)])]  # fmt: skip
+        for fault in sharded:
+            if fault.kind.endswith("_grad"):
                 raise ValueError(
                     f"FaultInjector: {fault!r} cannot reach a sharded parameter's gradient (FSDP2 writes it by its "
                     "reduce-scatter, past any tensor hook): inject a loss fault on that rank (nan_loss, inf_loss) or "
                     "a weight fault instead"
                 )
+        if sharded:  # every rank holds sharded parameters: every rank enters, and every rank refuses alike
+            rank = trainer.global_rank
+            empty = [torch.tensor(float(f.rank in (None, rank) and local_shard(_parameter(pl_module, f.parameter))
+                                        .numel() == 0)) for f in sharded]  # fmt: skip
+            for fault, ranks in zip(sharded, flags_by_rank(empty, trainer.strategy.root_device)):
+                if ranks:
+                    raise ValueError(
+                        f"FaultInjector: {fault!r} names a parameter of which rank(s) {', '.join(map(str, ranks))} "
+                        "hold no element (their shard is empty): name a larger parameter, or another rank"
+                    )
 
     # ---- gradient and weight faults ---------------------------------------------------------------------------
     @override
@@ -167,11 +180,11 @@ class FaultInjector(Callback):
         for i, fault in self._due(trainer, ("nan_weight", "inf_weight")):
             self._fire(trainer, i, fault)
             with torch.no_grad():
-                _own_part(trainer, pl_module, fault).view(-1)[0] = _VALUES[fault.kind]
+                _own_part(pl_module, fault).view(-1)[0] = _VALUES[fault.kind]
         for i, fault in self._due(trainer, ("scale_weight",)):
             self._fire(trainer, i, fault)
             with torch.no_grad():
-                _own_part(trainer, pl_module, fault).mul_(fault.factor)
+                _own_part(pl_module, fault).mul_(fault.factor)
         for i, fault in self._due(trainer, ("nan_grad", "inf_grad")):
             self._fire(trainer, i, fault)
             # A tensor hook changes the gradient before DDP all-reduces it, as a real fault on one rank would.
@@ -204,16 +217,11 @@ class _Poison:
         return grad
 
 
-def _own_part(trainer: pl.Trainer, pl_module: pl.LightningModule, fault: Fault) -> Tensor:
-    """The part of the fault's parameter this rank holds (its shard under FSDP2: written there without a collective,
-    as a fault of this rank's own would be; the whole parameter otherwise)."""
-    part = local_shard(_parameter(pl_module, fault.parameter))
-    if part.numel() == 0:
-        raise ValueError(
-            f"FaultInjector: {fault!r} names a parameter of which rank {trainer.global_rank} holds no element (its "
-            "shard is empty): name a larger parameter, or another rank"
-        )
-    return part
+def _own_part(pl_module: pl.LightningModule, fault: Fault) -> Tensor:
+    """The part of the fault's parameter this rank holds (its shard under FSDP2, never empty there: refused at the
+    fit's start; written there without a collective, as a fault of this rank's own would be; the whole parameter
+    otherwise)."""
+    return local_shard(_parameter(pl_module, fault.parameter))
 
 
 def _parameter(pl_module: pl.LightningModule, name: str | None) -> Tensor:
