@@ -266,21 +266,27 @@ def scale_swa_lrs(trainer: Any, scale: float, given: dict[int, Any]) -> None:
             callback._swa_lrs = [lr * scale for lr in lrs] if isinstance(lrs, list) else lrs * scale
 
 
-def backbone_rates(trainer: Any) -> list[float]:
-    """The backbone rates ``BackboneFinetuning`` callbacks remember (``previous_backbone_lr``, 2.6.6; none before
-    the unfreeze): each writes its next rate, ``lambda_func(epoch + 1)`` times the one it remembers, into the last
-    param group of every optimizer as its epochs begin, and remembers it."""
-    return [float(callback.previous_backbone_lr) for callback in getattr(trainer, "callbacks", [])
+def _unfrozen_backbones(trainer: Any) -> list[Any]:
+    """The ``BackboneFinetuning`` callbacks past their unfreeze: those that remember a backbone rate
+    (``previous_backbone_lr``, 2.6.6; ``None`` before)."""
+    return [callback for callback in getattr(trainer, "callbacks", [])
             if isinstance(callback, _BACKBONE) and isinstance(callback.previous_backbone_lr, (int, float))]  # fmt: skip
+
+
+def backbone_rates(trainer: Any) -> list[float]:
+    """The backbone rates ``BackboneFinetuning`` callbacks remember: each writes its next rate,
+    ``lambda_func(epoch + 1)`` times the one it remembers, into the last param group of every optimizer as its epochs
+    begin, and remembers it."""
+    return [float(callback.previous_backbone_lr) for callback in _unfrozen_backbones(trainer)]
 
 
 def backbone_rate_given(trainer: Any, group: dict[str, Any]) -> bool:
     """Whether ``group`` is the backbone's, just added by a ``BackboneFinetuning`` at the ``backbone_initial_lr`` it
     was given (a rate as the user wrote it, not derived from the first group's live one; 2.6.6)."""
     rate = group.get("lr")
-    return any(isinstance(callback, _BACKBONE) and callback.backbone_initial_lr is not None
+    return any(callback.backbone_initial_lr is not None
                and rate == callback.backbone_initial_lr == callback.previous_backbone_lr
-               for callback in getattr(trainer, "callbacks", []))  # fmt: skip
+               for callback in _unfrozen_backbones(trainer))  # fmt: skip
 
 
 def follow_backbone_rates(trainer: Any, optimizer: Any) -> None:
@@ -291,9 +297,8 @@ def follow_backbone_rates(trainer: Any, optimizer: Any) -> None:
     rate = optimizer.param_groups[-1].get("lr") if optimizer.param_groups else None
     if not isinstance(rate, (int, float)):
         return
-    for callback in getattr(trainer, "callbacks", []):
-        if isinstance(callback, _BACKBONE) and isinstance(callback.previous_backbone_lr, (int, float)):
-            callback.previous_backbone_lr = float(rate)
+    for callback in _unfrozen_backbones(trainer):
+        callback.previous_backbone_lr = float(rate)
 
 
 def unmute_hooks(callback: Any, hooks: tuple[str, ...]) -> None:

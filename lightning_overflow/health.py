@@ -915,9 +915,7 @@ class HealthBoard:
                 counters = self._publish_counters(trainer)
                 self.metrics.add(counters, _compat.batches_that_stepped(trainer))
         for step, metrics in self.metrics.drain():
-            if not trainer.loggers:
-                pass
-            elif step == lightning_step:
+            if trainer.loggers and step == lightning_step:
                 self._merge.hold(trainer.loggers, step, metrics)
             else:
                 for logger in trainer.loggers:

@@ -56,11 +56,11 @@ class ScheduleLag:
     def restored(self, trainer: pl.Trainer) -> None:
         """The schedulers were just restored from a snapshot: an epoch-interval one taken back is behind by as many
         epochs (the loop steps it as epochs end, and goes on from the epoch it is in)."""
-        for index, (config, seen) in enumerate(zip(trainer.lr_scheduler_configs, self._seen)):
-            count = scheduler_count(config)
+        counts = [scheduler_count(config) for config in trainer.lr_scheduler_configs]
+        for index, (config, seen, count) in enumerate(zip(trainer.lr_scheduler_configs, self._seen, counts)):
             if index < len(self._rewound) and config.interval == "epoch" and count < seen:
                 self._rewound[index] += seen - count
-        self._seen = [scheduler_count(config) for config in trainer.lr_scheduler_configs]
+        self._seen = counts
 
     def behind(self, trainer: pl.Trainer) -> list[tuple[str, int, str]]:
         """Each scheduler that ends behind what the loop gave it: ``(its class, how far, "step" or "epoch")``. A

@@ -389,7 +389,7 @@ class LRBackoff(SuiteCallback):
         written: list[float | None] = []
         for g, group in enumerate(optimizer.param_groups):
             held, now = group.get(HELD), _as_number(group.get("lr"))
-            if held is None or now is None or any(g < len(r) and r[g] == now for r in scheduled):
+            if held is None or now is None or _set_by_one(scheduled, g, now):
                 written.append(None)  # a scheduler's: the candidate's own schedulers set its rate
             elif held[1] == 1.0 or now != held[0]:
                 written.append(now)  # as the loop has it: unscaled
@@ -428,7 +428,7 @@ class LRBackoff(SuiteCallback):
                 continue
             if scheduled is None:
                 scheduled = self._set_by_schedulers(trainer, index)
-            if not any(g < len(rates) and rates[g] == now for rates in scheduled):
+            if not _set_by_one(scheduled, g, now):
                 written.append((g, now, held[1]))
                 if index == 0 and record:
                     self._written[g] = now
@@ -647,6 +647,12 @@ def _scheduled(trainer: pl.Trainer, index: int) -> list[list[float | None]]:
     """The rates each scheduler of optimizer ``index`` set last (``_last_lr``)."""
     lasts = [getattr(scheduler, "_last_lr", None) for scheduler in _schedulers(trainer, index)]
     return [_as_numbers(last) for last in lasts if isinstance(last, list)]
+
+
+def _set_by_one(scheduled: list[list[float | None]], group: int, rate: float) -> bool:
+    """Whether ``rate`` is the one a scheduler set last in param group ``group`` (:meth:`LRBackoff._set_by_schedulers`
+    lists them)."""
+    return any(group < len(rates) and rates[group] == rate for rates in scheduled)
 
 
 def _as_number(rate: Any) -> float | None:
