@@ -134,6 +134,8 @@ class Candidate:
         schedulers: each LR scheduler's ``state_dict()``.
         precision: the precision plugin's ``state_dict()`` (the GradScaler's under ``16-mixed``).
         pending_schedule: scheduler steps the loop made since the candidate last stepped its own schedule.
+        pending_values: the values each ``ReduceLROnPlateau`` of the loop stepped on since then (the run's, as the
+            candidate has no validation of its own).
         losses: this optimizer step's finite micro-batch losses (under gradient accumulation).
         attributes: the module's Python attributes as the candidate's last trained step left them (``None`` until
             it trains, and after a checkpoint: it starts from the run's then).
@@ -146,6 +148,7 @@ class Candidate:
     schedulers: list[dict[str, Any]]
     precision: dict[str, Any]
     pending_schedule: list[int] = field(default_factory=list)
+    pending_values: list[list[float]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     nonfinite: bool = False
     window_buffers: dict[str, Tensor] = field(default_factory=dict)
@@ -177,6 +180,7 @@ class Candidate:
             schedulers=[copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
             precision=copy.deepcopy(trainer.precision_plugin.state_dict()),
             pending_schedule=[0] * len(trainer.lr_scheduler_configs),
+            pending_values=[[] for _ in trainer.lr_scheduler_configs],
             names={id(p): name for name, p in module.named_parameters()},
             scheduler_ids=[id(c.scheduler) for c in trainer.lr_scheduler_configs],
         )
@@ -488,11 +492,21 @@ class Candidate:
         for index, steps in enumerate(steps_by_scheduler[: len(self.pending_schedule)]):
             self.pending_schedule[index] += steps
 
+    def note_plateau(self, values_by_scheduler: list[list[float]]) -> None:
+        """The loop's plateau schedulers stepped on these values: the candidate's step on them before its next step
+        (a skipped step holds none: Lightning steps them whatever the batch did)."""
+        for index, values in enumerate(values_by_scheduler[: len(self.pending_values)]):
+            self.pending_values[index] += values
+
     def _catch_up_schedule(self, trainer: pl.Trainer) -> None:
         for index, scheduler in self._own_schedulers(trainer):
             for _ in range(self.pending_schedule[index]):
                 scheduler.step()
+            for value in self.pending_values[index] if index < len(self.pending_values) else ():
+                scheduler.step(value)
             self.pending_schedule[index] = 0
+            if index < len(self.pending_values):
+                self.pending_values[index] = []
 
     def catch_up(self, trainer: pl.Trainer) -> None:
         """Apply the schedule steps still pending (before the candidate becomes the live state)."""
@@ -516,6 +530,7 @@ class Candidate:
             "schedulers": copy.deepcopy(self.schedulers),
             "precision": copy.deepcopy(self.precision),
             "pending_schedule": list(self.pending_schedule),
+            "pending_values": [list(values) for values in self.pending_values],
             "losses": list(self.losses),
             "nonfinite": self.nonfinite,
             "window_buffers": _to_host(self.window_buffers),
@@ -547,6 +562,8 @@ class Candidate:
             schedulers=copy.deepcopy(state["schedulers"]),
             precision=copy.deepcopy(state["precision"]),
             pending_schedule=[int(n) for n in state["pending_schedule"]],
+            pending_values=[[float(v) for v in values] for values in state.get("pending_values", [])]
+            or [[] for _ in state["pending_schedule"]],
             losses=[float(v) for v in state["losses"]],
             nonfinite=bool(state["nonfinite"]),
             window_buffers=on(state["window_buffers"], buffers),

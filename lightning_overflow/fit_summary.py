@@ -333,29 +333,33 @@ def behind_a_restore(events: Iterable[Event], last_step: int) -> tuple[str, dict
 
 def schedule_behind(events: Iterable[Event], lag: Sequence[tuple[str, int, str]], last_step: int
                     ) -> tuple[str, dict[str, Any]] | None:  # fmt: skip
-    """The LR schedulers ended behind the fit (``lag``: each one's class, how far behind and in what, ``"step"`` or
-    ``"epoch"``, from :class:`~lightning_overflow.schedule_lag.ScheduleLag`) after a rollback: the message and the
-    facts of a ``schedule_behind`` event; ``None`` without a rollback (a skipped step's hold alone is the skip's
-    own)."""
+    """The LR schedulers ended behind the fit (``lag``: each one's class, how far behind and in what, ``"step"``,
+    ``"epoch"`` or ``"call"``, from :class:`~lightning_overflow.schedule_lag.ScheduleLag`) after a rollback: the
+    message and the facts of a ``schedule_behind`` event; ``None`` without a rollback (a skipped step's hold alone is
+    the skip's own)."""
     if not lag or not any(e["kind"] == "rollback" for e in events):
         return None
-    steps = max((n for _, n, unit in lag if unit == "step"), default=0)
-    epochs = max((n for _, n, unit in lag if unit == "epoch"), default=0)
-    which = ", ".join(f"{name} by {_count(n, unit)}" for name, n, unit in lag)
+    steps, epochs, calls = (max((n for _, n, u in lag if u == unit), default=0) for unit in ("step", "epoch", "call"))
+    which = ", ".join(f"{name} by {_count(n, unit) if unit != 'call' else f'{n} of its steps'}"
+                      for name, n, unit in lag)  # fmt: skip
     more = " and ".join(f"{n} more {unit}{'s' if n > 1 else ''}"
                         for n, unit in ((steps, "step"), (epochs, "epoch")) if n)  # fmt: skip
+    if calls:
+        more = " and ".join(filter(None, [more, f"until your code has stepped it {_times(calls)} more"]))
     if steps:
         stood = (f"a rollback returns it with the weights and a skipped step holds it while the fit's step count goes "
                  f"on, so at step {last_step} it stood where step {last_step - steps} would have left it")  # fmt: skip
-    else:
+    elif epochs:
         stood = "a rollback returns it with the weights while the fit's epoch count goes on"
+    else:
+        stood = "a rollback returns it with the weights, and your code steps it as the batches go on"
     message = (
         f"the learning-rate schedule ended behind the fit ({which}): {stood}; a schedule sized to the fit (a "
         f"OneCycleLR, a warm-up and its decay) has not reached its end: train {more} to finish it"
     )
     schedulers = [{"scheduler": name, "behind": n, **({"unit": unit} if unit != "step" else {})}
                   for name, n, unit in lag]  # fmt: skip
-    return message, {"schedulers": schedulers, "behind": steps or epochs}
+    return message, {"schedulers": schedulers, "behind": steps or epochs or calls}
 
 
 def plain_lines(events: Iterable[Event]) -> list[str]:

@@ -1025,6 +1025,7 @@ class Guard:
             self._hook("on_train_epoch_end")
             if plateau:
                 self.scheduler.step(mean)
+                self.board.trials.note_plateau([[mean]])
             elif self.scheduler is not None and self._interval == "epoch":
                 self.scheduler.step()
                 self.board.trials.note_epoch_schedule()

@@ -791,6 +791,7 @@ class HealthBoard:
         self._merge.send_leftover()  # a held step that Lightning did not log after all
         if trainer.lr_scheduler_configs:
             self.schedule_lag.begin_batch(trainer)
+            self.follow_plateaus(trainer)
         # An accumulation window begins here; under manual optimization every batch begins one, since the batch steps
         # its optimizers itself: what a skipped step left inf/NaN in its buffers, logged sums and metrics goes back.
         if not self._window_open or not pl_module.automatic_optimization:
@@ -803,6 +804,13 @@ class HealthBoard:
             trials.begin_batch(trainer, self, batch, batch_idx)
         for participant in self.in_stage("_before_batch"):
             participant._before_batch(trainer, pl_module, batch, batch_idx)
+
+    def follow_plateaus(self, trainer: pl.Trainer) -> None:
+        """A ``ReduceLROnPlateau`` of the loop stepped since the last batch ended (on its metric, after that batch
+        or as the epoch ended): a trial's candidates step theirs on the same values."""
+        steps = self.schedule_lag.plateau_steps(trainer)
+        if self.trials.sides and any(steps):
+            self.trials.note_plateau(steps)
 
     def forget_batch_logs(self, trainer: pl.Trainer) -> None:
         """Take this batch's logged values out of the epoch's sums again, as a skipped step's are: its state was
@@ -858,6 +866,8 @@ class HealthBoard:
         trials.end_batch(trainer, self)
         for participant in self.in_stage("_after_batch"):
             participant._after_batch(trainer, pl_module, outputs)
+        if trainer.lr_scheduler_configs:  # after the batch's restores: a plateau's steps are counted from here
+            self.schedule_lag.mark_plateaus(trainer)
         logs = self.logs_now(trainer)
         # The counters move only with an event (a skip, a spike, a backoff, a rollback), a signal or a trial: a quiet
         # batch that logs nothing leaves them as they were published.

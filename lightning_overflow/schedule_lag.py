@@ -6,6 +6,10 @@ goes on: a schedule sized to the fit (a ``OneCycleLR`` over ``estimated_stepping
 then ends short of its end. :class:`ScheduleLag` counts the steps the loop gave each scheduler and compares them
 with how far the scheduler got. A scheduler of ``interval="epoch"`` steps as each epoch ends, which a rollback does
 not live again either: the epochs a restore took it back are counted as they happen.
+
+A ``ReduceLROnPlateau`` steps on a watched value, after a batch or as an epoch ends, outside every batch's hooks:
+:meth:`ScheduleLag.plateau_steps` finds those steps, with the value each was given, so that a trial's candidates
+step theirs on the same values.
 """
 
 from __future__ import annotations
@@ -19,9 +23,21 @@ __all__ = ["ScheduleLag", "scheduler_count"]
 
 def scheduler_count(config: Any) -> int:
     """How many times a scheduler has stepped (plateau schedulers are stepped by the loop after the batch: 0)."""
-    if config.reduce_on_plateau:
-        return 0
-    return int(getattr(config.scheduler, "last_epoch", 0))
+    return 0 if config.reduce_on_plateau else _steps_taken(config.scheduler)
+
+
+def _plateau_count(config: Any) -> int:
+    return _steps_taken(config.scheduler) if config.reduce_on_plateau else 0
+
+
+def _steps_taken(scheduler: Any) -> int:
+    """A scheduler's ``last_epoch``; a ``ChainedScheduler`` keeps none (torch 2.13) and steps its schedulers
+    together: its first one's."""
+    count = getattr(scheduler, "last_epoch", None)
+    if count is None:
+        chained = getattr(scheduler, "_schedulers", None)
+        return _steps_taken(chained[0]) if chained else 0
+    return int(count)
 
 
 class ScheduleLag:
@@ -29,17 +45,21 @@ class ScheduleLag:
 
     def __init__(self) -> None:
         self._start: list[tuple[Any, int]] = []
+        self._first_step = 0
         self._given: list[int] = []
         self._marks: list[int] = []  # each scheduler's count when the batch began
         self._seen: list[int] = []  # each scheduler's count when last looked at
         self._rewound: list[int] = []  # epochs a restore took each epoch-interval scheduler back
+        self._plateaus: list[int] = []  # each plateau scheduler's own count when last looked at (others: 0)
 
     def start(self, trainer: pl.Trainer) -> None:
         """At the fit's start (after a checkpoint's state is loaded): each scheduler and its count."""
         self._start = [(config.scheduler, scheduler_count(config)) for config in trainer.lr_scheduler_configs]
         self._given = [0] * len(self._start)
+        self._first_step = int(trainer.global_step)
         self._seen = [count for _, count in self._start]
         self._rewound = [0] * len(self._start)
+        self.mark_plateaus(trainer)
 
     def begin_batch(self, trainer: pl.Trainer) -> None:
         self._marks = self._seen = [scheduler_count(config) for config in trainer.lr_scheduler_configs]
@@ -55,24 +75,53 @@ class ScheduleLag:
 
     def restored(self, trainer: pl.Trainer) -> None:
         """The schedulers were just restored from a snapshot: an epoch-interval one taken back is behind by as many
-        epochs (the loop steps it as epochs end, and goes on from the epoch it is in)."""
+        of its steps (the loop steps it as epochs end, and goes on from the epoch it is in). Under manual
+        optimization the module steps its schedulers in its batches, whatever their interval: counted as given."""
         counts = [scheduler_count(config) for config in trainer.lr_scheduler_configs]
+        by_epoch = trainer.lightning_module.automatic_optimization
         for index, (config, seen, count) in enumerate(zip(trainer.lr_scheduler_configs, self._seen, counts)):
-            if index < len(self._rewound) and config.interval == "epoch" and count < seen:
+            if index < len(self._rewound) and by_epoch and config.interval == "epoch" and count < seen:
                 self._rewound[index] += seen - count
         self._seen = counts
 
+    def mark_plateaus(self, trainer: pl.Trainer) -> None:
+        """Each plateau scheduler's count as it is now (after the batch's restores, if any): the next
+        :meth:`plateau_steps` counts from here."""
+        self._plateaus = [_plateau_count(config) for config in trainer.lr_scheduler_configs]
+
+    def plateau_steps(self, trainer: pl.Trainer) -> list[list[float]]:
+        """The steps each plateau scheduler took since it was last marked, as the values it watched: Lightning steps
+        one on its ``monitor`` in ``callback_metrics`` after a batch or as an epoch ends. Empty for the others, and
+        for one whose value is not there (a plain loop passes its own)."""
+        counts = [_plateau_count(config) for config in trainer.lr_scheduler_configs]
+        steps: list[list[float]] = []
+        for config, count, seen in zip(trainer.lr_scheduler_configs, counts, self._plateaus):
+            value = trainer.callback_metrics.get(config.monitor) if count > seen and config.monitor else None
+            steps.append([] if value is None else [float(value)] * (count - seen))
+        self._plateaus = counts
+        return steps
+
     def behind(self, trainer: pl.Trainer) -> list[tuple[str, int, str]]:
-        """Each scheduler that ends behind what the loop gave it: ``(its class, how far, "step" or "epoch")``. A
-        scheduler swapped in since the fit began (``StochasticWeightAveraging``'s) is not compared."""
+        """Each scheduler that ends behind what the loop gave it: ``(its class, how far, unit)``, in the fit's steps
+        (``"step"``: its own steps times the fit's steps per step it was given, ``frequency`` of them or more where an
+        epoch's end cuts the count short) or epochs (``"epoch"``); under manual optimization in the steps the
+        module's own code gave it (``"call"``). A scheduler swapped in since the fit began
+        (``StochasticWeightAveraging``'s) is not compared."""
         found = []
+        manual = not trainer.lightning_module.automatic_optimization
+        elapsed = int(trainer.global_step) - self._first_step
         for (scheduler, start), given, rewound, config in zip(
             self._start, self._given, self._rewound, trainer.lr_scheduler_configs
         ):
             if config.scheduler is not scheduler or config.reduce_on_plateau:
                 continue
-            by_step = config.interval == "step"
-            lag, unit = (given - (scheduler_count(config) - start), "step") if by_step else (rewound, "epoch")
+            missed = given - (scheduler_count(config) - start)
+            if manual:
+                lag, unit = missed, "call"
+            elif config.interval == "step":
+                lag, unit = (round(missed * elapsed / given) if given else missed), "step"
+            else:
+                lag, unit = rewound * config.frequency, "epoch"
             if lag > 0:
                 found.append((type(scheduler).__name__, lag, unit))
         return found

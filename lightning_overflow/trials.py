@@ -233,6 +233,14 @@ class TrialRunner:
         for side in self.sides:
             side.note_schedule([1], skipped=False)
 
+    def note_plateau(self, values_by_scheduler: list[list[float]]) -> None:
+        """The loop's plateau schedulers stepped on these values (each scheduler's, in order): each remedy on the side
+        steps its own on the same values before its next step."""
+        if self._frozen:
+            return
+        for side in self.sides:
+            side.note_plateau(values_by_scheduler)
+
     def end_batch(self, trainer: pl.Trainer, board: _Board) -> None:
         """At the end of the batch, before the interventions act: score the step, end a trial or open one.
 

@@ -1000,3 +1000,34 @@ def test_a_trials_candidates_step_an_epoch_schedule_as_the_loop_ends_each_epoch(
     expected = [0.01 * 0.9 ** (step // 8) * factor for step in range(31, 51) for factor in (0.5, 0.125)]
     assert trial == pytest.approx(expected, rel=1e-12)
     assert scheduler.last_epoch == 7
+
+
+def test_a_trials_candidates_step_a_plateau_schedule_on_the_metric_the_loop_passes(tmp_path: Path) -> None:
+    """``guard.end_epoch(metric)`` steps a ``ReduceLROnPlateau`` on the loop's metric. The trial opened at step 30
+    spans the epoch ends at steps 32, 40 and 48, each a cut: the candidates' schedules never stepped there and ran at
+    their snapshot's rate all along. They step now on the same metric."""
+    from test_trials import Suspect
+
+    from lightning_overflow import side_run
+
+    pl.seed_everything(0, verbose=False)
+    model = TinyRegressor(optimizer="sgd")  # eight batches an epoch
+    optimizer = model.configure_optimizers()
+    plateau = sched.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)  # the epoch's loss falls: a cut
+    used: list[tuple[str | None, int, float]] = []
+    optimizer.register_step_pre_hook(lambda opt, *_: used.append((side_run(), step, opt.param_groups[0]["lr"])))
+    guard = Guard(model, optimizer, plateau, [Suspect(30), LRBackoff(), Rollback(every_n_steps=10)],
+                  scheduler_interval="epoch", default_root_dir=tmp_path,
+                  loss_fn=lambda net, batch: nn.functional.mse_loss(net(batch[0]), batch[1]))  # fmt: skip
+    step = 0
+    for epoch in range(7):
+        for x, y in model.train_dataloader():
+            guard.train_step((x, y))
+            step += 1
+        guard.end_epoch(1.0 / (epoch + 1))
+    guard.close()
+    run = {at: rate for kind, at, rate in used if kind is None}
+    trial = [(at, rate) for kind, at, rate in used if kind == "trial" and at <= 50]
+    assert [at for at, _ in trial] == [at for at in range(31, 51) for _ in range(2)]
+    assert [rate for _, rate in trial] == [run[at] * factor for at in range(31, 51) for factor in (0.5, 0.125)]
+    assert len({run[at] for at in range(31, 51)}) == 4  # the cuts at 32, 40 and 48 happened in the trial

@@ -1036,3 +1036,69 @@ def test_a_schedule_only_skipped_steps_held_is_not_said_to_end_behind(tmp_path: 
     fit(model, [*default_callbacks(), FaultInjector(Fault(25, "nan_loss"))], max_steps=40, default_root_dir=tmp_path)
     assert model.trainer.lr_scheduler_configs[0].scheduler.last_epoch == 39  # the skipped step held it
     assert "schedule_behind" not in [e["kind"] for e in read_journal(tmp_path)]
+
+
+def _chained(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.ChainedScheduler([_one_cycle(optimizer)])
+
+
+def _one_cycle_every_3(optimizer: torch.optim.Optimizer) -> Any:
+    return {"scheduler": torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=14), "frequency": 3,
+            "interval": "step"}
+
+
+@pytest.mark.parametrize(
+    ("schedule", "behind", "count"),
+    [(_chained, 26, 14), (_one_cycle_every_3, 24, 4)],  # at the 3rd and 6th of an epoch's 8 batches: 10 of 40 steps
+    ids=["chained", "frequency-3"],
+)
+def test_a_schedule_behind_is_counted_in_the_fits_steps(tmp_path: Path, schedule: Any, behind: int, count: int) -> None:
+    """NaN weights at step 25 roll the run back to the fit's start. A ``ChainedScheduler`` keeps no count of its own
+    (torch 2.13): read as 0, it was never said to end behind. A scheduler stepped every 3 steps of an epoch (twice in
+    its 8) ends 6 of its steps behind: 4 at step 40, where step 16 left it, which the words counted as step 34."""
+    from lightning_overflow import read_journal
+
+    model = TinyRegressor(scheduler=schedule)
+    fit(model, [*default_callbacks(), FaultInjector(Fault(25, "nan_weight"))], max_steps=40, default_root_dir=tmp_path)
+    scheduler = model.trainer.lr_scheduler_configs[0].scheduler
+    assert getattr(scheduler, "last_epoch", None) or scheduler._schedulers[0].last_epoch == count
+    [late] = [e for e in read_journal(tmp_path) if e["kind"] == "schedule_behind"]
+    assert late["details"]["behind"] == behind
+    assert f"so at step 40 it stood where step {40 - behind} would have left it" in late["message"]
+
+
+class ManualSchedule(TinyRegressor):
+    """Manual optimization stepping its ``LambdaLR`` once a batch, as Lightning's docs show (the scheduler's
+    ``interval`` is Lightning's default, ``"epoch"``, which the loop does not act on here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+        scheduler.step()
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.98**step)]
+
+
+def test_a_schedule_a_module_steps_itself_is_said_to_end_behind_by_its_own_steps(tmp_path: Path) -> None:
+    """Under manual optimization a rollback at step 26 to the fit's start took the module's own schedule 25 of its
+    steps back. The words said "by 25 epochs ... train 25 more epochs" (the interval was taken for the unit)."""
+    from lightning_overflow import read_journal
+
+    model = ManualSchedule()
+    fit(model, [*default_callbacks(), FaultInjector(Fault(25, "nan_weight"))], max_steps=40, default_root_dir=tmp_path)
+    assert model.lr_schedulers().last_epoch == 40 - 26
+    [late] = [e for e in read_journal(tmp_path) if e["kind"] == "schedule_behind"]
+    assert late["details"] == {"schedulers": [{"scheduler": "LambdaLR", "behind": 26, "unit": "call"}], "behind": 26}
+    assert late["message"] == (
+        "the learning-rate schedule ended behind the fit (LambdaLR by 26 of its steps): a rollback returns it with the "
+        "weights, and your code steps it as the batches go on; a schedule sized to the fit (a OneCycleLR, a warm-up "
+        "and its decay) has not reached its end: train until your code has stepped it 26 times more to finish it"
+    )

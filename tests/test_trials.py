@@ -684,3 +684,39 @@ def test_a_follow_up_opened_on_the_last_batch_is_withdrawn_unjournaled(tmp_path:
     suite = [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)]
     fit(Sabotaged(), suite, max_steps=52, default_root_dir=str(tmp_path))
     assert [(e["step"], e["details"]["rung"], e["details"]["steps"]) for e in _trials(tmp_path)] == [(52, 1, 20)]
+
+
+class PlateauRegressor(TinyRegressor):
+    """SGD under a ``ReduceLROnPlateau`` that halves the rate at every epoch's end (it watches ``val_loss`` for a rise
+    with no patience, and the loss falls), recording in ``rates`` the rate of every step it takes, the candidates' too
+    (outside the module: what a candidate's step writes into the module's attributes stays the candidate's)."""
+
+    def __init__(self, rates: list[tuple[str | None, int, float]], interval: str = "epoch") -> None:
+        super().__init__(optimizer="sgd")
+        self.interval = interval
+        self.record = lambda rate: rates.append((side_run(), self.trainer.global_step, rate))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        optimizer.register_step_pre_hook(lambda opt, *_: self.record(opt.param_groups[0]["lr"]))
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)
+        every = 1 if self.interval == "epoch" else BATCHES_PER_EPOCH  # after each epoch's validation either way
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": plateau, "interval": self.interval, "frequency": every, "monitor": "val_loss"}}
+
+
+@pytest.mark.parametrize("interval", ["epoch", "step"])
+def test_a_trials_candidates_step_a_plateau_schedule_on_the_runs_metric(tmp_path: Path, interval: str) -> None:
+    """Lightning steps a ``ReduceLROnPlateau`` on the monitored metric after a batch or as an epoch ends, outside the
+    batch's hooks. The trial opened at step 30 spans the cuts at steps 32, 40 and 48: its candidates never stepped
+    theirs, so each ran at its snapshot's rate all along (8x the run's by the end) and a remedy kept came back at
+    that rate, said to be half its schedule. Now each steps its own on the run's values: at every step of the trial
+    a candidate's rate is the run's times its factor."""
+    rates: list[tuple[str | None, int, float]] = []
+    fit(PlateauRegressor(rates, interval), [Suspect(30), LRBackoff(), Rollback(every_n_steps=10)], max_epochs=7,
+        max_steps=-1, limit_val_batches=1.0, default_root_dir=tmp_path)  # fmt: skip
+    run = {step: rate for kind, step, rate in rates if kind is None}
+    trial = [(step, rate) for kind, step, rate in rates if kind == "trial" and step <= 50]  # the first trial's
+    assert [step for step, _ in trial] == [step for step in range(31, 51) for _ in range(2)]
+    assert [rate for _, rate in trial] == [run[step] * factor for step in range(31, 51) for factor in (0.5, 0.125)]
+    assert len({run[step] for step in range(31, 51)}) == 4  # the cuts at 32, 40 and 48 happened in the trial

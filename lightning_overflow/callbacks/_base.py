@@ -124,6 +124,8 @@ class SuiteCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         board = self.board(trainer)
         if board.leads(self):
+            if trainer.lr_scheduler_configs:  # a plateau stepped as the last epoch ended
+                board.follow_plateaus(trainer)
             board.trials.end_fit(trainer, board)
             board.check_at_end(trainer)
             board.note_ending(trainer)
