@@ -63,6 +63,7 @@ from lightning_overflow.events import Event, log
 from lightning_overflow.faulted_steps import FaultedStep
 from lightning_overflow.health import HealthBoard, board_for
 from lightning_overflow.numerics.norms import any_sharded
+from lightning_overflow.training_state import own_optimizer_state
 
 __all__ = ["Guard", "LoopHost", "PlainLoopStrategy", "StepOutcome"]
 
@@ -127,7 +128,7 @@ class PlainLoopStrategy:
         return self._host.lightning_module.state_dict()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+        return own_optimizer_state(optimizer)  # this rank's part: a check reads it, no checkpoint
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed():

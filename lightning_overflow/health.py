@@ -83,6 +83,7 @@ from lightning_overflow.training_state import (
     live_state,
     nonfinite_flags,
     optimizer_labels,
+    own_optimizer_state,
 )
 from lightning_overflow.trial import TrialConfig
 from lightning_overflow.trials import Remedy, TrialOutcome, TrialRunner
@@ -216,6 +217,8 @@ class StepHealth:
             shards' squares, summed across ranks in the read.
         total_norm: the exact total L2 norm of the gradients (host float, pre-clip), the same on every rank.
         grad_status: ``"finite"``, ``"overflow"`` (finite values whose FP32 norm overflowed) or ``"nonfinite"``.
+        grad_ranks: under DDP, the ranks whose gradients held inf/NaN when the others' did not (``()`` otherwise):
+            the replicas' gradients differ, and the step is judged ``"nonfinite"`` on every rank alike.
         exact_grad_norms: per-tensor norms recomputed in float64 (only when some fast norm was not finite); with
             sharded gradients, always: the norms of the full gradients (float64 sums of the shards' squares).
         loss_nonfinite_ranks: the ranks whose loss was inf/NaN in this step's backward passes.
@@ -264,6 +267,7 @@ class StepHealth:
         self.total_norm = math.nan
         self.grad_status = "finite"
         self.exact_grad_norms: list[float] | None = None
+        self.grad_ranks: tuple[int, ...] = ()
         self.loss_nonfinite_ranks: tuple[int, ...] = ()
         self.loss_mean = math.nan
         self.loss_seen = False
@@ -1014,6 +1018,10 @@ class HealthBoard:
             # Replicated gradients (all-reduced by DDP, or one device): identical on every rank, so not reduced; their
             # total is taken on the host from the read norms (no kernel for it).
             record.add("grad_norms", record.grad_norms)
+            if record.world_size > 1:
+                # Unless a rank wrote to its own after the all-reduce (or DDP does not reduce a parameter): each
+                # rank's sum tells whether its gradients held inf/NaN, so that every rank judges the step alike.
+                record.add("grad_sums", record.grad_norms.sum(dtype=torch.float64), per_rank=True)
         if plan.scaler is not None:
             scale = _compat.scaler_scale(plan.scaler)
             if scale is not None:
@@ -1070,18 +1078,30 @@ class HealthBoard:
             HealthBoard._interpret_shards(record)
             return
         total = host_total_norm(record.value("grad_norms"))
+        apart = HealthBoard._ranks_apart(record)
         if math.isfinite(total):
             record.total_norm = total
-            return
-        # The rare path: some fast norm is inf/NaN. Tell spurious FP32 overflow from real inf/NaN, in float64.
-        grads = [p.grad for p in record.params]
-        fast = record.grad_norms.tolist()
-        bad = [i for i, v in enumerate(fast) if not math.isfinite(v)]
-        exact = refine_norms(grads, record.grad_norms, bad).tolist()  # type: ignore[arg-type]
-        record.exact_grad_norms = exact
-        statuses = [norm_status(f, e) for f, e in zip(fast, exact)]
-        record.grad_status = "nonfinite" if "nonfinite" in statuses else "overflow"
-        record.total_norm = total_norm(torch.tensor(exact, dtype=torch.float64)).item() if exact else 0.0
+        else:
+            # The rare path: some fast norm is inf/NaN. Tell spurious FP32 overflow from real inf/NaN, in float64.
+            grads = [p.grad for p in record.params]
+            fast = record.grad_norms.tolist()
+            bad = [i for i, v in enumerate(fast) if not math.isfinite(v)]
+            exact = refine_norms(grads, record.grad_norms, bad).tolist()  # type: ignore[arg-type]
+            record.exact_grad_norms = exact
+            statuses = [norm_status(f, e) for f, e in zip(fast, exact)]
+            record.grad_status = "nonfinite" if "nonfinite" in statuses else "overflow"
+            record.total_norm = total_norm(torch.tensor(exact, dtype=torch.float64)).item() if exact else 0.0
+        if apart:  # no total agreed by every rank: each rank's own would be a different number
+            record.grad_status, record.grad_ranks, record.total_norm = "nonfinite", apart, math.nan
+
+    @staticmethod
+    def _ranks_apart(record: StepHealth) -> tuple[int, ...]:
+        """The ranks whose gradients held inf/NaN (or overflowed FP32) when some other rank's did not; ``()`` when
+        the ranks agree (DDP's all-reduce made the gradients identical) and in one process."""
+        if not record.has("grad_sums"):
+            return ()
+        flagged = tuple(rank for rank, value in enumerate(record.value("grad_sums")) if not math.isfinite(value))
+        return flagged if len(flagged) < record.world_size else ()
 
     @staticmethod
     def _interpret_shards(record: StepHealth) -> None:
@@ -1191,7 +1211,7 @@ def inspect_state(trainer: pl.Trainer, record: StepHealth) -> StateCheck:
         module = trainer.lightning_module
         record.state_check = check_state(
             board_for(trainer).state_before_step(module),
-            [record.optimizer.state_dict()],
+            [own_optimizer_state(record.optimizer)],
             board_for(trainer).constants(trainer),
             record.device,
             lambda: optimizer_labels(module, [record.optimizer]),
@@ -1204,7 +1224,7 @@ def state_flags(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> tuple[
     look (a sum of each tensor, never missing inf/NaN), which :func:`inspect_state` decides when it is raised."""
     board = board_for(trainer)
     model_state = board.state_before_step(trainer.lightning_module)
-    return nonfinite_flags(model_state, [optimizer.state_dict()], board.constants(trainer), suspect=True)
+    return nonfinite_flags(model_state, [own_optimizer_state(optimizer)], board.constants(trainer), suspect=True)
 
 
 def finite_checked_monitors(trainer: pl.Trainer) -> list[str]:

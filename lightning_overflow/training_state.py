@@ -97,6 +97,7 @@ __all__ = [
     "nonfinite_flags",
     "nonfinite_parts",
     "optimizer_labels",
+    "own_optimizer_state",
     "restorable",
     "restore_",
     "restore_module_",
@@ -112,6 +113,14 @@ _EXTRA_STATE = "_extra_state"  # the key torch gives the value of ``get_extra_st
 
 
 # ---- reading and restoring --------------------------------------------------------------------------------------
+def own_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` of the state this rank holds, for a check: a ``ZeroRedundancyOptimizer``'s own
+    raises until the ranks' parts are consolidated (a collective), so its local optimizer's."""
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        return optimizer.optim.state_dict()  # type: ignore[attr-defined,no-any-return]
+    return optimizer.state_dict()
+
+
 def live_state(trainer: pl.Trainer) -> dict[str, Any]:
     """The training state of ``trainer`` as live ``state_dict`` s: their tensors are the live ones (no copy).
 

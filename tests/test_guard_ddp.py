@@ -60,6 +60,11 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
             optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
             scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 0.05, total_iters=100)
             callbacks = default_callbacks(lr_factor=0.5)
+        elif scenario == "zero_nan_loss":  # each rank holds its part of the state; Rollback refuses that
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+            callbacks = default_callbacks(rollback=False)
         else:
             optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
             callbacks = default_callbacks(snapshot_every_n_steps=4)
@@ -102,9 +107,12 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
                 outcome = guard.train_step((inputs, y[batch]))
             else:
                 loss = loss_fn(model, (x[batch], y[batch]))
-                if scenario in ("nan_loss", "nan_loss_clipped") and step == 3 and rank == 1:
+                if scenario in ("nan_loss", "nan_loss_clipped", "zero_nan_loss") and step == 3 and rank == 1:
                     loss = loss * float("nan")
                 loss.backward()
+                if scenario == "nan_grad_after_reduce" and step == 3 and rank == 1:  # after DDP's all-reduce
+                    with torch.no_grad():
+                        module[3].weight.grad.view(-1)[0] = float("nan")
                 if guard is None:
                     optimizer.step()
                     scheduler.step()  # type: ignore[union-attr]
@@ -192,6 +200,34 @@ def test_a_nan_loss_on_rank_1_only_is_skipped_on_both_ranks(tmp_path: Path) -> N
     assert all(r["finite"] and r["global_step"] == STEPS for r in reports)
     journal = [json.loads(line) for line in (tmp_path / "overflow_events.jsonl").read_text().splitlines()]
     assert journal[0]["kind"] == "nonfinite" and journal[0]["details"]["ranks"] == [1]
+
+
+def test_a_nan_written_into_rank_1s_gradient_after_the_all_reduce_is_skipped_on_both_ranks(tmp_path: Path) -> None:
+    """A rank-local write after DDP's all-reduce (a hook, a bit flip) leaves the replicas' gradients different. Each
+    rank judged its own: rank 0 went ahead into the next step's all-reduce while rank 1 looked for the tensor, and
+    gloo aborted the job on the mismatched collective (NCCL hangs). Every rank now judges the step by every rank's
+    gradients: both skip step 3, and both name rank 1 and the tensor."""
+    reports = run(tmp_path, "nan_grad_after_reduce")
+    assert reports[0]["outcomes"] == reports[1]["outcomes"]
+    assert [o[0] for o in reports[0]["outcomes"] if o[1]] == [3]
+    assert reports[0]["snapshots"]["4"] == reports[0]["snapshots"]["3"]  # the skipped step changed nothing
+    assert reports[0]["digest"] == reports[1]["digest"]
+    assert all(r["finite"] and r["global_step"] == STEPS for r in reports)
+    journal = [json.loads(line) for line in (tmp_path / "overflow_events.jsonl").read_text().splitlines()]
+    assert journal[0]["kind"] == "nonfinite" and journal[0]["details"]["ranks"] == [1]
+    assert journal[0]["message"].startswith("NonFiniteDetector: the gradients contained inf/NaN in 3.weight (gradient "
+                                            "norm nan) at step 3 (epoch 0) on rank(s) 1.")
+
+
+def test_a_zero_redundancy_optimizer_without_rollback_trains_and_skips_a_nan_loss_on_both_ranks(tmp_path: Path) -> None:
+    """``Rollback`` refuses a ``ZeroRedundancyOptimizer`` and says to remove it. Without it the guard raised at its
+    first weights check (step 0) on every rank: the check read ``optimizer.state_dict()``, which a ZeRO optimizer
+    refuses until its parts are consolidated. The check reads each rank's own part now, and the run goes on."""
+    reports = run(tmp_path, "zero_nan_loss")
+    assert reports[0]["outcomes"] == reports[1]["outcomes"]
+    assert [o[0] for o in reports[0]["outcomes"] if o[1]] == [3]
+    assert reports[0]["digest"] == reports[1]["digest"]
+    assert all(r["finite"] and r["global_step"] == STEPS for r in reports)
 
 
 def test_the_loops_own_clipping_clips_both_ranks_alike_and_a_nan_loss_on_rank_1_is_skipped_on_both(

@@ -23,7 +23,7 @@ from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.hints import detection_hint, divergence_hint
 from lightning_overflow.diagnosis.records import Diagnosis, Replay
 from lightning_overflow.diagnosis.replay import BatchStats, KeptBatch, batch_stats, diagnose_step
-from lightning_overflow.distributed import flags_by_rank, world
+from lightning_overflow.distributed import flags_by_rank, named_on_any_rank, world
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError
 from lightning_overflow.faulted_steps import (
@@ -517,6 +517,9 @@ class NonFiniteDetector(SuiteCallback):
             names = [name for name, _, _ in offending]
             return Finding("grad", tuple(range(record.world_size)), names, overflow=True, hint_key="overflow")
         names = [name for name, _, status in offending if status == "nonfinite"]
+        if record.grad_ranks:  # only some ranks' gradients: every rank names what they found (a collective of all)
+            (names,) = named_on_any_rank(names)
+            return Finding("grad", record.grad_ranks, names, hint_key="grad")
         return Finding("grad", tuple(range(record.world_size)), names, hint_key="grad")
 
     # ---- the action -------------------------------------------------------------------------------------------
