@@ -111,10 +111,15 @@ class Journal:
         self.counts[event.kind] += 1
         if self.path is None or not self.write:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # One write() per line: O_APPEND keeps concurrent writers from interleaving lines.
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(event.to_json() + "\n")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # One write() per line: O_APPEND keeps concurrent writers from interleaving lines.
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(event.to_json() + "\n")
+        except OSError as error:  # a full disk or a path that cannot be one: the run goes on, the events in memory
+            self.write = False
+            log.warning(f"lightning_overflow: the journal could not be written to {self.path} ({error}); it is not "
+                        "written again in this fit, and its events stay in the fit summary and the callbacks' counts")
 
     def unpublished(self) -> list[Event]:
         """The events recorded since the last call (for dashboards that show them as they happen)."""

@@ -569,7 +569,7 @@ def _checked_state(state: Any) -> dict[str, Any] | None:
     """A guard's :meth:`Guard.state_dict`, checked before any callback loads from it."""
     if state is None:
         return None
-    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int) or state["global_step"] < 0:
+    if not isinstance(state, dict) or not _count(state.get("global_step")):
         hint = (": pass the guard's part of the checkpoint, state=checkpoint['guard']"
                 if isinstance(state, dict) and isinstance(state.get("guard"), dict) else "")  # fmt: skip
         step = state.get("global_step") if isinstance(state, dict) else None
@@ -577,7 +577,17 @@ def _checked_state(state: Any) -> dict[str, Any] | None:
             "'state' must be a Guard.state_dict(), with its global_step a count of steps at least 0 (got "
             f"{_shown(state) if not isinstance(state, dict) else f'a dict with global_step={step!r}'}){hint}"
         )
+    if not _count(state.get("current_epoch", 0)):
+        raise ValueError("'state' must be a Guard.state_dict(), with its current_epoch a count of epochs at least 0 "
+                         f"(got a dict with current_epoch={state['current_epoch']!r})")  # fmt: skip
+    if not isinstance(state.get("callbacks", {}), dict):
+        raise ValueError("'state' must be a Guard.state_dict(), with its callbacks each callback's state by its "
+                         f"state_key (got a dict with callbacks={_shown(state['callbacks'])})")  # fmt: skip
     return state
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_strategy(model: nn.Module, module: nn.Module) -> None:
@@ -699,6 +709,9 @@ class Guard:
             )
         log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=0)
         check_type("default_root_dir", default_root_dir, (str, os.PathLike), "a path", optional=True)
+        if default_root_dir is not None and Path(default_root_dir).exists() and not Path(default_root_dir).is_dir():
+            raise ValueError(f"'default_root_dir' must be a directory, where the journal goes (got "
+                             f"{str(default_root_dir)!r}, which is a file)")  # fmt: skip
         if logger is not None and not callable(getattr(logger, "log_metrics", None)):
             raise TypeError(f"'logger' must be a Lightning logger (CSVLogger, TensorBoardLogger...) or None (got "
                             f"{_shown(logger)})")  # fmt: skip

@@ -474,7 +474,7 @@ class HealthBoard:
     def join(self, participant: StepParticipant, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Register ``participant`` for this fit and set up for it. Every rank calls it, in ``setup``."""
         if not any(p is participant for p in self.participants):
-            _refuse_a_second(participant, self.participants)
+            _refuse_a_second(participant, self.participants, getattr(trainer, "arguments_of", "Trainer"))
             # Weakly: Lightning gives callbacks the module's bound log methods, and the module holds the trainer,
             # which keys this board.
             self._participants.append(weakref.ref(participant))
@@ -1284,16 +1284,17 @@ def _early_stops_on_nonfinite(trainer: pl.Trainer) -> list[tuple[str, dict[str, 
     return found
 
 
-def _refuse_a_second(participant: StepParticipant, joined: Sequence[StepParticipant]) -> None:
+def _refuse_a_second(participant: StepParticipant, joined: Sequence[StepParticipant], owner: str) -> None:
     """Some callbacks act on the whole run (every optimizer's gradients, every LR, the whole state): two of one
-    class would clip twice, back off twice or restore twice, and log into each other's keys."""
+    class would clip twice, back off twice or restore twice, and log into each other's keys. ``owner``: whose
+    ``callbacks`` argument (``"Trainer"``, a plain loop's ``"Guard"``)."""
     if not getattr(participant, "one_per_trainer", False):
         return
     name = type(participant).__name__
     for other in joined:
         if type(other).__name__ == name:
             raise ValueError(
-                f"Trainer(callbacks=...) has two {name} callbacks ({other.state_key} and {participant.state_key}): "
+                f"{owner}(callbacks=...) has two {name} callbacks ({other.state_key} and {participant.state_key}): "
                 f"{name} acts on the whole run, so two of them would act twice on every step and log into the same "
                 f"keys. Keep one {name}."
             )

@@ -577,6 +577,18 @@ def test_the_guard_looks_through_wrappers_and_refuses_sharding() -> None:
             "global_step=None): pass the guard's part of the checkpoint, state=checkpoint['guard']")),
         ({"state": {"global_step": -5}}, ("'state' must be a Guard.state_dict(), with its global_step a count of steps "
                                           "at least 0 (got a dict with global_step=-5)")),
+        ({"state": {"global_step": True}}, ("'state' must be a Guard.state_dict(), with its global_step a count of "
+                                            "steps at least 0 (got a dict with global_step=True)")),
+        ({"state": {"global_step": 3, "current_epoch": "x"}}, (
+            "'state' must be a Guard.state_dict(), with its current_epoch a count of epochs at least 0 (got a dict "
+            "with current_epoch='x')")),
+        ({"state": {"global_step": 3, "callbacks": ["junk"]}}, (
+            "'state' must be a Guard.state_dict(), with its callbacks each callback's state by its state_key (got a "
+            "dict with callbacks=a list of 1)")),
+        ({"callbacks": [LRBackoff(), LRBackoff()]}, (
+            "Guard(callbacks=...) has two LRBackoff callbacks (LRBackoff{'factor': 0.5, 'per_optimizer': True} and "
+            "LRBackoff{'factor': 0.5, 'per_optimizer': True}): LRBackoff acts on the whole run, so two of them would "
+            "act twice on every step and log into the same keys. Keep one LRBackoff.")),
         ({"scheduler": sched.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 2)}, (
             "'scheduler' schedules another optimizer (a SGD) than the guard's (a SGD): build it on the optimizer "
             "given to the guard")),
@@ -592,6 +604,17 @@ def test_the_guard_refuses_what_it_cannot_guard(kwargs: dict[str, Any], message:
     with pytest.raises((TypeError, ValueError)) as info:
         Guard(**given)
     assert str(info.value) == message
+
+
+def test_a_default_root_dir_that_is_a_file_is_refused_where_the_guard_is_built(tmp_path: Path) -> None:
+    """It was taken, and the first event's journal line raised ``FileExistsError`` out of the step it was about."""
+    model, path = nn.Linear(2, 1), tmp_path / "a_file"
+    path.write_text("")
+    with pytest.raises(ValueError) as info:
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), default_root_dir=path)
+    assert str(info.value) == (
+        f"'default_root_dir' must be a directory, where the journal goes (got '{path}', which is a file)"
+    )
 
 
 def test_a_callback_of_the_unified_namespace_is_accepted(tmp_path: Path) -> None:

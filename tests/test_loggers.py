@@ -379,3 +379,24 @@ def test_a_key_the_module_logs_too_keeps_the_modules_value_and_is_said_once(tmp_
         "the module logs 'grad_norm/total' at step 0, a key the suite logs too: the loggers keep the module's value "
         "and the suite's is not logged; log yours under another name to see both"
     ]
+
+
+def test_a_journal_that_cannot_be_written_is_said_once_and_the_fit_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its path is a directory here (a full disk or a read-only mount fails the same way): the first event's write
+    raised ``IsADirectoryError`` out of the step it was about, where the fit without the suite finishes."""
+    import logging
+
+    (tmp_path / JOURNAL_NAME).mkdir()
+    model = TinyRegressor()
+    with caplog.at_level(logging.WARNING, logger="lightning_overflow"):
+        trainer = make_trainer([*default_callbacks(), FaultInjector(Fault(3, "nan_loss"), Fault(5, "nan_loss"))],
+                               max_steps=8, default_root_dir=str(tmp_path))  # fmt: skip
+        trainer.fit(model)
+    assert trainer.global_step == 8
+    assert [e.kind for e in board_for(trainer).journal.events][:2] == ["nonfinite", "skip"]
+    said = [r.getMessage() for r in caplog.records if "journal could not be written" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(
+        f"lightning_overflow: the journal could not be written to {tmp_path / JOURNAL_NAME} ([Errno 21] Is a directory"
+    )

@@ -701,8 +701,8 @@ class PlateauRegressor(TinyRegressor):
         optimizer.register_step_pre_hook(lambda opt, *_: self.record(opt.param_groups[0]["lr"]))
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)
         every = 1 if self.interval == "epoch" else BATCHES_PER_EPOCH  # after each epoch's validation either way
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": plateau, "interval": self.interval, "frequency": every, "monitor": "val_loss"}}
+        schedule = {"scheduler": plateau, "interval": self.interval, "frequency": every, "monitor": "val_loss"}
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
 
 
 @pytest.mark.parametrize("interval", ["epoch", "step"])
