@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,38 @@ def test_lightning_cli_reports_a_bad_argument(tmp_path: Path, capsys: pytest.Cap
         LightningCLI(UnifiedRegressor, run=False, args=["--config", str(config)], save_config_callback=None)
     error = capsys.readouterr().err
     assert "action" in error and "explode" in error
+
+
+def test_the_cli_config_of_the_suite_builds_what_default_callbacks_builds(tmp_path: Path) -> None:
+    """``examples/default_callbacks.yaml`` (a function cannot be a ``class_path``): the same callbacks, settings and
+    decisions as ``default_callbacks()``, a NaN loss skipped and NaN weights rolled back at the same steps."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_overflow import default_callbacks, read_journal
+
+    config = Path(__file__).parents[1] / "examples" / "default_callbacks.yaml"
+    faults = [Fault(3, "nan_loss"), Fault(6, "nan_weight")]
+    runs = {}
+    for how in ("cli", "function"):
+        L.seed_everything(0, verbose=False)
+        root = tmp_path / how
+        args = ["--config", str(config), f"--trainer.default_root_dir={root}", "--trainer.max_steps=12",
+                "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false"]
+        cli = LightningCLI(UnifiedRegressor, run=False, args=args, save_config_callback=None)
+        ours = [cb for cb in cli.trainer.callbacks if type(cb).__module__.startswith("lightning_overflow")]
+        if how == "function":
+            cli.trainer.callbacks = [cb for cb in cli.trainer.callbacks if cb not in ours] + default_callbacks()
+            ours = cli.trainer.callbacks[-6:]
+        cli.trainer.callbacks.append(FaultInjector(*faults))
+        cli.trainer.fit(cli.model)
+        runs[how] = ([_settings(cb) for cb in ours], [p.detach().clone() for p in cli.model.parameters()],
+                     [(e["step"], e["kind"]) for e in read_journal(root)])  # fmt: skip
+    assert runs["cli"][0] == runs["function"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["cli"][1], runs["function"][1]))
+    assert runs["cli"][2] == runs["function"][2] and ("rollback" in [k for _, k in runs["cli"][2]])
+
+
+def _settings(callback: Any) -> tuple[str, dict[str, Any]]:
+    """A callback's class and every constructor argument it keeps, as it keeps it."""
+    names = [n for n in inspect.signature(type(callback).__init__).parameters if n != "self"]
+    return type(callback).__name__, {n: getattr(callback, n) for n in names if hasattr(callback, n)}
