@@ -352,7 +352,7 @@ def schedule_behind(events: Iterable[Event], lag: Sequence[tuple[str, int, str]]
     elif epochs:
         stood = "a rollback returns it with the weights while the fit's epoch count goes on"
     else:
-        stood = "a rollback returns it with the weights, and your code steps it as the batches go on"
+        stood = "a rollback returns it with the weights, while your code steps it as the fit goes on"
     message = (
         f"the learning-rate schedule ended behind the fit ({which}): {stood}; a schedule sized to the fit (a "
         f"OneCycleLR, a warm-up and its decay) has not reached its end: train {more} to finish it"

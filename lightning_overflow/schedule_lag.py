@@ -18,6 +18,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from lightning_overflow import _compat
+
 __all__ = ["ScheduleLag", "scheduler_count"]
 
 
@@ -28,6 +30,12 @@ def scheduler_count(config: Any) -> int:
 
 def _plateau_count(config: Any) -> int:
     return _steps_taken(config.scheduler) if config.reduce_on_plateau else 0
+
+
+def _on_the_batch(trainer: pl.Trainer, config: Any) -> bool:
+    """A plateau scheduler that steps after a batch on what the training loop logged (not on a validation metric)."""
+    return bool(config.reduce_on_plateau and config.interval == "step" and config.monitor
+                and _compat.logged_in_training(trainer, config.monitor))  # fmt: skip
 
 
 def _steps_taken(scheduler: Any) -> int:
@@ -51,6 +59,7 @@ class ScheduleLag:
         self._seen: list[int] = []  # each scheduler's count when last looked at
         self._rewound: list[int] = []  # epochs a restore took each epoch-interval scheduler back
         self._plateaus: list[int] = []  # each plateau scheduler's own count when last looked at (others: 0)
+        self._batch_values: list[Any] = []  # what a step-interval plateau on a training metric will step on
 
     def start(self, trainer: pl.Trainer) -> None:
         """At the fit's start (after a checkpoint's state is loaded): each scheduler and its count."""
@@ -62,7 +71,17 @@ class ScheduleLag:
         self.mark_plateaus(trainer)
 
     def begin_batch(self, trainer: pl.Trainer) -> None:
-        self._marks = self._seen = [scheduler_count(config) for config in trainer.lr_scheduler_configs]
+        counts = [scheduler_count(config) for config in trainer.lr_scheduler_configs]
+        if not trainer.lightning_module.automatic_optimization:
+            self._given_between(counts)
+        self._marks = self._seen = counts
+
+    def _given_between(self, counts: list[int]) -> None:
+        """Under manual optimization the module steps its schedulers itself, in its batches or between them (in
+        ``on_train_epoch_end``): the steps it made since they were last looked at are given too."""
+        for index, (count, seen) in enumerate(zip(counts[: len(self._given)], self._seen)):
+            self._given[index] += max(count - seen, 0)
+        self._seen = counts
 
     def end_batch(self, trainer: pl.Trainer) -> list[int]:
         """At the end of the batch, before a skip's hold puts the schedules back: how often the loop stepped each
@@ -76,7 +95,7 @@ class ScheduleLag:
     def restored(self, trainer: pl.Trainer) -> None:
         """The schedulers were just restored from a snapshot: an epoch-interval one taken back is behind by as many
         of its steps (the loop steps it as epochs end, and goes on from the epoch it is in). Under manual
-        optimization the module steps its schedulers in its batches, whatever their interval: counted as given."""
+        optimization every step the module gave is counted (:meth:`_given_between`): a rewind shows as missed."""
         counts = [scheduler_count(config) for config in trainer.lr_scheduler_configs]
         by_epoch = trainer.lightning_module.automatic_optimization
         for index, (config, seen, count) in enumerate(zip(trainer.lr_scheduler_configs, self._seen, counts)):
@@ -85,18 +104,28 @@ class ScheduleLag:
         self._seen = counts
 
     def mark_plateaus(self, trainer: pl.Trainer) -> None:
-        """Each plateau scheduler's count as it is now (after the batch's restores, if any): the next
-        :meth:`plateau_steps` counts from here."""
-        self._plateaus = [_plateau_count(config) for config in trainer.lr_scheduler_configs]
+        """At the batch's end (after its restores, if any): each plateau scheduler's count, from which the next
+        :meth:`plateau_steps` counts, and the value a step-interval one on a training metric is about to step on."""
+        configs = trainer.lr_scheduler_configs
+        self._plateaus = [_plateau_count(config) for config in configs]
+        self._batch_values = [
+            trainer.callback_metrics.get(config.monitor) if _on_the_batch(trainer, config) else None
+            for config in configs
+        ]
 
     def plateau_steps(self, trainer: pl.Trainer) -> list[list[float]]:
         """The steps each plateau scheduler took since it was last marked, as the values it watched: Lightning steps
-        one on its ``monitor`` in ``callback_metrics`` after a batch or as an epoch ends. Empty for the others, and
-        for one whose value is not there (a plain loop passes its own)."""
+        one on its ``monitor`` in ``callback_metrics``, after the batch (and its validation, if one ran) or after the
+        epoch's end. Read here, at the next batch's start, but for a step-interval one on a training metric, read
+        at the batch's end: the epoch's end replaces a metric logged ``on_epoch`` by its mean, which the step did not
+        see. Empty for the others, and for one whose value is not there (a plain loop passes its own)."""
         counts = [_plateau_count(config) for config in trainer.lr_scheduler_configs]
         steps: list[list[float]] = []
-        for config, count, seen in zip(trainer.lr_scheduler_configs, counts, self._plateaus):
-            value = trainer.callback_metrics.get(config.monitor) if count > seen and config.monitor else None
+        for index, (config, count, seen) in enumerate(zip(trainer.lr_scheduler_configs, counts, self._plateaus)):
+            value = None
+            if count > seen and config.monitor:
+                held = self._batch_values[index] if index < len(self._batch_values) else None
+                value = held if held is not None else trainer.callback_metrics.get(config.monitor)
             steps.append([] if value is None else [float(value)] * (count - seen))
         self._plateaus = counts
         return steps
@@ -109,6 +138,8 @@ class ScheduleLag:
         (``StochasticWeightAveraging``'s) is not compared."""
         found = []
         manual = not trainer.lightning_module.automatic_optimization
+        if manual:  # a step the module made after the last batch (as the last epoch ended)
+            self._given_between([scheduler_count(config) for config in trainer.lr_scheduler_configs])
         elapsed = int(trainer.global_step) - self._first_step
         for (scheduler, start), given, rewound, config in zip(
             self._start, self._given, self._rewound, trainer.lr_scheduler_configs

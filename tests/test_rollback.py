@@ -1061,44 +1061,56 @@ def test_a_schedule_behind_is_counted_in_the_fits_steps(tmp_path: Path, schedule
     model = TinyRegressor(scheduler=schedule)
     fit(model, [*default_callbacks(), FaultInjector(Fault(25, "nan_weight"))], max_steps=40, default_root_dir=tmp_path)
     scheduler = model.trainer.lr_scheduler_configs[0].scheduler
-    assert getattr(scheduler, "last_epoch", None) or scheduler._schedulers[0].last_epoch == count
+    assert (scheduler._schedulers[0] if schedule is _chained else scheduler).last_epoch == count
     [late] = [e for e in read_journal(tmp_path) if e["kind"] == "schedule_behind"]
     assert late["details"]["behind"] == behind
     assert f"so at step 40 it stood where step {40 - behind} would have left it" in late["message"]
 
 
 class ManualSchedule(TinyRegressor):
-    """Manual optimization stepping its ``LambdaLR`` once a batch, as Lightning's docs show (the scheduler's
-    ``interval`` is Lightning's default, ``"epoch"``, which the loop does not act on here)."""
+    """Manual optimization stepping its ``LambdaLR`` once a batch or as each epoch ends, both as Lightning's docs show
+    (the scheduler's ``interval`` is Lightning's default, ``"epoch"``, which the loop does not act on here)."""
 
-    def __init__(self) -> None:
+    def __init__(self, at_epoch_end: bool) -> None:
         super().__init__()
         self.automatic_optimization = False
+        self.at_epoch_end = at_epoch_end
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        optimizer = self.optimizers()
         optimizer.zero_grad()
         self.manual_backward(super().training_step(batch, batch_idx))
         optimizer.step()
-        scheduler.step()
+        if not self.at_epoch_end:
+            self.lr_schedulers().step()
+
+    def on_train_epoch_end(self) -> None:
+        if self.at_epoch_end:
+            self.lr_schedulers().step()
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
         return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.98**step)]
 
 
-def test_a_schedule_a_module_steps_itself_is_said_to_end_behind_by_its_own_steps(tmp_path: Path) -> None:
-    """Under manual optimization a rollback at step 26 to the fit's start took the module's own schedule 25 of its
-    steps back. The words said "by 25 epochs ... train 25 more epochs" (the interval was taken for the unit)."""
+@pytest.mark.parametrize(("at_epoch_end", "count", "behind"), [(False, 14, 26), (True, 2, 3)], ids=["batch", "epoch"])
+def test_a_schedule_a_module_steps_itself_is_said_to_end_behind_by_its_own_steps(
+    tmp_path: Path, at_epoch_end: bool, count: int, behind: int
+) -> None:
+    """Under manual optimization a rollback at step 26 to the fit's start took the module's own schedule back: 26 of
+    its steps, stepped once a batch (the words said "by 26 epochs ... train 26 more epochs": the interval was taken
+    for the unit), or 3, stepped as each of the 5 epochs ended (counted as the loop's epochs before)."""
     from lightning_overflow import read_journal
 
-    model = ManualSchedule()
+    model = ManualSchedule(at_epoch_end)
     fit(model, [*default_callbacks(), FaultInjector(Fault(25, "nan_weight"))], max_steps=40, default_root_dir=tmp_path)
-    assert model.lr_schedulers().last_epoch == 40 - 26
+    assert model.lr_schedulers().last_epoch == count
     [late] = [e for e in read_journal(tmp_path) if e["kind"] == "schedule_behind"]
-    assert late["details"] == {"schedulers": [{"scheduler": "LambdaLR", "behind": 26, "unit": "call"}], "behind": 26}
+    assert late["details"] == {"schedulers": [{"scheduler": "LambdaLR", "behind": behind, "unit": "call"}],
+                               "behind": behind}  # fmt: skip
     assert late["message"] == (
-        "the learning-rate schedule ended behind the fit (LambdaLR by 26 of its steps): a rollback returns it with the "
-        "weights, and your code steps it as the batches go on; a schedule sized to the fit (a OneCycleLR, a warm-up "
-        "and its decay) has not reached its end: train until your code has stepped it 26 times more to finish it"
+        f"the learning-rate schedule ended behind the fit (LambdaLR by {behind} of its steps): a rollback returns it "
+        "with the weights, while your code steps it as the fit goes on; a schedule sized to the fit (a OneCycleLR, a "
+        f"warm-up and its decay) has not reached its end: train until your code has stepped it {behind} times more "
+        "to finish it"
     )

@@ -720,3 +720,31 @@ def test_a_trials_candidates_step_a_plateau_schedule_on_the_runs_metric(tmp_path
     assert [step for step, _ in trial] == [step for step in range(31, 51) for _ in range(2)]
     assert [rate for _, rate in trial] == [run[step] * factor for step in range(31, 51) for factor in (0.5, 0.125)]
     assert len({run[step] for step in range(31, 51)}) == 4  # the cuts at 32, 40 and 48 happened in the trial
+
+
+class TrainingMetricPlateau(PlateauRegressor):
+    """A ``ReduceLROnPlateau`` of ``interval="step"`` on a training metric logged ``on_step`` and ``on_epoch`` that
+    improves every step (no cut), while its epoch means are each worse than the best step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("m", -float(self.trainer.global_step), on_step=True, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()["optimizer"]
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.5, patience=0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "step", "monitor": "m"}}
+
+
+def test_a_trials_candidates_step_a_plateau_on_the_training_metric_the_step_saw(tmp_path: Path) -> None:
+    """Lightning steps the plateau on the last batch's value, then the epoch's end puts the epoch's mean in its place
+    in ``callback_metrics``: read at the next batch, the candidates stepped on means the run never saw and cut their
+    rates at 32, 40 and 48 where the run cut none."""
+    rates: list[tuple[str | None, int, float]] = []
+    fit(TrainingMetricPlateau(rates, "step"), [Suspect(30), LRBackoff(), Rollback(every_n_steps=10)], max_epochs=7,
+        max_steps=-1, default_root_dir=tmp_path)  # fmt: skip
+    run = {step: rate for kind, step, rate in rates if kind is None}
+    trial = [(step, rate) for kind, step, rate in rates if kind == "trial" and step <= 50]
+    assert [step for step, _ in trial] == [step for step in range(31, 51) for _ in range(2)]
+    assert {run[step] for step in range(31, 51)} == {0.01}
+    assert [rate for _, rate in trial] == [0.01 * factor for _ in range(31, 51) for factor in (0.5, 0.125)]
