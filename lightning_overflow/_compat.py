@@ -49,6 +49,7 @@ __all__ = [
     "put_back_epoch_sums",
     "summed_in_training",
     "progress_bar_metrics",
+    "scaler_found_inf",
     "scaler_of",
     "scaler_scale",
     "should_update_logs",
@@ -205,6 +206,18 @@ def progress_bar_metrics(trainer: pl.Trainer) -> dict[str, Any]:
 def scaler_of(trainer: pl.Trainer) -> Any | None:
     """The ``GradScaler`` of a ``16-mixed`` run, ``None`` otherwise (``MixedPrecision.scaler`` is public; 2.6.6)."""
     return getattr(trainer.precision_plugin, "scaler", None)
+
+
+def scaler_found_inf(scaler: Any, optimizer: Any) -> bool:
+    """Have ``scaler`` skip this step of ``optimizer`` and lower its scale, as when its ``unscale_`` finds inf/NaN
+    (``_per_optimizer_states[id(optimizer)]["found_inf_per_device"]``; torch 2.13.0): under DDP, ranks whose gradients
+    differ must keep one scale, or the next all-reduce averages gradients scaled apart. ``False`` before
+    ``unscale_``."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer)) or {}
+    found = state.get("found_inf_per_device") or {}
+    for flag in found.values():
+        flag.fill_(1.0)
+    return bool(found)
 
 
 def scaler_scale(scaler: Any) -> Tensor | None:

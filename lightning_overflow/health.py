@@ -83,6 +83,7 @@ from lightning_overflow.training_state import (
     live_state,
     nonfinite_flags,
     optimizer_labels,
+    own_optimizer,
     own_optimizer_state,
 )
 from lightning_overflow.trial import TrialConfig
@@ -1172,7 +1173,7 @@ class HealthBoard:
             path = self.journal.path
             # A logger's run folder holds this journal alone; without a logger, the folder is the root of everything.
             where = ""
-            if path is not None:
+            if path is not None and self.journal.write:  # not one that could not be written
                 where = f" (the details: python -m lightning_overflow journal {path.parent if trainer.loggers else path})"
             log.info("\n".join([f"lightning_overflow: what happened in this fit{where}:", *(f"  - {l}" for l in lines)]))
 
@@ -1214,7 +1215,7 @@ def inspect_state(trainer: pl.Trainer, record: StepHealth) -> StateCheck:
             [own_optimizer_state(record.optimizer)],
             board_for(trainer).constants(trainer),
             record.device,
-            lambda: optimizer_labels(module, [record.optimizer]),
+            lambda: optimizer_labels(module, [own_optimizer(record.optimizer)]),
         )
     return record.state_check
 

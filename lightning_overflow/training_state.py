@@ -97,6 +97,7 @@ __all__ = [
     "nonfinite_flags",
     "nonfinite_parts",
     "optimizer_labels",
+    "own_optimizer",
     "own_optimizer_state",
     "restorable",
     "restore_",
@@ -113,12 +114,18 @@ _EXTRA_STATE = "_extra_state"  # the key torch gives the value of ``get_extra_st
 
 
 # ---- reading and restoring --------------------------------------------------------------------------------------
-def own_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` of the state this rank holds, for a check: a ``ZeroRedundancyOptimizer``'s own
-    raises until the ranks' parts are consolidated (a collective), so its local optimizer's."""
+def own_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer of the state this rank holds, for a check: a ``ZeroRedundancyOptimizer``'s local one (its own
+    ``state_dict()`` raises until the ranks' parts are consolidated, a collective, and numbers the parameters of
+    every rank)."""
     if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-        return optimizer.optim.state_dict()  # type: ignore[attr-defined,no-any-return]
-    return optimizer.state_dict()
+        return optimizer.optim  # type: ignore[attr-defined,no-any-return]
+    return optimizer
+
+
+def own_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``state_dict()`` of :func:`own_optimizer`."""
+    return own_optimizer(optimizer).state_dict()
 
 
 def live_state(trainer: pl.Trainer) -> dict[str, Any]:

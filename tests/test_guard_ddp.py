@@ -60,7 +60,7 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
             optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
             scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 0.05, total_iters=100)
             callbacks = default_callbacks(lr_factor=0.5)
-        elif scenario == "zero_nan_loss":  # each rank holds its part of the state; Rollback refuses that
+        elif scenario.startswith("zero"):  # each rank holds its part of the state; Rollback refuses that
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
@@ -86,11 +86,13 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
                 torch.distributions.Normal(output, 1.0, validate_args=True)
             return nn.functional.mse_loss(output, batch[1])
 
+        scaler = torch.amp.GradScaler("cpu") if scenario.endswith("_scaled") else None
         guard = None if scenario == "diverging_bare" else Guard(model, optimizer, scheduler, callbacks=callbacks,
                                                                  default_root_dir=directory,
                                                                  loss_fn=loss_fn if runs_steps else None,
                                                                  scheduler_interval="epoch" if plateau else "step",
                                                                  gradient_clip_val=0.05 if clipped else None,
+                                                                 scaler=scaler,
                                                                  )  # fmt: skip
         outcomes, snapshots, lrs = [], {}, []
         for step in range(DIVERGING_STEPS if diverging else STEPS):
@@ -107,10 +109,16 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
                 outcome = guard.train_step((inputs, y[batch]))
             else:
                 loss = loss_fn(model, (x[batch], y[batch]))
+                if scenario == "zero_nan_state" and step == 3:  # a NaN loss on every rank: the state is looked at
+                    loss = loss * float("nan")
+                    if rank == 1:  # and a NaN in the moments of rank 1's first parameter, which only it holds
+                        own = optimizer.optim.param_groups[0]["params"][0]  # type: ignore[attr-defined]
+                        optimizer.optim.state[own]["exp_avg"].view(-1)[0] = float("nan")  # type: ignore[attr-defined]
+                        report["poisoned"] = next(n for n, p in module.named_parameters() if p is own)
                 if scenario in ("nan_loss", "nan_loss_clipped", "zero_nan_loss") and step == 3 and rank == 1:
                     loss = loss * float("nan")
                 loss.backward()
-                if scenario == "nan_grad_after_reduce" and step == 3 and rank == 1:  # after DDP's all-reduce
+                if scenario.startswith("nan_grad_after_reduce") and step == 3 and rank == 1:  # after DDP's reduce
                     with torch.no_grad():
                         module[3].weight.grad.view(-1)[0] = float("nan")
                 if guard is None:
@@ -127,6 +135,8 @@ def _worker(rank: int, port: int, directory: str, scenario: str) -> None:
                 report["restored"] = _digest(module)
             outcomes.append([outcome.step, outcome.skipped, outcome.rolled_back, outcome.backed_off,
                              [e.kind for e in outcome.events]])  # fmt: skip
+            if scaler is not None:
+                report.setdefault("scales", []).append(scaler.get_scale())
         if guard is not None:
             guard.close()
         report.update(
@@ -219,6 +229,18 @@ def test_a_nan_written_into_rank_1s_gradient_after_the_all_reduce_is_skipped_on_
                                             "norm nan) at step 3 (epoch 0) on rank(s) 1.")
 
 
+def test_with_a_grad_scaler_a_nan_in_rank_1s_gradient_after_the_all_reduce_is_skipped_alike(tmp_path: Path) -> None:
+    """Each rank's GradScaler found inf/NaN in its own gradients only: rank 1's skipped the step and halved its scale,
+    rank 0's stepped, and the next all-reduce averaged gradients scaled apart. Every rank's scaler now skips the step
+    and lowers its scale alike."""
+    reports = run(tmp_path, "nan_grad_after_reduce_scaled")
+    assert reports[0]["outcomes"] == reports[1]["outcomes"]
+    assert [o[0] for o in reports[0]["outcomes"] if o[1]] == [3]
+    assert reports[0]["snapshots"]["4"] == reports[0]["snapshots"]["3"]  # the skipped step changed nothing
+    assert reports[0]["snapshots"] == reports[1]["snapshots"] and reports[0]["digest"] == reports[1]["digest"]
+    assert reports[0]["scales"] == reports[1]["scales"] and reports[0]["scales"][3] == reports[0]["scales"][2] / 2
+
+
 def test_a_zero_redundancy_optimizer_without_rollback_trains_and_skips_a_nan_loss_on_both_ranks(tmp_path: Path) -> None:
     """``Rollback`` refuses a ``ZeroRedundancyOptimizer`` and says to remove it. Without it the guard raised at its
     first weights check (step 0) on every rank: the check read ``optimizer.state_dict()``, which a ZeRO optimizer
@@ -228,6 +250,17 @@ def test_a_zero_redundancy_optimizer_without_rollback_trains_and_skips_a_nan_los
     assert [o[0] for o in reports[0]["outcomes"] if o[1]] == [3]
     assert reports[0]["digest"] == reports[1]["digest"]
     assert all(r["finite"] and r["global_step"] == STEPS for r in reports)
+
+
+def test_a_nan_in_a_zero_redundancy_optimizers_part_of_the_state_is_named_by_its_parameter(tmp_path: Path) -> None:
+    """Rank 1's own part of the moments: labelled by the ZeRO optimizer's numbering of every rank's parameters, the
+    error named another rank's parameter (rank 0's first) for rank 1's first."""
+    reports = run(tmp_path, "zero_nan_state", errors=("NonFiniteError", "NonFiniteError"))
+    poisoned = reports[1]["poisoned"]
+    assert poisoned != "0.weight"  # rank 0 holds the first parameter's moments
+    for report in reports:
+        assert f"the optimizer state contained inf/NaN in {poisoned}.exp_avg at step 3 (epoch 0) on rank(s) 1." in (
+            report["error"])
 
 
 def test_the_loops_own_clipping_clips_both_ranks_alike_and_a_nan_loss_on_rank_1_is_skipped_on_both(

@@ -390,13 +390,15 @@ def test_a_journal_that_cannot_be_written_is_said_once_and_the_fit_goes_on(
 
     (tmp_path / JOURNAL_NAME).mkdir()
     model = TinyRegressor()
-    with caplog.at_level(logging.WARNING, logger="lightning_overflow"):
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
         trainer = make_trainer([*default_callbacks(), FaultInjector(Fault(3, "nan_loss"), Fault(5, "nan_loss"))],
                                max_steps=8, default_root_dir=str(tmp_path))  # fmt: skip
         trainer.fit(model)
     assert trainer.global_step == 8
     assert [e.kind for e in board_for(trainer).journal.events][:2] == ["nonfinite", "skip"]
     said = [r.getMessage() for r in caplog.records if "journal could not be written" in r.getMessage()]
+    summary = [r.getMessage() for r in caplog.records if "what happened in this fit" in r.getMessage()]
+    assert summary and all("the details:" not in line for line in summary)  # no pointer to a journal not written
     assert len(said) == 1 and said[0].startswith(
         f"lightning_overflow: the journal could not be written to {tmp_path / JOURNAL_NAME} ([Errno 21] Is a directory"
     )

@@ -476,6 +476,8 @@ class NonFiniteDetector(SuiteCallback):
             self._scaler_overflows = 0
             return self._buffer_finding(trainer, buffer_ranks) if buffer_ranks else None
         if record.loss_finite and record.loss_scale is not None and not record.grads_finite and not state_flagged:
+            if record.grad_ranks:  # some ranks' only: every rank's scaler skips and lowers its scale alike
+                _compat.scaler_found_inf(_compat.scaler_of(trainer), record.optimizer)
             return self._judge_scaler(record)  # inf/NaN gradients: the scaler skips the step itself
         state = inspect_state(trainer, record)
         if state.weight_ranks:
