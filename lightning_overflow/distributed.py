@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["flags_by_rank", "named_on_any_rank", "pack_per_rank", "per_rank_values", "ranks_where", "read_packed",
-           "sum_and_read", "world"]
+__all__ = ["flags_by_rank", "named_on_any_rank", "objects_by_rank", "pack_per_rank", "per_rank_values", "ranks_where",
+           "read_packed", "sum_and_read", "world"]
 
 
 def world() -> tuple[int, int]:
@@ -81,6 +81,17 @@ def flags_by_rank(flags: list[Tensor], device: torch.device | str) -> list[tuple
     Entered on every rank together.
     """
     return ranks_where(per_rank_values(flags, device), world()[1])
+
+
+def objects_by_rank(obj: Any) -> list[Any]:
+    """``obj`` of every rank, by rank (``[obj]`` in one process). Entered on every rank together; off the hot path
+    (it pickles ``obj``)."""
+    world_size = world()[1]
+    if world_size == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def named_on_any_rank(*names: list[str]) -> tuple[list[str], ...]:

@@ -223,18 +223,21 @@ class SnapshotFiles:
             return f"it cannot be written ({type(err).__name__}: {err})"
         return ""
 
-    def write(self, name: str, payload: Any, *, step: int) -> None:
-        """Write a snapshot file atomically (see :func:`save_snapshot`)."""
-        save_snapshot(payload, self.path(name), step=step)
+    def write(self, name: str, payload: Any, *, step: int) -> str:
+        """Write a snapshot file atomically (see :func:`save_snapshot`); its content digest."""
+        return _save(payload, self.path(name), step)
 
     def read(self, name: str) -> tuple[int, Any]:
         """Read and verify a snapshot file (see :func:`load_snapshot`)."""
         return load_snapshot(self.path(name))
 
-    def read_checked(self, name: str, step: int, check: Callable[[Any], str]) -> tuple[Any, dict[str, Any], str]:
-        """Read a snapshot file and verify it: readable, its digest, its step, then ``check(payload)`` (``""`` when
-        the payload's state is usable, else why not). Never raises: the file is untrusted, and whatever it holds, the
-        caller must go on (every rank reaches the same collective after this).
+    def read_checked(
+        self, name: str, step: int, check: Callable[[Any], str], digest: str | None = None
+    ) -> tuple[Any, dict[str, Any], str]:
+        """Read a snapshot file and verify it: readable, its digest (``digest``, where given: the one this file had
+        when it was written, so that a file another run wrote over it is refused), its step, then ``check(payload)``
+        (``""`` when the payload's state is usable, else why not). Never raises: the file is untrusted, and whatever
+        it holds, the caller must go on (every rank reaches the same collective after this).
 
         Returns:
             ``(state, rest, "")``, or ``(None, rest, why it cannot be used)``; ``rest`` is the payload without its
@@ -242,9 +245,13 @@ class SnapshotFiles:
         """
         rest: dict[str, Any] = {}
         try:
-            found, payload = self.read(name)
+            found, payload, written = _load(self.path(name))
             state, rest = payload["state"], {k: v for k, v in payload.items() if k != "state"}
-            problem = f"it holds the snapshot of step {found}, not {step}" if found != step else check(payload)
+            if digest is not None and written != digest:
+                problem = (f"it is not the file this run wrote for step {step} (sha256 {digest[:16]}... then, "
+                           f"{written[:16]}... now): another run wrote over it")  # fmt: skip
+            else:
+                problem = f"it holds the snapshot of step {found}, not {step}" if found != step else check(payload)
         except Exception as err:  # a bad pickle, a missing key, a tensor where a dict belongs: all mean "unusable"
             return None, rest, str(err) if isinstance(err, SnapshotError) else f"{type(err).__name__}: {err}"
         return (None if problem else state), rest, problem
@@ -311,6 +318,12 @@ def save_snapshot(payload: Any, path: str | os.PathLike[str], *, step: int) -> s
     Returns:
         ``path`` as a string.
     """
+    _save(payload, path, step)
+    return os.fspath(path)
+
+
+def _save(payload: Any, path: str | os.PathLike[str], step: int) -> str:
+    """:func:`save_snapshot`; the content digest written."""
     path = os.fspath(path)
     unloadable = _not_weights_only(payload)
     if unloadable:
@@ -322,13 +335,8 @@ def save_snapshot(payload: Any, path: str | os.PathLike[str], *, step: int) -> s
     fs = get_filesystem(path)
     tmp = temporary_path(path)
     synchronize()  # the host reads the buffers now: pending device-to-host copies must be done
-    record = {
-        "format": SNAPSHOT_FORMAT,
-        "version": _VERSION,
-        "step": int(step),
-        "sha256": content_digest(int(step), payload),
-        "payload": payload,
-    }
+    digest = content_digest(int(step), payload)
+    record = {"format": SNAPSHOT_FORMAT, "version": _VERSION, "step": int(step), "sha256": digest, "payload": payload}
     head = _split(path)[0].rstrip("/" + os.sep)
     if head:
         fs.makedirs(head, exist_ok=True)
@@ -346,7 +354,7 @@ def save_snapshot(payload: Any, path: str | os.PathLike[str], *, step: int) -> s
         raise
     if isinstance(fs, LocalFileSystem) and head:
         _fsync_directory(head)
-    return path
+    return digest
 
 
 def load_snapshot(path: str | os.PathLike[str]) -> tuple[int, Any]:
@@ -360,6 +368,12 @@ def load_snapshot(path: str | os.PathLike[str]) -> tuple[int, Any]:
         SnapshotError: the file is missing, truncated, unreadable, not a snapshot of this format and version, or its
             content does not match its digest.
     """
+    step, payload, _ = _load(path)
+    return step, payload
+
+
+def _load(path: str | os.PathLike[str]) -> tuple[int, Any, str]:
+    """:func:`load_snapshot`, and the digest its content matched."""
     path = os.fspath(path)
     try:
         with get_filesystem(path).open(path, "rb") as f:
@@ -378,7 +392,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> tuple[int, Any]:
             f"{path} does not match its checksum (sha256 {record['sha256'][:16]}... written, {digest[:16]}... read): "
             f"its bytes changed after it was written"
         )
-    return step, record["payload"]
+    return step, record["payload"], digest
 
 
 _LOADABLE = (Tensor, int, float, bool, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)

@@ -445,7 +445,10 @@ def test_state_dict_loads_with_weights_only(tmp_path: Path) -> None:
     other = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
     other.load_state_dict(state)
     assert other.history == rollback.history and other.rollbacks == 1
-    assert state["disk"] == [{"step": 2, "file": SNAP.format(2)}, {"step": 6, "file": SNAP.format(6)}]
+    assert [{k: v for k, v in e.items() if k != "digests"} for e in state["disk"]] == [
+        {"step": 2, "file": SNAP.format(2)}, {"step": 6, "file": SNAP.format(6)}
+    ]
+    assert all(len(e["digests"]) == 1 and len(e["digests"][0]) == 64 for e in state["disk"])  # one rank's sha256
 
 
 def test_disk_snapshots_are_pruned_and_hold_the_state(tmp_path: Path) -> None:
@@ -540,6 +543,8 @@ def test_crash_between_write_and_rename_leaves_no_usable_partial_file(
     ("damage", "problem"),
     [
         ("truncated", "is not a readable snapshot"),
+        ("rewritten", "it is not the file this run wrote for step 2 (sha256 "),  # a shared dirpath: another run's
+        # Written anew, with a checkpoint of an earlier release (no digests): the checks after the digest's
         ("nan", "it holds inf/NaN (in net.0.weight)"),
         ("tensor_for_optimizer", "IndexError: too many indices"),  # any error of an untrusted file is caught
     ],
@@ -553,9 +558,13 @@ def test_a_corrupt_snapshot_file_is_never_used(tmp_path: Path, damage: str, prob
         _, payload = load_snapshot(path)
         if damage == "nan":
             payload["state"]["model"]["net.0.weight"][0, 0] = float("nan")
+        elif damage == "rewritten":
+            payload["state"]["model"]["net.0.weight"][0, 0] += 1.0
         else:
             payload["state"]["optimizers"] = [torch.zeros(1)]
         save_snapshot(payload, path, step=2)
+        if damage != "rewritten":
+            _without_digests(ckpt)
     with pytest.warns(OverflowWarning, match=r"rollback-step=2.pt cannot be used on rank\(s\) \[0\]: ") as warned:
         rollback, trainer = _resume(tmp_path, ckpt, nan_at(4, 5), max_steps=8)
     assert [str(w.message) for w in warned if "cannot be used" in str(w.message)][0].endswith(
@@ -570,13 +579,43 @@ def test_a_corrupt_snapshot_file_is_never_used(tmp_path: Path, damage: str, prob
     assert all_finite(weights(trainer.lightning_module))
 
 
-def _failing_write(step: int) -> Any:
-    real = snapshot_store.save_snapshot
+@RESUME
+def test_a_resumed_fit_none_of_whose_files_can_be_used_rolls_back_to_the_state_it_started_from(tmp_path: Path) -> None:
+    """Both files its checkpoint lists are damaged (a shared dirpath, a bad disk): the resumed fit, which had checked
+    the state it started from but kept no copy of it, raised ``RollbackError`` where the same resume without files
+    goes back to that state. It keeps that state now as the last resort."""
+    ckpt = _first_run(tmp_path, FaultInjector(), max_steps=4, every=4)
+    for step in (2, 4):
+        path = tmp_path / "snaps" / SNAP.format(step)
+        path.write_bytes(path.read_bytes()[:200])
+    probe = Probe()
+    rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
+    trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(4)], max_steps=6)
+    with pytest.warns(OverflowWarning, match="cannot be used"):
+        trainer.fit(TinyRegressor(), ckpt_path=ckpt)
+    assert [(h["step"], h["snapshot_step"], h["source"]) for h in rollback.history] == [(5, 4, "memory")]
+    started = torch.load(ckpt, weights_only=False)["state_dict"]
+    assert_bit_identical(probe.at[5]["weights"], started)
+    assert trainer.global_step == 6 and all_finite(weights(trainer.lightning_module))
 
-    def save(payload: Any, path: Any, *, step: int) -> str:
+
+def _without_digests(ckpt: Path) -> None:
+    """The checkpoint as an earlier release wrote it: its Rollback lists its files without their digests."""
+    checkpoint = torch.load(ckpt, weights_only=False)
+    for key, state in checkpoint["callbacks"].items():
+        if key.startswith("Rollback"):
+            for entry in state["disk"]:
+                entry.pop("digests")
+    torch.save(checkpoint, ckpt)
+
+
+def _failing_write(step: int) -> Any:
+    real = snapshot_store._save
+
+    def save(payload: Any, path: Any, step: int) -> str:
         if step == failing_step:
             raise OSError(28, "No space left on device")
-        return real(payload, path, step=step)
+        return real(payload, path, step)
 
     failing_step = step
     return save
@@ -587,12 +626,15 @@ def test_a_failed_write_is_listed_and_leaves_no_older_file_under_its_name(
 ) -> None:
     snaps = tmp_path / "snaps"
     save_snapshot({"state": {}}, snaps / SNAP.format(4), step=4)  # left by an earlier run in the same directory
-    monkeypatch.setattr(snapshot_store, "save_snapshot", _failing_write(4))
+    monkeypatch.setattr(snapshot_store, "_save", _failing_write(4))
     rollback = Rollback(every_n_steps=2, keep=2, dirpath=snaps)
     with pytest.warns(OverflowWarning, match=r"could not write the snapshot of step 4 to .*No space left on device"):
         trainer = fit(TinyRegressor(), [rollback], max_steps=6)
     # Listed like on every other rank (which cannot know rank 0 failed); no file of another state under its name.
-    assert rollback.state_dict()["disk"] == [{"step": 4, "file": SNAP.format(4)}, {"step": 6, "file": SNAP.format(6)}]
+    assert [(e["step"], e["file"], len(e["digests"])) for e in rollback.state_dict()["disk"]] == [
+        (4, SNAP.format(4), 1), (6, SNAP.format(6), 1)
+    ]
+    assert rollback.state_dict()["disk"][0]["digests"] == [None]  # nothing written: no digest
     assert sorted(os.listdir(snaps)) == [SNAP.format(6)]
     assert journal_kinds(trainer, rollback) == ["snapshot_write_failed"]
 
@@ -796,18 +838,20 @@ class DiskReport(Callback):
 def test_ddp_each_rank_writes_its_part_and_a_write_failing_on_rank_0_keeps_the_lists_equal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = snapshot_store.save_snapshot
+    real = snapshot_store._save
 
-    def save(payload: Any, path: Any, *, step: int) -> str:  # rank 0's write of step 4 fails
+    def save(payload: Any, path: Any, step: int) -> str:  # rank 0's write of step 4 fails
         if step == 4 and "rank=0" in str(path):
             raise OSError(28, "No space left on device")
-        return real(payload, path, step=step)
+        return real(payload, path, step)
 
-    monkeypatch.setattr(snapshot_store, "save_snapshot", save)  # forked workers inherit it
+    monkeypatch.setattr(snapshot_store, "_save", save)  # forked workers inherit it
     rollback = Rollback(every_n_steps=2, keep=2, dirpath=tmp_path / "snaps")
     fit(TinyRegressor(), [rollback, DiskReport(tmp_path, rollback)], max_steps=6, strategy="ddp_fork", devices=2)
     listed = [json.loads((tmp_path / f"disk{r}.json").read_text()) for r in (0, 1)]
-    assert listed[0] == listed[1] == [{"step": 4, "file": SNAP.format(4)}, {"step": 6, "file": SNAP.format(6)}]
+    assert listed[0] == listed[1]  # the same targets, and each rank's digests, on every rank
+    assert [(e["step"], e["file"]) for e in listed[0]] == [(4, SNAP.format(4)), (6, SNAP.format(6))]
+    assert listed[0][0]["digests"][0] is None and len(listed[0][0]["digests"][1]) == 64  # rank 0's write failed
     assert sorted(os.listdir(tmp_path / "snaps")) == ["rank=0", "rank=1"]
     assert sorted(os.listdir(tmp_path / "snaps" / "rank=0")) == [SNAP.format(6)]
     assert sorted(os.listdir(tmp_path / "snaps" / "rank=1")) == [SNAP.format(4), SNAP.format(6)]

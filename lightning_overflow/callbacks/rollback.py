@@ -43,12 +43,12 @@ from lightning_overflow._validation import check_choices, check_int, check_type,
 from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import ROLLBACK, SuiteCallback
 from lightning_overflow.diagnosis.hints import divergence_hint
-from lightning_overflow.distributed import flags_by_rank
+from lightning_overflow.distributed import flags_by_rank, objects_by_rank
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
 from lightning_overflow.health import MAX_NAMES
 from lightning_overflow.numerics.lr_scaling import group_rates
-from lightning_overflow.numerics.snapshots import without_placeholders
+from lightning_overflow.numerics.snapshots import take_snapshot, without_placeholders
 from lightning_overflow.policy import (
     DEFAULT_ROLLBACK_TRIGGERS,
     REMOVED_SETTINGS,
@@ -203,8 +203,9 @@ class Rollback(SuiteCallback):
         self.history: list[dict[str, Any]] = []
         self._memory = SnapshotRing(self.keep)
         self._writer: SnapshotFiles | None = None  # this rank's folder of dirpath (dirpath itself on one process)
-        self._disk: list[dict[str, Any]] = []  # files written, oldest first: {"step", "file"}
+        self._disk: list[dict[str, Any]] = []  # files written, oldest first: {"step", "file", "digests"} (by rank)
         self._before_restart: list[Snapshot] = []  # files from the checkpoint's list, not read yet
+        self._restart: Snapshot | None = None  # the state a resumed fit started from, should none of its files do
         self._healthy = 0
         self._last_step = 0
         self._fit_start = 0  # the step this fit started (or resumed) from
@@ -236,6 +237,7 @@ class Rollback(SuiteCallback):
         # The snapshots in memory are copies of this fit's model (keep x its size): a pickled copy (a module's
         # hyperparameters in every checkpoint) would carry them all. The files on disk stay listed.
         state["_memory"] = SnapshotRing(self.keep)
+        state["_restart"] = None
         state["_writer"] = None
 
     # ---- hooks ------------------------------------------------------------------------------------------------
@@ -515,10 +517,12 @@ class Rollback(SuiteCallback):
             self._event(trainer, "snapshot_refused", message, rank=min(check.replica_ranks),
                         ranks=list(check.replica_ranks))  # fmt: skip
             return Signal("replica_mismatch", step, message, "Rollback")
-        if keep:
-            return None
         extras = copy.deepcopy(self.board(trainer).snapshot_extras(trainer))
         held, owners = split_snapshot(trainer, state)
+        if keep:  # the last resort of a resumed fit, out of the ring: its files are the targets the run had
+            self._restart = Snapshot(step, take_snapshot(state, None, held), extras, owners=dict(owners))
+            return None
+        self._restart = None  # a snapshot of this fit's own from now on
         snapshot = self._memory.take(step, state, extras, held, owners)
         self._layout = module_layout(trainer.lightning_module)
         if not counting:  # a new target: no retry of it yet
@@ -547,8 +551,9 @@ class Rollback(SuiteCallback):
         payload = {"state": snapshot.state, "extras": snapshot.extras}
         if trainer.world_size > 1:  # a part of the state: whose, and how the parts fit together
             payload.update(rank=int(trainer.global_rank), world_size=int(trainer.world_size), owners=snapshot.owners)
+        digest = None
         try:
-            self._writer.write(name, payload, step=snapshot.step)
+            digest = self._writer.write(name, payload, step=snapshot.step)
         except Exception as err:  # a full disk must not stop training: the memory snapshot is intact
             self._writer.remove(name)  # an older file under this name holds another state
             message = (
@@ -560,7 +565,10 @@ class Rollback(SuiteCallback):
         # The bookkeeping goes on as on the other ranks, which cannot know that this one failed: every rank must
         # list the same rollback targets, or some would enter the collective of _load without the others.
         snapshot.file = name
-        self._disk = [e for e in self._disk if e["step"] != snapshot.step] + [{"step": snapshot.step, "file": name}]
+        # Each rank's file's digest, in every rank's list (rank 0's state is the checkpoint's): a resumed run uses
+        # only files it wrote itself, not another run's written over them in a shared dirpath.
+        entry = {"step": snapshot.step, "file": name, "digests": objects_by_rank(digest)}
+        self._disk = [e for e in self._disk if e["step"] != snapshot.step] + [entry]
         while len(self._disk) > self.keep:
             old = self._disk.pop(0)
             self._before_restart = [s for s in self._before_restart if s.file != old["file"]]
@@ -640,6 +648,8 @@ class Rollback(SuiteCallback):
             self._stop(trainer, signal, self._recent(step))
         candidates, avoided = self._targets(settings, signal.onset)
         restored = self._restore_first(trainer, candidates)
+        if restored is None and self._restart is not None:  # none of the files could be used
+            restored = self._restore_first(trainer, [self._restart])
         if restored is None:
             self._no_snapshot(trainer, signal)
         target, source = restored
@@ -767,8 +777,11 @@ class Rollback(SuiteCallback):
         """Read and verify a file from before the restart on every rank (each its own part on several ranks);
         ``None`` unless every rank could use its file."""
         assert self._writer is not None and candidate.file is not None
+        # The digest the file had when this run wrote it (none in checkpoints of earlier releases).
+        digests = next((e.get("digests") for e in self._disk if e["file"] == candidate.file), None) or []
+        digest = digests[trainer.global_rank] if len(digests) == trainer.world_size else None
         state, rest, problem = self._writer.read_checked(
-            candidate.file, candidate.step, lambda payload: self._unfit(trainer, payload)
+            candidate.file, candidate.step, lambda payload: self._unfit(trainer, payload), digest
         )
         candidate.extras, candidate.owners = dict(rest.get("extras", {})), dict(rest.get("owners", {}))
         (unusable,) = flags_by_rank([torch.tensor(float(bool(problem)))], trainer.strategy.root_device)
@@ -922,7 +935,8 @@ class Rollback(SuiteCallback):
         self.rollbacks = state.get("rollbacks", int)
         self.history = state.get("history", lambda v: [dict(h) for h in v])
         self._healthy = state.get("healthy_steps", int)
-        self._disk = state.get("disk", lambda v: [{"step": int(e["step"]), "file": str(e["file"])} for e in v])
+        self._disk = state.get("disk", lambda v: [{"step": int(e["step"]), "file": str(e["file"]),
+                                                    "digests": e.get("digests")} for e in v])  # fmt: skip
         self._free = state.get("free", lambda v: _indices(v, len(self.history)))
         self._last_target = state.get("last_target", _optional_int, old=None)
         self._last_settings = state.get("last_settings", _floats, old=())
