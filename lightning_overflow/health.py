@@ -566,7 +566,9 @@ class HealthBoard:
 
     def start_training(self, trainer: pl.Trainer) -> None:
         """Once the optimizers exist (``on_train_start``): whether this fit can run trials."""
-        self.trials.configure(self._trial_config[1] if self._trial_config is not None else None, trainer)
+        withdrawn = self.trials.configure(self._trial_config[1] if self._trial_config is not None else None, trainer)
+        if withdrawn and trainer.global_rank == 0:
+            log.info(f"lightning_overflow: {withdrawn}")
         self.schedule_lag.start(trainer)
         if self.trials.unavailable and trainer.global_rank == 0:
             log.info(f"lightning_overflow: no trials in this fit ({self.trials.unavailable}): a suspicion of "

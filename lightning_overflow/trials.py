@@ -177,14 +177,26 @@ class TrialRunner:
     def _frozen(self) -> bool:
         return self.config is not None and self.config.mode == "frozen"
 
-    def configure(self, config: TrialConfig | None, trainer: pl.Trainer) -> None:
+    def configure(self, config: TrialConfig | None, trainer: pl.Trainer) -> str:
         """The fit's trial settings (``None``: suspicions are not tried), whether a candidate can train here, and
-        the candidates of a trial a resumed checkpoint was saved in."""
+        the candidates of a trial a resumed checkpoint was saved in. That trial goes on under its own settings,
+        unless this fit runs none or another mode (which holds other states live and on the side): it is then
+        withdrawn, and the run as it was goes on; the sentence that says so is returned (``""`` otherwise)."""
         self.config = config
         self.unavailable = trainable(trainer) if config is not None else ""
         saved, self._side_states = self._side_states, []
         if saved:
             self.sides = [Candidate.from_state(state, trainer) for state in saved]
+        trial = self.trial
+        if trial is None or (self.runs and config is not None and config.mode == trial.config.mode):
+            return ""
+        if trial.config.mode == "frozen" and self.sides:  # the live state is its remedy: the incumbent comes back
+            self.sides[0].swap(trainer)
+        self.trial, self.sides, self.remedies = None, [], []
+        self.trials -= 1
+        now = "runs no trials" if not self.runs else f"runs them in {config.mode!r} mode"  # type: ignore[union-attr]
+        return (f"the trial the checkpoint was saved in (opened at step {trial.step}, {trial.config.mode!r} mode) is "
+                f"withdrawn: this fit {now}, so the run goes on as it was before it opened")  # fmt: skip
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]

@@ -468,6 +468,34 @@ def test_a_checkpoint_saved_during_a_trial_resumes_it_exactly(tmp_path: Path) ->
     assert resumed_trials == [t for t in whole_trials if t[0] > 40] and whole_trials[0][0] == 46
 
 
+@pytest.mark.parametrize(("saved_mode", "resumed_with"), [("ab", None), ("ab", "frozen"), ("frozen", "ab")])
+def test_a_trial_saved_in_a_checkpoint_is_withdrawn_where_the_resumed_fit_runs_none_or_another_mode(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, saved_mode: str, resumed_with: str | None
+) -> None:
+    """Resumed with trials off, the trial of the checkpoint went on training its candidates to the fit's end, then
+    ``AssertionError``; resumed in the other mode, whose live and side states are the other way round, a kept run
+    came back as the remedy's weights and rate, unsaid. The trial is withdrawn now, as said, and the run as it was
+    goes on: with trials off, bit-identical to the same checkpoint resumed without the suite."""
+    import logging
+
+    saved = TrialConfig(steps=10, mode=saved_mode)  # type: ignore[arg-type]
+    path = _checkpoint_at_step_40(tmp_path, [Suspect(35), LRBackoff(trial=saved), Rollback(every_n_steps=10,
+                                                                                         trial=saved)])
+    resumed_trial = None if resumed_with is None else TrialConfig(steps=10, mode=resumed_with)  # type: ignore[arg-type]
+    resumed = Sabotaged()
+    suite = [LRBackoff(trial=resumed_trial), Rollback(every_n_steps=10, trial=resumed_trial)]
+    with caplog.at_level(logging.INFO, logger="lightning_overflow"):
+        make_trainer(suite, max_steps=64, default_root_dir=str(tmp_path / "resumed")).fit(resumed, ckpt_path=str(path))
+    now = "runs no trials" if resumed_with is None else f"runs them in '{resumed_with}' mode"
+    assert (f"lightning_overflow: the trial the checkpoint was saved in (opened at step 35, '{saved_mode}' mode) is "
+            f"withdrawn: this fit {now}, so the run goes on as it was before it opened") in caplog.messages
+    assert resumed.trainer.global_step == 64 and all(bool(torch.isfinite(w).all()) for w in weights(resumed).values())
+    if saved_mode == "ab":  # its live state is the run as it was: nothing else happens from there
+        bare = Sabotaged()
+        make_trainer([], max_steps=64, default_root_dir=str(tmp_path / "bare")).fit(bare, ckpt_path=str(path))
+        assert_bit_identical(weights(resumed), weights(bare))
+
+
 def test_the_first_trial_of_a_run_that_does_not_learn_runs_twice_as_long_and_resumes_with_its_length(
     tmp_path: Path,
 ) -> None:
