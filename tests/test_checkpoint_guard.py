@@ -15,6 +15,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from typing_extensions import override
 
 from lightning_overflow._compat import Callback
+from lightning_overflow import default_callbacks
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
 from lightning_overflow.exceptions import NonFiniteError
@@ -439,3 +440,37 @@ def test_a_rollback_at_an_epochs_end_is_counted_in_the_metrics_the_fit_leaves(tm
     header = rows[0].split(",")
     counts = [row.split(",")[header.index("overflow/rollbacks")] for row in rows[1:]]
     assert [float(c) for c in counts if c][-1] == 1.0
+
+
+class SavesAt(pl.Callback):
+    """A user's callback that writes a checkpoint at the end of one batch."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_checkpoint_another_callback_writes_on_a_batch_with_nan_weights_is_preceded_by_one_rollback(
+    tmp_path: Path,
+) -> None:
+    """NaN weights at step 23 and 33, each found at the next batch's end, where another callback writes a checkpoint.
+    Listed before the suite, its save was preceded by the rollback, and Rollback rolled back again for the same
+    finding at its own hook: 4 rollbacks against 2 listed after, the budget spent twice as fast. One each now, in
+    either order, to the same snapshots, and the same weights."""
+    runs = []
+    for first in (True, False):
+        root = tmp_path / str(first)
+        saver = SavesAt(24, root / "user.ckpt")
+        suite = default_callbacks(snapshot_every_n_steps=5)
+        torch.manual_seed(0)
+        model = TinyRegressor()
+        faults = FaultInjector(Fault(23, "nan_weight"), Fault(33, "nan_weight"))
+        fit(model, [faults, *([saver, *suite] if first else [*suite, saver])], max_steps=60, default_root_dir=root)
+        rollback = next(c for c in suite if isinstance(c, Rollback))
+        runs.append(([(h["step"], h["snapshot_step"]) for h in rollback.history], weights(model)))
+        assert (root / "user.ckpt").exists()
+    assert runs[0][0] == runs[1][0] == [(24, 20), (34, 29)]
+    assert_bit_identical(runs[0][1], runs[1][1])

@@ -206,6 +206,7 @@ class Rollback(SuiteCallback):
         self._disk: list[dict[str, Any]] = []  # files written, oldest first: {"step", "file", "digests"} (by rank)
         self._before_restart: list[Snapshot] = []  # files from the checkpoint's list, not read yet
         self._restart: Snapshot | None = None  # the state a resumed fit started from, should none of its files do
+        self._restored_at = -1  # the step whose state was restored outside a batch's end (before a checkpoint)
         self._healthy = 0
         self._last_step = 0
         self._fit_start = 0  # the step this fit started (or resumed) from
@@ -303,7 +304,10 @@ class Rollback(SuiteCallback):
         current = board.current  # a suite callback may have skipped this batch's step
         skipped = current is not None and current.skipped and current.step >= self._last_step - steps
         fired = [signal for signal in board.signals if signal.kind in self.triggers]
-        if fired:
+        if fired and self._restored_at == self._last_step:
+            # A checkpoint another callback wrote earlier in this batch's end was preceded by the restore: answered.
+            board.forget_batch_logs(trainer)
+        elif fired:
             before = self.rollbacks
             self._roll_back(trainer, fired[0])
             if self.rollbacks > before:
@@ -451,6 +455,7 @@ class Rollback(SuiteCallback):
         """Roll back the live state that ``check`` found non-finite at a moment outside the step (``when``)."""
         reason = f"Rollback: the {check.what} held inf/NaN{_quote(check.names)} {when}"
         self._roll_back(trainer, Signal("nonfinite_state", int(trainer.global_step), reason, "Rollback"))
+        self._restored_at = int(trainer.global_step)
 
     def _refuse_if_nonfinite(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
         """A checkpoint assembled past the guard: refuse it when it holds inf/NaN (every rank)."""
