@@ -233,6 +233,7 @@ class NonFiniteDetector(SuiteCallback):
         self.last_diagnosis: Diagnosis | None = None
         self.last_headroom: Headroom | None = None
         self._kept: KeptBatch | None = None
+        self._batch: Any = None  # this batch, until its end
         self._step_guard: tuple[torch.nn.Module, Any, Any] | None = None  # (module, guard, previous)
         self._faulted: FaultedStep | None = None  # how this step's training_step failed, answered as a NaN loss
         self._batch_idx: int | None = None  # the index of this step's batch in its epoch
@@ -333,6 +334,7 @@ class NonFiniteDetector(SuiteCallback):
     @override
     def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
+        self._batch = batch  # a reference, for the words of a data fault (manual optimization too)
         if self.diagnose and pl_module.automatic_optimization:
             # A reference, not a copy: the replay, when one is needed, runs before the batch is released.
             self._kept = KeptBatch(batch, batch_idx, capture_rng())
@@ -341,7 +343,7 @@ class NonFiniteDetector(SuiteCallback):
 
     @override
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
-        self._kept = self._faulted = None
+        self._kept = self._faulted = self._batch = None
         if self._monitors_to_place:  # a batch has logged what training_step logs
             self._monitors_to_place = _warn_about_early_stopping(trainer, self._monitors_to_place, self._warnings)
 
@@ -380,7 +382,7 @@ class NonFiniteDetector(SuiteCallback):
         return True
 
     def _release(self) -> None:
-        self._kept = self._faulted = None
+        self._kept = self._faulted = self._batch = None
         if self._step_guard is not None:
             module, guard, previous = self._step_guard
             if vars(module).get("training_step") is guard:  # not wrapped again since by someone else
@@ -745,10 +747,9 @@ class NonFiniteDetector(SuiteCallback):
     def _extreme_batch(self, trainer: pl.Trainer) -> tuple[str, dict[str, Any]]:
         """This rank's batch, in words and as a data fault's details, when it holds values no normalised input has
         (``"batch 0 holds values up to 1e+30 in row 3"``); ``("", {})`` otherwise. Read only when the headroom warns."""
-        kept = self._kept
-        if kept is None:
+        if self._batch is None:
             return "", {}
-        return _batch_words(batch_stats(kept.batch), kept.batch_idx, int(trainer.global_rank))
+        return _batch_words(batch_stats(self._batch), self._batch_idx, int(trainer.global_rank))
 
     # ---- counters and state -----------------------------------------------------------------------------------
     @override
@@ -788,7 +789,7 @@ class NonFiniteDetector(SuiteCallback):
 
     @override
     def _detach(self, state: dict[str, Any]) -> None:
-        state["_kept"] = state["_faulted"] = None  # a batch on the device and the random state belong to one step
+        state["_kept"] = state["_faulted"] = state["_batch"] = None  # a batch and the random state belong to one step
         state["_step_guard"] = None  # the live module's training_step: a copy guards no module
         state.pop("_keys", None)  # they name this instance (a copy is another)
 
