@@ -599,6 +599,64 @@ def test_a_resumed_fit_none_of_whose_files_can_be_used_rolls_back_to_the_state_i
     assert trainer.global_step == 6 and all_finite(weights(trainer.lightning_module))
 
 
+@RESUME
+class PoisonAfter(Callback):
+    """Writes a NaN into the first weight at the end of batch ``step``, after the suite's hooks (listed after it)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] = float("nan")
+
+
+@RESUME
+def test_a_resumed_fit_none_of_whose_files_can_be_used_ends_on_the_state_it_started_from(tmp_path: Path) -> None:
+    """The last update left NaN weights, after every check of the fit: its end restores the last verified state. With
+    none of the listed files usable, that is the state the resumed fit started from (it ended NaN), held meanwhile
+    and counted in ``snapshot_nbytes``."""
+    ckpt = _first_run(tmp_path, FaultInjector(), max_steps=4, every=4)
+    for step in (2, 4):
+        path = tmp_path / "snaps" / SNAP.format(step)
+        path.write_bytes(path.read_bytes()[:200])
+    rollback = Rollback(every_n_steps=10, dirpath=tmp_path / "snaps")
+    held: list[int] = []
+
+    class Holds(Callback):
+        def on_train_batch_start(self, *_: Any) -> None:
+            held.append(rollback.snapshot_nbytes)
+
+    trainer = make_trainer([NonFiniteDetector(), rollback, Holds(), PoisonAfter(6)], max_steps=6)
+    with pytest.warns(OverflowWarning, match="cannot be used"):
+        trainer.fit(TinyRegressor(), ckpt_path=ckpt)
+    parameters = sum(w.numel() * 4 for w in weights(trainer.lightning_module).values())
+    assert held[0] > 3 * parameters and held == [held[0]] * 2  # the weights and Adam's two moments, at least
+    assert_bit_identical(weights(trainer.lightning_module), torch.load(ckpt, weights_only=False)["state_dict"])
+
+
+def test_a_file_whose_write_failed_is_never_taken_for_this_runs_though_another_run_wrote_one_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write of step 4 failed (its digest is listed as none), then another run wrote its own step 4 into the same
+    dirpath. Taken for a file of an earlier release (no digest to check), it was restored: the other run's weights."""
+    monkeypatch.setattr(snapshot_store, "_save", _failing_write(4))
+    ckpt = _first_run(tmp_path, FaultInjector(), max_steps=4, every=4)
+    monkeypatch.undo()
+    torch.manual_seed(1)
+    fit(TinyRegressor(lr=0.05), [Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")], max_steps=4)
+    assert (tmp_path / "snaps" / SNAP.format(4)).exists()  # the other run's
+    probe = Probe()
+    rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
+    trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(4)], max_steps=6)
+    with pytest.warns(OverflowWarning, match="this run's write of the snapshot of step 4 failed"):
+        trainer.fit(TinyRegressor(), ckpt_path=ckpt)
+    # Its file of step 2 was written over too: the state it resumed from is the one left.
+    assert [(h["step"], h["snapshot_step"], h["source"]) for h in rollback.history] == [(5, 4, "memory")]
+    assert_bit_identical(probe.at[5]["weights"], torch.load(ckpt, weights_only=False)["state_dict"])
+
+
 def _without_digests(ckpt: Path) -> None:
     """The checkpoint as an earlier release wrote it: its Rollback lists its files without their digests."""
     checkpoint = torch.load(ckpt, weights_only=False)

@@ -484,8 +484,20 @@ def test_a_trial_saved_in_a_checkpoint_is_withdrawn_where_the_resumed_fit_runs_n
     resumed_trial = None if resumed_with is None else TrialConfig(steps=10, mode=resumed_with)  # type: ignore[arg-type]
     resumed = Sabotaged()
     suite = [LRBackoff(trial=resumed_trial), Rollback(every_n_steps=10, trial=resumed_trial)]
+    started: dict[str, torch.Tensor] = {}
+
+    class Started(pl.Callback):  # after the suite's on_train_start
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            started.update(weights(pl_module))
+
     with caplog.at_level(logging.INFO, logger="lightning_overflow"):
-        make_trainer(suite, max_steps=64, default_root_dir=str(tmp_path / "resumed")).fit(resumed, ckpt_path=str(path))
+        make_trainer([*suite, Started()], max_steps=64, default_root_dir=str(tmp_path / "resumed")).fit(
+            resumed, ckpt_path=str(path))
+    checkpoint = torch.load(path, weights_only=True)
+    trial_state = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("Rollback"))["trial"]
+    # The run as it was: the live weights of an "ab" checkpoint, the incumbent held on the side of a frozen one.
+    held = checkpoint["state_dict"] if saved_mode == "ab" else trial_state["sides"][0]["params"]
+    assert_bit_identical(started, {name: held[name] for name in started})
     now = "runs no trials" if resumed_with is None else f"runs them in '{resumed_with}' mode"
     assert (f"lightning_overflow: the trial the checkpoint was saved in (opened at step 35, '{saved_mode}' mode) is "
             f"withdrawn: this fit {now}, so the run goes on as it was before it opened") in caplog.messages

@@ -48,7 +48,7 @@ from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
 from lightning_overflow.health import MAX_NAMES
 from lightning_overflow.numerics.lr_scaling import group_rates
-from lightning_overflow.numerics.snapshots import take_snapshot, without_placeholders
+from lightning_overflow.numerics.snapshots import held_nbytes, take_snapshot, without_placeholders
 from lightning_overflow.policy import (
     DEFAULT_ROLLBACK_TRIGGERS,
     REMOVED_SETTINGS,
@@ -229,8 +229,9 @@ class Rollback(SuiteCallback):
 
     @property
     def snapshot_nbytes(self) -> int:
-        """Host bytes this rank's snapshots in memory hold now (at most ``keep`` of them; see the class docstring)."""
-        return self._memory.nbytes
+        """Host bytes this rank's snapshots in memory hold now (at most ``keep`` of them; see the class docstring), with
+        the state a resumed fit started from while it is held."""
+        return self._memory.nbytes + (held_nbytes(self._restart.state) if self._restart is not None else 0)
 
     @override
     def _detach(self, state: dict[str, Any]) -> None:
@@ -304,10 +305,12 @@ class Rollback(SuiteCallback):
         current = board.current  # a suite callback may have skipped this batch's step
         skipped = current is not None and current.skipped and current.step >= self._last_step - steps
         fired = [signal for signal in board.signals if signal.kind in self.triggers]
-        if fired and self._restored_at == self._last_step:
-            # A checkpoint another callback wrote earlier in this batch's end was preceded by the restore: answered.
+        if self._restored_at == self._last_step and any(s.kind == "nonfinite_state" for s in fired):
+            # A checkpoint another callback wrote earlier in this batch's end was preceded by a restore of the
+            # inf/NaN state: that finding is answered (the others, a suspicion that names an onset, are not).
             board.forget_batch_logs(trainer)
-        elif fired:
+            fired = [signal for signal in fired if signal.kind != "nonfinite_state"]
+        if fired:
             before = self.rollbacks
             self._roll_back(trainer, fired[0])
             if self.rollbacks > before:
@@ -331,7 +334,7 @@ class Rollback(SuiteCallback):
             # module's own error) may come from one rank only, and the restore's collective would wait for ranks that
             # never enter it. In one process the weights a foreign error left inf/NaN are restored too.
             ours = isinstance(exception, _SUITE_ERRORS)
-            if (ours or trainer.world_size == 1) and self._candidates():
+            if (ours or trainer.world_size == 1) and self._with_last_resort():
                 try:
                     self._restore_if_nonfinite(trainer, type(exception).__name__)
                 except Exception as failed:
@@ -365,8 +368,8 @@ class Rollback(SuiteCallback):
 
         A resumed fit whose checkpoint lists snapshot files goes on with those: the rollback targets, the healthy
         steps counted towards the next snapshot and the decision state are those the uninterrupted run had, so it
-        rolls back exactly as that run would. Its live state is still checked; a snapshot of it is taken only when
-        no file is listed (the memory snapshots of the interrupted process are gone)."""
+        rolls back exactly as that run would. Its live state is still checked, and kept out of the ring, for the case
+        that none of those files can be used (the memory snapshots of the interrupted process are gone)."""
         self._last_step = self._fit_start = int(trainer.global_step)
         resumed, self._resumed = self._resumed, False
         if not resumed:
@@ -585,6 +588,10 @@ class Rollback(SuiteCallback):
         older = [s for s in self._before_restart if s.step not in steps]
         return sorted(self._memory.snapshots + older, key=lambda s: (s.step, s.state is not None), reverse=True)
 
+    def _with_last_resort(self) -> list[Snapshot]:
+        """The candidates, then the state a resumed fit started from, held for when none of its files can be used."""
+        return self._candidates() + ([self._restart] if self._restart is not None else [])
+
     def _targets(self, settings: tuple[float, ...], onset: int | None) -> tuple[list[Snapshot], Snapshot | None]:
         """The candidates in the order to try, and the one avoided. Never the same snapshot twice with the same
         settings: having diverged again from the last target (no newer snapshot since) with nothing changed (no
@@ -782,12 +789,16 @@ class Rollback(SuiteCallback):
         """Read and verify a file from before the restart on every rank (each its own part on several ranks);
         ``None`` unless every rank could use its file."""
         assert self._writer is not None and candidate.file is not None
-        # The digest the file had when this run wrote it (none in checkpoints of earlier releases).
-        digests = next((e.get("digests") for e in self._disk if e["file"] == candidate.file), None) or []
-        digest = digests[trainer.global_rank] if len(digests) == trainer.world_size else None
-        state, rest, problem = self._writer.read_checked(
-            candidate.file, candidate.step, lambda payload: self._unfit(trainer, payload), digest
-        )
+        # The digest the file had when this run wrote it (none listed in checkpoints of earlier releases; ``None``
+        # for a rank whose write failed: whatever is there under that name is not this run's).
+        digests = next((e.get("digests") for e in self._disk if e["file"] == candidate.file), None)
+        mine = digests[trainer.global_rank] if digests is not None and len(digests) == trainer.world_size else ""
+        if mine is None:
+            state, rest, problem = None, {}, f"this run's write of the snapshot of step {candidate.step} failed"
+        else:
+            state, rest, problem = self._writer.read_checked(
+                candidate.file, candidate.step, lambda payload: self._unfit(trainer, payload), mine or None
+            )
         candidate.extras, candidate.owners = dict(rest.get("extras", {})), dict(rest.get("owners", {}))
         (unusable,) = flags_by_rank([torch.tensor(float(bool(problem)))], trainer.strategy.root_device)
         if not unusable:
@@ -828,7 +839,7 @@ class Rollback(SuiteCallback):
         restore the last verified snapshot, without counting a rollback; journal and warn once."""
         if not self.restores_state:
             return False
-        restored = self._restore_first(trainer, self._candidates())
+        restored = self._restore_first(trainer, self._with_last_resort())
         ended = (
             f"Rollback: the fit ended at step {trainer.global_step} with inf/NaN in its {check.what} on rank(s) "
             f"{_ranks(check.ranks)}{_quote(check.names)}"
@@ -849,7 +860,7 @@ class Rollback(SuiteCallback):
     def _restore_for_exit(self, trainer: pl.Trainer, check: StateCheck, cause: str) -> bool:
         """On the way out of a failed fit: restore the last verified snapshot, without counting a rollback (the
         budget and ``history`` stay). Whether one was restored."""
-        restored = self._restore_first(trainer, self._candidates())
+        restored = self._restore_first(trainer, self._with_last_resort())
         step = int(trainer.global_step)
         stopped = f"Rollback: the fit stopped at step {step} ({cause}) with inf/NaN in its {check.what} on rank(s) "
         if restored is None:
@@ -888,7 +899,7 @@ class Rollback(SuiteCallback):
 
     def _stop(self, trainer: pl.Trainer, signal: Signal, recent: list[dict[str, Any]]) -> NoReturn:
         step = int(trainer.global_step)
-        restored = self._restore_first(trainer, self._candidates())
+        restored = self._restore_first(trainer, self._with_last_resort())
         listed = "; ".join(
             f"step {h['step']}: {h['reason']} at step {h['trigger_step']} -> snapshot of step {h['snapshot_step']}"
             for h in recent
