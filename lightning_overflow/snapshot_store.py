@@ -175,9 +175,9 @@ class SnapshotFiles:
         >>> files = SnapshotFiles("memory://doc-snapshots")
         >>> files.problem()
         ''
-        >>> files.write(snapshot_name(3), {"w": torch.ones(2)}, step=3)
-        >>> files.read(snapshot_name(3))[0]
-        3
+        >>> digest = files.write(snapshot_name(3), {"w": torch.ones(2)}, step=3)
+        >>> digest == content_digest(3, {"w": torch.ones(2)}), files.read(snapshot_name(3))[0]
+        (True, 3)
         >>> files.remove(snapshot_name(3))
     """
 
