@@ -232,27 +232,15 @@ def test_the_sampled_values_stay_on_the_device() -> None:
     assert value.device == index.device == meta and value.dtype == index.dtype == torch.float64
 
 
-class ManualRegressor(TinyRegressor):
-    """TinyRegressor under manual optimization (scvi-tools' TOTALVI trains so)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(super().training_step(batch, batch_idx))
-        optimizer.step()
-
-
 @pytest.mark.parametrize("manual", [False, True])
 def test_a_value_that_came_in_with_the_data_is_named_a_data_fault_under_manual_optimization_too(
     tmp_path: Path, manual: bool
 ) -> None:
     """One input of 1e30 (row 3 of the first batch) is the step's largest magnitude. Under manual optimization the
-    batch was not kept, and the warning told to lower the learning rate, at step 0."""
-    model = ManualRegressor() if manual else TinyRegressor()
+    batch was not kept, and the warning told to lower the learning rate, at step 0 (scvi-tools' TOTALVI)."""
+    from test_trials import ManualTiny
+
+    model = ManualTiny() if manual else TinyRegressor()
     model.data.tensors[0][3, 0] = 1e30
     fit(model, [NonFiniteDetector()], max_steps=2, default_root_dir=tmp_path)
     [event] = [e for e in read_journal(tmp_path) if e["kind"] in ("data_fault", "headroom")]

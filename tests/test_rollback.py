@@ -25,6 +25,7 @@ from conftest import (
 from fsspec.implementations.local import LocalFileSystem
 from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from pytorch_lightning.plugins import MixedPrecision
+from test_trials import ManualTiny
 from typing_extensions import override
 
 from lightning_overflow import LRBackoff, default_callbacks, snapshot_store
@@ -584,10 +585,7 @@ def test_a_resumed_fit_none_of_whose_files_can_be_used_rolls_back_to_the_state_i
     """Both files its checkpoint lists are damaged (a shared dirpath, a bad disk): the resumed fit, which had checked
     the state it started from but kept no copy of it, raised ``RollbackError`` where the same resume without files
     goes back to that state. It keeps that state now as the last resort."""
-    ckpt = _first_run(tmp_path, FaultInjector(), max_steps=4, every=4)
-    for step in (2, 4):
-        path = tmp_path / "snaps" / SNAP.format(step)
-        path.write_bytes(path.read_bytes()[:200])
+    ckpt = _resumable_with_damaged_files(tmp_path)
     probe = Probe()
     rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
     trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(4)], max_steps=6)
@@ -599,17 +597,13 @@ def test_a_resumed_fit_none_of_whose_files_can_be_used_rolls_back_to_the_state_i
     assert trainer.global_step == 6 and all_finite(weights(trainer.lightning_module))
 
 
-@RESUME
-class PoisonAfter(Callback):
-    """Writes a NaN into the first weight at the end of batch ``step``, after the suite's hooks (listed after it)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
-        if trainer.global_step == self.step:
-            with torch.no_grad():
-                next(pl_module.parameters()).view(-1)[0] = float("nan")
+def _resumable_with_damaged_files(tmp_path: Path) -> Path:
+    """The checkpoint of step 4 of a first run, whose snapshot files of steps 2 and 4 are then truncated."""
+    ckpt = _first_run(tmp_path, FaultInjector(), max_steps=4, every=4)
+    for step in (2, 4):
+        path = tmp_path / "snaps" / SNAP.format(step)
+        path.write_bytes(path.read_bytes()[:200])
+    return ckpt
 
 
 @RESUME
@@ -617,10 +611,9 @@ def test_a_resumed_fit_none_of_whose_files_can_be_used_ends_on_the_state_it_star
     """The last update left NaN weights, after every check of the fit: its end restores the last verified state. With
     none of the listed files usable, that is the state the resumed fit started from (it ended NaN), held meanwhile
     and counted in ``snapshot_nbytes``."""
-    ckpt = _first_run(tmp_path, FaultInjector(), max_steps=4, every=4)
-    for step in (2, 4):
-        path = tmp_path / "snaps" / SNAP.format(step)
-        path.write_bytes(path.read_bytes()[:200])
+    from test_checkpoint_guard import NanAfterTheStep
+
+    ckpt = _resumable_with_damaged_files(tmp_path)
     rollback = Rollback(every_n_steps=10, dirpath=tmp_path / "snaps")
     held: list[int] = []
 
@@ -628,7 +621,7 @@ def test_a_resumed_fit_none_of_whose_files_can_be_used_ends_on_the_state_it_star
         def on_train_batch_start(self, *_: Any) -> None:
             held.append(rollback.snapshot_nbytes)
 
-    trainer = make_trainer([NonFiniteDetector(), rollback, Holds(), PoisonAfter(6)], max_steps=6)
+    trainer = make_trainer([NonFiniteDetector(), rollback, Holds(), NanAfterTheStep(6)], max_steps=6)
     with pytest.warns(OverflowWarning, match="cannot be used"):
         trainer.fit(TinyRegressor(), ckpt_path=ckpt)
     parameters = sum(w.numel() * 4 for w in weights(trainer.lightning_module).values())
@@ -636,6 +629,7 @@ def test_a_resumed_fit_none_of_whose_files_can_be_used_ends_on_the_state_it_star
     assert_bit_identical(weights(trainer.lightning_module), torch.load(ckpt, weights_only=False)["state_dict"])
 
 
+@RESUME
 def test_a_file_whose_write_failed_is_never_taken_for_this_runs_though_another_run_wrote_one_there(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1169,22 +1163,19 @@ def test_a_schedule_behind_is_counted_in_the_fits_steps(tmp_path: Path, schedule
     assert f"so at step 40 it stood where step {40 - behind} would have left it" in late["message"]
 
 
-class ManualSchedule(TinyRegressor):
+class ManualSchedule(ManualTiny):
     """Manual optimization stepping its ``LambdaLR`` once a batch or as each epoch ends, both as Lightning's docs show
     (the scheduler's ``interval`` is Lightning's default, ``"epoch"``, which the loop does not act on here)."""
 
     def __init__(self, at_epoch_end: bool) -> None:
         super().__init__()
-        self.automatic_optimization = False
         self.at_epoch_end = at_epoch_end
 
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(super().training_step(batch, batch_idx))
-        optimizer.step()
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
         if not self.at_epoch_end:
             self.lr_schedulers().step()
+        return loss
 
     def on_train_epoch_end(self) -> None:
         if self.at_epoch_end:
