@@ -502,11 +502,10 @@ class Candidate:
         for index, scheduler in self._own_schedulers(trainer):
             for _ in range(self.pending_schedule[index]):
                 scheduler.step()
-            for value in self.pending_values[index] if index < len(self.pending_values) else ():
+            for value in self.pending_values[index]:
                 scheduler.step(value)
             self.pending_schedule[index] = 0
-            if index < len(self.pending_values):
-                self.pending_values[index] = []
+            self.pending_values[index] = []
 
     def catch_up(self, trainer: pl.Trainer) -> None:
         """Apply the schedule steps still pending (before the candidate becomes the live state)."""

@@ -98,10 +98,8 @@ def named_on_any_rank(*names: list[str]) -> tuple[list[str], ...]:
     """Each list of names joined over the ranks (rank 0's first, then each rank's new ones, in order): what one rank
     found by name, every rank names alike (a message, an error, a callback's state). Entered on every rank together;
     off the hot path (it pickles the lists)."""
-    world_size = world()[1]
-    if world_size == 1:
+    if world()[1] == 1:
         return names
-    gathered: list[tuple[list[str], ...] | None] = [None] * world_size
-    dist.all_gather_object(gathered, names)
+    gathered = objects_by_rank(names)
     return tuple(list(dict.fromkeys(name for lists in gathered if lists is not None for name in lists[i]))
                  for i in range(len(names)))  # fmt: skip

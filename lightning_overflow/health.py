@@ -874,7 +874,7 @@ class HealthBoard:
         for participant in self.in_stage("_after_batch"):
             participant._after_batch(trainer, pl_module, outputs)
         if trainer.lr_scheduler_configs:  # after the batch's restores: a plateau's steps are counted from here
-            self.schedule_lag.mark_plateaus(trainer)
+            self.schedule_lag.mark_plateaus(trainer, values=bool(trials.sides))
         logs = self.logs_now(trainer)
         # The counters move only with an event (a skip, a spike, a backoff, a rollback), a signal or a trial: a quiet
         # batch that logs nothing leaves them as they were published.

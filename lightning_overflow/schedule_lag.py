@@ -14,6 +14,7 @@ step theirs on the same values.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -26,6 +27,11 @@ __all__ = ["ScheduleLag", "scheduler_count"]
 def scheduler_count(config: Any) -> int:
     """How many times a scheduler has stepped (plateau schedulers are stepped by the loop after the batch: 0)."""
     return 0 if config.reduce_on_plateau else _steps_taken(config.scheduler)
+
+
+def _counts(trainer: pl.Trainer, count: Callable[[Any], int] = scheduler_count) -> list[int]:
+    """``count`` of each of the trainer's schedulers."""
+    return [count(config) for config in trainer.lr_scheduler_configs]
 
 
 def _plateau_count(config: Any) -> int:
@@ -71,7 +77,7 @@ class ScheduleLag:
         self.mark_plateaus(trainer)
 
     def begin_batch(self, trainer: pl.Trainer) -> None:
-        counts = [scheduler_count(config) for config in trainer.lr_scheduler_configs]
+        counts = _counts(trainer)
         if not trainer.lightning_module.automatic_optimization:
             self._given_between(counts)
         self._marks = self._seen = counts
@@ -86,7 +92,7 @@ class ScheduleLag:
     def end_batch(self, trainer: pl.Trainer) -> list[int]:
         """At the end of the batch, before a skip's hold puts the schedules back: how often the loop stepped each
         scheduler in this batch (counted towards what it gave)."""
-        self._seen = [scheduler_count(config) for config in trainer.lr_scheduler_configs]
+        self._seen = _counts(trainer)
         steps = [count - mark for count, mark in zip(self._seen, self._marks)]
         for index, count in enumerate(steps[: len(self._given)]):
             self._given[index] += count
@@ -96,20 +102,21 @@ class ScheduleLag:
         """The schedulers were just restored from a snapshot: an epoch-interval one taken back is behind by as many
         of its steps (the loop steps it as epochs end, and goes on from the epoch it is in). Under manual
         optimization every step the module gave is counted (:meth:`_given_between`): a rewind shows as missed."""
-        counts = [scheduler_count(config) for config in trainer.lr_scheduler_configs]
+        counts = _counts(trainer)
         by_epoch = trainer.lightning_module.automatic_optimization
         for index, (config, seen, count) in enumerate(zip(trainer.lr_scheduler_configs, self._seen, counts)):
             if index < len(self._rewound) and by_epoch and config.interval == "epoch" and count < seen:
                 self._rewound[index] += seen - count
         self._seen = counts
 
-    def mark_plateaus(self, trainer: pl.Trainer) -> None:
+    def mark_plateaus(self, trainer: pl.Trainer, values: bool = False) -> None:
         """At the batch's end (after its restores, if any): each plateau scheduler's count, from which the next
-        :meth:`plateau_steps` counts, and the value a step-interval one on a training metric is about to step on."""
+        :meth:`plateau_steps` counts, and, with ``values`` (a trial's candidates will step on them), the value a
+        step-interval one on a training metric is about to step on (Lightning computes its metrics to give it)."""
         configs = trainer.lr_scheduler_configs
-        self._plateaus = [_plateau_count(config) for config in configs]
+        self._plateaus = _counts(trainer, _plateau_count)
         self._batch_values = [
-            trainer.callback_metrics.get(config.monitor) if _on_the_batch(trainer, config) else None
+            trainer.callback_metrics.get(config.monitor) if values and _on_the_batch(trainer, config) else None
             for config in configs
         ]
 
@@ -119,7 +126,7 @@ class ScheduleLag:
         epoch's end. Read here, at the next batch's start, but for a step-interval one on a training metric, read
         at the batch's end: the epoch's end replaces a metric logged ``on_epoch`` by its mean, which the step did not
         see. Empty for the others, and for one whose value is not there (a plain loop passes its own)."""
-        counts = [_plateau_count(config) for config in trainer.lr_scheduler_configs]
+        counts = _counts(trainer, _plateau_count)
         steps: list[list[float]] = []
         for index, (config, count, seen) in enumerate(zip(trainer.lr_scheduler_configs, counts, self._plateaus)):
             value = None
@@ -139,7 +146,7 @@ class ScheduleLag:
         found = []
         manual = not trainer.lightning_module.automatic_optimization
         if manual:  # a step the module made after the last batch (as the last epoch ended)
-            self._given_between([scheduler_count(config) for config in trainer.lr_scheduler_configs])
+            self._given_between(_counts(trainer))
         elapsed = int(trainer.global_step) - self._first_step
         for (scheduler, start), given, rewound, config in zip(
             self._start, self._given, self._rewound, trainer.lr_scheduler_configs
