@@ -133,6 +133,9 @@ class Candidate:
         optimizers: per optimizer, its ``state`` mapping and its param groups' hyperparameters (all but ``params``).
         schedulers: each LR scheduler's ``state_dict()``.
         precision: the precision plugin's ``state_dict()`` (the GradScaler's under ``16-mixed``).
+        averages: the tensors of each averaged copy of the model the callbacks keep (:func:`_average_tensors`): an
+            EMA or SWA average follows the weights it averaged, so a kept remedy brings back its own (a rollback's
+            snapshot's, as ``Rollback`` restores them) and a discarded one leaves the run's untouched.
         pending_schedule: scheduler steps the loop made since the candidate last stepped its own schedule.
         pending_values: the values each ``ReduceLROnPlateau`` of the loop stepped on since then (the run's, as the
             candidate has no validation of its own).
@@ -147,6 +150,7 @@ class Candidate:
     optimizers: list[tuple[Any, list[dict[str, Any]]]]
     schedulers: list[dict[str, Any]]
     precision: dict[str, Any]
+    averages: list[dict[str, Tensor]] = field(default_factory=list)
     pending_schedule: list[int] = field(default_factory=list)
     pending_values: list[list[float]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -179,6 +183,7 @@ class Candidate:
             optimizers=optimizers,
             schedulers=[copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
             precision=copy.deepcopy(trainer.precision_plugin.state_dict()),
+            averages=[{name: t.data.clone() for name, t in tensors.items()} for tensors in _average_tensors(trainer)],
             pending_schedule=[0] * len(trainer.lr_scheduler_configs),
             pending_values=[[] for _ in trainer.lr_scheduler_configs],
             names={id(p): name for name, p in module.named_parameters()},
@@ -208,6 +213,9 @@ class Candidate:
         if self.precision:
             trainer.precision_plugin.load_state_dict(self.precision)
         self.precision = live_precision
+        for side, live in self._own_averages(trainer):
+            for name, tensor in live.items():
+                side[name], tensor.data = tensor.data, side[name]
 
     def layout_change(self, module: torch.nn.Module) -> str:
         """How the module's parameters differ from this candidate's (empty when they do not): a layout changed
@@ -276,6 +284,10 @@ class Candidate:
             scheduler.load_state_dict(copy.deepcopy(self.schedulers[index]))
         if self.precision:
             trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
+        with torch.no_grad():
+            for side, live in self._own_averages(trainer):
+                for name, tensor in live.items():
+                    tensor.data.copy_(side[name])
 
     def _own_schedulers(self, trainer: pl.Trainer) -> list[tuple[int, Any]]:
         """The live schedulers this candidate holds a state of, with their index in its lists. One a callback added or
@@ -286,6 +298,20 @@ class Candidate:
             return [(i, c.scheduler) for i, c in enumerate(configs)
                     if i < len(self.scheduler_ids) and id(c.scheduler) == self.scheduler_ids[i]]  # fmt: skip
         return [(i, c.scheduler) for i, c in enumerate(configs) if i < len(self.schedulers)]
+
+    def _own_averages(self, trainer: pl.Trainer) -> list[tuple[dict[str, Tensor], dict[str, Tensor]]]:
+        """The averaged copies this candidate holds, paired with the live ones; one of another layout is both
+        branches' alike (left as it is). An SWA that began counting since the capture (at its first epoch) averaged
+        none of this candidate's weights: its count is 0 here, so a kept remedy's SWA starts again, as after a
+        rollback."""
+        live = _average_tensors(trainer)
+        if len(live) != len(self.averages):
+            return []
+        for side, tensors in zip(self.averages, live):
+            if _SWA_COUNT in tensors and _SWA_COUNT not in side:
+                side[_SWA_COUNT] = torch.zeros_like(tensors[_SWA_COUNT])
+        return [(side, tensors) for side, tensors in zip(self.averages, live)
+                if side.keys() == tensors.keys() and all(side[n].shape == t.shape for n, t in tensors.items())]
 
     @contextmanager
     def swapped_in(self, trainer: pl.Trainer) -> Iterator[None]:
@@ -298,9 +324,9 @@ class Candidate:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the candidate holds (weights, buffers, optimizer state)."""
+        """Device bytes the candidate holds (weights, buffers, optimizer state, weight averages)."""
         buffers = {id(b): b for b in self.buffers.values() if isinstance(b, Tensor)}  # one tensor in two slots: once
-        tensors = [*self.params.values(), *buffers.values()]
+        tensors = [*self.params.values(), *buffers.values(), *(t for a in self.averages for t in a.values())]
         for state, _ in self.optimizers:
             tensors += [v for values in state.values() for v in values.values() if isinstance(v, Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -528,6 +554,7 @@ class Candidate:
             "optimizers": [{"state": state, "groups": groups} for state, groups in optimizers],
             "schedulers": copy.deepcopy(self.schedulers),
             "precision": copy.deepcopy(self.precision),
+            "averages": [_to_host(tensors) for tensors in self.averages],
             "pending_schedule": list(self.pending_schedule),
             "pending_values": [list(values) for values in self.pending_values],
             "losses": list(self.losses),
@@ -560,6 +587,8 @@ class Candidate:
             optimizers=optimizers,
             schedulers=copy.deepcopy(state["schedulers"]),
             precision=copy.deepcopy(state["precision"]),
+            # A checkpoint of an earlier release holds none: the averages are then both branches' alike.
+            averages=[on(saved, live) for saved, live in zip(state.get("averages", []), _average_tensors(trainer))],
             pending_schedule=[int(n) for n in state["pending_schedule"]],
             pending_values=[[float(v) for v in values] for values in state.get("pending_values", [])]
             or [[] for _ in state["pending_schedule"]],
@@ -608,6 +637,26 @@ def _buffer_slots(module: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, s
     share (one of them may be given a tensor of its own later)."""
     return {f"{prefix}.{key}" if prefix else key: (owner, key, value)
             for prefix, owner in module.named_modules(remove_duplicate=False) for key, value in owner._buffers.items()}
+
+
+def _average_tensors(trainer: pl.Trainer) -> list[dict[str, Tensor]]:
+    """The tensors of each averaged copy of the model (:func:`~lightning_overflow._compat.weight_averages`), by
+    name: its parameters and buffers (a tensor in two slots once), and ``StochasticWeightAveraging``'s count."""
+    found = []
+    for callback, average, swa in _compat.weight_averages(trainer):
+        tensors: dict[str, Tensor] = {}
+        seen: set[int] = set()
+        for name, tensor in average.state_dict(keep_vars=True).items():
+            if isinstance(tensor, Tensor) and id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors[name] = tensor
+        if swa and isinstance(callback.n_averaged, Tensor):
+            tensors[_SWA_COUNT] = callback.n_averaged
+        found.append(tensors)
+    return found
+
+
+_SWA_COUNT = "<n_averaged>"  # StochasticWeightAveraging counts the models in its average on the callback
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from torch.nn.utils import prune
 from torch.optim.swa_utils import SWALR
 from typing_extensions import override
 
-from lightning_overflow import LRBackoff, TrialConfig, default_callbacks
+from lightning_overflow import LRBackoff, TrialConfig, default_callbacks, read_journal
 from lightning_overflow._compat import Callback
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
@@ -31,6 +31,7 @@ from lightning_overflow.exceptions import RollbackError
 from lightning_overflow.health import board_for
 from lightning_overflow.numerics.snapshots import restore_optimizer_, take_snapshot
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+from test_trials import Sabotaged, Suspect
 
 
 class AverageProbe(Callback):
@@ -145,6 +146,45 @@ def test_a_healthy_run_with_an_ema_is_bit_identical_with_and_without_the_suite()
         fit(model, [WeightAveraging(), *suite], max_steps=30)
         runs.append(weights(model))
     assert_bit_identical(runs[0], runs[1])
+
+
+def test_a_false_alarm_leaves_an_ema_bit_identical_to_the_run_without_the_suite(tmp_path: Path) -> None:
+    """A healthy run suspected at step 35 tries the snapshot of step 30: building the remedy restored the snapshot's
+    average too, and the incumbent went on averaging from it. The run as it was, kept, must hold its own."""
+    averages, finals = [], []
+    for suite in ([], [Suspect(35), LRBackoff(), Rollback(every_n_steps=10)]):
+        torch.manual_seed(0)
+        ema, model = WeightAveraging(), TinyRegressor(dropout=0.2)
+        fit(model, [ema, *suite], max_steps=60, default_root_dir=str(tmp_path))
+        averages.append(weights(ema._average_model))
+        finals.append(weights(model))
+    assert [e["details"]["false_alarm"] for e in read_journal(tmp_path / "overflow_events.jsonl")
+            if e["kind"] == "trial"] == [True]  # fmt: skip
+    assert_bit_identical(averages[0], averages[1])
+    assert_bit_identical(finals[0], finals[1])  # WeightAveraging puts its average in the model at the end
+
+
+@pytest.mark.parametrize("averaging", ["ema", "swa_before", "swa_during"])
+def test_a_kept_remedy_brings_back_the_average_of_the_snapshot_it_started_from(averaging: str) -> None:
+    """The sabotage of step 30 is suspected at step 31 and the remedy (the snapshot of step 30) kept at step 52. The
+    average had taken in the sabotaged weights of the trial's 20 steps (the run it replaced), and went on from
+    them: a model 170x worse than the weights the suite rescued came back at the end. It is the snapshot's now, as a
+    rollback's is; an SWA that began during the trial (its fifth epoch, step 32) starts again."""
+    swa = StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=3 if averaging == "swa_before" else 5)
+    average = WeightAveraging() if averaging == "ema" else swa
+    probe = AverageProbe(average)
+    suite = [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)]
+    fit(Sabotaged(), [average, *suite, probe], max_steps=60)
+    assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == [(52, 30)]
+    if averaging != "swa_during":
+        assert_bit_identical(probe.at[52]["average"], probe.at[30]["average"])
+        then, before = probe.at[30]["average"], probe.at[51]["average"]  # the incumbent's, averaged since
+        assert any(not torch.equal(before[k], then[k]) for k in then)
+    if averaging == "swa_before":  # SWA averages as epochs start: steps 16 and 24, then 56 (those between went)
+        assert swa.n_averaged.item() == 3
+    if averaging == "swa_during":  # the next epoch (step 56) starts it again from the remedy's weights
+        assert swa.n_averaged.item() == 1
+        assert_bit_identical(weights(swa._average_model), probe.epoch_start[56])
 
 
 def test_a_restore_keeps_the_keys_a_scheduler_added_to_the_param_groups_since() -> None:
