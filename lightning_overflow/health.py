@@ -85,6 +85,8 @@ from lightning_overflow.training_state import (
     optimizer_labels,
     own_optimizer,
     own_optimizer_state,
+    restore_hint,
+    unrestorable_optimizer,
 )
 from lightning_overflow.trial import TrialConfig
 from lightning_overflow.trials import Remedy, TrialOutcome, TrialRunner
@@ -401,7 +403,7 @@ def nonfinite_at_end(trainer: pl.Trainer, check: StateCheck, who: str = "lightni
     return (
         f"{who}: the fit ended at step {trainer.global_step} with inf/NaN in its {check.what} on rank(s) "
         f"{', '.join(map(str, check.ranks))} (in {', '.join(check.names[:MAX_NAMES]) or 'no named tensor'}{more}); "
-        "nothing restored them. HINT: add Rollback (default_callbacks()) to restore the last state verified finite, "
+        f"nothing restored them. HINT: {restore_hint(unrestorable_optimizer(trainer.optimizers))}, "
         "and look at what wrote them (a BatchNorm statistic fed a NaN sample, a buffer updated outside the step)."
     )
 
@@ -658,12 +660,20 @@ class HealthBoard:
         return self._constants if self._constants is not None else NonFiniteConstants()
 
     def constants(self, trainer: pl.Trainer) -> NonFiniteConstants:
-        """The infs the module's buffers hold as constants (a causal mask's ``-inf``): the one record every state
-        check of the suite uses, started the first time a check asks in this fit and brought up to date at each
-        ask (a buffer built on the first forward)."""
+        """The infs the module's buffers hold as constants (a causal mask's ``-inf``) and their NaN placeholders: the
+        one record every state check of the suite uses, started the first time a check asks in this fit and brought
+        up to date at each ask (a buffer built on the first forward). Placeholders are said once each, on the
+        console: a NaN a fit starts with is taken as no fault."""
         if self._constants is None:
             self._constants = NonFiniteConstants()
+        said = set(self._constants.placeholders)
         self._constants.learn(trainer.lightning_module)
+        new = [path for path in self._constants.placeholders if path not in said]
+        if new and trainer.global_rank == 0:
+            more = f" (+{len(new) - MAX_NAMES} more)" if len(new) > MAX_NAMES else ""
+            log.info(f"lightning_overflow: the buffer(s) {', '.join(new[:MAX_NAMES])}{more} hold NaN where first seen: "
+                     "taken as placeholders for values not computed yet (a threshold, a bound), not as faults; a NaN "
+                     "anywhere else in them is one.")
         return self._constants
 
     def state_before_step(self, module: torch.nn.Module) -> dict[str, Any]:

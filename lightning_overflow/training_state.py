@@ -98,6 +98,8 @@ __all__ = [
     "nonfinite_parts",
     "optimizer_labels",
     "own_optimizer",
+    "restore_hint",
+    "unrestorable_optimizer",
     "own_optimizer_state",
     "restorable",
     "restore_",
@@ -121,6 +123,29 @@ def own_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
         return optimizer.optim  # type: ignore[attr-defined,no-any-return]
     return optimizer
+
+
+def unrestorable_optimizer(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
+    """The class name of an optimizer whose state cannot be restored in place (each rank of a
+    ``ZeroRedundancyOptimizer`` keeps its own part, in a layout of its own); ``None`` when every one can be."""
+    for optimizer in optimizers:
+        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+            return "ZeroRedundancyOptimizer"
+    return None
+
+
+def restore_hint(unrestorable: str | None) -> str:
+    """How to get back a state verified finite: ``Rollback``, or where it cannot restore the optimizer
+    (``unrestorable``, see :func:`unrestorable_optimizer`), the last checkpoint.
+
+    Example:
+        >>> restore_hint(None)
+        'add Rollback (default_callbacks()) to restore the last state verified finite'
+    """
+    if unrestorable is None:
+        return "add Rollback (default_callbacks()) to restore the last state verified finite"
+    return (f"resume from your last checkpoint (Rollback cannot restore a {unrestorable}'s state; with a plain torch "
+            "optimizer it can)")
 
 
 def own_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -328,20 +353,25 @@ def restore_module_(module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
 
 # ---- finiteness -------------------------------------------------------------------------------------------------
 class NonFiniteConstants:
-    """Where the buffers of a module state held ``+inf`` and ``-inf`` when they were first seen.
+    """Where the buffers of a module state held ``+inf``, ``-inf`` and NaN when they were first seen.
 
     Attributes:
-        paths: the dotted state paths of the tensors that held an inf (most modules have none).
+        paths: the dotted state paths of the tensors that held an inf or NaN (most modules have none).
+        placeholders: those of them that held NaN.
 
     Use :meth:`record` at the start of the fit and :meth:`learn` before each check; :func:`nonfinite_flags` then
-    accepts those infs where they were, and nowhere else. A buffer is seen first when the fit starts, or when it
+    accepts those values where they were, and nowhere else. A buffer is seen first when the fit starts, or when it
     appears or changes shape during the fit (a causal mask built on the first forward, or rebuilt for a longer
-    sequence): its infs then are constants too. Parameters are never recorded: they stay strictly checked.
+    sequence): its infs then are constants too. A NaN a buffer held at the first record is a placeholder for a value
+    not computed yet (anomalib's thresholds and normalization bounds are ``nan`` until validation computes them); a
+    NaN anywhere else, or in a buffer seen later (a statistic computed from a bad batch), is corruption. Parameters
+    are never recorded: they stay strictly checked.
     """
 
-    def __init__(self, patterns: Mapping[str, tuple[Tensor, Tensor]] | None = None) -> None:
+    def __init__(self, patterns: Mapping[str, tuple[Tensor, Tensor, Tensor]] | None = None) -> None:
         self._patterns = dict(patterns or {})
         self._shapes: dict[str, torch.Size] = {path: masks[0].shape for path, masks in self._patterns.items()}
+        self._seen_once = bool(self._patterns)
 
     @classmethod
     def record(cls, model_state: Mapping[str, Any], parameter_names: Iterable[str]) -> NonFiniteConstants:
@@ -376,14 +406,20 @@ class NonFiniteConstants:
             if path not in parameters and t.is_floating_point() and t.numel() > 0 and t.device.type != "meta"
             and self._shapes.get(path) != t.shape
         ]  # fmt: skip
+        first, self._seen_once = not self._seen_once, True  # NaN is a placeholder only where the fit started with it
         if not new:
             return
         device = new[0][1].device
-        holds_inf = torch.stack([torch.isinf(t).any().to(device) for _, t in new]).tolist()
-        for (path, t), inf in zip(new, holds_inf):
+
+        def held(t: Tensor) -> Tensor:
+            return ~torch.isfinite(t) if first else torch.isinf(t)
+
+        flags = torch.stack([held(t).any().to(device) for _, t in new]).tolist()
+        for (path, t), flag in zip(new, flags):
             self._shapes[path] = t.shape
-            if inf:
-                self._patterns[path] = (torch.isposinf(t), torch.isneginf(t))
+            if flag:
+                missing = torch.isnan(t) if first else torch.zeros_like(t, dtype=torch.bool)
+                self._patterns[path] = (torch.isposinf(t), torch.isneginf(t), missing)
             else:
                 self._patterns.pop(path, None)
 
@@ -391,17 +427,23 @@ class NonFiniteConstants:
     def paths(self) -> list[str]:
         return list(self._patterns)
 
-    def without_constants(self, path: str, tensor: Tensor) -> Tensor:
-        """``tensor`` with its recorded infs set to 0 (no host read); ``tensor`` itself when it has none recorded.
+    @property
+    def placeholders(self) -> list[str]:
+        return [path for path, masks in self._patterns.items() if bool(masks[2].any())]
 
-        An inf of the recorded sign at a recorded position is a constant; NaN, an inf elsewhere or of the other
-        sign stay, and the finiteness check sees them.
+    def without_constants(self, path: str, tensor: Tensor) -> Tensor:
+        """``tensor`` with its recorded infs and NaNs set to 0 (no host read); ``tensor`` itself when it has none
+        recorded.
+
+        An inf of the recorded sign, or a NaN, at a position recorded for it is a constant; anything else that is not
+        finite stays, and the finiteness check sees it.
         """
         pattern = self._patterns.get(path)
         if pattern is None or pattern[0].shape != tensor.shape:
             return tensor
-        positive, negative = (mask.to(tensor.device) for mask in pattern)
-        known = (positive & (tensor == float("inf"))) | (negative & (tensor == float("-inf")))
+        positive, negative, missing = (mask.to(tensor.device) for mask in pattern)
+        known = ((positive & (tensor == float("inf"))) | (negative & (tensor == float("-inf")))
+                 | (missing & torch.isnan(tensor)))  # fmt: skip
         return tensor.detach().masked_fill(known, 0)
 
 

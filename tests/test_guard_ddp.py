@@ -254,13 +254,18 @@ def test_a_zero_redundancy_optimizer_without_rollback_trains_and_skips_a_nan_los
 
 def test_a_nan_in_a_zero_redundancy_optimizers_part_of_the_state_is_named_by_its_parameter(tmp_path: Path) -> None:
     """Rank 1's own part of the moments: labelled by the ZeRO optimizer's numbering of every rank's parameters, the
-    error named another rank's parameter (rank 0's first) for rank 1's first."""
+    error named another rank's parameter (rank 0's first) for rank 1's first. Its advice was to add Rollback, which
+    refuses this optimizer: it says what can bring the state back."""
     reports = run(tmp_path, "zero_nan_state", errors=("NonFiniteError", "NonFiniteError"))
     poisoned = reports[1]["poisoned"]
     assert poisoned != "0.weight"  # rank 0 holds the first parameter's moments
     for report in reports:
         assert f"the optimizer state contained inf/NaN in {poisoned}.exp_avg at step 3 (epoch 0) on rank(s) 1." in (
             report["error"])
+        assert report["error"].rstrip().endswith(
+            "HINT: the optimizer state (e.g. Adam's exp_avg_sq) is non-finite and poisons every later step: resume "
+            "from your last checkpoint (Rollback cannot restore a ZeroRedundancyOptimizer's state; with a plain torch "
+            "optimizer it can).")
 
 
 def test_the_loops_own_clipping_clips_both_ranks_alike_and_a_nan_loss_on_rank_1_is_skipped_on_both(

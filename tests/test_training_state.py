@@ -3,6 +3,7 @@ during the fit, what can be restored."""
 
 from __future__ import annotations
 
+import logging
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from lightning_overflow import default_callbacks
 from lightning_overflow._compat import Callback
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
@@ -187,6 +189,47 @@ def test_constants_are_recorded_for_buffers_only_and_judged_by_position_and_sign
     assert nonfinite_parts(module.state_dict(), [], NonFiniteConstants()) == (["mask"], [])  # strict without them
 
 
+class WithPlaceholders(TinyRegressor):
+    """Buffers that hold NaN until computed, as every anomalib model's post-processor does (its thresholds and
+    normalization bounds): the bounds are computed at each validation's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("threshold", torch.tensor(float("nan")))  # never computed in this fit
+        self.register_buffer("bounds", torch.full((2,), float("nan")))
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self.bounds.copy_(torch.tensor([-1.0, 1.0]) * self.trainer.current_epoch)
+
+
+def test_a_nan_placeholder_buffer_is_no_fault_and_a_nan_anywhere_else_is(caplog: pytest.LogCaptureFixture) -> None:
+    """anomalib's models hold NaN placeholders from their first step: the suite refused every healthy fit
+    (``RollbackError``: no snapshot verified finite), and each callback alone warned of inf/NaN weights at the end."""
+    runs = []
+    for suite in ([], default_callbacks()):
+        torch.manual_seed(0)
+        model = WithPlaceholders()
+        with caplog.at_level(logging.INFO, logger="lightning_overflow"):
+            fit(model, suite, max_epochs=3, max_steps=-1, limit_val_batches=1)
+        runs.append(model.state_dict())
+    assert math.isnan(runs[1]["threshold"]) and runs[1]["bounds"].tolist() == [-2.0, 2.0]
+    assert all(torch.equal(a, b) for key, a in runs[0].items() for b in [runs[1][key]] if key != "threshold")
+    said = [r.message for r in caplog.records if "placeholders" in r.message]
+    assert said == ["lightning_overflow: the buffer(s) threshold, bounds hold NaN where first seen: taken as "
+                    "placeholders for values not computed yet (a threshold, a bound), not as faults; a NaN anywhere "
+                    "else in them is one."]  # fmt: skip
+    module = WithPlaceholders()
+    constants = NonFiniteConstants.of_module(module)
+    assert constants.placeholders == ["threshold", "bounds"]
+    assert nonfinite_parts(module.state_dict(), [], constants) == ([], [])
+    module.bounds[0] = 0.5  # computed, then NaN again where it was one: still the placeholder
+    module.bounds[0] = float("nan")
+    assert nonfinite_parts(module.state_dict(), [], constants) == ([], [])
+    module.net[0].bias.data[0] = float("nan")  # a parameter is never a placeholder
+    assert nonfinite_parts(module.state_dict(), [], constants) == (["net.0.bias"], [])
+
+
 class LazyMaskLM(TinyCausalLM):
     """The mask built on the first forward pass (a ``None`` buffer until then), as many attention layers cache it."""
 
@@ -222,7 +265,7 @@ def test_constants_learn_the_buffers_that_appear_or_change_shape() -> None:
     module = TinyCausalLM(block=3)
     constants = NonFiniteConstants.of_module(module)
     module.register_buffer("cache", torch.tensor([0.0, -INF]))  # appears during the fit, holding a constant
-    module.register_buffer("stats", torch.tensor([1.0, float("nan")]))  # appears holding NaN: never a constant
+    module.register_buffer("stats", torch.tensor([1.0, float("nan")]))  # appears holding NaN: no placeholder
     module.lazy = nn.Linear(2, 2)
     with torch.no_grad():
         module.lazy.weight[0, 0] = -INF  # a parameter that appears: never a constant

@@ -60,7 +60,7 @@ from lightning_overflow.policy import (
 )
 from lightning_overflow.preserve import capture_rng, side_run
 from lightning_overflow.replicas import checksum, compare, differing_parameters
-from lightning_overflow.training_state import StateCheck
+from lightning_overflow.training_state import StateCheck, restore_hint, unrestorable_optimizer
 from lightning_overflow.training_step import loss_of
 
 __all__ = ["NonFiniteDetector"]
@@ -377,7 +377,7 @@ class NonFiniteDetector(SuiteCallback):
         if self.action == "raise":
             raise NonFiniteError(message, kind="weight" if check.weight_ranks else "optimizer_state",
                                  step=int(trainer.global_step), ranks=check.ranks, parameters=check.names[:MAX_NAMES],
-                                 hint="add Rollback (default_callbacks()) to restore the last state verified finite")  # fmt: skip
+                                 hint=restore_hint(unrestorable_optimizer(trainer.optimizers)))  # fmt: skip
         self._warnings.warn("end", message)
         return True
 
@@ -449,8 +449,7 @@ class NonFiniteDetector(SuiteCallback):
             f"NonFiniteDetector: the weights of rank(s) {ranks} differ from the other replicas' at step {record.step} "
             f"(in {', '.join(names[:MAX_NAMES]) or 'no single parameter'}{more}): silent data corruption or a "
             f"rank-local write. "
-            + ("Rollback restores every rank to the same verified snapshot." if _state_recovery_in(trainer)
-               else "HINT: add Rollback to restore every rank to the same verified snapshot.")
+            + _replicas_hint(trainer)
         )
         self._event(trainer, "replica_mismatch", message, rank=min(mismatch.ranks), ranks=list(mismatch.ranks),
                     parameters=names[:MAX_NAMES])  # fmt: skip
@@ -698,7 +697,8 @@ class NonFiniteDetector(SuiteCallback):
         if diagnosis is not None and diagnosis.hint:
             hint = diagnosis.hint
         else:
-            hint = detection_hint(finding.hint_key, self.board(trainer).present())
+            hint = detection_hint(finding.hint_key, self.board(trainer).present(),
+                                  unrestorable_optimizer(trainer.optimizers))
         return NonFiniteError(
             f"{message} HINT: {hint}.",
             kind=finding.kind,
@@ -885,6 +885,15 @@ def _note(error: BaseException, text: str) -> None:
 def _state_recovery_in(trainer: pl.Trainer) -> bool:
     """Whether a callback in the list restores weights and optimizer state (Rollback)."""
     return any(getattr(cb, "restores_state", False) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+
+
+def _replicas_hint(trainer: pl.Trainer) -> str:
+    if _state_recovery_in(trainer):
+        return "Rollback restores every rank to the same verified snapshot."
+    unrestorable = unrestorable_optimizer(trainer.optimizers)
+    if unrestorable is not None:
+        return f"HINT: {restore_hint(unrestorable)}."
+    return "HINT: add Rollback to restore every rank to the same verified snapshot."
 
 
 def _warn_about_early_stopping(trainer: pl.Trainer, monitors: list[str], warnings: WarningCache) -> list[str]:

@@ -71,6 +71,7 @@ from lightning_overflow.training_state import (
     optimizer_labels,
     restorable,
     restore_,
+    unrestorable_optimizer,
     split_snapshot,
 )
 from lightning_overflow.trial import DEFAULT_TRIAL, TrialConfig
@@ -1014,9 +1015,9 @@ def _refuse_sharded(strategy: Any) -> None:
 
 
 def _refuse_sharded_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
-    for optimizer in optimizers:
-        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-            raise NotImplementedError(_sharded_message("ZeroRedundancyOptimizer"))
+    name = unrestorable_optimizer(optimizers)
+    if name is not None:
+        raise NotImplementedError(_sharded_message(name))
 
 
 _REFUSED = {

@@ -10,6 +10,7 @@ import re
 from collections.abc import Collection, Sequence
 
 from lightning_overflow.diagnosis.records import HUGE_INPUT, Direction, Growth, Origin
+from lightning_overflow.training_state import restore_hint
 
 __all__ = ["detection_hint", "divergence_hint", "find_growth", "op_family", "origin_hint"]
 
@@ -159,21 +160,25 @@ def find_growth(trail: Sequence[tuple[str, float]], direction: Direction) -> Gro
     return None
 
 
-def detection_hint(key: str, present: Collection[str]) -> str:
+def detection_hint(key: str, present: Collection[str], unrestorable: str | None = None) -> str:
     """What to try after a detection of kind ``key``, suggesting only suite callbacks not in ``present``.
 
     Args:
         key: ``"loss"``, ``"grad"``, ``"overflow"``, ``"buffer"``, ``"weight"``, ``"optimizer_state"``, ``"scaler"``,
             ``"consecutive"`` or ``"headroom"``.
         present: class names of the callbacks the Trainer already has.
+        unrestorable: the class name of an optimizer whose state ``Rollback`` cannot restore
+            (:func:`~lightning_overflow.training_state.unrestorable_optimizer`): it is not suggested then.
 
     Example:
         >>> detection_hint("weight", {"NonFiniteDetector"})
         'the weights themselves are non-finite and skipping steps cannot repair them: add Rollback to restore the last finite state, and LRBackoff to lower the learning rate'
+        >>> detection_hint("weight", {"NonFiniteDetector", "LRBackoff"}, unrestorable="ZeroRedundancyOptimizer")
+        "the weights themselves are non-finite and skipping steps cannot repair them: resume from your last checkpoint (Rollback cannot restore a ZeroRedundancyOptimizer's state; with a plain torch optimizer it can)"
         >>> detection_hint("weight", {"Rollback", "LRBackoff"})
         "the weights themselves are non-finite and skipping steps cannot repair them: with NonFiniteDetector(action='skip') Rollback restores the last finite state and LRBackoff lowers the learning rate"
     """
-    recover = _recovery(present)
+    recover = _recovery(present, unrestorable)
     clip = "lower the learning rate" + ("" if "AutoClip" in present else ", add AutoClip")
     hints = {
         "loss": "check this batch for inf/NaN inputs; if the loss uses exp(), compute it with torch.logsumexp or "
@@ -190,8 +195,8 @@ def detection_hint(key: str, present: Collection[str]) -> str:
         "scaler": "the GradScaler keeps overflowing: the model overflows fp16 even with a small loss scale; try "
         "precision='bf16-mixed' or lower the learning rate",
         "consecutive": "the fault repeats on every step: look at the data pipeline and the learning rate"
-        + ("" if "Rollback" in present else "; add Rollback to restore the last finite state when the weights are "
-           "affected"),
+        + ("" if "Rollback" in present or unrestorable else "; add Rollback to restore the last finite state when the "
+           "weights are affected"),
         "headroom": f"{clip} before the values overflow; if the module named sits deep in a stack, check its "
         "initialisation and add normalisation",
     }
@@ -224,7 +229,10 @@ def divergence_hint(present: Collection[str], cause: tuple[str, str] | None = No
     return f"{cause[1]}; otherwise {text}" if cause is not None and cause[1] else text
 
 
-def _recovery(present: Collection[str]) -> str:
+def _recovery(present: Collection[str], unrestorable: str | None = None) -> str:
+    if unrestorable is not None:
+        backoff = "" if "LRBackoff" in present else "; add LRBackoff to lower the learning rate"
+        return restore_hint(unrestorable) + backoff
     missing = [
         text
         for name, text in (
@@ -237,3 +245,4 @@ def _recovery(present: Collection[str]) -> str:
         return "add " + ", and ".join(missing)
     return "with NonFiniteDetector(action='skip') Rollback restores the last finite state and LRBackoff lowers the " \
         "learning rate"
+
