@@ -58,6 +58,7 @@ from torch import Tensor
 from lightning_overflow import _compat
 from lightning_overflow.distributed import world
 from lightning_overflow.numerics import tensor_norms
+from lightning_overflow.numerics.lr_scaling import HELD, scale_group
 from lightning_overflow.preserve import (
     ModuleAttributes,
     capture_attributes,
@@ -201,9 +202,10 @@ class Candidate:
         for index, optimizer in enumerate(trainer.optimizers):
             state, groups = self.optimizers[index]
             live = (optimizer.state, _hyperparameters(optimizer))
+            _adopt_added_groups(groups, live[1])
             optimizer.state = state
             for group, values in zip(optimizer.param_groups, groups):
-                group.update(values)
+                _set_hyperparameters(group, values)
             self.optimizers[index] = live
         for index, scheduler in self._own_schedulers(trainer):
             live_schedule = copy.deepcopy(scheduler.state_dict())
@@ -279,7 +281,7 @@ class Candidate:
             state, groups = self.optimizers[index]
             optimizer.state = _clone_optimizer_state(state)
             for group, values in zip(optimizer.param_groups, groups):
-                group.update(copy.deepcopy(values))
+                _set_hyperparameters(group, copy.deepcopy(values))
         for index, scheduler in self._own_schedulers(trainer):
             scheduler.load_state_dict(copy.deepcopy(self.schedulers[index]))
         if self.precision:
@@ -657,6 +659,33 @@ def _average_tensors(trainer: pl.Trainer) -> list[dict[str, Tensor]]:
 
 
 _SWA_COUNT = "<n_averaged>"  # StochasticWeightAveraging counts the models in its average on the callback
+
+
+def _adopt_added_groups(groups: list[dict[str, Any]], live: list[dict[str, Any]]) -> None:
+    """Param groups the live state holds beyond ``groups`` were added since this branch last held them
+    (``BaseFinetuning``'s unfreeze): they join it as added, at its own backoff scale, their rates times the ratio of
+    its scale to the live state's (each branch's first group's :data:`HELD`). Without it, every branch shared them at
+    the run's rates, and a remedy kept at x0.125 left the group added during its trial at 1x."""
+    if not groups or len(live) <= len(groups):
+        return
+    mine, theirs = groups[0].get(HELD), live[0].get(HELD)
+    ratio = mine[1] / theirs[1] if mine and theirs and theirs[1] else 1.0
+    for values in live[len(groups):]:
+        values = copy.deepcopy(values)
+        if ratio != 1.0:
+            scale_group(values, ratio)
+            if HELD in values:
+                values[HELD] = [values["lr"], mine[1]]
+        groups.append(values)
+
+
+def _set_hyperparameters(group: dict[str, Any], values: dict[str, Any]) -> None:
+    """Give ``group`` a branch's hyperparameters. The suite's own :data:`HELD` entry goes where the branch held none
+    (a group one branch's backoff held since): left behind, it told the other branch its rate was written at that
+    branch's scale. Other keys a branch lacks stay (a scheduler's, ``SWALR``'s ``swa_lr``, added since)."""
+    if HELD not in values:
+        group.pop(HELD, None)
+    group.update(values)
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

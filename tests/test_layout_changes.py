@@ -14,6 +14,7 @@ import torch
 from conftest import assert_bit_identical, fit, weights
 from pytorch_lightning.callbacks import (
     BackboneFinetuning,
+    BaseFinetuning,
     ModelCheckpoint,
     ModelPruning,
     StochasticWeightAveraging,
@@ -185,6 +186,59 @@ def test_a_kept_remedy_brings_back_the_average_of_the_snapshot_it_started_from(a
     if averaging == "swa_during":  # the next epoch (step 56) starts it again from the remedy's weights
         assert swa.n_averaged.item() == 1
         assert_bit_identical(weights(swa._average_model), probe.epoch_start[56])
+
+
+class UnfreezeFirstLayer(BaseFinetuning):
+    """The first layer frozen, then trained in a param group of its own from epoch 5 (step 40) at a tenth of the
+    rate."""
+
+    @override
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.net[0])
+
+    @override
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: Any) -> None:
+        if epoch == 5:
+            self.unfreeze_and_add_param_group(pl_module.net[0], optimizer)
+
+
+class TrainableOnly:
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+class HeadFirst(TrainableOnly, TinyRegressor):
+    pass
+
+
+class SabotagedHeadFirst(TrainableOnly, Sabotaged):
+    pass
+
+
+def test_a_group_added_during_a_false_alarm_leaves_the_run_bit_identical(tmp_path: Path) -> None:
+    """The unfreeze of step 40 falls in the trial of steps 35-55: a remedy's backoff held the group at its scale,
+    that entry stayed behind in the run's group, and the run then took the group's rate for one its code wrote at
+    the remedy's scale: the run went on with the first layer at half its rate."""
+    runs = []
+    for suite in ([], [Suspect(35), LRBackoff(), Rollback(every_n_steps=10)]):
+        torch.manual_seed(0)
+        model = HeadFirst()
+        trainer = fit(model, [UnfreezeFirstLayer(), *suite], max_steps=64, default_root_dir=str(tmp_path))
+        runs.append((weights(model), [g["lr"] for g in trainer.optimizers[0].param_groups]))
+    assert [e["details"]["false_alarm"] for e in read_journal(tmp_path / "overflow_events.jsonl")
+            if e["kind"] == "trial"] == [True]  # fmt: skip
+    assert_bit_identical(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1] == [0.01, 0.001]
+
+
+def test_a_kept_remedy_holds_a_group_added_during_its_trial_at_its_own_rate() -> None:
+    """The remedy at x0.5 is kept at step 52; the group added at step 40 trained at the run's rate in every branch,
+    and stayed there after the keep, while the suite said the optimizer was at 0.5x its schedule."""
+    config = TrialConfig(remedies=1)
+    suite = [Suspect(31), LRBackoff(trial=config), Rollback(every_n_steps=10, trial=config)]
+    trainer = fit(SabotagedHeadFirst(), [UnfreezeFirstLayer(), *suite], max_steps=64)
+    assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == [(52, 30)]
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [0.5 * 0.01, 0.5 * 0.001]
 
 
 def test_a_restore_keeps_the_keys_a_scheduler_added_to_the_param_groups_since() -> None:

@@ -20,7 +20,7 @@ from lightning_overflow.events import log
 from lightning_overflow.exceptions import DivergenceError
 from lightning_overflow.fit_summary import opened_because
 from lightning_overflow.health import StepHealth
-from lightning_overflow.numerics.lr_scaling import group_rates, scale_group, scale_lr, schedules
+from lightning_overflow.numerics.lr_scaling import HELD, group_rates, scale_group, scale_lr, schedules
 from lightning_overflow.policy import (
     DEFAULT_BACKOFF_TRIGGERS,
     REGROWTH,
@@ -624,11 +624,6 @@ def _schedulers(trainer: pl.Trainer, index: int) -> list[Any]:
         for config in trainer.lr_scheduler_configs
         if getattr(config.scheduler, "optimizer", None) is not None and schedules(config.scheduler, optimizer)
     ]
-
-
-HELD = "lightning_overflow_held"
-"""The param-group entry ``[rate, scale]``: the rate the suite (or a scheduler) last left in the group, and the
-backoff's scale the state holds. A rate found changed, and not by a scheduler, was written by the module's code."""
 
 
 def _hold(optimizer: Any, scale: float) -> None:

@@ -33,8 +33,13 @@ from torch import Tensor
 
 from lightning_overflow._validation import check_float, check_type
 
-__all__ = ["GROUP_LR_KEYS", "SCHEDULER_LR_LISTS", "group_rates", "scale_group", "scale_lr", "scheduler_tree",
+__all__ = ["GROUP_LR_KEYS", "HELD", "SCHEDULER_LR_LISTS", "group_rates", "scale_group", "scale_lr", "scheduler_tree",
            "schedules"]
+
+HELD = "lightning_overflow_held"
+"""The param-group entry ``[rate, scale]`` ``LRBackoff`` keeps: the rate the suite (or a scheduler) last left in the
+group, and the backoff's scale the state holds. A rate found changed, and not by a scheduler, was written by the
+module's code."""
 
 GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "swa_lr")
 """Param-group keys holding a learning rate (``initial_lr``: every ``LRScheduler``; ``max_lr``/``min_lr``:
