@@ -9,6 +9,10 @@ the two is running.
 
 Which attributes are kept, module by module (every submodule is walked):
 
+The batch is the other thing ``training_step`` may write into: schnetpack's models put their predictions into the
+input dict, over the targets. Each side run, and the batch a detector keeps for its diagnosis, get
+:func:`batch_copy`: the containers copied, the tensors shared.
+
 - only modules of the user's own classes: those of torch, Lightning and torchmetrics (``nn.Linear``, ``BatchNorm``)
   keep no Python state in ``forward``, and a torchmetrics ``Metric`` has its own put-back (:func:`metric_states`);
 - of those, every ``__dict__`` entry except the library's own: the names a fresh ``nn.Module()`` sets (the
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_overflow.exceptions import OverflowWarning
@@ -47,6 +52,7 @@ from lightning_overflow.exceptions import OverflowWarning
 __all__ = [
     "ModuleAttributes",
     "RngState",
+    "batch_copy",
     "capture_attributes",
     "capture_rng",
     "is_metric",
@@ -104,6 +110,19 @@ class RngState:
 
     cpu: Tensor
     cuda: tuple[Tensor, ...] | None
+
+
+def batch_copy(batch: Any) -> Any:
+    """``batch`` with its containers (dicts, lists, tuples, named tuples, dataclasses) copied and its tensors shared:
+    what ``training_step`` writes into the copy (a model that puts its outputs into its input dict) leaves the
+    original as the loop will read it. Objects of other classes are shared as they are."""
+    if isinstance(batch, Tensor):
+        return batch
+    return apply_to_collection(batch, Tensor, _same)
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 def capture_rng() -> RngState:

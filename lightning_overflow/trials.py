@@ -41,6 +41,7 @@ import torch
 from lightning_overflow import _compat
 from lightning_overflow.candidate import Candidate, CandidateStep, trainable
 from lightning_overflow.fit_summary import named
+from lightning_overflow.preserve import batch_copy
 from lightning_overflow.policy import (
     CERTAIN_SIGNALS,
     REGROWTH,
@@ -208,11 +209,14 @@ class TrialRunner:
         if not self.sides or self._end_on_layout_change(trainer, board):
             return
         steps = _compat.optimizer_steps_this_batch(trainer)
+        # Each side run on a copy of the batch's containers: a model that writes its outputs into its input dict
+        # (schnetpack) gave the next candidate, and the loop, its predictions for targets.
         if self._frozen:
-            self._pending = [side.score_on(trainer, batch, batch_idx, steps) for side in self.sides]
+            self._pending = [side.score_on(trainer, batch_copy(batch), batch_idx, steps) for side in self.sides]
             return
         clip, rates = board.candidate_clip(trainer), board.candidate_rates(trainer)
-        self._pending = [side.train_on(trainer, batch, batch_idx, steps, clip, rates) for side in self.sides]
+        self._pending = [side.train_on(trainer, batch_copy(batch), batch_idx, steps, clip, rates)
+                         for side in self.sides]  # fmt: skip
 
     def contribute(self, record: _Record) -> None:
         """Under DDP, each side candidate's loss on this rank rides on the step's one all-reduce."""

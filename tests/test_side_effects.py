@@ -17,7 +17,9 @@ from conftest import MemoryLogger, assert_bit_identical, fit, weights
 from test_trials import Sabotaged, Suspect
 from torch import nn
 
-from lightning_overflow import LRBackoff, NonFiniteDetector, NonFiniteError, Rollback, TrialConfig, side_run
+from lightning_overflow import (
+    LRBackoff, NonFiniteDetector, NonFiniteError, Rollback, TrialConfig, read_journal, side_run,
+)
 from lightning_overflow.preserve import capture_attributes, preserved_state, put_back_attributes, running_aside
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 
@@ -389,3 +391,41 @@ def test_a_trial_writes_nothing_into_the_logs_a_module_writes_itself(tmp_path: A
     assert [step for _, step in logger.experiment] == list(range(60))  # one entry per step of the run, none twice
     mine = [step for step, _ in logger.metrics["mine"]]
     assert mine == list(range(60))
+
+
+class WritesIntoItsBatch(TinyRegressor):
+    """A ``training_step`` that puts its prediction into its input dict, over the target it reads, as schnetpack's
+    models do (``inputs.update(results)``)."""
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader([{"x": x, "y": y} for x, y in self.data], batch_size=self.batch_size)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        target = batch["y"]
+        batch["y"] = self(batch["x"])
+        return nn.functional.mse_loss(batch["y"], target)
+
+
+def test_a_trial_and_a_diagnosis_read_the_batch_as_the_loader_gave_it_when_the_model_writes_into_it(
+    tmp_path: Any,
+) -> None:
+    """The first candidate's prediction, graph and all, became the next candidate's target and the loop's: the loop's
+    backward ran through the candidate's freed graph (``RuntimeError: Trying to backward through the graph a second
+    time``) at the trial's first step. A false alarm now leaves the run bit-identical to the run without the suite;
+    and a NaN target is named a data fault, where the words read the prediction written over it."""
+    runs = []
+    for suite in ([], [Suspect(20), LRBackoff(), Rollback(every_n_steps=10)]):
+        torch.manual_seed(0)
+        model = WritesIntoItsBatch()
+        fit(model, suite, max_steps=48)
+        runs.append(weights(model))
+    assert_bit_identical(runs[0], runs[1])
+
+    class NaNTarget(WritesIntoItsBatch):
+        def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            if self.trainer.global_step == 5:
+                batch["y"][2] = float("nan")
+
+    fit(NaNTarget(), [NonFiniteDetector()], max_steps=8, default_root_dir=str(tmp_path))
+    (fault,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "data_fault"]
+    assert (fault["step"], fault["details"]["data"], fault["details"]["rows"]) == (5, "batch 5 holds NaN in row 2", [2])

@@ -58,7 +58,7 @@ from lightning_overflow.policy import (
     StepAction,
     Verdict,
 )
-from lightning_overflow.preserve import capture_rng, side_run
+from lightning_overflow.preserve import batch_copy, capture_rng, side_run
 from lightning_overflow.replicas import checksum, compare, differing_parameters
 from lightning_overflow.training_state import StateCheck, restore_hint, unrestorable_optimizer
 from lightning_overflow.training_step import loss_of
@@ -334,10 +334,11 @@ class NonFiniteDetector(SuiteCallback):
     @override
     def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
-        self._batch = batch  # a reference, for the words of a data fault (manual optimization too)
+        # The batch's containers copied, its tensors shared (a model may write its outputs into its input dict): for
+        # the words of a data fault (manual optimization too), and for the replay, which runs before it is released.
+        self._batch = batch_copy(batch)
         if self.diagnose and pl_module.automatic_optimization:
-            # A reference, not a copy: the replay, when one is needed, runs before the batch is released.
-            self._kept = KeptBatch(batch, batch_idx, capture_rng())
+            self._kept = KeptBatch(batch_copy(batch), batch_idx, capture_rng())
         if self._headroom is not None:
             self._headroom.on_batch_start(pl_module, int(trainer.global_step))
 

@@ -53,10 +53,11 @@ class BatchStats:
 
 @dataclass(frozen=True)
 class KeptBatch:
-    """What the detector keeps at the start of every batch to be able to replay it: references, no copies.
+    """What the detector keeps at the start of every batch to be able to replay it: no tensor copied.
 
     Attributes:
-        batch: the batch as ``training_step`` receives it (on the device).
+        batch: the batch as ``training_step`` receives it (on the device), its containers copied
+            (:func:`~lightning_overflow.preserve.batch_copy`).
         batch_idx: its index.
         rng: the torch random streams when the batch started.
     """
