@@ -134,6 +134,8 @@ class Candidate:
         optimizers: per optimizer, its ``state`` mapping and its param groups' hyperparameters (all but ``params``).
         schedulers: each LR scheduler's ``state_dict()``.
         precision: the precision plugin's ``state_dict()`` (the GradScaler's under ``16-mixed``).
+        extra: each module's ``get_extra_state()`` value, by module name (a loss weighting its module's own
+            schedule sets: nequip's ``LossCoefficientScheduler``), for the modules that have one.
         averages: the tensors of each averaged copy of the model the callbacks keep (:func:`_average_tensors`): an
             EMA or SWA average follows the weights it averaged, so a kept remedy brings back its own (a rollback's
             snapshot's, as ``Rollback`` restores them) and a discarded one leaves the run's untouched.
@@ -152,6 +154,7 @@ class Candidate:
     schedulers: list[dict[str, Any]]
     precision: dict[str, Any]
     averages: list[dict[str, Tensor]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
     pending_schedule: list[int] = field(default_factory=list)
     pending_values: list[list[float]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -185,6 +188,7 @@ class Candidate:
             schedulers=[copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
             precision=copy.deepcopy(trainer.precision_plugin.state_dict()),
             averages=[{name: t.data.clone() for name, t in tensors.items()} for tensors in _average_tensors(trainer)],
+            extra={name: copy.deepcopy(m.get_extra_state()) for name, m in _with_extra_state(module)},
             pending_schedule=[0] * len(trainer.lr_scheduler_configs),
             pending_values=[[] for _ in trainer.lr_scheduler_configs],
             names={id(p): name for name, p in module.named_parameters()},
@@ -218,6 +222,11 @@ class Candidate:
         for side, live in self._own_averages(trainer):
             for name, tensor in live.items():
                 side[name], tensor.data = tensor.data, side[name]
+        for name, owner in _with_extra_state(module):
+            if name in self.extra:
+                live_extra = owner.get_extra_state()
+                owner.set_extra_state(self.extra[name])
+                self.extra[name] = live_extra
 
     def layout_change(self, module: torch.nn.Module) -> str:
         """How the module's parameters differ from this candidate's (empty when they do not): a layout changed
@@ -290,6 +299,9 @@ class Candidate:
             for side, live in self._own_averages(trainer):
                 for name, tensor in live.items():
                     tensor.data.copy_(side[name])
+        for name, owner in _with_extra_state(module):
+            if name in self.extra:
+                owner.set_extra_state(copy.deepcopy(self.extra[name]))
 
     def _own_schedulers(self, trainer: pl.Trainer) -> list[tuple[int, Any]]:
         """The live schedulers this candidate holds a state of, with their index in its lists. One a callback added or
@@ -557,6 +569,7 @@ class Candidate:
             "schedulers": copy.deepcopy(self.schedulers),
             "precision": copy.deepcopy(self.precision),
             "averages": [_to_host(tensors) for tensors in self.averages],
+            "extra": copy.deepcopy(self.extra),
             "pending_schedule": list(self.pending_schedule),
             "pending_values": [list(values) for values in self.pending_values],
             "losses": list(self.losses),
@@ -591,6 +604,7 @@ class Candidate:
             precision=copy.deepcopy(state["precision"]),
             # A checkpoint of an earlier release holds none: the averages are then both branches' alike.
             averages=[on(saved, live) for saved, live in zip(state.get("averages", []), _average_tensors(trainer))],
+            extra=copy.deepcopy(state.get("extra", {})),
             pending_schedule=[int(n) for n in state["pending_schedule"]],
             pending_values=[[float(v) for v in values] for values in state.get("pending_values", [])]
             or [[] for _ in state["pending_schedule"]],
@@ -639,6 +653,13 @@ def _buffer_slots(module: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, s
     share (one of them may be given a tensor of its own later)."""
     return {f"{prefix}.{key}" if prefix else key: (owner, key, value)
             for prefix, owner in module.named_modules(remove_duplicate=False) for key, value in owner._buffers.items()}
+
+
+def _with_extra_state(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The submodules (``module`` itself as ``""``) that keep a ``get_extra_state`` value: state beside the tensors,
+    each branch's own as its tensors are."""
+    return [(name, m) for name, m in module.named_modules()
+            if type(m).get_extra_state is not torch.nn.Module.get_extra_state]  # fmt: skip
 
 
 def _average_tensors(trainer: pl.Trainer) -> list[dict[str, Tensor]]:

@@ -429,3 +429,44 @@ def test_a_trial_and_a_diagnosis_read_the_batch_as_the_loader_gave_it_when_the_m
     fit(NaNTarget(), [NonFiniteDetector()], max_steps=8, default_root_dir=str(tmp_path))
     (fault,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "data_fault"]
     assert (fault["step"], fault["details"]["data"], fault["details"]["rows"]) == (5, "batch 5 holds NaN in row 2", [2])
+
+
+class Weighting(nn.Module):
+    """A loss weighting kept as extra state (``get_extra_state``), which the module's own schedule changes at an
+    epoch's start, as nequip's ``LossCoefficientScheduler`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.coefficient = 1.0
+
+    def get_extra_state(self) -> dict[str, float]:
+        return {"coefficient": self.coefficient}
+
+    def set_extra_state(self, state: dict[str, float]) -> None:
+        self.coefficient = state["coefficient"]
+
+
+class ScheduledWeighting(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weighting = Weighting()
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == 4:  # step 32
+            self.weighting.coefficient = 0.25
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.weighting.coefficient * super().training_step(batch, batch_idx)
+
+
+def test_a_false_alarm_leaves_the_modules_extra_state_as_the_run_left_it() -> None:
+    """A trial opened at step 35 from the snapshot of step 30 restored the snapshot's extra state into the run to build
+    its remedy, and nothing put the run's back: the run trained on with the weighting its schedule had replaced."""
+    runs = []
+    for suite in ([], [Suspect(35), LRBackoff(), Rollback(every_n_steps=10)]):
+        torch.manual_seed(0)
+        model = ScheduledWeighting()
+        fit(model, suite, max_steps=64)
+        runs.append((weights(model.net), model.weighting.coefficient))
+    assert runs[0][1] == runs[1][1] == 0.25
+    assert_bit_identical(runs[0][0], runs[1][0])
