@@ -107,6 +107,38 @@ def test_a_healthy_model_has_ample_headroom_and_no_warning() -> None:
     assert detector.last_headroom.decades > 35
 
 
+class WithUnusedOutputs(nn.Module):
+    """A layer that also returns what no loss reads: NaN where nothing was computed (nequip's stress of a molecule
+    without a cell) and a float64 quantity beyond the FP32 range, in range for its own dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 32)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        hidden = self.linear(x)
+        return hidden, torch.full_like(hidden, float("nan")), hidden.double() * 1e50
+
+
+class Unused(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = WithUnusedOutputs()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net[1:](self.first(x)[0])
+
+
+def test_outputs_no_loss_reads_are_no_headroom_warning() -> None:
+    """Every healthy nequip run of molecules warned at step 0 that an output "reached inf ... approaching overflow":
+    a NaN no loss reads was taken for inf, and a float64 value was measured against the FP32 limit."""
+    detector = NonFiniteDetector(headroom_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OverflowWarning)
+        fit(Unused(), [detector], max_steps=3)
+    assert detector.last_headroom.decades > 30
+
+
 def test_the_warning_threshold_is_the_policy_s() -> None:
     detector = tuned(NonFiniteDetector(headroom_every_n_steps=1), headroom_warn_decades=38.5)
     pattern = r"at step 0: the gradient norm reached .* \(the largest activation, .*, came out of net\.0 \(Linear\)\)"

@@ -135,13 +135,13 @@ class ActivationSampler:
             return
         with torch.no_grad():
             device = tensors[0].device
-            value = torch.stack([t.detach().abs().amax().float().to(device) for t in tensors]).amax()
+            value = torch.stack([_magnitude(t).to(device) for t in tensors]).amax()
             previous = self._maxima.get(index)
             self._maxima[index] = value if previous is None else torch.maximum(previous, value)
 
     def largest(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """The largest magnitude seen and its module's index, as float64 device tensors (no host read); a NaN
-        counts as inf. ``(0, -1)`` when no module ran."""
+        """The largest magnitude seen and its module's index, as float64 device tensors (no host read). ``(0, -1)``
+        when no module ran."""
         if not self._maxima:
             zero = torch.zeros((), dtype=torch.float64, device=device)
             return zero, zero - 1
@@ -158,6 +158,17 @@ class ActivationSampler:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_handles": [], "_modules": list(self._modules), "_maxima": {}}
+
+
+def _magnitude(tensor: Tensor) -> Tensor:
+    """The largest finite ``|value|`` of ``tensor`` in FP32 terms, as a 0-d float64 tensor. Its inf/NaN are left out:
+    the probe reads healthy steps only, whose loss they never reached (nequip fills the stress of a molecule without
+    a cell with NaN, and no loss reads it). A float64 output is measured against its own range, scaled to FP32's."""
+    magnitude = tensor.detach().abs()
+    largest = torch.where(torch.isfinite(magnitude), magnitude, 0).amax().double()
+    if tensor.dtype == torch.float64:
+        largest = largest * (FP32_MAX / torch.finfo(torch.float64).max)
+    return largest
 
 
 class HeadroomProbe:
