@@ -115,10 +115,14 @@ class RngState:
 def batch_copy(batch: Any) -> Any:
     """``batch`` with its containers (dicts, lists, tuples, named tuples, dataclasses) copied and its tensors shared:
     what ``training_step`` writes into the copy (a model that puts its outputs into its input dict) leaves the
-    original as the loop will read it. Objects of other classes are shared as they are."""
+    original as the loop will read it. Objects of other classes are shared as they are, and so is a batch whose
+    containers cannot be rebuilt so (a mapping whose constructor takes other arguments)."""
     if isinstance(batch, Tensor):
         return batch
-    return apply_to_collection(batch, Tensor, _same)
+    try:
+        return apply_to_collection(batch, Tensor, _same)
+    except Exception:  # noqa: BLE001  (Lightning's own transfer rebuilds the batches it moves the same way)
+        return batch
 
 
 def _same(tensor: Tensor) -> Tensor:

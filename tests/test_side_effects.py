@@ -470,3 +470,31 @@ def test_a_false_alarm_leaves_the_modules_extra_state_as_the_run_left_it() -> No
         runs.append((weights(model.net), model.weighting.coefficient))
     assert runs[0][1] == runs[1][1] == 0.25
     assert_bit_identical(runs[0][0], runs[1][0])
+
+
+def test_batch_copy_copies_containers_shares_tensors_and_shares_what_it_cannot_rebuild() -> None:
+    from collections.abc import Mapping
+
+    from lightning_overflow.preserve import batch_copy
+
+    x, y = torch.ones(2), torch.zeros(2)
+    batch = {"inputs": [x], "target": y}
+    copied = batch_copy(batch)
+    assert copied == batch and copied is not batch and copied["inputs"] is not batch["inputs"]
+    assert copied["inputs"][0] is x and copied["target"] is y
+
+    class Pair(Mapping):  # type: ignore[type-arg]  # a constructor of its own: not rebuilt, shared
+        def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+            self._items = {"a": a, "b": b}
+
+        def __getitem__(self, key: str) -> torch.Tensor:
+            return self._items[key]
+
+        def __iter__(self) -> Any:
+            return iter(self._items)
+
+        def __len__(self) -> int:
+            return 2
+
+    pair = Pair(x, y)
+    assert batch_copy(pair) is pair
