@@ -417,3 +417,56 @@ def test_under_manual_optimization_nan_weights_that_make_the_forward_raise_are_r
     assert [e["step"] for e in events if e["kind"] == "nonfinite"][0] == 6
     assert [e["kind"] for e in events].count("rollback") == 1
     assert "data_fault" not in [e["kind"] for e in events]  # the weights' fault, held against the state
+
+
+class StepsThenRaises(ManualGaussian):
+    """The GAN pattern: the first optimizer steps on a loss that does not check its arguments (NaN on a NaN batch),
+    then the second one's loss raises. NaN rows in the batches ``poisoned`` (by index)."""
+
+    def __init__(self, poisoned: tuple[int, ...]) -> None:
+        super().__init__()
+        self.poisoned = poisoned
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx in self.poisoned:
+            batch[0][ROW, 0] = float("nan")
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        first, second = self.optimizers()  # type: ignore[misc]
+        x, y = batch
+        first.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.net(x)[:, 0], y))
+        first.step()
+        mean, scale = self.net(x).unbind(dim=1)
+        likelihood = torch.distributions.Normal(mean, nn.functional.softplus(scale) + 1e-3, validate_args=True)
+        loss = -likelihood.log_prob(y).mean()
+        second.zero_grad()
+        self.manual_backward(loss)
+        second.step()
+        return loss.detach()
+
+
+def test_under_manual_optimization_a_raise_after_a_step_answers_only_the_optimizers_yet_to_step(tmp_path: Path) -> None:
+    """The first optimizer stepped (skipped, its loss NaN) before the second's loss raised: the answer stepped both
+    again, one optimizer step too many (``global_step`` 13 for 6 batches of 2) and the batch split in the summary."""
+    model = StepsThenRaises(poisoned=(1,))
+    detector = NonFiniteDetector()
+    fit(model, [detector], default_root_dir=tmp_path, max_steps=12)
+    assert model.trainer.global_step == 12 and model.trainer.fit_loop.epoch_loop.batch_idx == 5
+    assert detector.skipped_steps == 2
+    assert plain_lines(list(read_journal(tmp_path / "overflow_events.jsonl"))) == [
+        "2 steps skipped: batch 1 of epoch 0 (steps 2, 3) holds NaN in row 2 (training_step raised ValueError on 1 of "
+        "them, answered as inf/NaN losses): a data fault; check the data"
+    ]
+
+
+def test_under_manual_optimization_nan_rows_in_consecutive_batches_are_data_faults_not_a_failing_state(
+    tmp_path: Path,
+) -> None:
+    """Without a replay, a NaN loss on a batch that did not raise was never put down to its batch: three such batches
+    in a row read as steps failing on clean batches, and the suite backed off and rolled back to the fit's start."""
+    model = StepsThenRaises(poisoned=(1, 2, 3))
+    fit(model, default_callbacks(), default_root_dir=tmp_path, max_steps=16)
+    events = list(read_journal(tmp_path / "overflow_events.jsonl"))
+    assert not [e for e in events if e["kind"] in ("backoff", "rollback")]
+    assert [e["step"] for e in events if e["kind"] == "data_fault"] == [2, 3, 4, 5, 6, 7]

@@ -569,6 +569,14 @@ class NonFiniteDetector(SuiteCallback):
             data, where = _batch_words(faulted.batch, self._batch_idx, int(trainer.global_rank))
             finding.data_fault = bool(data)
             finding.details.update(where)
+        elif (not replayed and faulted is None and finding.kind in ("loss", "grad")
+              and not trainer.lightning_module.automatic_optimization):  # fmt: skip
+            # Manual optimization has no replay: the batch itself says whether it brought the inf/NaN. Without it,
+            # NaN rows in consecutive batches read as a state whose steps fail on clean batches, and were rolled back.
+            data, where = _batch_words(batch_stats(self._batch), self._batch_idx, int(trainer.global_rank))
+            (ranks,) = flags_by_rank([torch.tensor(float(bool(data)))], trainer.strategy.root_device)
+            finding.data_fault = bool(ranks)
+            finding.details.update(where)
         kind = "data_fault" if finding.data_fault else "nonfinite"
         self._event(trainer, kind, message, rank=min(finding.ranks, default=0), **finding.details)
         self._raise_signals(trainer, record, finding, message)
@@ -856,16 +864,25 @@ def answered_manually(call: Callable[[], Any], module: Any, inputs: Any,
     bad value broke (it raised) is answered by a step of each optimizer on the stand-in loss, through
     ``manual_backward``, so that the suite sees an inf/NaN loss and NaN gradients on each and skips them as any (a
     step the ``training_step`` took before it raised stands). The gradients are cleared after each. Its step is not
-    run again to test the batch (:func:`answered_call` does): a rerun would step the optimizers."""
+    run again to test the batch (:func:`answered_call` does): a rerun would step the optimizers. Only the optimizers
+    that had not stepped yet are answered: a second step of one (a GAN's generator, stepped before the discriminator's
+    loss raised) counted one more optimizer step and split the batch in the summary."""
+    listed = module.optimizers()
+    optimizers = listed if isinstance(listed, list) else [listed]
+    stepped: set[int] = set()
+    hooks = [getattr(o, "optimizer", o).register_step_pre_hook(lambda *_, i=i: stepped.add(i))
+             for i, o in enumerate(optimizers)]  # fmt: skip
     try:
         return call()
     except Exception as error:  # answer_error passes on what no bad value causes
         answer = answer_error(error, module, inputs)
         if answer is None or not answers(answer[1]):
             raise
-    optimizers = module.optimizers()
-    for index, optimizer in enumerate(optimizers if isinstance(optimizers, list) else [optimizers]):
-        module.manual_backward(answer[0] if index == 0 else stand_in_loss(module))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for count, optimizer in enumerate(o for i, o in enumerate(optimizers) if i not in stepped):
+        module.manual_backward(answer[0] if count == 0 else stand_in_loss(module))
         optimizer.step()
         optimizer.zero_grad()
     return None
