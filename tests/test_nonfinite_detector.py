@@ -342,14 +342,14 @@ def test_under_manual_optimization_a_skip_puts_back_the_buffers_its_forward_made
     skipped. The skip puts those buffers back: the generator's step of the same batch goes on, the run skips that
     one step per epoch and nothing else (it had ended in NonFiniteError with the detector alone, and been backed off
     twice and rolled back at every epoch with the whole suite), and the discriminator's weights are unchanged by
-    the batch."""
+    the batch. The batch holds the NaN: each is a data fault (without a replay, its batch says so)."""
     recorder = ManualRecorder()
     callbacks = [NonFiniteDetector()] if suite == "detector" else default_callbacks()
     model = BatchNormGAN()  # sample 21: batch 1 of each epoch, global steps 2 and 3
     trainer = fit(model, [*callbacks, recorder], max_steps=40, default_root_dir=tmp_path)
     assert trainer.global_step == 40
     kinds = [(e["step"], e["kind"]) for e in _events(tmp_path)]
-    assert kinds == [(step, kind) for step in (2, 10, 18, 26, 34) for kind in ("nonfinite", "skip")]
+    assert kinds == [(step, kind) for step in (2, 10, 18, 26, 34) for kind in ("data_fault", "skip")]
     params = dict(model.discriminator.named_parameters()).keys()  # its buffers moved with the generator's forward
     assert_bit_identical(*({k: v for k, v in d.items() if k in params} for d in (recorder.d_before[2],
                                                                              recorder.d_after[2])))  # fmt: skip
