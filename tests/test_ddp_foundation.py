@@ -130,5 +130,6 @@ def test_a_gan_whose_batch_holds_nan_on_one_rank_skips_the_discriminators_step_o
     skipped = [step for step, kind in kinds if kind == "skip"]
     # One a epoch (2 batches of 2 optimizer steps on each rank), each the discriminator's (the first of its batch).
     assert len(skipped) == 6 and all(step % 2 == 0 for step in skipped)
-    assert {kind for _, kind in kinds} == {"nonfinite", "skip"}
-    assert all(len(e["details"]["ranks"]) == 1 for e in events if e["kind"] == "nonfinite")
+    assert {kind for _, kind in kinds} == {"data_fault", "skip"}  # the batch holds the NaN, on one rank
+    faults = [e for e in events if e["kind"] == "data_fault"]
+    assert all(len(e["details"]["ranks"]) == 1 and e["details"]["data_ranks"] == e["details"]["ranks"] for e in faults)

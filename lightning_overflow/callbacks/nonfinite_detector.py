@@ -23,7 +23,7 @@ from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.hints import detection_hint, divergence_hint
 from lightning_overflow.diagnosis.records import Diagnosis, Replay
 from lightning_overflow.diagnosis.replay import BatchStats, KeptBatch, batch_stats, diagnose_step
-from lightning_overflow.distributed import flags_by_rank, named_on_any_rank, world
+from lightning_overflow.distributed import flags_by_rank, named_on_any_rank, objects_by_rank, world
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError
 from lightning_overflow.faulted_steps import (
@@ -573,10 +573,12 @@ class NonFiniteDetector(SuiteCallback):
               and not trainer.lightning_module.automatic_optimization):  # fmt: skip
             # Manual optimization has no replay: the batch itself says whether it brought the inf/NaN. Without it,
             # NaN rows in consecutive batches read as a state whose steps fail on clean batches, and were rolled back.
-            data, where = _batch_words(batch_stats(self._batch), self._batch_idx, int(trainer.global_rank))
-            (ranks,) = flags_by_rank([torch.tensor(float(bool(data)))], trainer.strategy.root_device)
-            finding.data_fault = bool(ranks)
-            finding.details.update(where)
+            # Every rank's words (off the hot path: a fault step): the decision and the journal are every rank's.
+            found = [w for w in objects_by_rank(_batch_words(batch_stats(self._batch), self._batch_idx,
+                                                             int(trainer.global_rank))) if w[0]]  # fmt: skip
+            finding.data_fault = bool(found)
+            if found:
+                finding.details.update({**found[0][1], "data_ranks": [r for w in found for r in w[1]["data_ranks"]]})
         kind = "data_fault" if finding.data_fault else "nonfinite"
         self._event(trainer, kind, message, rank=min(finding.ranks, default=0), **finding.details)
         self._raise_signals(trainer, record, finding, message)
