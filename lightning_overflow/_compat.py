@@ -58,6 +58,7 @@ __all__ = [
     "optimizer_steps_this_batch",
     "unmute_hooks",
     "weight_averages",
+    "averaged_weights",
 ]
 
 
@@ -251,8 +252,10 @@ def mute_hooks(callback: Any, hooks: list[str]) -> tuple[str, ...]:
 def weight_averages(trainer: Any) -> list[tuple[Any, nn.Module, bool]]:
     """The averaged copies of the model that the trainer's callbacks keep, as ``(callback, average, swa)``: every
     ``torch.optim.swa_utils.AveragedModel`` a callback holds (Lightning's ``WeightAveraging``, an EMA callback of the
-    user's), and ``StochasticWeightAveraging``'s average (``swa``: its ``_average_model``, a copy of the
-    LightningModule, whose count of models averaged is the callback's ``n_averaged``; 2.6.6).
+    user's), every ``torch_ema.ExponentialMovingAverage`` (schnetpack's EMA callback; its ``shadow_params`` as the
+    buffers of a :class:`ShadowParams` view), and ``StochasticWeightAveraging``'s average (``swa``: its
+    ``_average_model``, a copy of the LightningModule, whose count of models averaged is the callback's
+    ``n_averaged``; 2.6.6).
 
     They are trained state as the model is: they average the weights a rollback takes back (see
     :func:`~lightning_overflow.training_state.live_state`)."""
@@ -263,9 +266,36 @@ def weight_averages(trainer: Any) -> list[tuple[Any, nn.Module, bool]]:
             if isinstance(average, nn.Module):
                 found.append((callback, average, True))
             continue
-        found += [(callback, value, False) for value in getattr(callback, "__dict__", {}).values()
-                  if isinstance(value, AveragedModel)]  # fmt: skip
+        for value in getattr(callback, "__dict__", {}).values():
+            if isinstance(value, AveragedModel):
+                found.append((callback, value, False))
+            elif _is_torch_ema(value):
+                found.append((callback, ShadowParams(value.shadow_params), False))
     return found
+
+
+def _is_torch_ema(value: Any) -> bool:
+    """A ``torch_ema.ExponentialMovingAverage`` (0.3): its averages are the tensors of its ``shadow_params`` list."""
+    shadow = getattr(value, "shadow_params", None)
+    return (type(value).__module__.startswith("torch_ema") and isinstance(shadow, list)
+            and all(isinstance(t, Tensor) for t in shadow))  # fmt: skip
+
+
+class ShadowParams(nn.Module):
+    """A view of an average kept as a list of tensors (``torch_ema``'s ``shadow_params``): the same tensor objects as
+    buffers ``0``, ``1``..., so that a snapshot reads them and a restore or a trial's swap writes into them in place.
+    Built at each ask: the list may be replaced (``load_state_dict``, ``to``). Its step count is not restored."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        super().__init__()
+        for index, tensor in enumerate(tensors):
+            self._buffers[str(index)] = tensor
+
+
+def averaged_weights(average: nn.Module) -> list[tuple[str, Tensor]]:
+    """The averaged weights of an average of :func:`weight_averages`, by name: a copy of the model's parameters, or
+    a :class:`ShadowParams` view's tensors."""
+    return list(average.named_buffers() if isinstance(average, ShadowParams) else average.named_parameters())
 
 
 def scale_swa_lrs(trainer: Any, scale: float, given: dict[int, Any]) -> None:

@@ -203,7 +203,7 @@ def checked_weights(trainer: pl.Trainer, state: Mapping[str, Any]) -> Mapping[st
     weights = dict(state["model"])
     for callback, average, _ in averages:
         owner = type(callback).__name__
-        weights.update((f"{owner}:{name}", p.detach()) for name, p in average.named_parameters())
+        weights.update((f"{owner}:{name}", p.detach()) for name, p in _compat.averaged_weights(average))
     return weights
 
 

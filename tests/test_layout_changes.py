@@ -91,6 +91,51 @@ def test_an_ema_that_averaged_nan_weights_is_rolled_back_with_them(tmp_path: Pat
     assert trainer.global_step == 12
 
 
+class TorchEMA(Callback):
+    """schnetpack's EMA callback, as it is: a ``torch_ema.ExponentialMovingAverage`` of the parameters, updated at
+    each batch's end (here before the suite's callbacks, so it takes in the NaN weight before Rollback acts)."""
+
+    def __init__(self) -> None:
+        self.ema: Any = None
+        self.shadows: dict[int, list[torch.Tensor]] = {}
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch_ema import ExponentialMovingAverage
+
+        self.ema = ExponentialMovingAverage(pl_module.parameters(), decay=0.9)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.ema.update()
+        self.shadows[trainer.global_step] = [t.clone() for t in self.ema.shadow_params]
+
+
+class ShadowsAfterTheSuite(Callback):
+    def __init__(self, ema: TorchEMA) -> None:
+        self.ema = ema
+        self.at: dict[int, list[torch.Tensor]] = {}
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.at[trainer.global_step] = [t.clone() for t in self.ema.ema.shadow_params]
+
+
+def test_a_torch_ema_that_averaged_nan_weights_is_rolled_back_with_them() -> None:
+    """schnetpack's EMA listed before the suite took in the NaN weight of step 5, which no snapshot held: every
+    validation then swapped NaN weights into the model, the suite rolled back three times and raised DivergenceError,
+    returning the untrained state. Its averages are part of the state now, checked, snapshot and restored."""
+    ema = TorchEMA()
+    after = ShadowsAfterTheSuite(ema)
+    rollback = Rollback(every_n_steps=3)
+    trainer = fit(TinyRegressor(), [ema, NonFiniteDetector(), rollback, after, nan_weight_at(5)], max_steps=12)
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(6, 3)]
+    assert not all(bool(torch.isfinite(t).all()) for t in ema.shadows[6])  # it took the NaN in
+    assert all(torch.equal(a, b) for a, b in zip(after.at[6], after.at[3]))  # and is the snapshot's again
+    assert all(bool(torch.isfinite(t).all()) for step in after.at for t in after.at[step])
+    assert trainer.global_step == 12
+
+
 def test_swa_rolls_back_to_before_its_scheduler_was_swapped_in() -> None:
     # 8 batches an epoch: SWA starts with the second epoch (step 8), its SWALR in the first place; the NaN weight of
     # step 10 goes back to the snapshot of step 6, taken before SWA began, with no scheduler.
