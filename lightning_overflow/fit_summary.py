@@ -580,8 +580,13 @@ def _trials(trials: list[Event], by_kind: dict[str, list[Event]]) -> list[str]:
     if reshaped:
         outcome.append(f"{len(reshaped)} ended before a verdict when the model's parameters changed (as pruning "
                        "does): the state on the side no longer fitted the model")
-    if other:
-        outcome.append(f"{other} kept the run as it was (the remedy was no better)")
+    if other:  # a follow-up or a scheduled check that kept the run as it was; the fit's end may have cut it short
+        cut = sum(_cut_short(e) for e in trials if e not in kept and e not in false and e not in faulted
+                  and e not in reshaped)  # fmt: skip
+        if other - cut:
+            outcome.append(f"{other - cut} kept the run as it was (the remedy was no better)")
+        if cut:
+            outcome.append(f"{cut} kept the run as it was, cut short by the fit's end (too few steps to tell)")
     # A follow-up (rung 2 and on) tries the same suspicion again at a lower rate: one suspicion, several trials.
     suspicions = sum(str(e["details"].get("signal")) not in (SCHEDULED, REGROWTH) and e["details"].get("rung", 1) == 1
                      for e in trials)  # fmt: skip

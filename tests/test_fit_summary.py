@@ -256,6 +256,19 @@ def test_a_stall_trial_the_fits_end_cut_short_is_no_evidence_against_a_lower_rat
     ]
 
 
+def test_a_follow_up_the_fits_end_cut_short_is_not_said_to_have_found_the_remedy_no_better() -> None:
+    """A lower-rate follow-up cut at 4 of its 20 steps, both remedies ahead on the batches it had: the summary said
+    it "kept the run as it was (the remedy was no better)"."""
+    follow_up = {"step": 100, "kind": "trial", "epoch": 0, "source": "x", "message": "", "details": {
+        "signal": "loss_divergence", "opened_at": 96, "kept": False, "false_alarm": False, "rung": 2, "extra_steps": 8,
+        "steps": 4, "planned_steps": 20, "comparisons": []}}
+    assert plain_lines([follow_up]) == [
+        "1 lower-rate follow-up tried against doing nothing on the same unseen batches (the loss settled far above its "
+        "best): 1 kept the run as it was, cut short by the fit's end (too few steps to tell); the trials cost 8 extra "
+        "steps of compute"
+    ]
+
+
 def test_a_healthy_run_says_nothing(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
         fit(TinyRegressor(), [NonFiniteDetector()], max_steps=60, default_root_dir=tmp_path)
