@@ -223,8 +223,8 @@ class Candidate:
             for name, tensor in live.items():
                 side[name], tensor.data = tensor.data, side[name]
         for name, owner in _with_extra_state(module):
-            if name in self.extra:
-                live_extra = owner.get_extra_state()
+            if name in self.extra:  # a copy: get_extra_state may return the object set_extra_state then updates
+                live_extra = copy.deepcopy(owner.get_extra_state())
                 owner.set_extra_state(self.extra[name])
                 self.extra[name] = live_extra
 

@@ -446,10 +446,32 @@ class Weighting(nn.Module):
         self.coefficient = state["coefficient"]
 
 
-class ScheduledWeighting(TinyRegressor):
+class WeightingInPlace(Weighting):
+    """The same, its own dict returned and updated in place: what ``get_extra_state`` returned changes with it."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.weighting = Weighting()
+        self.state = {"coefficient": 1.0}
+
+    @property  # type: ignore[override]
+    def coefficient(self) -> float:
+        return self.state["coefficient"]
+
+    @coefficient.setter
+    def coefficient(self, value: float) -> None:
+        self.__dict__.setdefault("state", {})["coefficient"] = value
+
+    def get_extra_state(self) -> dict[str, float]:
+        return self.state
+
+    def set_extra_state(self, state: dict[str, float]) -> None:
+        self.state.update(state)
+
+
+class ScheduledWeighting(TinyRegressor):
+    def __init__(self, weighting: type[Weighting] = Weighting) -> None:
+        super().__init__()
+        self.weighting = weighting()
 
     def on_train_epoch_start(self) -> None:
         if self.current_epoch == 4:  # step 32
@@ -459,13 +481,15 @@ class ScheduledWeighting(TinyRegressor):
         return self.weighting.coefficient * super().training_step(batch, batch_idx)
 
 
-def test_a_false_alarm_leaves_the_modules_extra_state_as_the_run_left_it() -> None:
+@pytest.mark.parametrize("weighting", [Weighting, WeightingInPlace])
+def test_a_false_alarm_leaves_the_modules_extra_state_as_the_run_left_it(weighting: type[Weighting]) -> None:
     """A trial opened at step 35 from the snapshot of step 30 restored the snapshot's extra state into the run to build
-    its remedy, and nothing put the run's back: the run trained on with the weighting its schedule had replaced."""
+    its remedy, and nothing put the run's back: the run trained on with the weighting its schedule had replaced. A
+    module whose ``get_extra_state`` returns the object its ``set_extra_state`` updates needs a copy of it kept."""
     runs = []
     for suite in ([], [Suspect(35), LRBackoff(), Rollback(every_n_steps=10)]):
         torch.manual_seed(0)
-        model = ScheduledWeighting()
+        model = ScheduledWeighting(weighting)
         fit(model, suite, max_steps=64)
         runs.append((weights(model.net), model.weighting.coefficient))
     assert runs[0][1] == runs[1][1] == 0.25

@@ -164,8 +164,8 @@ def _magnitude(tensor: Tensor) -> Tensor:
     """The largest finite ``|value|`` of ``tensor`` in FP32 terms, as a 0-d float64 tensor. Its inf/NaN are left out:
     the probe reads healthy steps only, whose loss they never reached (nequip fills the stress of a molecule without
     a cell with NaN, and no loss reads it). A float64 output is measured against its own range, scaled to FP32's."""
-    magnitude = tensor.detach().abs()
-    largest = torch.where(torch.isfinite(magnitude), magnitude, 0).amax().double()
+    magnitude = tensor.detach().abs()  # a new tensor: filled in place
+    largest = magnitude.masked_fill_(~torch.isfinite(magnitude), 0).amax().double()
     if tensor.dtype == torch.float64:
         largest = largest * (FP32_MAX / torch.finfo(torch.float64).max)
     return largest
