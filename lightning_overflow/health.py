@@ -567,7 +567,9 @@ class HealthBoard:
         return any(kind in getattr(p, "triggers", ()) for p in self.participants)
 
     def start_training(self, trainer: pl.Trainer) -> None:
-        """Once the optimizers exist (``on_train_start``): whether this fit can run trials."""
+        """Once the optimizers exist (``on_train_start``): whether this fit can run trials; and the buffers' constants
+        and placeholders as the fit starts, before a forward pass wrote into them."""
+        self.constants(trainer)
         withdrawn = self.trials.configure(self._trial_config[1] if self._trial_config is not None else None, trainer)
         if withdrawn and trainer.global_rank == 0:
             log.info(f"lightning_overflow: {withdrawn}")
@@ -876,6 +878,8 @@ class HealthBoard:
             self._held.restore()
         self._closure_start.put_back()
         self._metric_copy.end_batch()
+        if self._constants is not None and self._constants.placeholders:  # a buffer the steps write is no placeholder
+            self._constants.forget_placeholders(name for name, _, _ in self._buffers.written())
         if self._skipped_in_batch and not pl_module.automatic_optimization:
             _compat.put_back_nonfinite_epoch_sums(trainer, self._epoch_sums)
             self._metric_copy.put_back_nonfinite()

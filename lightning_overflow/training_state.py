@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -362,16 +362,18 @@ class NonFiniteConstants:
     Use :meth:`record` at the start of the fit and :meth:`learn` before each check; :func:`nonfinite_flags` then
     accepts those values where they were, and nowhere else. A buffer is seen first when the fit starts, or when it
     appears or changes shape during the fit (a causal mask built on the first forward, or rebuilt for a longer
-    sequence): its infs then are constants too. A NaN a buffer held at the first record is a placeholder for a value
-    not computed yet (anomalib's thresholds and normalization bounds are ``nan`` until validation computes them); a
-    NaN anywhere else, or in a buffer seen later (a statistic computed from a bad batch), is corruption. Parameters
-    are never recorded: they stay strictly checked.
+    sequence): its infs then are constants too. A NaN a buffer held at the first record (the fit's start) is a
+    placeholder for a value not computed yet (anomalib's thresholds and normalization bounds are ``nan`` until
+    validation computes them); a NaN anywhere else, in a buffer seen later (a statistic computed from a bad batch), or
+    in a running statistic every training forward updates (BatchNorm's), is corruption. Parameters are never
+    recorded: they stay strictly checked.
     """
 
     def __init__(self, patterns: Mapping[str, tuple[Tensor, Tensor, Tensor]] | None = None) -> None:
         self._patterns = dict(patterns or {})
         self._shapes: dict[str, torch.Size] = {path: masks[0].shape for path, masks in self._patterns.items()}
         self._seen_once = bool(self._patterns)
+        self._placeholders: set[str] = set()  # the paths whose NaN masks are set (known without a host read)
 
     @classmethod
     def record(cls, model_state: Mapping[str, Any], parameter_names: Iterable[str]) -> NonFiniteConstants:
@@ -397,9 +399,13 @@ class NonFiniteConstants:
     def learn(self, module: torch.nn.Module) -> None:
         """Record the buffers of ``module`` that appeared or changed shape since the last record (one host read
         when there are any; nothing read otherwise). Entered by every rank alike: it needs no collective."""
-        self._see(module.state_dict(), {name for name, _ in module.named_parameters(remove_duplicate=False)})
+        statistics = {f"{name}.{key}" if name else key
+                      for name, m in module.named_modules() if getattr(m, "track_running_stats", False)
+                      for key in ("running_mean", "running_var")}  # fmt: skip
+        self._see(module.state_dict(), {name for name, _ in module.named_parameters(remove_duplicate=False)},
+                  statistics)
 
-    def _see(self, model_state: Mapping[str, Any], parameters: set[str]) -> None:
+    def _see(self, model_state: Mapping[str, Any], parameters: set[str], statistics: Collection[str] = ()) -> None:
         new = [
             (path, t.detach())
             for path, t in named_state_tensors(model_state)
@@ -410,18 +416,30 @@ class NonFiniteConstants:
         if not new:
             return
         device = new[0][1].device
-
-        def held(t: Tensor) -> Tensor:
-            return ~torch.isfinite(t) if first else torch.isinf(t)
-
-        flags = torch.stack([held(t).any().to(device) for _, t in new]).tolist()
-        for (path, t), flag in zip(new, flags):
+        # Two flags a tensor, one read: it holds an inf; it holds a NaN that may be a placeholder.
+        flags = torch.stack([
+            torch.stack([torch.isinf(t).any(), torch.isnan(t).any() & (first and path not in statistics)]).to(device)
+            for path, t in new
+        ]).tolist()  # fmt: skip
+        for (path, t), (inf, nan) in zip(new, flags):
             self._shapes[path] = t.shape
-            if flag:
-                missing = torch.isnan(t) if first else torch.zeros_like(t, dtype=torch.bool)
+            self._placeholders.discard(path)
+            if inf or nan:
+                missing = torch.isnan(t) if nan else torch.zeros_like(t, dtype=torch.bool)
                 self._patterns[path] = (torch.isposinf(t), torch.isneginf(t), missing)
+                if nan:
+                    self._placeholders.add(path)
             else:
                 self._patterns.pop(path, None)
+
+    def forget_placeholders(self, written: Iterable[str]) -> None:
+        """A buffer a training step wrote is no placeholder: a value not computed yet is computed elsewhere (at a
+        validation's end), and a NaN a step keeps writing (a running mean resumed from a damaged checkpoint) is a
+        fault. No host read."""
+        for path in self._placeholders.intersection(written):
+            self._placeholders.discard(path)
+            positive, negative, missing = self._patterns[path]
+            self._patterns[path] = (positive, negative, torch.zeros_like(missing))
 
     @property
     def paths(self) -> list[str]:
@@ -429,7 +447,7 @@ class NonFiniteConstants:
 
     @property
     def placeholders(self) -> list[str]:
-        return [path for path, masks in self._patterns.items() if bool(masks[2].any())]
+        return [path for path in self._patterns if path in self._placeholders]
 
     def without_constants(self, path: str, tensor: Tensor) -> Tensor:
         """``tensor`` with its recorded infs and NaNs set to 0 (no host read); ``tensor`` itself when it has none

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lightning_overflow import default_callbacks
+from lightning_overflow import NonFiniteError, default_callbacks, read_journal
 from lightning_overflow._compat import Callback
 from lightning_overflow.callbacks.nonfinite_detector import NonFiniteDetector
 from lightning_overflow.callbacks.rollback import Rollback
@@ -228,6 +228,56 @@ def test_a_nan_placeholder_buffer_is_no_fault_and_a_nan_anywhere_else_is(caplog:
     assert nonfinite_parts(module.state_dict(), [], constants) == ([], [])
     module.net[0].bias.data[0] = float("nan")  # a parameter is never a placeholder
     assert nonfinite_parts(module.state_dict(), [], constants) == (["net.0.bias"], [])
+
+
+class TracksInputMean(TinyRegressor):
+    """A running mean of the inputs kept for inference, which the loss leaves out rows with missing (NaN) features
+    from: a NaN row writes NaN into the buffer and leaves the loss finite."""
+
+    def __init__(self, poisoned: tuple[int, ...]) -> None:
+        super().__init__()
+        self.register_buffer("x_mean", torch.zeros(4))
+        self.poisoned = poisoned
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step in self.poisoned:
+            batch[0][2, 0] = float("nan")
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        with torch.no_grad():
+            self.x_mean.mul_(0.9).add_(0.1 * x.mean(0))
+        keep = torch.isfinite(x).all(1)
+        return nn.functional.mse_loss(self(x[keep]), y[keep])
+
+
+def test_a_nan_the_first_forward_writes_or_a_running_statistic_holds_is_no_placeholder(tmp_path: Any) -> None:
+    """Placeholders are what the fit starts with, outside the statistics every training forward updates: the first
+    record had come from the detector's check after step 0's forward, so the NaN it wrote into a buffer was taken for
+    one and the same fault at step 20 went unsaid; and a BatchNorm ``running_var`` NaN at the start was accepted."""
+    model = TracksInputMean(poisoned=(0, 20))
+    fit(model, [NonFiniteDetector()], max_steps=30, default_root_dir=str(tmp_path))
+    events = [(e["step"], e["kind"]) for e in read_journal(tmp_path / "overflow_events.jsonl")]
+    assert events == [(0, "data_fault"), (0, "skip"), (20, "data_fault"), (20, "skip")]
+    assert bool(torch.isfinite(model.x_mean).all())
+    normalised = TinyRegressor(batch_norm=True)
+    normalised.net[1].running_var[3] = float("nan")
+    assert NonFiniteConstants.of_module(normalised).placeholders == []
+    with pytest.raises(NonFiniteError, match=r"inf/NaN in net\.1\.running_var"):
+        fit(normalised, [NonFiniteDetector()], max_steps=4)
+
+
+def test_a_placeholder_a_training_step_writes_is_one_no_longer() -> None:
+    """A buffer the steps write (a running mean resumed from a damaged checkpoint) computes its value there: a NaN it
+    keeps is a fault, found by the next check."""
+    module = TracksInputMean(poisoned=())
+    module.x_mean.fill_(float("nan"))
+    constants = NonFiniteConstants.of_module(module)
+    assert constants.placeholders == ["x_mean"] and nonfinite_parts(module.state_dict(), [], constants) == ([], [])
+    constants.forget_placeholders(["net.0.weight", "x_mean"])
+    assert constants.placeholders == [] and nonfinite_parts(module.state_dict(), [], constants) == (["x_mean"], [])
 
 
 class LazyMaskLM(TinyCausalLM):
