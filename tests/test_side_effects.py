@@ -431,6 +431,26 @@ def test_a_trial_and_a_diagnosis_read_the_batch_as_the_loader_gave_it_when_the_m
     assert (fault["step"], fault["details"]["data"], fault["details"]["rows"]) == (5, "batch 5 holds NaN in row 2", [2])
 
 
+class PutsNaNIntoItsBatch(WritesIntoItsBatch):
+    """Its own ``on_train_batch_start`` puts a new input with a NaN row into the batch at step 5 (a masking step that
+    builds a new tensor); Lightning calls it after the callbacks' own hook."""
+
+    def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if self.trainer.global_step == 5:
+            x = batch["x"].clone()
+            x[2, 0] = float("nan")
+            batch["x"] = x
+
+
+def test_the_batch_is_kept_as_training_step_receives_it_after_the_modules_own_hook(tmp_path: Any) -> None:
+    """The detector copied the batch in its own ``on_train_batch_start``: the module's hook then put the NaN into
+    the batch the step read, not into the copy, and the fault was blamed on the hardware ("the replay of this batch
+    stayed finite")."""
+    fit(PutsNaNIntoItsBatch(), [NonFiniteDetector()], max_steps=8, default_root_dir=str(tmp_path))
+    (fault,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "data_fault"]
+    assert (fault["step"], fault["details"]["data"], fault["details"]["rows"]) == (5, "batch 5 holds NaN in row 2", [2])
+
+
 class Weighting(nn.Module):
     """A loss weighting kept as extra state (``get_extra_state``), which the module's own schedule changes at an
     epoch's start, as nequip's ``LossCoefficientScheduler`` does."""

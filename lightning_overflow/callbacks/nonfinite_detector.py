@@ -3,12 +3,13 @@ where it came from; warn before the run reaches the FP32 limit."""
 
 from __future__ import annotations
 
+
 import functools
 import inspect
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NoReturn
 
 import pytorch_lightning as pl
@@ -292,8 +293,15 @@ class NonFiniteDetector(SuiteCallback):
             # FSDP reduces each layer's gradients from hooks on the layers' outputs: a stand-in loss that skips the
             # layers on one rank would leave the other ranks waiting in those collectives.
             return
-        guarded = guarded_training_step(pl_module, self._hear_faulted)
+        guarded = guarded_training_step(pl_module, self._hear_faulted, self._hear_batch)
         self._step_guard = (pl_module, guarded, _compat.replace_method(pl_module, "training_step", guarded))
+
+    def _hear_batch(self, batch: Any) -> None:
+        """The batch as ``training_step`` receives it, its containers copied (tensors shared): after the module's own
+        ``on_train_batch_start``, which may put new values into it, and before the step, which may write into it."""
+        self._batch = batch_copy(batch)
+        if self._kept is not None:
+            self._kept = replace(self._kept, batch=batch_copy(batch))
 
     def _hear_faulted(self, faulted: FaultedStep) -> bool:
         """Whether a step that raised on bad values is answered as an inf/NaN loss: not when answering it would end
@@ -334,11 +342,13 @@ class NonFiniteDetector(SuiteCallback):
     @override
     def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
-        # The batch's containers copied, its tensors shared (a model may write its outputs into its input dict): for
-        # the words of a data fault (manual optimization too), and for the replay, which runs before it is released.
-        self._batch = batch_copy(batch)
+        # For the words of a data fault (manual optimization too), and for the replay, which runs before the batch is
+        # released: its containers copied, its tensors shared (a model may write its outputs into its input dict), by
+        # the guarded training_step as the step receives it (_hear_batch); here where no guard is in place.
+        guarded = self._step_guard is not None
+        self._batch = batch if guarded else batch_copy(batch)
         if self.diagnose and pl_module.automatic_optimization:
-            self._kept = KeptBatch(batch_copy(batch), batch_idx, capture_rng())
+            self._kept = KeptBatch(batch if guarded else batch_copy(batch), batch_idx, capture_rng())
         if self._headroom is not None:
             self._headroom.on_batch_start(pl_module, int(trainer.global_step))
 
@@ -805,10 +815,11 @@ class NonFiniteDetector(SuiteCallback):
         state.pop("_keys", None)  # they name this instance (a copy is another)
 
 
-def guarded_training_step(module: torch.nn.Module, on_faulted: Any) -> types.MethodType:
+def guarded_training_step(module: torch.nn.Module, on_faulted: Any, on_batch: Any = None) -> types.MethodType:
     """The module's ``training_step`` for a fit: its own, with a step that a bad value broke (it raised, or returned a
     loss cut from the graph) answered as an inf/NaN loss (:mod:`lightning_overflow.faulted_steps`). On the run's own
-    steps (not a trial's or a replay's), ``on_faulted`` hears of each one and says whether to answer it.
+    steps (not a trial's or a replay's), ``on_faulted`` hears of each one and says whether to answer it, and
+    ``on_batch`` hears of each batch as ``training_step`` receives it (after the module's own batch hooks).
 
     A method bound to the module, so that it reads as the module's own wherever Lightning looks: ``__wrapped__`` is
     what the method was (Lightning unwraps once to read its code and its arguments, ``batch_idx`` and
@@ -824,6 +835,8 @@ def guarded_training_step(module: torch.nn.Module, on_faulted: Any) -> types.Met
     def training_step(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self is not live:  # a copy of the module, taken during the fit
             return type(self).training_step(self, *args, **kwargs)
+        if on_batch is not None and side_run() is None:
+            on_batch(args[0] if args else kwargs.get("batch"))
         if not getattr(self, "automatic_optimization", True):
             return answered_manually(lambda: own(*args, **kwargs), self, (args, kwargs), _answers)
         return answered_call(lambda: own(*args, **kwargs), self, (args, kwargs), _answers)
