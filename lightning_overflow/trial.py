@@ -72,7 +72,8 @@ class TrialConfig:
 
     What a trial costs, in ``"ab"`` mode: ``steps`` optimizer steps of compute per remedy (a forward, a backward and
     an optimizer step on the same batches), and one more copy of the weights, buffers and optimizer state per remedy
-    in device memory while it runs; ``"frozen"`` mode: ``steps`` forward passes and one copy.
+    in device memory while it runs (and of each weight average a callback keeps: an EMA, SWA); ``"frozen"`` mode:
+    ``steps`` forward passes and one copy.
     """
 
     steps: int = 20
