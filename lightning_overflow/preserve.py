@@ -32,6 +32,8 @@ container and a clone of each plain tensor attribute; nothing for a module whose
 
 from __future__ import annotations
 
+import abc
+import copy
 import functools
 import random
 import sys
@@ -113,20 +115,33 @@ class RngState:
 
 
 def batch_copy(batch: Any) -> Any:
-    """``batch`` with its containers (dicts, lists, tuples, named tuples, dataclasses) copied and its tensors shared:
-    what ``training_step`` writes into the copy (a model that puts its outputs into its input dict) leaves the
-    original as the loop will read it. Objects of other classes are shared as they are, and so is a batch whose
-    containers cannot be rebuilt so (a mapping whose constructor takes other arguments)."""
+    """``batch`` with its containers (dicts, lists, tuples, named tuples, dataclasses) and records (:class:`_Record`:
+    a PyTorch Geometric ``Data``/``Batch``) copied, and its tensors shared: what ``training_step`` writes into the
+    copy (a model that puts its outputs into its input dict, ``data.x = self.encoder(data.x)``) leaves the original
+    as the loop will read it. Objects of other classes are shared as they are, and so is a batch whose containers
+    cannot be rebuilt so (a mapping whose constructor takes other arguments)."""
     if isinstance(batch, Tensor):
         return batch
     try:
-        return apply_to_collection(batch, Tensor, _same)
+        return apply_to_collection(batch, (Tensor, _Record), _leaf_copy)
     except Exception:  # noqa: BLE001  (Lightning's own transfer rebuilds the batches it moves the same way)
         return batch
 
 
-def _same(tensor: Tensor) -> Tensor:
-    return tensor
+class _Record(abc.ABC):
+    """A batch element that copies itself shallowly and gives itself as a dict (``__copy__`` and ``to_dict``, as
+    PyTorch Geometric's ``Data`` does): copied with ``copy.copy``, its tensors shared."""
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> bool:
+        if issubclass(other, Tensor):
+            return NotImplemented  # type: ignore[return-value]
+        copies = any("__copy__" in vars(base) for base in other.__mro__[:-1])
+        return True if copies and callable(getattr(other, "to_dict", None)) else NotImplemented  # type: ignore[return-value]
+
+
+def _leaf_copy(value: Any) -> Any:
+    return value if isinstance(value, Tensor) else copy.copy(value)
 
 
 def capture_rng() -> RngState:

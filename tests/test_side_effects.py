@@ -451,6 +451,65 @@ def test_the_batch_is_kept_as_training_step_receives_it_after_the_modules_own_ho
     assert (fault["step"], fault["details"]["data"], fault["details"]["rows"]) == (5, "batch 5 holds NaN in row 2", [2])
 
 
+class Graphs:
+    """A batch record as PyTorch Geometric's ``Batch`` is one: attributes kept in a store of its own, ``to_dict()``,
+    and a shallow ``__copy__`` (its tensors shared)."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.__dict__["_store"] = dict(tensors)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self.__dict__["_store"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: torch.Tensor) -> None:
+        self._store[name] = value
+
+    def __copy__(self) -> Graphs:
+        return Graphs(**self._store)
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self._store)
+
+
+class EncodesItsBatch(TinyRegressor):
+    """``data.x = self.encoder(data.x)``, the PyG idiom: the step writes its encoding into the batch record."""
+
+    def __init__(self, nan_at: int | None = None) -> None:
+        super().__init__()
+        self.nan_at = nan_at
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, collate_fn=lambda rows: Graphs(
+            x=torch.stack([r[0] for r in rows]), y=torch.stack([r[1] for r in rows])))  # fmt: skip
+
+    def on_train_batch_start(self, batch: Graphs, batch_idx: int) -> None:
+        if self.trainer.global_step == self.nan_at:
+            batch.x[2, 0] = float("nan")
+
+    def training_step(self, batch: Graphs, batch_idx: int) -> torch.Tensor:
+        batch.x = self.net[:2](batch.x)
+        return nn.functional.mse_loss(self.net[2:](batch.x), batch.y)
+
+
+def test_a_batch_record_is_copied_for_each_run_and_read_for_its_bad_values(tmp_path: Any) -> None:
+    """A PyTorch Geometric batch was shared by the candidates and the loop (the loop's backward ran through a
+    candidate's freed graph once a trial opened), and its NaN was never seen: each step read as the model's fault,
+    and a few NaN graphs ended the fit in DivergenceError."""
+    runs = []
+    for suite in ([], [Suspect(20), LRBackoff(), Rollback(every_n_steps=10)]):
+        torch.manual_seed(0)
+        model = EncodesItsBatch()
+        fit(model, suite, max_steps=48)
+        runs.append(weights(model))
+    assert_bit_identical(runs[0], runs[1])
+    fit(EncodesItsBatch(nan_at=5), [NonFiniteDetector()], max_steps=8, default_root_dir=str(tmp_path))
+    (fault,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "data_fault"]
+    assert (fault["step"], fault["details"]["data"], fault["details"]["rows"]) == (5, "batch 5 holds NaN in row 2", [2])
+
+
 class Weighting(nn.Module):
     """A loss weighting kept as extra state (``get_extra_state``), which the module's own schedule changes at an
     epoch's start, as nequip's ``LossCoefficientScheduler`` does."""

@@ -413,13 +413,21 @@ def _nonfinite_number(value: Any, depth: int = 0) -> bool:
 
 
 def _members(value: Any) -> list[Any]:
-    """The items of a collection a batch is made of (empty for anything else: no object is walked blindly)."""
+    """The items of a collection a batch is made of, and of a record that gives itself as a dict (``to_dict()``: a
+    PyTorch Geometric ``Data``/``Batch``); empty for anything else: no object is walked blindly."""
     if isinstance(value, (list, tuple)):
         return list(value)
     if isinstance(value, Mapping):
         return list(value.values())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    to_dict = getattr(type(value), "to_dict", None)
+    if callable(to_dict) and not isinstance(value, type | Tensor):
+        try:
+            items = value.to_dict()
+        except Exception:  # noqa: BLE001  (a to_dict of another meaning, or one that needs arguments: not walked)
+            return []
+        return list(items.values()) if isinstance(items, Mapping) else []
     return []
 
 
