@@ -44,7 +44,7 @@ from lightning_overflow.callback_state import StateReader, versioned
 from lightning_overflow.callbacks._base import ROLLBACK, SuiteCallback
 from lightning_overflow.diagnosis.hints import divergence_hint
 from lightning_overflow.distributed import flags_by_rank, objects_by_rank
-from lightning_overflow.events import WarningCache
+from lightning_overflow.events import WarningCache, log
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError, RollbackError
 from lightning_overflow.health import MAX_NAMES
 from lightning_overflow.numerics.lr_scaling import group_rates
@@ -381,6 +381,11 @@ class Rollback(SuiteCallback):
         refused = self._take(trainer, start=True, keep=bool(self._before_restart), counting=resumed)
         if refused is not None:
             self._warnings.warn("start", refused.reason)
+        if resumed and self._files is None and self._fit_start > 0 and trainer.global_rank == 0:
+            log.info(f"Rollback: this fit resumed at step {self._fit_start}; the snapshots of the fit it resumes were "
+                     "kept in memory and are gone, so the oldest state a rollback can return to is the one it resumed "
+                     "from. Rollback(dirpath=...) (default_callbacks(dirpath=...)) keeps them in files a resumed fit "
+                     "reads.")
 
     def _count_healthy(self, trainer: pl.Trainer, steps: int) -> None:
         self._healthy += steps
