@@ -568,7 +568,9 @@ def nonfinite_parts(
     with ``labels``, ``"state.0.exp_avg_sq"`` without). One host read; for messages, off the hot path.
 
     Args:
-        labels: for each optimizer, its parameter names in ``state_dict`` order (see :func:`optimizer_labels`).
+        labels: for each optimizer, its parameter names in ``state_dict`` order (see :func:`optimizer_labels`); the
+            parameters among the model state's names then come first (a message quotes the first few: SWAG's twenty
+            buffers, registered before them, hid the parameters that held the NaN).
     """
     constants = constants or NonFiniteConstants()
     weights = named_state_tensors(model_state)
@@ -579,6 +581,9 @@ def nonfinite_parts(
     ]
     checked = [constants.without_constants(path, t) for path, t in weights]
     weight_names = [weights[i][0] for i in nonfinite_indices(checked)]
+    if labels is not None:
+        trained = {name for names in labels for name in names}
+        weight_names.sort(key=lambda name: name not in trained)  # stable: the parameters first, each in its order
     checked_moments = [without_tolerated_infinity(t) for _, t in moments]
     state_names = [moments[i][0] for i in nonfinite_indices(checked_moments, scalars=False)]
     return weight_names, state_names

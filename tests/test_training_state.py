@@ -29,6 +29,7 @@ from lightning_overflow.training_state import (
     check_state,
     nonfinite_flags,
     nonfinite_parts,
+    optimizer_labels,
     restorable,
     restore_module_,
 )
@@ -278,6 +279,28 @@ def test_a_placeholder_a_training_step_writes_is_one_no_longer() -> None:
     assert constants.placeholders == ["x_mean"] and nonfinite_parts(module.state_dict(), [], constants) == ([], [])
     constants.forget_placeholders(["net.0.weight", "x_mean"])
     assert constants.placeholders == [] and nonfinite_parts(module.state_dict(), [], constants) == (["x_mean"], [])
+
+
+def test_the_parameters_that_hold_nan_are_named_before_the_buffers() -> None:
+    """SWAG registers its moments as buffers before the parameters: the message quoted five buffers and hid the
+    parameter that held the NaN behind "+N more"."""
+
+    class Moments(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for i in range(6):
+                self.register_buffer(f"moment_{i}", torch.full((2,), float("nan")))
+            self.linear = nn.Linear(2, 1)
+
+    module = Moments()
+    module.moment_0.fill_(0.0)  # the first buffer finite; five NaN at this check (no constants recorded)
+    with torch.no_grad():
+        module.linear.weight[0, 0] = float("nan")
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    weights, _ = nonfinite_parts(module.state_dict(), [optimizer.state_dict()], None,
+                                 optimizer_labels(module, [optimizer]))  # fmt: skip
+    assert weights == ["linear.weight", "moment_1", "moment_2", "moment_3", "moment_4", "moment_5"]
+    assert nonfinite_parts(module.state_dict(), [])[0][0] == "moment_1"  # without labels: state order
 
 
 class LazyMaskLM(TinyCausalLM):
