@@ -606,16 +606,22 @@ def test_a_resumed_fit_none_of_whose_files_can_be_used_rolls_back_to_the_state_i
     """Both files its checkpoint lists are damaged (a shared dirpath, a bad disk): the resumed fit, which had checked
     the state it started from but kept no copy of it, raised ``RollbackError`` where the same resume without files
     goes back to that state. It keeps that state now as the last resort."""
-    ckpt = _resumable_with_damaged_files(tmp_path)
+    trainer = _resumed_back_to_the_state_it_started_from(tmp_path, _resumable_with_damaged_files(tmp_path),
+                                                         warned="cannot be used")  # fmt: skip
+    assert trainer.global_step == 6 and all_finite(weights(trainer.lightning_module))
+
+
+def _resumed_back_to_the_state_it_started_from(tmp_path: Path, ckpt: Path, warned: str) -> pl.Trainer:
+    """Resume ``ckpt`` with NaN weights at step 4 (``warned`` of its files); assert that the one rollback went back to
+    the state the resumed fit started from, kept in memory."""
     probe = Probe()
     rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
     trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(4)], max_steps=6)
-    with pytest.warns(OverflowWarning, match="cannot be used"):
+    with pytest.warns(OverflowWarning, match=warned):
         trainer.fit(TinyRegressor(), ckpt_path=ckpt)
     assert [(h["step"], h["snapshot_step"], h["source"]) for h in rollback.history] == [(5, 4, "memory")]
-    started = torch.load(ckpt, weights_only=False)["state_dict"]
-    assert_bit_identical(probe.at[5]["weights"], started)
-    assert trainer.global_step == 6 and all_finite(weights(trainer.lightning_module))
+    assert_bit_identical(probe.at[5]["weights"], torch.load(ckpt, weights_only=False)["state_dict"])
+    return trainer
 
 
 def _resumable_with_damaged_files(tmp_path: Path) -> Path:
@@ -662,14 +668,9 @@ def test_a_file_whose_write_failed_is_never_taken_for_this_runs_though_another_r
     torch.manual_seed(1)
     fit(TinyRegressor(lr=0.05), [Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")], max_steps=4)
     assert (tmp_path / "snaps" / SNAP.format(4)).exists()  # the other run's
-    probe = Probe()
-    rollback = Rollback(every_n_steps=2, dirpath=tmp_path / "snaps")
-    trainer = make_trainer([NonFiniteDetector(), rollback, probe, nan_at(4)], max_steps=6)
-    with pytest.warns(OverflowWarning, match="this run's write of the snapshot of step 4 failed"):
-        trainer.fit(TinyRegressor(), ckpt_path=ckpt)
     # Its file of step 2 was written over too: the state it resumed from is the one left.
-    assert [(h["step"], h["snapshot_step"], h["source"]) for h in rollback.history] == [(5, 4, "memory")]
-    assert_bit_identical(probe.at[5]["weights"], torch.load(ckpt, weights_only=False)["state_dict"])
+    _resumed_back_to_the_state_it_started_from(tmp_path, ckpt,
+                                               warned="this run's write of the snapshot of step 4 failed")
 
 
 def _without_digests(ckpt: Path) -> None:

@@ -169,17 +169,29 @@ class SharedScale(TinyRegressor):
         return super().training_step((x * self.enc.scale * self.dec.scale, y), batch_idx)
 
 
+def _without_and_with_a_false_alarm(make: Any, suspected_at: int, max_steps: int) -> list[Any]:
+    """The module ``make()`` builds, fitted bare and with a suspicion at ``suspected_at`` that a healthy run's trial
+    finds false (the remedies from the snapshot every 10 steps), from the same seed."""
+    models = []
+    for suite in ([], [Suspect(suspected_at), LRBackoff(), Rollback(every_n_steps=10)]):
+        torch.manual_seed(0)
+        model = make()
+        fit(model, suite, max_steps=max_steps)
+        models.append(model)
+    return models
+
+
+def _the_data_fault(tmp_path: Any) -> tuple[int, str, list[int]]:
+    """The step, the words and the rows of the fit's one data fault, from its journal."""
+    (fault,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "data_fault"]
+    return fault["step"], fault["details"]["data"], fault["details"]["rows"]
+
+
 def test_a_shared_buffer_one_slot_of_which_is_reassigned_during_a_trial_stays_in_both_slots() -> None:
     """The candidates were captured with the shared tensor under one of its names only: once the other slot held
     a tensor of its own, it looked registered since, and swapping the run back deleted it (``AttributeError`` at
     the run's next step). Every slot is the run's own again, and the run ends as the bare run does."""
-    runs = []
-    for suite in ([], [Suspect(30), LRBackoff(), Rollback(every_n_steps=10)]):
-        torch.manual_seed(0)
-        model = SharedScale(dropout=0.2)
-        fit(model, suite, max_steps=80)
-        runs.append(model)
-    bare, model = runs
+    bare, model = _without_and_with_a_false_alarm(lambda: SharedScale(dropout=0.2), 30, max_steps=80)
     assert [name for name, _ in model.named_buffers()] == ["enc.scale", "dec.scale"]
     assert_bit_identical(weights(model), weights(bare))
 
@@ -413,13 +425,8 @@ def test_a_trial_and_a_diagnosis_read_the_batch_as_the_loader_gave_it_when_the_m
     backward ran through the candidate's freed graph (``RuntimeError: Trying to backward through the graph a second
     time``) at the trial's first step. A false alarm now leaves the run bit-identical to the run without the suite;
     and a NaN target is named a data fault, where the words read the prediction written over it."""
-    runs = []
-    for suite in ([], [Suspect(20), LRBackoff(), Rollback(every_n_steps=10)]):
-        torch.manual_seed(0)
-        model = WritesIntoItsBatch()
-        fit(model, suite, max_steps=48)
-        runs.append(weights(model))
-    assert_bit_identical(runs[0], runs[1])
+    bare, tried = _without_and_with_a_false_alarm(WritesIntoItsBatch, 20, max_steps=48)
+    assert_bit_identical(weights(bare), weights(tried))
 
     class NaNTarget(WritesIntoItsBatch):
         def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -427,8 +434,7 @@ def test_a_trial_and_a_diagnosis_read_the_batch_as_the_loader_gave_it_when_the_m
                 batch["y"][2] = float("nan")
 
     fit(NaNTarget(), [NonFiniteDetector()], max_steps=8, default_root_dir=str(tmp_path))
-    (fault,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "data_fault"]
-    assert (fault["step"], fault["details"]["data"], fault["details"]["rows"]) == (5, "batch 5 holds NaN in row 2", [2])
+    assert _the_data_fault(tmp_path) == (5, "batch 5 holds NaN in row 2", [2])
 
 
 class PutsNaNIntoItsBatch(WritesIntoItsBatch):
@@ -447,8 +453,7 @@ def test_the_batch_is_kept_as_training_step_receives_it_after_the_modules_own_ho
     the batch the step read, not into the copy, and the fault was blamed on the hardware ("the replay of this batch
     stayed finite")."""
     fit(PutsNaNIntoItsBatch(), [NonFiniteDetector()], max_steps=8, default_root_dir=str(tmp_path))
-    (fault,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "data_fault"]
-    assert (fault["step"], fault["details"]["data"], fault["details"]["rows"]) == (5, "batch 5 holds NaN in row 2", [2])
+    assert _the_data_fault(tmp_path) == (5, "batch 5 holds NaN in row 2", [2])
 
 
 class Graphs:
@@ -498,16 +503,10 @@ def test_a_batch_record_is_copied_for_each_run_and_read_for_its_bad_values(tmp_p
     """A PyTorch Geometric batch was shared by the candidates and the loop (the loop's backward ran through a
     candidate's freed graph once a trial opened), and its NaN was never seen: each step read as the model's fault,
     and a few NaN graphs ended the fit in DivergenceError."""
-    runs = []
-    for suite in ([], [Suspect(20), LRBackoff(), Rollback(every_n_steps=10)]):
-        torch.manual_seed(0)
-        model = EncodesItsBatch()
-        fit(model, suite, max_steps=48)
-        runs.append(weights(model))
-    assert_bit_identical(runs[0], runs[1])
+    bare, tried = _without_and_with_a_false_alarm(EncodesItsBatch, 20, max_steps=48)
+    assert_bit_identical(weights(bare), weights(tried))
     fit(EncodesItsBatch(nan_at=5), [NonFiniteDetector()], max_steps=8, default_root_dir=str(tmp_path))
-    (fault,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "data_fault"]
-    assert (fault["step"], fault["details"]["data"], fault["details"]["rows"]) == (5, "batch 5 holds NaN in row 2", [2])
+    assert _the_data_fault(tmp_path) == (5, "batch 5 holds NaN in row 2", [2])
 
 
 class Weighting(nn.Module):
@@ -565,14 +564,9 @@ def test_a_false_alarm_leaves_the_modules_extra_state_as_the_run_left_it(weighti
     """A trial opened at step 35 from the snapshot of step 30 restored the snapshot's extra state into the run to build
     its remedy, and nothing put the run's back: the run trained on with the weighting its schedule had replaced. A
     module whose ``get_extra_state`` returns the object its ``set_extra_state`` updates needs a copy of it kept."""
-    runs = []
-    for suite in ([], [Suspect(35), LRBackoff(), Rollback(every_n_steps=10)]):
-        torch.manual_seed(0)
-        model = ScheduledWeighting(weighting)
-        fit(model, suite, max_steps=64)
-        runs.append((weights(model.net), model.weighting.coefficient))
-    assert runs[0][1] == runs[1][1] == 0.25
-    assert_bit_identical(runs[0][0], runs[1][0])
+    bare, tried = _without_and_with_a_false_alarm(lambda: ScheduledWeighting(weighting), 35, max_steps=64)
+    assert bare.weighting.coefficient == tried.weighting.coefficient == 0.25
+    assert_bit_identical(weights(bare.net), weights(tried.net))
 
 
 def test_batch_copy_copies_containers_shares_tensors_and_shares_what_it_cannot_rebuild() -> None:
