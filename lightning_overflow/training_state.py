@@ -120,7 +120,7 @@ def own_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer of the state this rank holds, for a check: a ``ZeroRedundancyOptimizer``'s local one (its own
     ``state_dict()`` raises until the ranks' parts are consolidated, a collective, and numbers the parameters of
     every rank)."""
-    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+    if _keeps_its_part(optimizer):
         return optimizer.optim  # type: ignore[attr-defined,no-any-return]
     return optimizer
 
@@ -128,10 +128,12 @@ def own_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def unrestorable_optimizer(optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
     """The class name of an optimizer whose state cannot be restored in place (each rank of a
     ``ZeroRedundancyOptimizer`` keeps its own part, in a layout of its own); ``None`` when every one can be."""
-    for optimizer in optimizers:
-        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-            return "ZeroRedundancyOptimizer"
-    return None
+    return next((type(o).__name__ for o in optimizers if _keeps_its_part(o)), None)
+
+
+def _keeps_its_part(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether each rank holds only its part of ``optimizer``'s state (a ``ZeroRedundancyOptimizer``)."""
+    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
 
 
 def restore_hint(unrestorable: str | None) -> str:

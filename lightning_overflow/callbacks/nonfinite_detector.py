@@ -301,7 +301,7 @@ class NonFiniteDetector(SuiteCallback):
         ``on_train_batch_start``, which may put new values into it, and before the step, which may write into it."""
         self._batch = batch_copy(batch)
         if self._kept is not None:
-            self._kept = replace(self._kept, batch=batch_copy(batch))
+            self._kept = replace(self._kept, batch=self._batch)
 
     def _hear_faulted(self, faulted: FaultedStep) -> bool:
         """Whether a step that raised on bad values is answered as an inf/NaN loss: not when answering it would end
@@ -343,12 +343,12 @@ class NonFiniteDetector(SuiteCallback):
     def _before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
         # For the words of a data fault (manual optimization too), and for the replay, which runs before the batch is
-        # released: its containers copied, its tensors shared (a model may write its outputs into its input dict), by
-        # the guarded training_step as the step receives it (_hear_batch); here where no guard is in place.
-        guarded = self._step_guard is not None
-        self._batch = batch if guarded else batch_copy(batch)
+        # released (one copy serves both: the words are read only on a step without a replay): its containers copied,
+        # its tensors shared (a model may write its outputs into its input dict), by the guarded training_step as the
+        # step receives it (_hear_batch); here where no guard is in place.
+        self._batch = batch if self._step_guard is not None else batch_copy(batch)
         if self.diagnose and pl_module.automatic_optimization:
-            self._kept = KeptBatch(batch if guarded else batch_copy(batch), batch_idx, capture_rng())
+            self._kept = KeptBatch(self._batch, batch_idx, capture_rng())
         if self._headroom is not None:
             self._headroom.on_batch_start(pl_module, int(trainer.global_step))
 
