@@ -262,6 +262,64 @@ def module_layout(module: Any) -> tuple[tuple[str, tuple[str, ...], tuple[str, .
     return tuple((name, tuple(m._parameters), tuple(m._buffers)) for name, m in module.named_modules())
 
 
+def parameter_names(module: Any) -> dict[int, str]:
+    """Each parameter's name, by the identity of the parameter (which a reparametrization keeps)."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def pruned_since(before: Mapping[int, str], module: Any) -> dict[str, str]:
+    """The parameters ``torch.nn.utils.prune`` reparametrized since ``before`` (:func:`parameter_names`) was read,
+    old name -> new: the same parameter, its values untouched, now ``<name>_orig`` beside a ``<name>_mask`` buffer
+    (``ModelPruning`` and every ``prune.*`` function do this). A parametrization is not among them: its ``original``
+    holds another representation of the weight (``right_inverse``), so an older state cannot be put into it.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 1)
+        >>> names = parameter_names(layer)
+        >>> _ = torch.nn.utils.prune.l1_unstructured(layer, "weight", amount=0.5)
+        >>> pruned_since(names, layer)
+        {'weight': 'weight_orig'}
+    """
+    buffers = {name for name, _ in module.named_buffers()}
+    renamed = {}
+    for name, p in module.named_parameters():
+        old = before.get(id(p))
+        if old is not None and name == old + "_orig" and old + "_mask" in buffers:
+            renamed[old] = name
+    return renamed
+
+
+def across_pruning(
+    saved: Mapping[str, Any], renamed: Mapping[str, str], live: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """A snapshot's model state (``saved``) in the layout of the live one after pruning (``renamed``, from
+    :func:`pruned_since`): each pruned weight under its new name, and the mask the model prunes with now (a host copy
+    of the live one) beside it, so a rollback returns the weights and keeps the pruning. ``None`` when the layouts
+    differ in anything else.
+
+    Example:
+        >>> saved = {"weight": torch.ones(2), "bias": torch.zeros(1)}
+        >>> live = {"bias": torch.zeros(1), "weight_orig": torch.ones(2), "weight_mask": torch.tensor([1.0, 0.0])}
+        >>> across_pruning(saved, {"weight": "weight_orig"}, live)["weight_mask"]
+        tensor([1., 0.])
+    """
+    was = {new: old for old, new in renamed.items()}
+    masks = {new.removesuffix("_orig") + "_mask" for new in renamed.values()}
+    carried: dict[str, Any] = type(saved)() if isinstance(saved, dict) else {}
+    for key, value in live.items():
+        if was.get(key, key) in saved:
+            carried[key] = saved[was.get(key, key)]
+        elif key in masks:
+            carried[key] = value.detach().to("cpu", copy=True)
+        else:
+            return None
+    if set(saved) - {was.get(key, key) for key in carried}:
+        return None  # the live model lost something the snapshot holds
+    if hasattr(live, "_metadata"):
+        carried._metadata = copy.deepcopy(live._metadata)  # type: ignore[attr-defined]
+    return carried
+
+
 def restorable(trainer: pl.Trainer, state: Any) -> str:
     """Why ``state`` cannot be restored into ``trainer``, or ``""`` when it can.
 

@@ -32,6 +32,7 @@ from lightning_overflow.exceptions import RollbackError
 from lightning_overflow.health import board_for
 from lightning_overflow.numerics.snapshots import restore_optimizer_, take_snapshot
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
+from lightning_overflow.training_state import restorable
 from test_trials import Sabotaged, Suspect
 
 
@@ -313,6 +314,26 @@ def test_a_model_that_pruning_reparametrized_is_snapshot_again_when_the_next_epo
     assert "net.0.weight_orig" in probe.at[13]["weights"]
     assert_bit_identical(probe.at[13]["weights"], probe.epoch_start[8])
     assert trainer.global_step == 24 and all_finite(weights(trainer.lightning_module))
+
+
+def test_the_snapshots_from_before_pruning_stay_rollback_targets_in_the_new_layout() -> None:
+    """Pruning at the first epoch's end (step 8) kept each parameter and renamed it: the snapshot of step 6 is put in
+    the new layout (its weights as ``weight_orig``, the mask the model prunes with now beside them) and kept behind
+    the one taken at step 8. It was dropped as unfit, so that the state right after pruning, whatever it was, became
+    the only rollback target (a run whose learning rate was too high rolled back into its divergence)."""
+    rollback = Rollback(every_n_steps=6)
+    probe = AverageProbe(None)
+    pruning = ModelPruning("l1_unstructured", amount=0.3, make_pruning_permanent=False)
+    trainer = fit(TinyRegressor(), [pruning, NonFiniteDetector(), rollback, probe], max_steps=10)
+
+    assert rollback.snapshot_steps == [6, 8]
+    carried, newest = (s.state["model"] for s in rollback._memory.snapshots)
+    assert list(carried) == list(newest) == list(trainer.lightning_module.state_dict())
+    assert restorable(trainer, rollback._memory.snapshots[0].state) == ""
+    for name in ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"):
+        assert torch.equal(carried[f"{name}_orig"], probe.at[6]["weights"][name])
+        assert torch.equal(carried[f"{name}_mask"], newest[f"{name}_mask"])
+    assert not bool(carried["net.0.weight_mask"].all())  # the mask prunes
 
 
 def test_a_trial_under_way_when_pruning_changes_the_layout_ends_with_the_run_as_it_is() -> None:

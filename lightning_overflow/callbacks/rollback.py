@@ -65,9 +65,13 @@ from lightning_overflow.training_state import (
     StateCheck,
     check_state,
     checked_weights,
+    across_pruning,
     live_state,
+    local_state,
     module_layout,
     nonfinite_parts,
+    parameter_names,
+    pruned_since,
     optimizer_labels,
     restorable,
     restore_,
@@ -219,6 +223,7 @@ class Rollback(SuiteCallback):
         self._resumed = False
         self._dropped = 0  # snapshots found unusable and dropped this fit
         self._layout: tuple[Any, ...] = ()  # the model's layout (module_layout) when the last snapshot was taken
+        self._names: dict[int, str] = {}  # and its parameters' names (parameter_names)
         self._warnings = WarningCache()
         self._validated = False  # a validation ran since the last training batch
         self._unscored: dict[str, Any] | None = None  # the last rollback of the epoch under way: step, epoch, target
@@ -395,21 +400,38 @@ class Rollback(SuiteCallback):
 
     def _retake_if_reshaped(self, trainer: pl.Trainer) -> None:
         """A callback changed the model's layout at an epoch's boundary or at a validation's end (``ModelPruning``
-        turns ``weight`` into ``weight_orig`` and ``weight_mask``; a parametrization moves a weight): no snapshot of
-        the old layout can be restored into it, so the state is snapshot now, before a fault needs one. The layout is
+        turns ``weight`` into ``weight_orig`` and ``weight_mask``; a parametrization moves a weight): the state is
+        snapshot now, before a fault needs one. Snapshots from before pruning are carried into the new layout behind
+        it; those of another layout change fit no more and are dropped when tried. The layout is
         the same on every rank, and so is the decision. Read first by the names alone (:func:`module_layout`): an
         epoch may be one step long."""
         newest = self._memory.snapshots[-1] if self._memory.snapshots else None
         if newest is None or self.board(trainer).trials.active:
             return
-        layout = module_layout(trainer.lightning_module)
+        module = trainer.lightning_module
+        layout = module_layout(module)
         if layout == self._layout:
             return
-        why_not = restorable(trainer, newest.state)  # "" when the newest snapshot still fits the new layout
-        if why_not:
+        if renamed := pruned_since(self._names, module):
+            self._carry_across_pruning(module, renamed)
+        # A snapshot of the state as the new layout holds it (its own mask), the carried ones older targets behind it.
+        if renamed or restorable(trainer, newest.state):
             self._take_or_answer(trainer)
         else:
-            self._layout = layout
+            self._layout, self._names = layout, parameter_names(module)
+
+    def _carry_across_pruning(self, module: pl.LightningModule, renamed: dict[str, str]) -> None:
+        """Pruning kept each parameter and renamed it: the snapshots in memory are put in the new layout, so the
+        states verified before it stay rollback targets (else the first snapshot after it, of whatever state the run
+        was in, would be the only one). A file is read in the layout it was written in, and is dropped if unfit."""
+        live = local_state(module.state_dict())
+        for snapshot in [*self._memory.snapshots, self._restart]:
+            if snapshot is None or snapshot.state is None:
+                continue
+            carried = across_pruning(snapshot.state["model"], renamed, live)
+            if carried is not None:
+                snapshot.state["model"] = carried
+                snapshot.owners = {_renamed_path(path, renamed): rank for path, rank in snapshot.owners.items()}
 
     def _take_or_answer(self, trainer: pl.Trainer) -> None:
         refused = self._take(trainer)
@@ -539,6 +561,7 @@ class Rollback(SuiteCallback):
         self._restart = None  # a snapshot of this fit's own from now on
         snapshot = self._memory.take(step, state, extras, held, owners)
         self._layout = module_layout(trainer.lightning_module)
+        self._names = parameter_names(trainer.lightning_module)
         if not counting:  # a new target: no retry of it yet
             self._last_target, self._last_settings, self._retries = None, (), 0
         if self._files is not None:
@@ -1037,3 +1060,9 @@ def _sharded_message(name: str) -> str:
         f"Rollback does not support {name}: {reason}. Use strategy='ddp', or ModelParallelStrategy with fully_shard "
         f"in configure_model (FSDP2), with a plain torch optimizer, or remove Rollback from the callbacks."
     )
+
+
+def _renamed_path(path: str, renamed: dict[str, str]) -> str:
+    """A split snapshot's tensor path (``model.<key>``) after pruning renamed its key."""
+    key = path.removeprefix("model.")
+    return f"model.{renamed[key]}" if path.startswith("model.") and key in renamed else path
