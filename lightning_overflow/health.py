@@ -80,11 +80,13 @@ from lightning_overflow.training_state import (
     StateCheck,
     check_state,
     checked_weights,
+    effective_weights,
     live_state,
     nonfinite_flags,
     optimizer_labels,
     own_optimizer,
     own_optimizer_state,
+    pruned_parameters,
     restore_hint,
     unrestorable_optimizer,
 )
@@ -408,9 +410,10 @@ def nonfinite_at_end(trainer: pl.Trainer, check: StateCheck, who: str = "lightni
     )
 
 
-def _silent(record: StepHealth) -> tuple[tuple[int, int] | None, list[str]]:
+def _silent(record: StepHealth, module: Any) -> tuple[tuple[int, int] | None, list[str]]:
     """``(gradient tensors exactly 0, tensors)`` of the step, and the names of a few of them where they are most (a
-    dead network: :class:`~lightning_overflow.fit_summary.LossEnding`); a host count over the norms already read."""
+    dead network: :class:`~lightning_overflow.fit_summary.LossEnding`); a host count over the norms already read.
+    A pruned tensor without gradient is left out: its mask holds it at 0 by design (read only where most are 0)."""
     norms = record.exact_grad_norms if record.exact_grad_norms is not None else (
         record.value("grad_norms") if record.has("grad_norms") else None)  # fmt: skip
     if norms is None:
@@ -418,7 +421,16 @@ def _silent(record: StepHealth) -> tuple[tuple[int, int] | None, list[str]]:
     zeros = norms.count(0.0)
     if zeros < DEAD_SHARE * len(norms):
         return (zeros, len(norms)), []
-    return (zeros, len(norms)), [n for n, v in zip(record.names, norms) if v == 0.0][:MAX_NAMES]
+    pruned = pruned_parameters(module)
+    if pruned:
+        kept = [(n, v) for n, v, p in zip(record.names, norms, record.params) if v != 0.0 or id(p) not in pruned]
+        norms, names = [v for _, v in kept], [n for n, _ in kept]
+        zeros = norms.count(0.0)
+        if zeros < DEAD_SHARE * len(norms):
+            return (zeros, len(norms)), []
+    else:
+        names = list(record.names)
+    return (zeros, len(norms)), [n for n, v in zip(names, norms) if v == 0.0][:MAX_NAMES]
 
 
 def metric_key(key: str, optimizer_index: int, n_optimizers: int) -> str:
@@ -552,7 +564,8 @@ class HealthBoard:
         self._said_of_weights = None
         if any(e.kind in _OF_THE_WEIGHTS for e in self.journal.events[len(events):]):
             params = list(trainer.lightning_module.parameters())
-            self._said_of_weights = None if any_sharded(params) else checksum(params).tolist()
+            self._said_of_weights = None if any_sharded(params) else checksum(effective_weights(
+                trainer.lightning_module)).tolist()  # fmt: skip
         # Suspicions nothing was left to answer: the journal says so, as the summary does.
         self._note_at_end(trainer, "left_alone", left_alone(events))
 
@@ -992,7 +1005,7 @@ class HealthBoard:
             participant._after_step(trainer, record, action)
         if record.optimizer_index == 0:
             loss = record.loss_mean if record.loss_seen else None
-            self.ending.add(record.step, loss, *_silent(record), norm=record.total_norm)
+            self.ending.add(record.step, loss, *_silent(record, pl_module), norm=record.total_norm)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> StepHealth:
         """The step's record with the gradients' norms (device values, read with the rest of the step's)."""
@@ -1171,7 +1184,7 @@ class HealthBoard:
         callback put other weights into the model after that (one that reloads the best checkpoint when training
         ends), say that those words are not of the weights the fit returns (every rank alike: same weights)."""
         said, self._said_of_weights = self._said_of_weights, None
-        if said is None or checksum(list(trainer.lightning_module.parameters())).tolist() == said:
+        if said is None or checksum(effective_weights(trainer.lightning_module)).tolist() == said:
             return
         message = ("after the fit's last step another callback put other weights into the model (one that reloads "
                    "the best checkpoint when training ends, as scvi-tools' SaveCheckpoint(load_best_on_end=True) and "

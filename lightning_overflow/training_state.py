@@ -97,6 +97,8 @@ __all__ = [
     "nonfinite_flags",
     "nonfinite_parts",
     "optimizer_labels",
+    "effective_weights",
+    "pruned_parameters",
     "own_optimizer",
     "restore_hint",
     "unrestorable_optimizer",
@@ -287,6 +289,40 @@ def pruned_since(before: Mapping[int, str], module: Any) -> dict[str, str]:
         if old is not None and name == old + "_orig" and old + "_mask" in buffers:
             renamed[old] = name
     return renamed
+
+
+def pruned_parameters(module: Any) -> set[int]:
+    """The parameters that ``torch.nn.utils.prune`` masks (``<name>_orig`` beside a ``<name>_mask`` buffer), by id."""
+    return {
+        id(p)
+        for m in module.modules()
+        for name, p in m._parameters.items()
+        if p is not None and name.endswith("_orig") and name.removesuffix("_orig") + "_mask" in m._buffers
+    }
+
+
+def effective_weights(module: Any) -> list[Tensor]:
+    """The weights ``module`` computes with, each module's by name: a pruned one as ``<name>_orig * <name>_mask``,
+    which is what making the pruning permanent writes into ``<name>``, so a checksum of them stays the same then.
+
+    Example:
+        >>> layer = torch.nn.utils.prune.l1_unstructured(torch.nn.Linear(2, 1), "weight", amount=0.5)
+        >>> pruned = effective_weights(layer)
+        >>> permanent = effective_weights(torch.nn.utils.prune.remove(layer, "weight"))
+        >>> [torch.equal(a, b) for a, b in zip(pruned, permanent)]
+        [True, True]
+    """
+    weights: list[Tensor] = []
+    for m in module.modules():
+        own: dict[str, Tensor] = {}
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            base = name.removesuffix("_orig")
+            mask = m._buffers.get(base + "_mask") if base != name else None
+            own[base] = p.detach() * mask if mask is not None else p.detach()
+        weights += [own[name] for name in sorted(own)]
+    return weights
 
 
 def across_pruning(

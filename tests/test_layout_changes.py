@@ -336,6 +336,42 @@ def test_the_snapshots_from_before_pruning_stay_rollback_targets_in_the_new_layo
     assert not bool(carried["net.0.weight_mask"].all())  # the mask prunes
 
 
+class PrunedTanh(pl.LightningModule):
+    """A tanh regression whose biases pruning masks to 0 (global L1 on every parameter, 30% an epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+        self.data = torch.utils.data.TensorDataset(x, x @ torch.randn(8, 1, generator=torch.Generator().manual_seed(1)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.body(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.data, batch_size=16)
+
+
+def test_a_healthy_pruned_run_is_neither_dead_nor_given_other_weights_at_its_end(tmp_path: Path) -> None:
+    """Pruning masks both biases to 0, so their gradients are exactly 0 from then on: the summary said "the network
+    died" (2 of its 4 tensors without gradient), then, as ModelPruning made the pruning permanent at the fit's end
+    (the same weights under their old names), that "another callback put other weights into the model"."""
+    runs = []
+    for suite in ([], default_callbacks()):
+        torch.manual_seed(0)
+        model = PrunedTanh()
+        trainer = fit(model, [*suite, ModelPruning("l1_unstructured", amount=0.3)], max_steps=-1, max_epochs=10,
+                      default_root_dir=str(tmp_path))  # fmt: skip
+        runs.append(model)
+    assert [float(p.abs().sum()) == 0.0 for p in runs[1].parameters()] == [False, True, False, True]
+    assert_bit_identical(weights(runs[1]), weights(runs[0]))
+    kinds = [e.kind for e in board_for(trainer).journal.events]
+    assert "ending" not in kinds and "weights_replaced" not in kinds
+
+
 def test_a_trial_under_way_when_pruning_changes_the_layout_ends_with_the_run_as_it_is() -> None:
     """Scheduled trials (every 5 steps, 20 steps long) are under way when ModelPruning turns each weight into
     weight_orig and weight_mask at the first epoch's end (step 8), and when it makes the pruning permanent as the fit
