@@ -58,6 +58,7 @@ from torch import Tensor
 from lightning_overflow import _compat
 from lightning_overflow.distributed import world
 from lightning_overflow.numerics import tensor_norms
+from lightning_overflow.numerics._float64 import summed_loss
 from lightning_overflow.numerics.lr_scaling import HELD, scale_group
 from lightning_overflow.preserve import (
     ModuleAttributes,
@@ -411,7 +412,7 @@ class Candidate:
         args = (batch, batch_idx) if takes_batch_idx(module) else (batch,)
         with trainer.precision_plugin.train_step_context():
             loss = loss_of(module.training_step(*args))
-        value = float(loss.detach().float().sum()) if loss is not None else math.nan
+        value = float(summed_loss(loss)) if loss is not None else math.nan
         if not math.isfinite(value):
             self.nonfinite = True
             return loss, value
@@ -441,7 +442,7 @@ class Candidate:
                         buffer.copy_(buffers[name])
         finally:
             restore_rng(rng)
-        value = float(loss.detach().float().sum()) if loss is not None else math.nan
+        value = float(summed_loss(loss)) if loss is not None else math.nan
         if math.isfinite(value):
             self.losses.append(value)
         else:

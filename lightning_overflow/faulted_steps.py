@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from lightning_overflow.diagnosis.records import HUGE_INPUT
 from lightning_overflow.diagnosis.replay import BatchStats, bad_values_zeroed, batch_stats
 from lightning_overflow.distributed import world
+from lightning_overflow.numerics._float64 import summed_loss
 from lightning_overflow.numerics.norms import any_sharded
 from lightning_overflow.numerics.snapshots import nonfinite_paths
 from lightning_overflow.preserve import preserved_state, side_run
@@ -132,7 +133,7 @@ def answer_detached(loss: Tensor, module: nn.Module, inputs: Any) -> tuple[Tenso
     batch and weights are sound, and Lightning's own error stands)."""
     if loss.requires_grad or not torch.is_grad_enabled():
         return None
-    value = float(loss.detach().float().sum())
+    value = float(summed_loss(loss))
     return _answer(f"returned a loss ({value:.4g}) cut from the graph", "returned a loss cut from the graph", module,
                    inputs)
 

@@ -69,7 +69,7 @@ from lightning_overflow.numerics import (
     tensor_norms,
     total_norm,
 )
-from lightning_overflow.numerics._float64 import div, to_float32
+from lightning_overflow.numerics._float64 import div, summed_loss, to_float32
 from lightning_overflow.numerics.norms import any_sharded, host_total_norm, plain_cpu, plain_norms, shard_squares
 from lightning_overflow.policy import SIGNAL_KINDS, Signal, StepAction, Verdict, decide_step
 from lightning_overflow.replicas import checksum
@@ -231,6 +231,8 @@ class StepHealth:
         loss_seen: whether any backward pass of this step went through ``on_before_backward`` (a Pyro plan runs its
             own backward: no loss is seen, which is no inf/NaN loss).
         loss_scale: the GradScaler scale under ``16-mixed`` (``None`` otherwise).
+        loss_float64, grads_float64: the losses came in float64, every gradient is float64: judged in float64, where
+            a value beyond the FP32 range (3.4e38) is a finite number like any other.
         log_step: the step Lightning logs this batch at; ``log_due`` whether this batch logs.
         skipped, skip_reason: the decision, once taken.
         state_check: the weights and optimizer state check, once :func:`inspect_state` ran.
@@ -252,6 +254,7 @@ class StepHealth:
         log_due: bool,
         grad_norms: Tensor,
         sharded: bool = False,
+        grads_float64: bool = False,
     ) -> None:
         self.step = step
         self.optimizer = optimizer
@@ -267,6 +270,7 @@ class StepHealth:
         self.grad_norms = grad_norms
         self.device = grad_norms.device
         self.sharded = sharded
+        self.grads_float64 = grads_float64
         self._parts: list[tuple[str, Tensor, int]] = []  # (name, device values, _LOCAL / _SUMMED / _PER_RANK)
         self._values: dict[str, list[float]] = {}
         self.total_norm = math.nan
@@ -278,6 +282,7 @@ class StepHealth:
         self.loss_seen = False
         self.loss_scale: float | None = None
         self.loss_factor = 1  # what the losses are multiplied by (Lightning divided them by the accumulation)
+        self.loss_float64 = False  # the losses came in float64: judged in it, as one beyond FP32's range is finite
         self.skipped = False
         self.skip_reason = ""
         self.state_check: StateCheck | None = None
@@ -344,8 +349,9 @@ class StepHealth:
 
     @property
     def grads_beyond_fp32(self) -> bool:
-        """Finite gradients whose total norm cannot be represented in FP32 (3.4e38)."""
-        return self.grads_finite and self.total_norm > FP32_MAX
+        """Finite gradients whose total norm cannot be represented in FP32 (3.4e38), not all of them float64 (whose
+        norms are float64 numbers: nothing of them overflows there)."""
+        return self.grads_finite and not self.grads_float64 and self.total_norm > FP32_MAX
 
     @property
     def loss_finite(self) -> bool:
@@ -372,10 +378,13 @@ class StepHealth:
         return metric_key(key, self.optimizer_index, self.n_optimizers)
 
 
-def loss_facts(losses: Sequence[float], scale: float | None, factor: int) -> tuple[int, float, int]:
+def loss_facts(
+    losses: Sequence[float], scale: float | None, factor: int, float64: bool = False
+) -> tuple[int, float, int]:
     """``(non-finite, sum of the finite, count)`` of one process's backward-pass losses, computed on host floats
     exactly as float32 tensor ops compute them (each loss in float32, divided by the GradScaler's ``scale``,
-    multiplied by ``factor``, then summed in order, a non-finite loss adding 0).
+    multiplied by ``factor``, then summed in order, a non-finite loss adding 0), or float64 ones with ``float64``
+    (losses that came in float64: one beyond the FP32 range is finite).
 
     Each step is one float32 rounding of a float64 result that is exact (a product of two float32 values) or
     correctly rounded (a quotient or a sum), which rounds as float32 arithmetic does.
@@ -383,19 +392,22 @@ def loss_facts(losses: Sequence[float], scale: float | None, factor: int) -> tup
     Example:
         >>> loss_facts([1.5, float("nan"), 2.25], scale=None, factor=1)
         (1, 3.75, 3)
+        >>> loss_facts([1e40], scale=None, factor=1), loss_facts([1e40], scale=None, factor=1, float64=True)
+        ((1, 0.0, 1), (0, 1e+40, 1))
     """
+    rounded = (lambda value: value) if float64 else to_float32
     nonfinite = 0
     total = 0.0
     for i, loss in enumerate(losses):
-        value = to_float32(loss)
+        value = rounded(loss)
         if scale is not None:
-            value = to_float32(div(value, scale))
+            value = rounded(div(value, scale))
         if factor != 1:
-            value = to_float32(value * factor)
+            value = rounded(value * factor)
         if not math.isfinite(value):
             nonfinite += 1
             value = 0.0
-        total = value if i == 0 else to_float32(total + value)
+        total = value if i == 0 else rounded(total + value)
     return nonfinite, total, len(losses)
 
 
@@ -859,12 +871,9 @@ class HealthBoard:
         """
         if trainer.world_size == 1:
             value = loss.detach()
-            self._losses.append(value if value.numel() == 1 else value.float().sum())
+            self._losses.append(value if value.numel() == 1 else summed_loss(value))
             return
-        value = loss.detach().float()
-        if value.numel() != 1:
-            value = value.sum()
-        value = value.reshape(())
+        value = summed_loss(loss).reshape(())
         scaler = _compat.scaler_of(trainer)
         scale = _compat.scaler_scale(scaler) if scaler is not None else None
         if scale is not None:
@@ -1025,12 +1034,14 @@ class HealthBoard:
             log_due=self.logs_now(trainer),
             grad_norms=plain_norms(grads) if plan.plain else tensor_norms(grads),
             sharded=plan.sharded,
+            grads_float64=plan.float64,
         )
         device = record.device
         if record.world_size == 1:
             losses, self._losses = self._losses, []
             if losses:
                 record.add("losses", losses[0] if len(losses) == 1 else torch.cat([v.reshape(-1) for v in losses]))
+                record.loss_float64 = any(v.dtype == torch.float64 for v in losses)
             # Lightning divided the loss by the accumulation under automatic optimization: multiplied back.
             record.loss_factor = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         else:
@@ -1038,6 +1049,7 @@ class HealthBoard:
             flags, sums = self._loss_flags, self._loss_sum
             record.add("loss_nonfinite", zero if flags is None else flags.to(device), per_rank=True)
             record.add("loss_sum", zero if sums is None else sums.to(device), summed=True)
+            record.loss_float64 = sums is not None and sums.dtype == torch.float64
             record.add("loss_count", torch.full((), float(self._loss_count), device=device), summed=True)
             self._loss_flags = self._loss_sum = None
             self._loss_count = 0
@@ -1083,6 +1095,7 @@ class HealthBoard:
             world_size=int(trainer.world_size),
             sharded=sharded,
             plain=plain_cpu(grads),
+            float64=bool(grads) and all(g.dtype == torch.float64 for g in grads),
             scaler=_compat.scaler_of(trainer),
         )
         return plan
@@ -1093,7 +1106,8 @@ class HealthBoard:
             record.loss_scale = record.value("loss_scale")[0]
         if record.world_size == 1:
             nonfinite, loss_sum, count = loss_facts(
-                record.value("losses") if record.has("losses") else [], record.loss_scale, record.loss_factor
+                record.value("losses") if record.has("losses") else [], record.loss_scale, record.loss_factor,
+                record.loss_float64,
             )
             record.loss_nonfinite_ranks = (record.rank,) if nonfinite else ()
         else:
@@ -1229,6 +1243,7 @@ class _StepPlan:
     sharded: bool
     plain: bool
     scaler: Any
+    float64: bool  # every gradient is float64
 
 
 def inspect_state(trainer: pl.Trainer, record: StepHealth) -> StateCheck:

@@ -17,8 +17,9 @@ from conftest import MemoryLogger, assert_bit_identical, fit, tuned, weights
 from ddp_utils import run_ddp
 from torch import Tensor, nn
 
-from lightning_overflow import NonFiniteDetector, OverflowWarning, read_journal
+from lightning_overflow import NonFiniteDetector, OverflowWarning, default_callbacks, read_journal
 from lightning_overflow.diagnosis.headroom import ActivationSampler, decades_below_fp32
+from lightning_overflow.health import board_for
 from lightning_overflow.numerics import FP32_MAX
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
 
@@ -279,3 +280,49 @@ def test_a_value_that_came_in_with_the_data_is_named_a_data_fault_under_manual_o
     assert (event["kind"], event["step"]) == ("data_fault", 0)
     assert event["message"].startswith("NonFiniteDetector: batch 0 holds values up to 1e+30 in row 3 (no normalised "
                                        "input holds such values: a data fault)")
+
+
+class LargeUnits(pl.LightningModule):
+    """A float64 regression on data in large units (about 1e20): its loss (about 1e40) and its gradient norm
+    lie beyond the FP32 range (3.4e38) and are finite numbers in float64, far from its limit (1.8e308)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        self.data = torch.utils.data.TensorDataset(x * 1e20, x.sum(1, keepdim=True) * 1e20)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.linear(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.data, batch_size=16)
+
+
+def test_a_float64_run_whose_loss_and_gradients_pass_the_fp32_range_is_judged_in_float64() -> None:
+    """darts trains float64 series in float64: in units of 1e20 every step's loss was rounded to float32 (inf),
+    its gradient norm called "beyond the FP32 range", every step skipped and the fit stopped in NonFiniteError at
+    step 19, where the bare run trains; and the headroom warned "0.0 decades below the FP32 limit". A NaN loss is
+    still skipped, at its step."""
+    runs = []
+    for suite in ([], default_callbacks()):  # the headroom samples step 0
+        torch.manual_seed(0)
+        model = LargeUnits()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", OverflowWarning)
+            trainer = fit(model, suite, max_steps=12, precision="64-true")
+        runs.append(model)
+    assert_bit_identical(weights(runs[1]), weights(runs[0]))
+    assert board_for(trainer).journal.events == []
+    reading = next(c for c in suite if isinstance(c, NonFiniteDetector)).last_headroom
+    assert reading.limit == torch.finfo(torch.float64).max and 260 < reading.decades < 270
+    assert reading.loss_value > 1e39 and reading.grad_norm > 1e39
+
+    faulted = fit(LargeUnits(), [NonFiniteDetector(), FaultInjector(Fault(step=5, kind="nan_loss"))], max_steps=12,
+                  precision="64-true")  # fmt: skip
+    events = board_for(faulted).journal.events
+    assert [e.step for e in events if e.kind == "skip"] == [5] and {e.step for e in events} == {5}

@@ -43,7 +43,7 @@ from lightning_overflow.health import (
     skipped_loss_route,
     state_flags,
 )
-from lightning_overflow.numerics import parameters_of
+from lightning_overflow.numerics import FP32_MAX, parameters_of
 from lightning_overflow.numerics.snapshots import nonfinite_flag
 from lightning_overflow.policy import (
     BURST_COUNT,
@@ -741,8 +741,9 @@ class NonFiniteDetector(SuiteCallback):
         if reading.decades >= self.headroom_warn_decades:
             return
         near = (
-            f"the step's largest magnitude is only {reading.decades:.1f} powers of ten (decades) below the FP32 limit "
-            f"3.4e38 at step {reading.step}: {reading.describe(trainer.world_size > 1)}"
+            f"the step's largest magnitude is only {reading.decades:.1f} powers of ten (decades) below the "
+            f"{'float64 limit 1.8e308' if reading.limit > FP32_MAX else 'FP32 limit 3.4e38'} at step {reading.step}: "
+            f"{reading.describe(trainer.world_size > 1)}"
         )
         data, where = self._extreme_batch(trainer)
         if data:  # the values came in with the data: no learning rate made them

@@ -38,6 +38,15 @@ def decades_below_fp32(magnitude: float) -> float:
     return math.log10(FP32_MAX / magnitude)
 
 
+F64_SCALE = FP32_MAX / torch.finfo(torch.float64).max
+"""A float64 value times this is as far below FP32's limit as the value is below float64's: each value is measured
+against the range of its own dtype (a float64 loss of 1e40 is 268 decades from overflowing, not 0)."""
+
+
+def _decades(magnitude: float, float64: bool) -> float:
+    return decades_below_fp32(magnitude * F64_SCALE if float64 else magnitude)
+
+
 @dataclass(frozen=True)
 class Headroom:
     """The headroom of one sampled step.
@@ -50,6 +59,8 @@ class Headroom:
         rank: the rank where that activation was seen.
         magnitude: that activation's largest magnitude.
         loss_value, grad_norm: the step's mean loss and total gradient norm.
+        limit: the largest finite value of the dtype of the source with the least headroom (FP32's 3.4e38, or
+            float64's 1.8e308), which ``decades`` is measured against.
     """
 
     step: int
@@ -63,6 +74,7 @@ class Headroom:
     magnitude: float = 0.0
     loss_value: float = math.nan
     grad_norm: float = math.nan
+    limit: float = FP32_MAX
 
     @property
     def source(self) -> str:
@@ -110,6 +122,7 @@ class ActivationSampler:
         self._handles: list[Any] = []
         self._modules: list[tuple[str, str]] = []
         self._maxima: dict[int, Tensor] = {}
+        self._float64: set[int] = set()  # the modules whose largest output was measured in float64 terms
 
     @property
     def active(self) -> bool:
@@ -128,6 +141,7 @@ class ActivationSampler:
             handle.remove()
         self._handles.clear()
         self._maxima.clear()
+        self._float64.clear()
 
     def _observe(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         tensors = [t for t in floating_tensors(output) if t.numel()]
@@ -136,6 +150,8 @@ class ActivationSampler:
         with torch.no_grad():
             device = tensors[0].device
             value = torch.stack([_magnitude(t).to(device) for t in tensors]).amax()
+            if any(t.dtype == torch.float64 for t in tensors):
+                self._float64.add(index)
             previous = self._maxima.get(index)
             self._maxima[index] = value if previous is None else torch.maximum(previous, value)
 
@@ -156,6 +172,10 @@ class ActivationSampler:
         """``(qualified name, class name)`` of the module at ``index``."""
         return self._modules[index]
 
+    def float64(self, index: int) -> bool:
+        """Whether the module at ``index`` output float64 (its magnitude is in float64 terms, :data:`F64_SCALE`)."""
+        return index in self._float64
+
     def __getstate__(self) -> dict[str, Any]:
         return {"_handles": [], "_modules": list(self._modules), "_maxima": {}}
 
@@ -163,11 +183,12 @@ class ActivationSampler:
 def _magnitude(tensor: Tensor) -> Tensor:
     """The largest finite ``|value|`` of ``tensor`` in FP32 terms, as a 0-d float64 tensor. Its inf/NaN are left out:
     the probe reads healthy steps only, whose loss they never reached (nequip fills the stress of a molecule without
-    a cell with NaN, and no loss reads it). A float64 output is measured against its own range, scaled to FP32's."""
+    a cell with NaN, and no loss reads it). A float64 output is measured against its own range, scaled to FP32's
+    (:data:`F64_SCALE`)."""
     magnitude = tensor.detach().abs()  # a new tensor: filled in place
     largest = magnitude.masked_fill_(~torch.isfinite(magnitude), 0).amax().double()
     if tensor.dtype == torch.float64:
-        largest = largest * (FP32_MAX / torch.finfo(torch.float64).max)
+        largest = largest * F64_SCALE
     return largest
 
 
@@ -228,25 +249,31 @@ class HeadroomProbe:
         magnitudes, indices = values[:world], values[world:]
         rank = max(range(world), key=lambda r: magnitudes[r])
         activation = module = module_type = None
+        magnitude, wide = 0.0, False
         if indices[rank] >= 0 and magnitudes[rank] > 0:
             activation = decades_below_fp32(magnitudes[rank])
             module, module_type = self.sampler.module(int(indices[rank]))
+            wide = self.sampler.float64(int(indices[rank]))
+            magnitude = magnitudes[rank] / F64_SCALE if wide else magnitudes[rank]
         loss_mean, norm = record.loss_mean, record.total_norm
-        loss = decades_below_fp32(loss_mean) if math.isfinite(loss_mean) and loss_mean else None
-        grad = decades_below_fp32(norm) if norm > 0 else None
-        measured = [v for v in (loss, grad, activation) if v is not None]
+        loss = _decades(loss_mean, record.loss_float64) if math.isfinite(loss_mean) and loss_mean else None
+        grad = _decades(norm, record.grads_float64) if norm > 0 else None
+        sources = [(v, f) for v, f in ((activation, wide), (grad, record.grads_float64), (loss, record.loss_float64))
+                   if v is not None]  # fmt: skip
+        least = min(sources, default=(math.inf, False))
         return Headroom(
             step=record.step,
-            decades=min(measured) if measured else math.inf,
+            decades=least[0],
             loss=loss,
             grad=grad,
             activation=activation,
             module=module,
             module_type=module_type,
             rank=rank if module is not None else None,
-            magnitude=magnitudes[rank] if module is not None else 0.0,
+            magnitude=magnitude,
             loss_value=loss_mean,
             grad_norm=norm,
+            limit=FP32_MAX / F64_SCALE if least[1] else FP32_MAX,
         )
 
     def __getstate__(self) -> dict[str, Any]:

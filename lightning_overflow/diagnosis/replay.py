@@ -31,6 +31,7 @@ from lightning_overflow.diagnosis.hints import HUGE_INPUT, batch_hint, origin_hi
 from lightning_overflow.diagnosis.records import Diagnosis, Replay, Trace
 from lightning_overflow.diagnosis.tracer import NonFiniteTracer, floating_tensors
 from lightning_overflow.distributed import world
+from lightning_overflow.numerics._float64 import summed_loss
 from lightning_overflow.preserve import RngState, preserved_state
 from lightning_overflow.training_step import loss_of, signature_parameters, silenced_logging, takes_batch_idx
 
@@ -310,7 +311,7 @@ def _traced_step(trainer: pl.Trainer, pl_module: pl.LightningModule, kept: KeptB
             loss = loss_of(output)
             if loss is None:
                 raise _NoLoss
-            value = float(loss.detach().float().sum())
+            value = float(summed_loss(loss))
             # Under 16-mixed the backward ran on the scaled loss; replay it the same way (scale() changes nothing).
             tracer.backward(scaler.scale(loss) if scaler is not None else loss, params)
             return _named_outside(replace(tracer.trace(names), loss=value), getattr(pl_module, "replay_step_code", ""))

@@ -33,6 +33,7 @@ from lightning_overflow._validation import check_bool, check_type
 from lightning_overflow.diagnosis.hints import find_growth
 from lightning_overflow.diagnosis.records import Origin, Trace
 from lightning_overflow.numerics import grad_norm_report
+from lightning_overflow.numerics._float64 import summed_loss
 from lightning_overflow.preserve import preserved_state
 
 __all__ = ["NonFiniteTracer", "trace_nonfinite"]
@@ -304,7 +305,7 @@ class NonFiniteTracer:
                 :meth:`backward` differentiated its parameters).
         """
         names = list(names) if names is not None else self._parameter_names()
-        loss = float(self._loss.float().sum()) if self._loss is not None else math.nan
+        loss = float(summed_loss(self._loss)) if self._loss is not None else math.nan
         pairs = [(n, g) for n, g in zip(names, self._grads) if g is not None]
         report = grad_norm_report([g for _, g in pairs]) if pairs else None
         grad_norm = report.total if report is not None else 0.0

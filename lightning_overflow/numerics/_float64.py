@@ -24,6 +24,19 @@ _HUGE_FACTOR = 2.0**995  # above this, the split of a factor overflows
 _HUGE = 2.0**1000  # above this, the partial products of the split may overflow
 
 
+def summed_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as one value, summed in float32, or in float64 where it came in float64: a float64 loss beyond the
+    FP32 range (3.4e38) is finite, and rounding it to float32 would make it inf.
+
+    Example:
+        >>> summed_loss(torch.tensor([1e40, 1.0], dtype=torch.float64))
+        tensor(1.0000e+40, dtype=torch.float64)
+    """
+    value = loss.detach()
+    value = value if value.dtype == torch.float64 else value.float()
+    return value if value.numel() == 1 else value.sum()
+
+
 def div(a: float, b: float) -> float:
     """``a / b`` with IEEE results for ``b == 0``: ``+-inf``, or NaN for ``0 / 0`` and ``NaN / 0``."""
     if b == 0.0:
