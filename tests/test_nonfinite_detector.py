@@ -34,6 +34,7 @@ from lightning_overflow import (
     default_callbacks,
     read_journal,
 )
+from lightning_overflow.health import board_for
 from lightning_overflow.testing import Fault, FaultInjector, TinyGAN, TinyRegressor
 
 
@@ -480,3 +481,42 @@ def test_an_eps_that_is_zero_in_the_weights_dtype_is_said_at_the_start(precision
         "divides by the root of a second moment plus eps, inf/NaN wherever that moment is 0, at any learning rate. "
         "Train in precision='bf16-true' or '16-mixed' (float32 weights), or pass a larger eps (1e-4)."
     ] if said else [])
+
+
+class NaNRowsIn(pl.LightningModule):
+    """A regression whose batches ``bad`` (16 samples each, in order) hold one NaN feature each."""
+
+    def __init__(self, bad: tuple[int, ...]) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(640, 8, generator=g)
+        y = x @ torch.randn(8, 1, generator=g)
+        for batch in bad:
+            x[batch * 16 + 3, 2] = math.nan
+        self.data = torch.utils.data.TensorDataset(x, y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.data, batch_size=16)
+
+
+@pytest.mark.parametrize("micro_batch", [0, 1])
+def test_nan_rows_in_any_micro_batch_of_an_accumulated_step_are_a_data_fault(micro_batch: int) -> None:
+    """Batches 20, 22, 24 (or 21, 23, 25) hold a NaN row; two micro-batches a step. Only the last micro-batch is
+    replayed: NaN rows in the first read as steps failing on clean batches, three in a row, and the run was backed
+    off to half its rate and rolled back to step 0."""
+    callbacks = default_callbacks()
+    trainer = fit(NaNRowsIn(tuple(b + micro_batch for b in (20, 22, 24))), callbacks, max_steps=16,
+                  accumulate_grad_batches=2)  # fmt: skip
+    events = board_for(trainer).journal.events
+    faults = [(e.step, e.details["batch"]) for e in events if e.kind == "data_fault"]
+    assert faults == [(10, 20 + micro_batch), (11, 22 + micro_batch), (12, 24 + micro_batch)]
+    assert [e.step for e in events if e.kind == "skip"] == [10, 11, 12]
+    assert {e.kind for e in events} == {"data_fault", "skip"}
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-2

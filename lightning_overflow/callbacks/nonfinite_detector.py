@@ -23,7 +23,7 @@ from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.diagnosis.headroom import Headroom, HeadroomProbe
 from lightning_overflow.diagnosis.hints import detection_hint, divergence_hint
 from lightning_overflow.diagnosis.records import Diagnosis, Replay
-from lightning_overflow.diagnosis.replay import BatchStats, KeptBatch, batch_stats, diagnose_step
+from lightning_overflow.diagnosis.replay import BatchStats, KeptBatch, batch_stats, diagnose_step, holds_bad_values
 from lightning_overflow.distributed import flags_by_rank, named_on_any_rank, objects_by_rank, world
 from lightning_overflow.events import WarningCache
 from lightning_overflow.exceptions import DivergenceError, NonFiniteError
@@ -238,6 +238,8 @@ class NonFiniteDetector(SuiteCallback):
         self._step_guard: tuple[torch.nn.Module, Any, Any] | None = None  # (module, guard, previous)
         self._faulted: FaultedStep | None = None  # how this step's training_step failed, answered as a NaN loss
         self._batch_idx: int | None = None  # the index of this step's batch in its epoch
+        # Each micro-batch of this accumulation window: its index and whether it holds bad values (a device flag).
+        self._window: list[tuple[int, torch.Tensor | None]] = []
         self._monitors_to_place: list[str] = []  # what EarlyStopping(check_finite=True) monitors, until placed
         self._epoch_started = False
         self._finding: Finding | None = None
@@ -349,6 +351,8 @@ class NonFiniteDetector(SuiteCallback):
         self._batch = batch if self._step_guard is not None else batch_copy(batch)
         if self.diagnose and pl_module.automatic_optimization:
             self._kept = KeptBatch(self._batch, batch_idx, capture_rng())
+            if trainer.accumulate_grad_batches > 1:  # the replay sees the last micro-batch only
+                self._window.append((batch_idx, holds_bad_values(batch)))
         if self._headroom is not None:
             self._headroom.on_batch_start(pl_module, int(trainer.global_step))
 
@@ -562,6 +566,12 @@ class NonFiniteDetector(SuiteCallback):
         if diagnosis is not None:
             finding.data_fault = _bad_batch(diagnosis)
             finding.details.update(_batch_details(diagnosis) if finding.data_fault else {})
+            if not finding.data_fault and len(self._window) > 1:
+                earlier = self._earlier_bad_batch(trainer)
+                if earlier:
+                    finding.data_fault = True
+                    finding.details.update(earlier)
+                    message = f"{message} {earlier['data'][0].upper()}{earlier['data'][1:]}: a data fault."
             # The sentence is the event's message already: written once.
             finding.details["diagnosis"] = {k: v for k, v in diagnosis.to_dict().items() if k != "message"}
         elif finding.kind == "buffer":  # no replay: the outputs and gradients stay finite; the batch says why
@@ -600,8 +610,27 @@ class NonFiniteDetector(SuiteCallback):
             self._end_with(self._error(trainer, message, record, finding, diagnosis))
         return None if state_broken else Verdict(skip=f"non-finite {finding.kind}")
 
+    def _earlier_bad_batch(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """A data fault's details when a micro-batch of this accumulation window before the last (the one the
+        replay saw) holds inf/NaN or values beyond 1e15 on some rank; ``{}`` otherwise. Their gradients are in the
+        step as much as the last one's: without this, NaN rows outside the last micro-batch read as a state whose
+        steps fail on clean batches, and the run was backed off and rolled back. Every rank enters it."""
+        flags = [(index, flag) for index, flag in self._window[:-1] if flag is not None]
+        device = trainer.strategy.root_device
+        mine = torch.stack([flag.to(device) for _, flag in flags]) if flags else torch.zeros(0, dtype=torch.bool)
+        local = torch.tensor(float(bool(mine.any()))) if mine.numel() else torch.tensor(0.0)
+        (ranks,) = flags_by_rank([local], device)
+        if not ranks:
+            return {}
+        first = next((index for (index, _), bad in zip(flags, mine.tolist()) if bad), None)
+        index = next(i for i in (objects_by_rank(first)[r] for r in ranks) if i is not None)
+        return {"batch": index, "rows": [], "data_ranks": list(ranks),
+                "data": f"batch {index} holds inf/NaN or values beyond 1e15 (a micro-batch accumulated into the "
+                        "step before its last)"}  # fmt: skip
+
     @override
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
+        self._window = []
         finding, self._finding = self._finding, None
         if finding is not None and self.action == "skip":
             self._account(trainer, record, action, finding)

@@ -363,6 +363,23 @@ def batch_stats(batch: Any) -> BatchStats:
     return BatchStats(magnitude if math.isfinite(magnitude) else 0.0, nan, inf, tuple(sorted(rows)[:MAX_ROWS]))
 
 
+def holds_bad_values(batch: Any) -> Tensor | None:
+    """Whether ``batch`` holds inf/NaN or values beyond ``HUGE_INPUT``, as a 0-d bool device tensor (no read; one
+    kernel a tensor); ``None`` for a batch without floating tensors. What :func:`batch_stats` names, told apart
+    where only a flag is kept (each micro-batch of an accumulation window, of which only the last is replayed).
+
+    Example:
+        >>> holds_bad_values({"x": torch.ones(2), "y": torch.tensor([1.0, float("nan")])})
+        tensor(True)
+    """
+    tensors = [t for t in floating_tensors(batch) if t.numel()]
+    if not tensors:
+        return None
+    with torch.no_grad():  # NaN compares False: one comparison finds inf, NaN and huge values alike
+        flags = [t.abs().le(HUGE_INPUT).all().logical_not() for t in tensors]
+        return torch.stack([f.to(flags[0].device) for f in flags]).any()
+
+
 def _gather(local: Replay) -> list[Replay]:
     """Every rank's replay, by rank: one collective that every rank enters together."""
     world_size = world()[1]
