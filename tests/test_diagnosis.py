@@ -187,13 +187,13 @@ def test_finite_gradients_beyond_fp32_are_an_overflow_of_the_squared_norm_not_na
 class DeepMLP(pl.LightningModule):
     """40 linear layers initialised with std 2.5 (10x growth per layer): activations reach inf in the forward pass."""
 
-    def __init__(self, depth: int = 40, width: int = 16) -> None:
+    def __init__(self, depth: int = 40, width: int = 16, std: float = 2.5) -> None:
         super().__init__()
         self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)], nn.Linear(width, 1))
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for layer in self.net:
-                layer.weight.normal_(0.0, 2.5, generator=gen)
+                layer.weight.normal_(0.0, std, generator=gen)
         self.data = regression_data(64, width)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -216,6 +216,29 @@ def test_activation_growing_through_a_deep_stack_points_at_initialisation() -> N
     sentence = f"the activations grew about {growth.factor:.3g}x per layer through {growth.layers} layers"
     assert sentence in diagnosis.message
     assert "initialisation" in diagnosis.hint and "LayerNorm" in diagnosis.hint
+
+
+class GrowWeightsAt(pl.Callback):
+    """Multiplies every weight by ``factor`` before step ``step``'s batch: weights that updates grew."""
+
+    def __init__(self, step: int, factor: float) -> None:
+        self.step, self.factor = step, factor
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                for parameter in pl_module.parameters():
+                    parameter.mul_(self.factor)
+
+
+def test_activation_growing_through_a_stack_grown_after_finite_steps_points_at_the_learning_rate() -> None:
+    """The same growth after three finite steps (the weights grew, as a rate too high grows them): the hint said
+    to initialise with std = gain / sqrt(fan_in) or add a normalisation, and never named the learning rate."""
+    error = raised(DeepMLP(std=0.25), GrowWeightsAt(3, 10.0))
+    diagnosis = error.diagnosis
+    assert diagnosis.step == 3 and diagnosis.replays[0].trace.forward_growth is not None
+    assert diagnosis.hint.startswith("a magnitude that grows layer after layer, after finite steps, points at "
+                                     "weights the updates grew: lower the learning rate")  # fmt: skip
 
 
 # ---- the cause's hint -----------------------------------------------------------------------------------------------

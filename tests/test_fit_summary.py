@@ -227,8 +227,9 @@ def test_a_run_that_stalled_above_half_its_start_and_tied_its_trial_says_it_lear
               "details": facts}  # fmt: skip
     assert plain_lines([tie, ending])[-1] == (
         "the training loss ended at 0.75x where it started (median 1.5 over steps 60-99, 2 over its first 5 steps), "
-        "never below half of it, and a lower learning rate did no better (the trial of the stall at step 60): if it "
-        "should come down further, look at the model, its initialisation or the data rather than the learning rate"
+        "never below half of it, and a lower learning rate did no better (the trial of the stall at step 60): a rate "
+        "too high is not why it stalled; if it should come down further, look at the model, its initialisation or "
+        "the data, or try a higher learning rate (only lower ones were tried: at a rate far too low they tie as well)"
     )
     assert stalled_ending([tie, trial(150, "loss_divergence", kept=True)], stalled) is None  # a remedy kept since
     assert stalled_ending([trial(100, "loss_trend")], stalled) is None  # no suspicion of a run that does not learn

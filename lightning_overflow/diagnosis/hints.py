@@ -80,6 +80,11 @@ GROWTH_HINT = (
     "std = gain / sqrt(fan_in) (nn.init.kaiming_normal_ / xavier_normal_), or put a LayerNorm / BatchNorm between "
     "the layers"
 )
+GROWN_HINT = (
+    "a magnitude that grows layer after layer, after finite steps, points at weights the updates grew: lower the "
+    "learning rate or warm it up (the suite's LRBackoff and trials do it for this run); if the first steps were "
+    "already near overflow, look at the initialisation"
+)
 OVERFLOW_HINT = (
     "the gradients are finite: their squared norm overflowed FP32, not NaN; lower the learning rate, add AutoClip "
     "(it clips with the overflow-safe norm), or check the initialisation and normalisation of deep stacks"
@@ -110,11 +115,12 @@ def op_family(op: str) -> str | None:
     return None
 
 
-def origin_hint(origin: Origin | None, growth: Growth | None, overflow: bool) -> str:
-    """The hint for a cause: the depth growth, then the op family's stable form, then the overflow."""
+def origin_hint(origin: Origin | None, growth: Growth | None, overflow: bool, first_step: bool = True) -> str:
+    """The hint for a cause: the depth growth, then the op family's stable form, then the overflow. A growth found
+    at the fit's first step is the initialisation's; after finite steps, the updates' (``first_step=False``)."""
     parts: list[str] = []
     if growth is not None:
-        parts.append(GROWTH_HINT)  # the root cause comes first: the op only overflowed what grew
+        parts.append(GROWTH_HINT if first_step else GROWN_HINT)  # the root cause first: the op overflowed what grew
     if origin is not None and origin.source == "op":
         family = op_family(origin.op)
         if family is not None and not (family == "matmul" and growth is not None):

@@ -164,7 +164,7 @@ def combine(step: int, replays: list[Replay], observed_ranks: tuple[int, ...], a
         growth = trace.growth if origin is None or origin.source == "op" else None
         # The data first: an op that overflowed on a corrupt sample is not the op's fault.
         hints = [batch_hint(chosen.batch_nonfinite, chosen.batch_magnitude) if chosen.blames_batch else "",
-                 origin_hint(origin, growth, overflow)]  # fmt: skip
+                 origin_hint(origin, growth, overflow, first_step=step == 0)]  # fmt: skip
         hint = "; ".join(h for h in hints if h)
     message = _message(verdict, reason, chosen, replays, reproduced, observed_ranks)
     return Diagnosis(
