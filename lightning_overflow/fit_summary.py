@@ -403,6 +403,11 @@ def _data_faults(faults: list[Event], by_kind: dict[str, list[Event]]) -> list[s
     ahead = [e for e in faults if int(e["step"]) not in skipped_steps]
     batches = "batch" if len(ahead) == 1 else "batches"
     more = f"; {len(ahead)} more such {batches} went ahead ({_at(ahead)}: the loss stayed finite)" if ahead else ""
+    if any("values" in str(e["details"].get("data", "")) for e in faults):
+        # Huge values can leave the loss finite: such a batch trains, and is looked at only where the headroom
+        # samples a step (NonFiniteDetector's headroom_every_n_steps).
+        more += ("; a batch of such values whose loss stays finite is looked at only on the steps the headroom "
+                 "samples, so more may have gone ahead")  # fmt: skip
     steps = _count(len({int(e["step"]) for e in skipped}), "step")
     return [f"{steps} skipped: {_where(skipped)}{_faulted(skipped)}{more}: a data fault; check the data"]
 

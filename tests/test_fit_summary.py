@@ -448,8 +448,13 @@ def test_a_data_fault_whose_step_went_ahead_is_not_counted_among_the_skipped() -
         events += [event(step, "data_fault", batch=step, rows=[6], data=data.format(step)), event(step, "skip")]
     assert plain_lines(events) == [
         "2 steps skipped: batches hold inf/NaN or values beyond 1e15 at steps 2, 3; the first, batch 2 of epoch 0 "
-        "(step 2), holds values up to 1e+30 in row 6; 1 more such batch went ahead (step 0: the loss stayed finite): a "
-        "data fault; check the data"
+        "(step 2), holds values up to 1e+30 in row 6; 1 more such batch went ahead (step 0: the loss stayed finite); "
+        "a batch of such values whose loss stays finite is looked at only on the steps the headroom samples, so more "
+        "may have gone ahead: a data fault; check the data"
+    ]
+    nan_rows = [event(2, "data_fault", batch=2, rows=[6], data="batch 2 holds NaN in row 6"), event(2, "skip")]
+    assert plain_lines(nan_rows) == [  # NaN makes the loss NaN: no word of batches unseen
+        "1 step skipped: batch 2 of epoch 0 (step 2) holds NaN in row 6: a data fault; check the data"
     ]
 
 
