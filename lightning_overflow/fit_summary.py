@@ -403,7 +403,7 @@ def _data_faults(faults: list[Event], by_kind: dict[str, list[Event]]) -> list[s
     ahead = [e for e in faults if int(e["step"]) not in skipped_steps]
     batches = "batch" if len(ahead) == 1 else "batches"
     more = f"; {len(ahead)} more such {batches} went ahead ({_at(ahead)}: the loss stayed finite)" if ahead else ""
-    if any("values" in str(e["details"].get("data", "")) for e in faults):
+    if any("values up to" in str(e["details"].get("data", "")) for e in faults):  # huge values, not only NaN
         # Huge values can leave the loss finite: such a batch trains, and is looked at only where the headroom
         # samples a step (NonFiniteDetector's headroom_every_n_steps).
         more += ("; a batch of such values whose loss stays finite is looked at only on the steps the headroom "

@@ -391,9 +391,9 @@ def test_the_replay_leaves_weights_grads_optimizer_rng_and_batchnorm_untouched(m
     seen: list[tuple[dict[str, Any], dict[str, Any], Diagnosis]] = []
     original = detector_module.diagnose_step
 
-    def spy(trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> Diagnosis:
+    def spy(trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any) -> Diagnosis:
         before = snapshot(trainer, pl_module)
-        diagnosis = original(trainer, pl_module, *args)
+        diagnosis = original(trainer, pl_module, *args, **kwargs)
         seen.append((before, snapshot(trainer, pl_module), diagnosis))
         return diagnosis
 
@@ -641,3 +641,13 @@ def test_a_nan_sample_is_a_data_fault_though_the_forward_wrote_it_into_a_buffer(
     fit(model, [NonFiniteDetector()], max_steps=5, default_root_dir=tmp_path)
     assert [(e["step"], e["kind"]) for e in read_journal(tmp_path)] == [(3, "data_fault"), (3, "skip")]
     assert torch.isfinite(model.bank).all()
+
+
+def test_a_growth_before_any_update_points_at_the_initialisation_at_every_skipped_step() -> None:
+    """Steps 0-2 overflow and are skipped: no update moved the weights, yet steps 1 and 2 said "weights the updates
+    grew: lower the learning rate"."""
+    detector = NonFiniteDetector()
+    fit(DeepMLP(), [detector], max_steps=3)
+    assert detector.last_diagnosis.step == 2 and detector.nonfinite_events == 3
+    assert detector.last_diagnosis.hint.startswith("a magnitude that grows layer after layer points at the "
+                                                   "initialisation")  # fmt: skip

@@ -679,3 +679,15 @@ def test_a_loss_far_above_its_best_is_told_before_a_start_out_of_scale() -> None
     for step in range(25, 25 + 3 * ENDING_BLOCK):
         ending.add(step, 1.0 if step < 25 + 2 * ENDING_BLOCK else 50.0)
     assert ending.event_details()["against"] == "best"
+
+
+def test_nan_in_an_earlier_micro_batch_says_nothing_of_batches_of_huge_values_unseen() -> None:
+    def event(step: int, kind: str, **details: Any) -> dict[str, Any]:
+        return {"step": step, "kind": kind, "epoch": 0, "source": "x", "message": "", "details": details}
+
+    data = "batch 20 holds inf/NaN or values beyond 1e15 (a micro-batch accumulated into the step before its last)"
+    events = [event(10, "data_fault", batch=20, rows=[], data=data), event(10, "skip")]
+    assert plain_lines(events) == [
+        "1 step skipped: batch 20 of epoch 0 (step 10) holds inf/NaN or values beyond 1e15 (a micro-batch accumulated "
+        "into the step before its last): a data fault; check the data"
+    ]

@@ -520,3 +520,63 @@ def test_nan_rows_in_any_micro_batch_of_an_accumulated_step_are_a_data_fault(mic
     assert [e.step for e in events if e.kind == "skip"] == [10, 11, 12]
     assert {e.kind for e in events} == {"data_fault", "skip"}
     assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-2
+
+
+class MasksItsMissingValues(NaNRowsIn):
+    """Every sample's feature 0 is NaN (missing), and the model masks it itself (as GluonTS does)."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+        self.data.tensors[0][:, 0] = math.nan
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.net(torch.nan_to_num(batch[0])), batch[1])
+
+
+class BlowUpAt(pl.Callback):
+    """Puts the first layer's weights at 1e25 (finite, far out of scale) before the first micro-batch of ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.done = step, False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step and not self.done:
+            self.done = True
+            with torch.no_grad():
+                pl_module.net[0].weight.fill_(1e25)
+
+
+def test_harmless_nan_in_an_earlier_micro_batch_is_no_data_fault_when_the_state_fails() -> None:
+    """Every micro-batch holds NaN the model masks; the weights blow up at step 10. The replay of the last micro-batch
+    reproduces the fault with its NaN found harmless: the state's. The earlier micro-batches' NaN were taken for its
+    cause, every step from 10 called a data fault, and the fit ran into NonFiniteError instead of rolling back."""
+    trainer = fit(MasksItsMissingValues(), [*default_callbacks(), BlowUpAt(10)], max_steps=20,
+                  accumulate_grad_batches=2)  # fmt: skip
+    events = board_for(trainer).journal.events
+    assert [e.step for e in events if e.kind == "nonfinite"] == [10, 11, 12]
+    assert not [e for e in events if e.kind == "data_fault"]
+    assert [(e.kind, e.step) for e in events if e.kind in ("backoff", "rollback")] == [("backoff", 12), ("rollback", 13)]
+
+
+class ManualAccumulation(NaNRowsIn):
+    """Manual optimization stepping every second batch (the module accumulates its own gradients)."""
+
+    def __init__(self, bad: tuple[int, ...]) -> None:
+        super().__init__(bad)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        if batch_idx % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_nan_rows_in_a_batch_a_manual_step_accumulated_are_a_data_fault() -> None:
+    """NaN rows in the first of the two batches of steps 10-12 read as steps failing on clean batches (only the
+    stepping batch was looked at): backed off and rolled back."""
+    trainer = fit(ManualAccumulation((20, 22, 24)), default_callbacks(), max_steps=16)
+    events = board_for(trainer).journal.events
+    assert [(e.step, e.details["batch"]) for e in events if e.kind == "data_fault"] == [(10, 20), (11, 22), (12, 24)]
+    assert not [e for e in events if e.kind in ("backoff", "rollback")]

@@ -238,8 +238,13 @@ class NonFiniteDetector(SuiteCallback):
         self._step_guard: tuple[torch.nn.Module, Any, Any] | None = None  # (module, guard, previous)
         self._faulted: FaultedStep | None = None  # how this step's training_step failed, answered as a NaN loss
         self._batch_idx: int | None = None  # the index of this step's batch in its epoch
-        # Each micro-batch of this accumulation window: its index and whether it holds bad values (a device flag).
+        # The micro-batches of this optimizer step before the current one (gradient accumulation, by the Trainer or
+        # by the module's own code): their index and whether they hold bad values (a device flag), and the last one
+        # until the next begins (flagged then: a step that steps every batch flags none).
         self._window: list[tuple[int, torch.Tensor | None]] = []
+        self._held: tuple[int, Any] | None = None
+        self._stepped = False  # an optimizer step was judged in this batch
+        self._updated = False  # an optimizer step moved the weights since they were drawn (a resumed fit's did)
         self._monitors_to_place: list[str] = []  # what EarlyStopping(check_finite=True) monitors, until placed
         self._epoch_started = False
         self._finding: Finding | None = None
@@ -338,6 +343,7 @@ class NonFiniteDetector(SuiteCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        self._updated = int(trainer.global_step) > 0
         _warn_about_anomaly_detection(self._warnings)
         _warn_about_vanishing_eps(trainer, self._warnings)
 
@@ -349,15 +355,19 @@ class NonFiniteDetector(SuiteCallback):
         # its tensors shared (a model may write its outputs into its input dict), by the guarded training_step as the
         # step receives it (_hear_batch); here where no guard is in place.
         self._batch = batch if self._step_guard is not None else batch_copy(batch)
+        if self._held is not None:  # the batch before went into the step to come: no optimizer step since
+            self._window.append((self._held[0], holds_bad_values(self._held[1])))
+            self._held = None
+        self._stepped = False
         if self.diagnose and pl_module.automatic_optimization:
             self._kept = KeptBatch(self._batch, batch_idx, capture_rng())
-            if trainer.accumulate_grad_batches > 1:  # the replay sees the last micro-batch only
-                self._window.append((batch_idx, holds_bad_values(batch)))
         if self._headroom is not None:
             self._headroom.on_batch_start(pl_module, int(trainer.global_step))
 
     @override
     def _after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        if not self._stepped and self._batch is not None:  # its gradients wait for a later batch's step
+            self._held = (self._batch_idx if self._batch_idx is not None else -1, self._batch)
         self._kept = self._faulted = self._batch = None
         if self._monitors_to_place:  # a batch has logged what training_step logs
             self._monitors_to_place = _warn_about_early_stopping(trainer, self._monitors_to_place, self._warnings)
@@ -566,7 +576,8 @@ class NonFiniteDetector(SuiteCallback):
         if diagnosis is not None:
             finding.data_fault = _bad_batch(diagnosis)
             finding.details.update(_batch_details(diagnosis) if finding.data_fault else {})
-            if not finding.data_fault and len(self._window) > 1:
+            if not finding.data_fault and diagnosis.verdict != "persistent" and self._window:
+                # The replay of the last micro-batch did not reproduce the fault: the earlier ones may hold its cause.
                 earlier = self._earlier_bad_batch(trainer)
                 if earlier:
                     finding.data_fault = True
@@ -599,6 +610,12 @@ class NonFiniteDetector(SuiteCallback):
             finding.data_fault = bool(found)
             if found:
                 finding.details.update({**found[0][1], "data_ranks": [r for w in found for r in w[1]["data_ranks"]]})
+            elif self._window:  # the batches the module accumulated into this step before this one
+                earlier = self._earlier_bad_batch(trainer)
+                if earlier:
+                    finding.data_fault = True
+                    finding.details.update(earlier)
+                    message = f"{message} {earlier['data'][0].upper()}{earlier['data'][1:]}: a data fault."
         kind = "data_fault" if finding.data_fault else "nonfinite"
         self._event(trainer, kind, message, rank=min(finding.ranks, default=0), **finding.details)
         self._raise_signals(trainer, record, finding, message)
@@ -615,7 +632,7 @@ class NonFiniteDetector(SuiteCallback):
         replay saw) holds inf/NaN or values beyond 1e15 on some rank; ``{}`` otherwise. Their gradients are in the
         step as much as the last one's: without this, NaN rows outside the last micro-batch read as a state whose
         steps fail on clean batches, and the run was backed off and rolled back. Every rank enters it."""
-        flags = [(index, flag) for index, flag in self._window[:-1] if flag is not None]
+        flags = [(index, flag) for index, flag in self._window if flag is not None]
         device = trainer.strategy.root_device
         mine = torch.stack([flag.to(device) for _, flag in flags]) if flags else torch.zeros(0, dtype=torch.bool)
         local = torch.tensor(float(bool(mine.any()))) if mine.numel() else torch.tensor(0.0)
@@ -630,7 +647,8 @@ class NonFiniteDetector(SuiteCallback):
 
     @override
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
-        self._window = []
+        self._window, self._held, self._stepped = [], None, True
+        self._updated = self._updated or not action.skipped
         finding, self._finding = self._finding, None
         if finding is not None and self.action == "skip":
             self._account(trainer, record, action, finding)
@@ -689,10 +707,10 @@ class NonFiniteDetector(SuiteCallback):
         # A batch that itself holds inf/NaN or absurd values is a data fault: skipped, never held against the state.
         self._persistent = 0 if finding.data_fault else self._persistent + 1
         if self._persistent == self.persist_after:
-            persistent = (
-                f"{self._persistent} consecutive optimizer steps were non-finite on batches that hold no inf/NaN "
-                f"({message})"
-            )
+            batches = "on batches that hold no inf/NaN" if self._batch is not None else (
+                "on batches it was not shown (Guard.step(loss) sees no batch: Guard(..., loss_fn=...)"
+                ".train_step(batch) tells bad data apart)")  # fmt: skip
+            persistent = f"{self._persistent} consecutive optimizer steps were non-finite {batches} ({message})"
             self._signal(trainer, "nonfinite_persistent", persistent, index)
         if finding.kind in ("weight", "optimizer_state"):
             self._signal(trainer, "nonfinite_state", message, index)
@@ -732,7 +750,8 @@ class NonFiniteDetector(SuiteCallback):
         if not self.diagnose or finding.kind not in ("loss", "grad"):
             return None
         with _buffers_as_the_step_read_them(self.board(trainer).buffers_written()):
-            diagnosis = diagnose_step(trainer, trainer.lightning_module, self._kept, record.step, finding.ranks)
+            diagnosis = diagnose_step(trainer, trainer.lightning_module, self._kept, record.step, finding.ranks,
+                                      updated=self._updated)  # fmt: skip
         self.last_diagnosis = diagnosis
         return diagnosis
 

@@ -31,6 +31,7 @@ from lightning_overflow.diagnosis.hints import HUGE_INPUT, batch_hint, origin_hi
 from lightning_overflow.diagnosis.records import Diagnosis, Replay, Trace
 from lightning_overflow.diagnosis.tracer import NonFiniteTracer, floating_tensors
 from lightning_overflow.distributed import world
+from lightning_overflow.numerics import tensor_norms
 from lightning_overflow.numerics._float64 import summed_loss
 from lightning_overflow.preserve import RngState, preserved_state
 from lightning_overflow.training_step import loss_of, signature_parameters, silenced_logging, takes_batch_idx
@@ -118,8 +119,10 @@ def diagnose_step(
     kept: KeptBatch | None,
     step: int,
     observed_ranks: tuple[int, ...],
+    updated: bool = True,
 ) -> Diagnosis:
     """Replay on every rank and combine. Every rank must call it together (it ends with one collective).
+    ``updated``: an optimizer step has moved the weights since they were drawn (a growth then points at the rate).
 
     Where a rank's batch holds inf/NaN or values beyond ``HUGE_INPUT`` and its replay reproduced the fault, every rank
     replays once more, that rank with those values set to 0: inf/NaN again, and they are not what broke the step (a
@@ -131,10 +134,12 @@ def diagnose_step(
         harmless = replace(mine, batch_harmless=_still_nonfinite_without_bad_values(trainer, pl_module, kept, mine))
         replays = _gather(harmless)
     accumulation = int(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1
-    return combine(step, replays, observed_ranks, accumulation)
+    return combine(step, replays, observed_ranks, accumulation, updated)
 
 
-def combine(step: int, replays: list[Replay], observed_ranks: tuple[int, ...], accumulation: int = 1) -> Diagnosis:
+def combine(
+    step: int, replays: list[Replay], observed_ranks: tuple[int, ...], accumulation: int = 1, updated: bool = True
+) -> Diagnosis:
     """The verdict and the sentence from every rank's replay (identical on every rank: same inputs)."""
     replayed = any(r.replayed for r in replays)
     reproduced = tuple(r.rank for r in replays if r.reproduced)
@@ -164,7 +169,7 @@ def combine(step: int, replays: list[Replay], observed_ranks: tuple[int, ...], a
         growth = trace.growth if origin is None or origin.source == "op" else None
         # The data first: an op that overflowed on a corrupt sample is not the op's fault.
         hints = [batch_hint(chosen.batch_nonfinite, chosen.batch_magnitude) if chosen.blames_batch else "",
-                 origin_hint(origin, growth, overflow, first_step=step == 0)]  # fmt: skip
+                 origin_hint(origin, growth, overflow, first_step=not updated)]  # fmt: skip
         hint = "; ".join(h for h in hints if h)
     message = _message(verdict, reason, chosen, replays, reproduced, observed_ranks)
     return Diagnosis(
@@ -365,8 +370,8 @@ def batch_stats(batch: Any) -> BatchStats:
 
 def holds_bad_values(batch: Any) -> Tensor | None:
     """Whether ``batch`` holds inf/NaN or values beyond ``HUGE_INPUT``, as a 0-d bool device tensor (no read; one
-    kernel a tensor); ``None`` for a batch without floating tensors. What :func:`batch_stats` names, told apart
-    where only a flag is kept (each micro-batch of an accumulation window, of which only the last is replayed).
+    read a tensor); ``None`` for a batch without floating tensors. What :func:`batch_stats` names, told apart where
+    only a flag is kept (the micro-batches of an accumulation window before its last, which the replay sees).
 
     Example:
         >>> holds_bad_values({"x": torch.ones(2), "y": torch.tensor([1.0, float("nan")])})
@@ -375,9 +380,9 @@ def holds_bad_values(batch: Any) -> Tensor | None:
     tensors = [t for t in floating_tensors(batch) if t.numel()]
     if not tensors:
         return None
-    with torch.no_grad():  # NaN compares False: one comparison finds inf, NaN and huge values alike
-        flags = [t.abs().le(HUGE_INPUT).all().logical_not() for t in tensors]
-        return torch.stack([f.to(flags[0].device) for f in flags]).any()
+    # The largest |value| of each tensor (aminmax: one read, no copy; NaN stays NaN), and NaN compares False: one
+    # comparison finds inf, NaN and huge values alike.
+    return tensor_norms(tensors, math.inf).le(HUGE_INPUT).all().logical_not()
 
 
 def _gather(local: Replay) -> list[Replay]:
