@@ -86,7 +86,7 @@ from lightning_overflow.training_state import (
     optimizer_labels,
     own_optimizer,
     own_optimizer_state,
-    pruned_parameters,
+    pruned_away,
     restore_hint,
     unrestorable_optimizer,
 )
@@ -425,7 +425,7 @@ def nonfinite_at_end(trainer: pl.Trainer, check: StateCheck, who: str = "lightni
 def _silent(record: StepHealth, module: Any) -> tuple[tuple[int, int] | None, list[str]]:
     """``(gradient tensors exactly 0, tensors)`` of the step, and the names of a few of them where they are most (a
     dead network: :class:`~lightning_overflow.fit_summary.LossEnding`); a host count over the norms already read.
-    A pruned tensor without gradient is left out: its mask holds it at 0 by design (read only where most are 0)."""
+    A tensor pruning masks out whole is left out: its gradient is 0 by design (read only where most are 0)."""
     norms = record.exact_grad_norms if record.exact_grad_norms is not None else (
         record.value("grad_norms") if record.has("grad_norms") else None)  # fmt: skip
     if norms is None:
@@ -433,7 +433,7 @@ def _silent(record: StepHealth, module: Any) -> tuple[tuple[int, int] | None, li
     zeros = norms.count(0.0)
     if zeros < DEAD_SHARE * len(norms):
         return (zeros, len(norms)), []
-    pruned = pruned_parameters(module)
+    pruned = pruned_away(module)
     if pruned:
         kept = [(n, v) for n, v, p in zip(record.names, norms, record.params) if v != 0.0 or id(p) not in pruned]
         norms, names = [v for _, v in kept], [n for n, _ in kept]

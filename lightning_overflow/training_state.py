@@ -98,7 +98,7 @@ __all__ = [
     "nonfinite_parts",
     "optimizer_labels",
     "effective_weights",
-    "pruned_parameters",
+    "pruned_away",
     "own_optimizer",
     "restore_hint",
     "unrestorable_optimizer",
@@ -291,14 +291,26 @@ def pruned_since(before: Mapping[int, str], module: Any) -> dict[str, str]:
     return renamed
 
 
-def pruned_parameters(module: Any) -> set[int]:
-    """The parameters that ``torch.nn.utils.prune`` masks (``<name>_orig`` beside a ``<name>_mask`` buffer), by id."""
-    return {
-        id(p)
+def pruned_away(module: Any) -> set[int]:
+    """The parameters ``torch.nn.utils.prune`` masks out whole (``<name>_orig`` beside a ``<name>_mask`` of zeros), by
+    id: their gradient is 0 by design. One host read for every mask.
+
+    Example:
+        >>> layer = torch.nn.utils.prune.l1_unstructured(torch.nn.Linear(2, 1), "bias", amount=1)
+        >>> pruned_away(layer) == {id(layer.bias_orig)}
+        True
+    """
+    masked = [
+        (id(p), m._buffers[name.removesuffix("_orig") + "_mask"])
         for m in module.modules()
         for name, p in m._parameters.items()
         if p is not None and name.endswith("_orig") and name.removesuffix("_orig") + "_mask" in m._buffers
-    }
+    ]
+    if not masked:
+        return set()
+    device = masked[0][1].device
+    kept = torch.stack([mask.any().to(device) for _, mask in masked]).tolist()
+    return {i for (i, _), any_kept in zip(masked, kept) if not any_kept}
 
 
 def effective_weights(module: Any) -> list[Tensor]:
@@ -392,6 +404,7 @@ def restore_(trainer: pl.Trainer, state: Mapping[str, Any], owners: Mapping[str,
             others (a collective: every rank calls this at the same point).
     """
     synchronize()  # the host deep-copies parts of the snapshot: its device-to-host copies must have landed
+    masks = _pruning_masks(trainer.lightning_module)
     restore_module_(trainer.lightning_module, state["model"])
     for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
         restore_optimizer_(optimizer, saved)
@@ -413,8 +426,21 @@ def restore_(trainer: pl.Trainer, state: Mapping[str, Any], owners: Mapping[str,
         trainer.precision_plugin.load_state_dict(copy.deepcopy(state["precision"]))
     if owners:
         _broadcast_from_owners(live_state(trainer), owners)
+    for live, mask in masks:  # the pruning goes on as it stands: a rollback returns the weights, not the masks
+        live.copy_(mask)
     for optimizer in trainer.optimizers:
         optimizer.zero_grad(set_to_none=True)
+
+
+def _pruning_masks(module: torch.nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """``(live mask, a copy of it)`` of every weight ``torch.nn.utils.prune`` masks: ``ModelPruning`` prunes again at
+    each epoch's end with the same layout, and a snapshot from before would otherwise bring back what it pruned."""
+    return [
+        (mask, mask.detach().clone())
+        for m in module.modules()
+        for name, mask in m._buffers.items()
+        if mask is not None and name.endswith("_mask") and name.removesuffix("_mask") + "_orig" in m._parameters
+    ]
 
 
 def restore_module_(module: torch.nn.Module, saved: Mapping[str, Any]) -> None:

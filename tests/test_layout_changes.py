@@ -32,7 +32,7 @@ from lightning_overflow.exceptions import RollbackError
 from lightning_overflow.health import board_for
 from lightning_overflow.numerics.snapshots import restore_optimizer_, take_snapshot
 from lightning_overflow.testing import Fault, FaultInjector, TinyRegressor
-from lightning_overflow.training_state import restorable
+from lightning_overflow.training_state import pruned_away, restorable
 from test_trials import Sabotaged, Suspect
 
 
@@ -421,12 +421,36 @@ class PruneAt(Callback):
             prune.l1_unstructured(pl_module.net[0], "weight", amount=0.3)
 
 
+class WeightNormAt(PruneAt):
+    """Reparametrizes the first layer with weight_norm at the end of one step: its ``original0`` and ``original1``
+    are new parameters, another representation of the weight, which no earlier snapshot holds."""
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            torch.nn.utils.parametrizations.weight_norm(pl_module.net[0])
+
+
+def test_pruning_inside_an_epoch_rolls_back_to_a_snapshot_from_before_it() -> None:
+    """Pruned at step 4, inside the epoch: no epoch boundary carried the snapshots of steps 0 and 3 into the new
+    layout, and the NaN weight of step 5 ended the fit in RollbackError (both dropped as unfit). They are carried
+    when a restore needs them: step 3's weights come back as ``weight_orig``, the pruning's mask kept."""
+    rollback = Rollback(every_n_steps=3)
+    probe = AverageProbe(None)
+    trainer = fit(TinyRegressor(), [NonFiniteDetector(), rollback, PruneAt(4), probe, nan_weight_at(5)], max_steps=8)
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(6, 3)]
+    restored = probe.at[6]["weights"]
+    assert torch.equal(restored["net.0.weight_orig"], probe.at[3]["weights"]["net.0.weight"])
+    assert torch.equal(restored["net.0.weight_mask"], probe.at[4]["weights"]["net.0.weight_mask"])
+    assert all_finite(weights(trainer.lightning_module))
+
+
 def test_no_snapshot_left_that_fits_says_why_it_is_missing() -> None:
-    # Pruned at step 4 (its first parameter is now net.0.bias: weight_orig is registered after it), a NaN at step 5:
-    # the snapshots of steps 0 and 3 hold net.0.weight.
+    # weight_norm at step 4 (the first layer's weight is now parametrizations.weight.original0 and original1), a NaN
+    # at step 5: the snapshots of steps 0 and 3 hold net.0.weight.
     rollback = Rollback(every_n_steps=3)
     with pytest.raises(RollbackError) as info:
-        fit(TinyRegressor(), [NonFiniteDetector(), rollback, PruneAt(4), nan_weight_at(5)], max_steps=12)
+        fit(TinyRegressor(), [NonFiniteDetector(), rollback, WeightNormAt(4), nan_weight_at(5)], max_steps=12)
     assert str(info.value).startswith(
         "Rollback: a rollback was needed at step 6 (nonfinite_state at step 5: NonFiniteDetector: the weights "
         "contained inf/NaN in net.0.bias at step 5 (epoch 0) on rank(s) 0.) but no snapshot verified finite "
@@ -509,3 +533,26 @@ def test_backbone_finetuning_follows_the_backoff_through_every_epoch_and_its_ali
     assert bare[63][1] < bare[63][0] and bare[64] == [0.01, 0.01]
     for step in range(fault_step + 2, 72):
         assert suite_rates[step] == pytest.approx([rate * 0.5 for rate in bare[step]], rel=1e-12), step
+
+
+def test_only_a_tensor_pruning_masks_out_whole_is_left_out_of_a_dead_network() -> None:
+    """A pruned tensor whose mask still keeps some values can die like any other (its kept units then pass nothing
+    back): it counts. One whose mask holds nothing has no gradient by design: it does not."""
+    layer = torch.nn.Linear(4, 2)
+    prune.l1_unstructured(layer, "weight", amount=0.5)
+    prune.l1_unstructured(layer, "bias", amount=2)
+    assert pruned_away(layer) == {id(layer.bias_orig)}
+
+
+def test_a_rollback_keeps_the_pruning_done_since_its_snapshot() -> None:
+    """ModelPruning prunes again at step 16 in the same layout; the NaN weight of step 18 goes back to the snapshot
+    of step 14, whose masks are the first pruning's: the rollback undid the second (the pruned share fell back)."""
+    rollback = Rollback(every_n_steps=6)
+    probe = AverageProbe(None)
+    pruning = ModelPruning("l1_unstructured", amount=0.3, make_pruning_permanent=False)
+    fit(TinyRegressor(), [pruning, NonFiniteDetector(), rollback, probe, nan_weight_at(18)], max_steps=20)
+    assert [(h["step"], h["snapshot_step"]) for h in rollback.history] == [(19, 14)]
+    before, after = probe.at[17]["weights"], probe.at[19]["weights"]
+    assert not torch.equal(probe.at[14]["weights"]["net.0.weight_mask"], before["net.0.weight_mask"])
+    for name in ("net.0.weight_mask", "net.2.weight_mask"):
+        assert torch.equal(after[name], before[name])

@@ -412,18 +412,23 @@ class Rollback(SuiteCallback):
         layout = module_layout(module)
         if layout == self._layout:
             return
-        if renamed := pruned_since(self._names, module):
-            self._carry_across_pruning(module, renamed)
+        renamed = self._carry_across_pruning(module)
         # A snapshot of the state as the new layout holds it (its own mask), the carried ones older targets behind it.
         if renamed or restorable(trainer, newest.state):
             self._take_or_answer(trainer)
         else:
-            self._layout, self._names = layout, parameter_names(module)
+            self._layout = layout
 
-    def _carry_across_pruning(self, module: pl.LightningModule, renamed: dict[str, str]) -> None:
+    def _carry_across_pruning(self, module: pl.LightningModule) -> dict[str, str]:
         """Pruning kept each parameter and renamed it: the snapshots in memory are put in the new layout, so the
         states verified before it stay rollback targets (else the first snapshot after it, of whatever state the run
-        was in, would be the only one). A file is read in the layout it was written in, and is dropped if unfit."""
+        was in, would be the only one). Asked where the layout is read (an epoch's start, after a validation), and
+        before a snapshot is taken or restored (pruning inside an epoch, by the module's own code or a plain loop).
+        A file is read in the layout it was written in, and is dropped if unfit. Returns what was renamed."""
+        renamed = pruned_since(self._names, module)
+        if not renamed:
+            return renamed
+        self._names = parameter_names(module)
         live = local_state(module.state_dict())
         for snapshot in [*self._memory.snapshots, self._restart]:
             if snapshot is None or snapshot.state is None:
@@ -432,6 +437,7 @@ class Rollback(SuiteCallback):
             if carried is not None:
                 snapshot.state["model"] = carried
                 snapshot.owners = {_renamed_path(path, renamed): rank for path, rank in snapshot.owners.items()}
+        return renamed
 
     def _take_or_answer(self, trainer: pl.Trainer) -> None:
         refused = self._take(trainer)
@@ -559,6 +565,7 @@ class Rollback(SuiteCallback):
             self._restart = Snapshot(step, take_snapshot(state, None, held), extras, owners=dict(owners))
             return None
         self._restart = None  # a snapshot of this fit's own from now on
+        self._carry_across_pruning(trainer.lightning_module)  # before the oldest's buffers take the new state
         snapshot = self._memory.take(step, state, extras, held, owners)
         self._layout = module_layout(trainer.lightning_module)
         self._names = parameter_names(trainer.lightning_module)
@@ -798,6 +805,7 @@ class Rollback(SuiteCallback):
         """Restore the first usable candidate (a file is read and verified first): ``(it, "memory" or "disk")``, or
         ``None`` when none is usable. A candidate that cannot be used is journaled and dropped for good. ``notify``:
         tell the suite's callbacks of the restore (not for a trial's remedy, which is not the run's state yet)."""
+        self._carry_across_pruning(trainer.lightning_module)
         for candidate in candidates:
             source, state = "memory", candidate.state
             if state is None:
