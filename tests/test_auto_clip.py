@@ -630,3 +630,13 @@ def test_a_module_that_clips_its_own_gradients_keeps_its_clipping(caplog: pytest
         "clipping is kept (the rest of the suite acts as usual)"
     ]
     fit(_ClipsItself(), [AutoClip()], max_steps=2)  # an AutoClip built by hand keeps clipping, as before
+
+
+def test_float64_norms_beyond_the_fp32_range_anchor_the_warm_up() -> None:
+    """A float64 run in units of 1e20 has gradient norms beyond 3.4e38: numbers in float64. They were left out of the
+    warm-up's anchor as overflows, so no anchor was learned and a spike in the warm-up went unclipped."""
+    from test_headroom import LargeUnits
+
+    clip = AutoClip()
+    fit(LargeUnits(), [clip], max_steps=clip.anchor_steps + 2, precision="64-true")
+    assert len(clip._first[0]) == clip.anchor_steps and min(clip._first[0]) > 3.5e38

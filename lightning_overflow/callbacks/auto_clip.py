@@ -371,7 +371,8 @@ class AutoClip(SuiteCallback):
             update = _largest_lr(record.optimizer) * clip.coef * clip.total  # the gradient norm as applied
             self._largest_update[index] = max(self._largest_update.get(index, 0.0), update)
         first = self._first.setdefault(index, [])
-        if len(first) < self.anchor_steps and scaled and math.isfinite(clip.total) and clip.total <= FP32_MAX:
+        in_range = clip.total <= FP32_MAX or record.grads_float64  # a float64 norm beyond FP32 is a number too
+        if len(first) < self.anchor_steps and scaled and math.isfinite(clip.total) and in_range:
             first.append(clip.total)
         clipped = clip.coef < 1.0
         epoch = self._epoch.setdefault(index, [0, 0])
