@@ -14,7 +14,7 @@ import torch
 from conftest import assert_bit_identical, fit, weights
 from pytorch_lightning.loggers import CSVLogger
 
-from lightning_overflow import Rollback, default_callbacks
+from lightning_overflow import NonFiniteDetector, Rollback, default_callbacks
 from lightning_overflow.testing import TinyRegressor
 
 _HOOKS = (
@@ -148,3 +148,19 @@ def test_a_module_under_fault_injection_still_pickles_mid_fit() -> None:
     for copied in probe.copies:
         assert copied.training_step.__func__ is TinyRegressor.training_step
         assert torch.isfinite(copied.training_step(batch, 0))
+
+
+def test_a_copy_taken_while_micro_batches_accumulate_holds_none_of_them() -> None:
+    """Lightning pickles callbacks into every checkpoint (the module's hyperparameters): a detector copied between two
+    micro-batches of one step carried the first one's batch and its flag."""
+    probe: list[Any] = []
+
+    class CopyMidWindow(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+            if trainer.global_step == 2 and len(detector._window) == 1 and not probe:  # the third micro-batch
+                probe.append((copy.deepcopy(detector), pickle.loads(pickle.dumps(detector))))
+
+    detector = NonFiniteDetector()
+    fit(TinyRegressor(), [detector, CopyMidWindow()], max_steps=4, accumulate_grad_batches=3)
+    ((copied, unpickled),) = probe
+    assert copied._window == unpickled._window == [] and copied._held is None and unpickled._held is None

@@ -860,6 +860,7 @@ class NonFiniteDetector(SuiteCallback):
     @override
     def _detach(self, state: dict[str, Any]) -> None:
         state["_kept"] = state["_faulted"] = state["_batch"] = None  # a batch and the random state belong to one step
+        state["_window"], state["_held"] = [], None  # the micro-batches of one step: a checkpoint holds no batch
         state["_step_guard"] = None  # the live module's training_step: a copy guards no module
         state.pop("_keys", None)  # they name this instance (a copy is another)
 

@@ -177,7 +177,7 @@ class ActivationSampler:
         return index in self._float64
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_handles": [], "_modules": list(self._modules), "_maxima": {}}
+        return {"_handles": [], "_modules": list(self._modules), "_maxima": {}, "_float64": set()}
 
 
 def _magnitude(tensor: Tensor) -> Tensor:
