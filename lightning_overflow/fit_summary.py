@@ -660,9 +660,11 @@ def _endings(endings: list[Event], by_kind: dict[str, list[Event]]) -> list[str]
     message = ending_words(details) if _ending_facts(details) else str(last["message"])
     after = ", after what the suite did above" if acted else ""
     if details.get("stalled"):
+        # Only lower rates were tried: a rate far too low ties as well, unless the run showed its rate was high.
+        higher = "" if any(by_kind.get(k) for k in ("skip", "backoff", "rollback")) else (
+            ", or try a higher learning rate (only lower ones were tried: at a rate far too low they tie as well)")
         return [f"{message}: a rate too high is not why it stalled; if it should come down further, look at the "
-                "model, its initialisation or the data, or try a higher learning rate (only lower ones were tried: "
-                "at a rate far too low they tie as well)"]
+                f"model, its initialisation or the data{higher}"]  # fmt: skip
     if "start_norm" in details:
         return [f"{message}. A run that starts so can end far above what the same model drawn right reaches: compare "
                 "its loss with such a run's, and draw the weights smaller (std = gain / sqrt(fan_in); an orthogonal "

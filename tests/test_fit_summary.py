@@ -231,6 +231,11 @@ def test_a_run_that_stalled_above_half_its_start_and_tied_its_trial_says_it_lear
         "too high is not why it stalled; if it should come down further, look at the model, its initialisation or "
         "the data, or try a higher learning rate (only lower ones were tried: at a rate far too low they tie as well)"
     )
+    backoff = {"step": 20, "kind": "backoff", "epoch": 0, "source": "LRBackoff", "message": "", "details": {}}
+    assert plain_lines([backoff, tie, ending])[-1].endswith(  # a run whose rate was backed off: not a rate too low
+        "a rate too high is not why it stalled; if it should come down further, look at the model, its "
+        "initialisation or the data"
+    )
     assert stalled_ending([tie, trial(150, "loss_divergence", kept=True)], stalled) is None  # a remedy kept since
     assert stalled_ending([trial(100, "loss_trend")], stalled) is None  # no suspicion of a run that does not learn
     assert stalled_ending([tie], _ended([2.0] * 5 + [0.9] * 95)) is None  # below half its start: it learned
