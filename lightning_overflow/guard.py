@@ -856,7 +856,7 @@ class Guard:
             self._epoch_open = True
         self._hook("on_train_batch_start", batch, self._batch_idx)
 
-    def step(self, loss: Tensor | Sequence[Tensor]) -> StepOutcome:
+    def step(self, loss: Tensor | Sequence[Tensor], batch: Any = None) -> StepOutcome:
         """Judge the step whose gradients the loop has just computed, then step (or skip) it.
 
         Call it once per optimizer step, after the backward pass(es), instead of ``optimizer.step()``,
@@ -865,6 +865,10 @@ class Guard:
         Args:
             loss: the loss the backward pass started from (as computed, before any scaling), or, under gradient
                 accumulation, the list of the micro-batches' losses.
+            batch: the batch ``loss`` came from (under gradient accumulation, the list of the micro-batches, one
+                per loss), read only if the step is inf/NaN: a batch that holds inf/NaN or values beyond 1e15 makes
+                it a data fault, skipped and never held against the state. Without it, NaN rows in consecutive
+                batches read as a state whose steps keep failing (backed off and rolled back).
 
         Returns:
             what happened (:class:`StepOutcome`). An error the suite raises (``DivergenceError``, a
@@ -878,11 +882,25 @@ class Guard:
                 "before the forward pass; build it without loss_fn to call guard.step(loss)"
             )
         losses = _losses(loss)
+        if batch is not None:
+            self._show_batches(batch, len(losses))
         self._check_gradients()
         outcome = self._judge_and_step(losses)
         with self._guarded():
             self._begin_batch(None)  # the next batch, before its forward pass: the buffers are copied there
         return outcome
+
+    def _show_batches(self, batch: Any, losses: int) -> None:
+        """Hand the step's batches to the detectors (their words for a data fault: no replay after ``step``)."""
+        if losses > 1 and not (isinstance(batch, (list, tuple)) and len(batch) == losses):
+            kind = type(batch).__name__
+            got = f"a {kind} of {len(batch)}" if isinstance(batch, (list, tuple)) else kind
+            raise ValueError(f"'batch' must be the list of the {losses} micro-batches the {losses} losses came from, "
+                             f"one per loss (got {got})")  # fmt: skip
+        batches = list(batch) if losses > 1 else [batch]
+        for callback in self.callbacks:
+            if isinstance(callback, NonFiniteDetector):
+                callback.hear_step_batches(batches, self._batch_idx)
 
     def train_step(self, batch: Any) -> StepOutcome:
         """Run one optimizer step on ``batch``: ``loss_fn(model, batch)``, its backward pass (``backward(loss)`` if

@@ -1054,3 +1054,46 @@ def test_a_trials_candidates_step_a_plateau_schedule_on_the_metric_the_loop_pass
     assert [at for at, _ in trial] == [at for at in range(31, 51) for _ in range(2)]
     assert [rate for _, rate in trial] == [run[at] * factor for at in range(31, 51) for factor in (0.5, 0.125)]
     assert len({run[at] for at in range(31, 51)}) == 4  # the cuts at 32, 40 and 48 happened in the trial
+
+
+def _accumulating_loop(tmp_path: Path, show: bool) -> Guard:
+    """Two micro-batches a step; the first micro-batch of steps 10, 11 and 12 holds one NaN feature."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(40 * 32, 8, generator=g), torch.randn(8, 1, generator=g)
+    y = x @ w
+    guard = Guard(model, optimizer, callbacks=default_callbacks(), default_root_dir=tmp_path)
+    for step in range(16):
+        micro = [(x[i : i + 16].clone(), y[i : i + 16]) for i in (32 * step, 32 * step + 16)]
+        if step in (10, 11, 12):
+            micro[0][0][3, 2] = math.nan
+        losses = [nn.functional.mse_loss(model(mx), my) for mx, my in micro]
+        for loss in losses:
+            (loss / 2).backward()
+        guard.step(losses, batch=micro) if show else guard.step(losses)
+    guard.close()
+    return guard
+
+
+def test_the_batches_handed_to_step_tell_a_data_fault_from_a_failing_state(tmp_path: Path) -> None:
+    """NaN rows in three consecutive steps of a plain loop: shown the micro-batches, the guard skips them as data
+    faults and leaves the state and the rate alone; not shown them, it cannot tell, and says so (it said the
+    batches held no inf/NaN)."""
+    events = _accumulating_loop(tmp_path / "shown", show=True).board.journal.events
+    assert [(e.step, e.details["batch"]) for e in events if e.kind == "data_fault"] == [(10, 10), (11, 11), (12, 12)]
+    assert {e.kind for e in events} == {"data_fault", "skip"}
+    unseen = _accumulating_loop(tmp_path / "unseen", show=False).board.journal.events
+    (persistent,) = [e for e in unseen if e.kind == "backoff"]
+    assert "on batches it was not shown (Guard.step(loss) sees no batch" in persistent.message
+
+
+def test_step_refuses_a_batch_that_is_not_one_per_loss(tmp_path: Path) -> None:
+    model, optimizer = _model_and_optimizer()
+    loss = model(torch.ones(2, 3)).sum()
+    loss.backward()
+    with Guard(model, optimizer, default_root_dir=tmp_path) as guard, pytest.raises(ValueError) as info:
+        guard.step([loss, loss.detach()], batch=(torch.ones(2, 3),))
+    assert str(info.value) == ("'batch' must be the list of the 2 micro-batches the 2 losses came from, one per "
+                               "loss (got a tuple of 1)")  # fmt: skip

@@ -244,6 +244,7 @@ class NonFiniteDetector(SuiteCallback):
         self._window: list[tuple[int, torch.Tensor | None]] = []
         self._held: tuple[int, Any] | None = None
         self._stepped = False  # an optimizer step was judged in this batch
+        self._shown = False  # the step's batches were handed over (Guard.step(loss, batch=...)): their words count
         self._updated = False  # an optimizer step moved the weights since they were drawn (a resumed fit's did)
         self._monitors_to_place: list[str] = []  # what EarlyStopping(check_finite=True) monitors, until placed
         self._epoch_started = False
@@ -601,7 +602,7 @@ class NonFiniteDetector(SuiteCallback):
             finding.data_fault = bool(data)
             finding.details.update(where)
         elif (not replayed and faulted is None and finding.kind in ("loss", "grad")
-              and not trainer.lightning_module.automatic_optimization):  # fmt: skip
+              and (self._shown or not trainer.lightning_module.automatic_optimization)):  # fmt: skip
             # Manual optimization has no replay: the batch itself says whether it brought the inf/NaN. Without it,
             # NaN rows in consecutive batches read as a state whose steps fail on clean batches, and were rolled back.
             # Every rank's words (off the hot path: a fault step): the decision and the journal are every rank's.
@@ -627,6 +628,14 @@ class NonFiniteDetector(SuiteCallback):
             self._end_with(self._error(trainer, message, record, finding, diagnosis))
         return None if state_broken else Verdict(skip=f"non-finite {finding.kind}")
 
+    def hear_step_batches(self, batches: list[Any], batch_idx: int) -> None:
+        """The batches of the step about to be judged, as a plain loop hands them over (``Guard.step(loss,
+        batch=...)``, where nothing is replayed): the last one is this step's batch, the earlier ones accumulated
+        into it, all under the step's index (a plain loop numbers its steps, not its micro-batches). Flags only: read
+        if the step turns out inf/NaN."""
+        self._window = [(batch_idx, holds_bad_values(b)) for b in batches[:-1]]
+        self._batch, self._batch_idx, self._shown = batch_copy(batches[-1]), batch_idx, True
+
     def _earlier_bad_batch(self, trainer: pl.Trainer) -> dict[str, Any]:
         """A data fault's details when a micro-batch of this accumulation window before the last (the one the
         replay saw) holds inf/NaN or values beyond 1e15 on some rank; ``{}`` otherwise. Their gradients are in the
@@ -647,7 +656,7 @@ class NonFiniteDetector(SuiteCallback):
 
     @override
     def _after_step(self, trainer: pl.Trainer, record: StepHealth, action: StepAction) -> None:
-        self._window, self._held, self._stepped = [], None, True
+        self._window, self._held, self._stepped, self._shown = [], None, True, False
         self._updated = self._updated or not action.skipped
         finding, self._finding = self._finding, None
         if finding is not None and self.action == "skip":
@@ -708,8 +717,8 @@ class NonFiniteDetector(SuiteCallback):
         self._persistent = 0 if finding.data_fault else self._persistent + 1
         if self._persistent == self.persist_after:
             batches = "on batches that hold no inf/NaN" if self._batch is not None else (
-                "on batches it was not shown (Guard.step(loss) sees no batch: Guard(..., loss_fn=...)"
-                ".train_step(batch) tells bad data apart)")  # fmt: skip
+                "on batches it was not shown (Guard.step(loss) sees no batch: guard.step(loss, batch=batch) "
+                "tells bad data apart)")  # fmt: skip
             persistent = f"{self._persistent} consecutive optimizer steps were non-finite {batches} ({message})"
             self._signal(trainer, "nonfinite_persistent", persistent, index)
         if finding.kind in ("weight", "optimizer_state"):
