@@ -2,7 +2,7 @@
 
 A regression of 1024 samples, one of which is corrupt (every feature 1e30, as a bad sensor read would give): its
 batch's squared error is inf once an epoch. The loop is the one everybody writes (forward, backward, step), with
-``optimizer.step(); scheduler.step(); optimizer.zero_grad()`` replaced by ``guard.step(loss)``.
+``optimizer.step(); scheduler.step(); optimizer.zero_grad()`` replaced by ``guard.step(loss, batch=batch)``.
 
 Run ``python examples/plain_loop.py`` (``--fast`` for CI). What you will see:
 
@@ -84,7 +84,9 @@ def train(
                     scheduler.step()
                     optimizer.zero_grad()
                     continue
-                outcome = guard.step(loss)  # judges the step, then steps (or skips) the optimizer and the scheduler
+                # Judges the step, then steps (or skips) the optimizer and the scheduler; the batch is read only
+                # if the step is inf/NaN, to tell a data fault apart.
+                outcome = guard.step(loss, batch=batch)
             if outcome.skipped:
                 skipped.append(outcome.step)
                 said = said or outcome.events[0].message
@@ -110,7 +112,7 @@ def main() -> None:
             result[key] = {"weights_finite": finite(model), "skipped_steps": skipped, "loss": clean_loss(model),
                            "clean_run_loss": clean_loss(reference), "first_skip": said}  # fmt: skip
     print(f"unprotected: weights finite {result['unprotected']['weights_finite']}")
-    for key, how in (("protected", "guard.step(loss)"), ("train_step", "guard.train_step(batch)")):
+    for key, how in (("protected", "guard.step(loss, batch=batch)"), ("train_step", "guard.train_step(batch)")):
         run = result[key]
         print(f"protected, {how}: skipped steps {run['skipped_steps']}; loss {run['loss']:.4f} (a run on clean data: "
               f"{run['clean_run_loss']:.4f})\n  the first skip: {run['first_skip']}")  # fmt: skip

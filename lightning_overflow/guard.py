@@ -72,8 +72,8 @@ NO_TRIALS = (
     "Guard.step(loss) is handed the loss, not the batch: no candidate can train beside a plain loop"
 )
 NO_REPLAY = (
-    "a plain loop's step is not replayed: Guard.step(loss) is handed the loss, not the batch; check the batch of "
-    "this step and the layers it runs through"
+    "a plain loop's step is not replayed: Guard.step(loss) does not run the forward pass (guard.train_step(batch) "
+    "does); check the batch of this step and the layers it runs through"
 )
 
 SCALER_SKIPPED = (

@@ -120,6 +120,7 @@ def test_plain_loop(results: dict[str, dict[str, Any]]) -> None:
     assert safe["weights_finite"] and safe["skipped_steps"] == [9, 25, 41]  # the corrupt batch, once an epoch
     assert safe["loss"] == pytest.approx(safe["clean_run_loss"], rel=0.1)
     assert "a plain loop's step is not replayed" in safe["first_skip"]
+    assert safe["first_skip"].endswith("Batch 9 holds values up to 1e+30 in row 41: a data fault.")  # handed over
     # The guard that runs each step holds the batch: the same steps, the same weights, and the row named.
     assert stepping["skipped_steps"] == safe["skipped_steps"] and stepping["loss"] == safe["loss"]
     assert "batch 9 holds values up to 1e+30 in row 41" in stepping["first_skip"]

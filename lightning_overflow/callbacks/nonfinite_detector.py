@@ -611,6 +611,7 @@ class NonFiniteDetector(SuiteCallback):
             finding.data_fault = bool(found)
             if found:
                 finding.details.update({**found[0][1], "data_ranks": [r for w in found for r in w[1]["data_ranks"]]})
+                message = f"{message} {found[0][0][0].upper()}{found[0][0][1:]}: a data fault."
             elif self._window:  # the batches the module accumulated into this step before this one
                 earlier = self._earlier_bad_batch(trainer)
                 if earlier:
