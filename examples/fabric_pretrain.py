@@ -7,8 +7,9 @@ warm-up into a cosine schedule, gradient accumulation over 2 micro-batches under
 ``fabric.backward``. The peak learning rate, 0.05, is about twice what this model trains at: shortly after the
 warm-up the attention scores pass 88, ``exp`` overflows and the loss is NaN.
 
-The guard takes the place of ``optimizer.step(); scheduler.step(); optimizer.zero_grad()``: ``guard.step(losses)``
-after the accumulation window, with the micro-batches' losses.
+The guard takes the place of ``optimizer.step(); scheduler.step(); optimizer.zero_grad()``:
+``guard.step(losses, batch=batches)`` after the accumulation window, with the micro-batches' losses and the
+micro-batches (read only if the step is inf/NaN, to tell a data fault apart).
 
 Run ``python examples/fabric_pretrain.py`` (``--fast`` for CI). What you will see:
 
@@ -90,6 +91,7 @@ def pretrain(steps: int, lr: float, protected: bool, root: Path) -> dict[str, An
     if protected:
         guard = Guard(model, optimizer, scheduler, default_callbacks(snapshot_every_n_steps=10), default_root_dir=root)
     losses: list[Tensor] = []
+    batches: list[tuple[Tensor, Tensor]] = []
     history: list[float] = []
     skipped, rolled_back, backed_off = [], [], []
     iterator = iter(loader)
@@ -100,6 +102,7 @@ def pretrain(steps: int, lr: float, protected: bool, root: Path) -> dict[str, An
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             fabric.backward(loss / ACCUMULATE)
         losses.append(loss.detach())
+        batches.append((x, y))
         if accumulating:
             continue
         history.append(float(torch.stack(losses).mean()))
@@ -108,14 +111,14 @@ def pretrain(steps: int, lr: float, protected: bool, root: Path) -> dict[str, An
             scheduler.step()
             optimizer.zero_grad()
         else:
-            outcome = guard.step(losses)  # the window's micro-batch losses, as computed
+            outcome = guard.step(losses, batch=batches)  # the window's micro-batch losses, as computed, and batches
             if outcome.skipped:
                 skipped.append(outcome.step)
             if outcome.rolled_back:
                 rolled_back.append(outcome.step)
             if outcome.backed_off:
                 backed_off.append(outcome.step)
-        losses = []
+        losses, batches = [], []
     if guard is not None:
         guard.close()
     tail = history[-10:]
