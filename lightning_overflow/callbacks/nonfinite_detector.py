@@ -579,11 +579,7 @@ class NonFiniteDetector(SuiteCallback):
             finding.details.update(_batch_details(diagnosis) if finding.data_fault else {})
             if not finding.data_fault and diagnosis.verdict != "persistent" and self._window:
                 # The replay of the last micro-batch did not reproduce the fault: the earlier ones may hold its cause.
-                earlier = self._earlier_bad_batch(trainer)
-                if earlier:
-                    finding.data_fault = True
-                    finding.details.update(earlier)
-                    message = f"{message} {earlier['data'][0].upper()}{earlier['data'][1:]}: a data fault."
+                message = self._blame_an_earlier_batch(trainer, finding, message)
             # The sentence is the event's message already: written once.
             finding.details["diagnosis"] = {k: v for k, v in diagnosis.to_dict().items() if k != "message"}
         elif finding.kind == "buffer":  # no replay: the outputs and gradients stay finite; the batch says why
@@ -611,13 +607,9 @@ class NonFiniteDetector(SuiteCallback):
             finding.data_fault = bool(found)
             if found:
                 finding.details.update({**found[0][1], "data_ranks": [r for w in found for r in w[1]["data_ranks"]]})
-                message = f"{message} {found[0][0][0].upper()}{found[0][0][1:]}: a data fault."
+                message = finding.message = _with_data_fault(message, found[0][0])
             elif self._window:  # the batches the module accumulated into this step before this one
-                earlier = self._earlier_bad_batch(trainer)
-                if earlier:
-                    finding.data_fault = True
-                    finding.details.update(earlier)
-                    message = f"{message} {earlier['data'][0].upper()}{earlier['data'][1:]}: a data fault."
+                message = self._blame_an_earlier_batch(trainer, finding, message)
         kind = "data_fault" if finding.data_fault else "nonfinite"
         self._event(trainer, kind, message, rank=min(finding.ranks, default=0), **finding.details)
         self._raise_signals(trainer, record, finding, message)
@@ -636,6 +628,17 @@ class NonFiniteDetector(SuiteCallback):
         if the step turns out inf/NaN."""
         self._window = [(batch_idx, holds_bad_values(b)) for b in batches[:-1]]
         self._batch, self._batch_idx, self._shown = batch_copy(batches[-1]), batch_idx, True
+
+    def _blame_an_earlier_batch(self, trainer: pl.Trainer, finding: Finding, message: str) -> str:
+        """``message``, and the finding made a data fault, when an earlier micro-batch of the step holds bad values
+        (:meth:`_earlier_bad_batch`); ``message`` as it is otherwise."""
+        earlier = self._earlier_bad_batch(trainer)
+        if not earlier:
+            return message
+        finding.data_fault = True
+        finding.details.update(earlier)
+        finding.message = _with_data_fault(message, earlier["data"])
+        return finding.message
 
     def _earlier_bad_batch(self, trainer: pl.Trainer) -> dict[str, Any]:
         """A data fault's details when a micro-batch of this accumulation window before the last (the one the
@@ -1084,6 +1087,12 @@ def _warn_about_anomaly_detection(warnings: WarningCache) -> None:
         "skip ends the fit instead. Turn it off to let the suite skip the step; its replay names the module and the "
         "op as the anomaly mode would.",
     )
+
+
+def _with_data_fault(message: str, words: str) -> str:
+    """``message``, then the batch's words as a sentence of their own (``"... Batch 9 holds NaN in row 3: a data
+    fault."``)."""
+    return f"{message} {words[:1].upper()}{words[1:]}: a data fault."
 
 
 def _batch_words(stats: BatchStats, batch_idx: int | None, rank: int) -> tuple[str, dict[str, Any]]:
