@@ -300,12 +300,7 @@ def pruned_away(module: Any) -> set[int]:
         >>> pruned_away(layer) == {id(layer.bias_orig)}
         True
     """
-    masked = [
-        (id(p), m._buffers[name.removesuffix("_orig") + "_mask"])
-        for m in module.modules()
-        for name, p in m._parameters.items()
-        if p is not None and name.endswith("_orig") and name.removesuffix("_orig") + "_mask" in m._buffers
-    ]
+    masked = [(id(orig), mask) for orig, mask in _pruned(module)]
     if not masked:
         return set()
     device = masked[0][1].device
@@ -435,11 +430,16 @@ def restore_(trainer: pl.Trainer, state: Mapping[str, Any], owners: Mapping[str,
 def _pruning_masks(module: torch.nn.Module) -> list[tuple[Tensor, Tensor]]:
     """``(live mask, a copy of it)`` of every weight ``torch.nn.utils.prune`` masks: ``ModelPruning`` prunes again at
     each epoch's end with the same layout, and a snapshot from before would otherwise bring back what it pruned."""
+    return [(mask, mask.detach().clone()) for _, mask in _pruned(module)]
+
+
+def _pruned(module: torch.nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """``(<name>_orig, <name>_mask)`` of every weight ``torch.nn.utils.prune`` masks: a parameter beside a buffer."""
     return [
-        (mask, mask.detach().clone())
+        (p, m._buffers[name.removesuffix("_orig") + "_mask"])
         for m in module.modules()
-        for name, mask in m._buffers.items()
-        if mask is not None and name.endswith("_mask") and name.removesuffix("_mask") + "_orig" in m._parameters
+        for name, p in m._parameters.items()
+        if p is not None and name.endswith("_orig") and m._buffers.get(name.removesuffix("_orig") + "_mask") is not None
     ]
 
 

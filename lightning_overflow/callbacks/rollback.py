@@ -63,16 +63,16 @@ from lightning_overflow.snapshot_store import Snapshot, SnapshotFiles, SnapshotR
 from lightning_overflow.training_state import (
     CheckpointGuard,
     StateCheck,
+    across_pruning,
     check_state,
     checked_weights,
-    across_pruning,
     live_state,
     local_state,
     module_layout,
     nonfinite_parts,
+    optimizer_labels,
     parameter_names,
     pruned_since,
-    optimizer_labels,
     restorable,
     restore_,
     unrestorable_optimizer,
@@ -402,9 +402,9 @@ class Rollback(SuiteCallback):
         """A callback changed the model's layout at an epoch's boundary or at a validation's end (``ModelPruning``
         turns ``weight`` into ``weight_orig`` and ``weight_mask``; a parametrization moves a weight): the state is
         snapshot now, before a fault needs one. Snapshots from before pruning are carried into the new layout behind
-        it; those of another layout change fit no more and are dropped when tried. The layout is
-        the same on every rank, and so is the decision. Read first by the names alone (:func:`module_layout`): an
-        epoch may be one step long."""
+        it; those of another layout change fit no more and are dropped when tried. The layout is the same on every
+        rank, and so is the decision. Read first by the names alone (:func:`module_layout`): an epoch may be one step
+        long."""
         newest = self._memory.snapshots[-1] if self._memory.snapshots else None
         if newest is None or self.board(trainer).trials.active:
             return
