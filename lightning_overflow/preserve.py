@@ -9,10 +9,6 @@ the two is running.
 
 Which attributes are kept, module by module (every submodule is walked):
 
-The batch is the other thing ``training_step`` may write into: schnetpack's models put their predictions into the
-input dict, over the targets. Each side run, and the batch a detector keeps for its diagnosis, get
-:func:`batch_copy`: the containers copied, the tensors shared.
-
 - only modules of the user's own classes: those of torch, Lightning and torchmetrics (``nn.Linear``, ``BatchNorm``)
   keep no Python state in ``forward``, and a torchmetrics ``Metric`` has its own put-back (:func:`metric_states`);
 - of those, every ``__dict__`` entry except the library's own: the names a fresh ``nn.Module()`` sets (the
@@ -28,6 +24,10 @@ accumulator) is cloned and copied back in place. The rest is shared: objects of 
 references, never copied (their own attributes, the tensors inside a list, the containers inside a tuple), as is
 everything outside the module (files, prints, globals, external loggers). Cost, per capture: a shallow copy of each
 container and a clone of each plain tensor attribute; nothing for a module whose classes add no attributes.
+
+The batch is the other thing ``training_step`` may write into: schnetpack's models put their predictions into the
+input dict, over the targets. Each side run, and the batch a detector keeps for its diagnosis, get
+:func:`batch_copy`: the containers copied, the tensors shared.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ import torch
 from lightning_overflow import _compat
 from lightning_overflow.candidate import Candidate, CandidateStep, trainable
 from lightning_overflow.fit_summary import named
-from lightning_overflow.preserve import batch_copy
 from lightning_overflow.policy import (
     CERTAIN_SIGNALS,
     REGROWTH,
@@ -51,6 +50,7 @@ from lightning_overflow.policy import (
     TRIAL_STEPS_FACTOR,
     Signal,
 )
+from lightning_overflow.preserve import batch_copy
 from lightning_overflow.trial import DEFAULT_TRIAL, Trial, TrialConfig, TrialVerdict
 
 if TYPE_CHECKING:

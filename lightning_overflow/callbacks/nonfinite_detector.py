@@ -3,7 +3,6 @@ where it came from; warn before the run reaches the FP32 limit."""
 
 from __future__ import annotations
 
-
 import functools
 import inspect
 import types
@@ -647,12 +646,11 @@ class NonFiniteDetector(SuiteCallback):
         steps fail on clean batches, and the run was backed off and rolled back. Every rank enters it."""
         flags = [(index, flag) for index, flag in self._window if flag is not None]
         device = trainer.strategy.root_device
-        mine = torch.stack([flag.to(device) for _, flag in flags]) if flags else torch.zeros(0, dtype=torch.bool)
-        local = torch.tensor(float(bool(mine.any()))) if mine.numel() else torch.tensor(0.0)
-        (ranks,) = flags_by_rank([local], device)
+        bad = torch.stack([flag.to(device) for _, flag in flags]).tolist() if flags else []  # the one host read
+        (ranks,) = flags_by_rank([torch.tensor(float(any(bad)))], device)
         if not ranks:
             return {}
-        first = next((index for (index, _), bad in zip(flags, mine.tolist()) if bad), None)
+        first = next((index for (index, _), held in zip(flags, bad) if held), None)
         index = next(i for i in (objects_by_rank(first)[r] for r in ranks) if i is not None)
         return {"batch": index, "rows": [], "data_ranks": list(ranks),
                 "data": f"batch {index} holds inf/NaN or values beyond 1e15 (a micro-batch accumulated into the "

@@ -251,4 +251,3 @@ def _recovery(present: Collection[str], unrestorable: str | None = None) -> str:
         return "add " + ", and ".join(missing)
     return "with NonFiniteDetector(action='skip') Rollback restores the last finite state and LRBackoff lowers the " \
         "learning rate"
-

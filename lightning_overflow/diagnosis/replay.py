@@ -369,8 +369,8 @@ def batch_stats(batch: Any) -> BatchStats:
 
 
 def holds_bad_values(batch: Any) -> Tensor | None:
-    """Whether ``batch`` holds inf/NaN or values beyond ``HUGE_INPUT``, as a 0-d bool device tensor (no read; one
-    read a tensor); ``None`` for a batch without floating tensors. What :func:`batch_stats` names, told apart where
+    """Whether ``batch`` holds inf/NaN or values beyond ``HUGE_INPUT``, as a 0-d bool device tensor (no host read;
+    one pass over each tensor); ``None`` for a batch without floating tensors. What :func:`batch_stats` names, told apart where
     only a flag is kept (the micro-batches of an accumulation window before its last, which the replay sees).
 
     Example:
