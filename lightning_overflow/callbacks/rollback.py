@@ -565,10 +565,12 @@ class Rollback(SuiteCallback):
             self._restart = Snapshot(step, take_snapshot(state, None, held), extras, owners=dict(owners))
             return None
         self._restart = None  # a snapshot of this fit's own from now on
-        self._carry_across_pruning(trainer.lightning_module)  # before the oldest's buffers take the new state
+        module = trainer.lightning_module
+        layout = module_layout(module)
+        if layout != self._layout:  # pruned inside an epoch: carried before the oldest's buffers take the new state
+            self._carry_across_pruning(module)
         snapshot = self._memory.take(step, state, extras, held, owners)
-        self._layout = module_layout(trainer.lightning_module)
-        self._names = parameter_names(trainer.lightning_module)
+        self._layout, self._names = layout, parameter_names(module)
         if not counting:  # a new target: no retry of it yet
             self._last_target, self._last_settings, self._retries = None, (), 0
         if self._files is not None:
