@@ -56,6 +56,7 @@ __all__ = [
     "BATCH_HOOKS",
     "mute_hooks",
     "optimizer_steps_this_batch",
+    "fit_ends_after_batch",
     "unmute_hooks",
     "weight_averages",
     "averaged_weights",
@@ -455,6 +456,23 @@ def replicated_strategy(strategy: Any) -> bool:
     """Whether every rank holds the whole model (a known replicated strategy, and no sharded one)."""
     names = {cls.__name__ for cls in type(strategy).__mro__}
     return sharded_strategy(strategy) is None and bool(names & set(REPLICATED_STRATEGIES))
+
+
+def fit_ends_after_batch(trainer: pl.Trainer) -> bool:
+    """Whether Lightning's loops end the fit after the current training batch, asked at its ``on_train_batch_end``:
+    ``max_steps`` reached, or the last batch of the last of ``max_epochs`` (2.6.6: ``FitLoop.done`` and the epoch
+    loop's ``_num_ready_batches_reached``). A stop asked for (``should_stop``) does not count: the ranks agree on it
+    only as the epoch ends. ``False`` in a loop that is not Lightning's (a plain loop ends where it ends)."""
+    loop = trainer.fit_loop
+    max_steps = getattr(loop, "max_steps", None)
+    if max_steps is None:
+        return False
+    if max_steps != -1 and trainer.global_step >= max_steps:
+        return True
+    epochs = loop.max_epochs
+    if epochs is None or epochs == -1 or loop.epoch_progress.current.processed + 1 < epochs:
+        return False
+    return bool(loop.epoch_loop._num_ready_batches_reached())
 
 
 def optimizer_steps_this_batch(trainer: pl.Trainer) -> bool:

@@ -907,6 +907,10 @@ class HealthBoard:
             self._metric_copy.put_back_nonfinite()
         self._skipped_in_batch = False
         trials.end_batch(trainer, self)
+        if trials.trial is not None and _compat.fit_ends_after_batch(trainer):
+            # The fit's last batch: the verdict is taken here, not as the fit ends, so that the checkpoints written
+            # at this step (their callbacks come after the suite's hooks) hold the state the fit returns.
+            trials.end_fit(trainer, self)
         for participant in self.in_stage("_after_batch"):
             participant._after_batch(trainer, pl_module, outputs)
         if trainer.lr_scheduler_configs:  # after the batch's restores: a plateau's steps are counted from here

@@ -386,6 +386,28 @@ def test_a_run_that_was_inf_nan_where_a_remedy_was_finite_is_not_returned_when_t
     assert _lr(trainer) < model.lr
 
 
+@pytest.mark.parametrize("ends", ["max_steps", "max_epochs"])
+def test_the_checkpoints_of_the_last_step_hold_the_state_a_fit_that_ends_mid_trial_returns(
+    tmp_path: Path, ends: str
+) -> None:
+    """As above, with checkpoints written at the fit's last step (every 5 steps and ``last.ckpt``; at each epoch's end):
+    the verdict is taken at the last batch, before the checkpoint callbacks save it, so that they hold the remedy the
+    fit returns, at its rate (they held the run that overflowed, at the full rate)."""
+    model = _LiveRunOverflows(33, 37)
+    suite = [NonFiniteDetector(diagnose=False), Suspect(30), LRBackoff(), Rollback(every_n_steps=10)]
+    every = 5 if ends == "max_steps" else None
+    saves = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=every)
+    limit = {"max_steps": 40} if ends == "max_steps" else {"max_steps": -1, "max_epochs": 40 // BATCHES_PER_EPOCH}
+    trainer = fit(model, [*suite, saves], **limit, enable_checkpointing=True, default_root_dir=str(tmp_path))
+    assert trainer.global_step == 40 and _trials(tmp_path)[0]["details"]["kept"]
+    assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == [(40, 30)]
+    for name in ("last.ckpt", "epoch=4-step=40.ckpt"):
+        saved = torch.load(tmp_path / "ckpt" / name, weights_only=False)
+        assert saved["global_step"] == 40
+        assert_bit_identical(saved["state_dict"], weights(model))
+        assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == _lr(trainer) < model.lr
+
+
 def test_a_fit_that_ends_mid_trial_with_finite_losses_keeps_the_run_as_it_was(tmp_path: Path) -> None:
     model = TinyRegressor()
     suite = [NonFiniteDetector(), Suspect(30), LRBackoff(), Rollback(every_n_steps=10)]
@@ -434,11 +456,12 @@ def test_a_hinge_loss_rising_from_zero_is_left_alone_by_every_composition(tmp_pa
 
 
 def _checkpoint_at_step_40(tmp_path: Path, suite: list[Any]) -> Path:
-    """The checkpoint a ``Sabotaged`` fit with ``suite`` saves at step 40 (one every epoch)."""
+    """The checkpoint a ``Sabotaged`` fit with ``suite`` saves at step 40 (one every epoch). The fit goes on past it:
+    at its last step a trial under way is judged before the checkpoint is written."""
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=BATCHES_PER_EPOCH,
                                                save_top_k=-1)  # fmt: skip
     torch.manual_seed(0)
-    fit(Sabotaged(), [*suite, checkpoints], max_steps=40, default_root_dir=str(tmp_path / "first"),
+    fit(Sabotaged(), [*suite, checkpoints], max_steps=41, default_root_dir=str(tmp_path / "first"),
         enable_checkpointing=True)  # fmt: skip
     (path,) = [p for p in (tmp_path / "ckpt").glob("*.ckpt") if "step=40" in p.name]
     return path
