@@ -48,7 +48,7 @@ SIGNAL_WORDS = {
     "loss_spike": "a loss spike",
 }
 SUSPICION_WORDS = {
-    "loss_divergence": "the loss settled far above its best",
+    "loss_divergence": "the loss rose far above its best and stayed there",
     "loss_trend": "the loss kept rising",
     "no_progress": "the loss stalled short of half its start",
     "weight_growth": "the weights kept growing while the loss did not fall",

@@ -234,8 +234,8 @@ def test_suspicions_left_alone_at_the_learning_rate_floor_are_journaled_at_the_e
     assert alone["details"]["scale"] == 0.25 and alone["details"]["floor"] == 0.25
     assert alone["details"]["steps"] == [s for s in range(55, 200, 5)]
     assert alone["message"].endswith(
-        "(the loss settled far above its best): the learning rate was already at its floor (0.25x its schedule), the "
-        "lowest LRBackoff may set; try starting at a lower learning rate"
+        "(the loss rose far above its best and stayed there): the learning rate was already at its floor (0.25x its "
+        "schedule), the lowest LRBackoff may set; try starting at a lower learning rate"
     )
 
 

@@ -269,9 +269,9 @@ def test_a_follow_up_the_fits_end_cut_short_is_not_said_to_have_found_the_remedy
         "signal": "loss_divergence", "opened_at": 96, "kept": False, "false_alarm": False, "rung": 2, "extra_steps": 8,
         "steps": 4, "planned_steps": 20, "comparisons": []}}
     assert plain_lines([follow_up]) == [
-        "1 lower-rate follow-up tried against doing nothing on the same unseen batches (the loss settled far above its "
-        "best): 1 kept the run as it was, cut short by the fit's end (too few steps to tell); the trials cost 8 extra "
-        "steps of compute"
+        "1 lower-rate follow-up tried against doing nothing on the same unseen batches (the loss rose far above its "
+        "best and stayed there): 1 kept the run as it was, cut short by the fit's end (too few steps to tell); the "
+        "trials cost 8 extra steps of compute"
     ]
 
 
@@ -377,9 +377,9 @@ def test_suspicions_left_alone_at_the_floor_or_past_the_rollback_budget_are_said
     assert plain_lines(floor) == [
         "learning rate backed off once (step 100); it ends at 0.001x its schedule (1e-05 at step 100), its floor "
         "(min_scale): no backoff went lower: consider starting at 0.001x the learning rate",
-        "3 suspicions left alone at steps 150, 220, 300 (the loss settled far above its best; the loss kept rising): "
-        "the learning rate was already at its floor (0.001x its schedule), the lowest LRBackoff may set; try starting "
-        "at a lower learning rate",
+        "3 suspicions left alone at steps 150, 220, 300 (the loss rose far above its best and stayed there; the loss "
+        "kept rising): the learning rate was already at its floor (0.001x its schedule), the lowest LRBackoff may set; "
+        "try starting at a lower learning rate",
     ]
     message, facts = left_alone(floor)  # type: ignore[misc]
     assert facts == {"why": "lr_floor", "scale": 0.001, "floor": 0.001, "steps": [150, 220, 300],
@@ -403,8 +403,8 @@ def test_suspicions_left_alone_at_the_floor_or_past_the_rollback_budget_are_said
     trial = event(60, "trial", "lightning_overflow", signal="loss_divergence", opened_at=40, kept=False,
                   false_alarm=True, extra_steps=20, comparisons=[])  # fmt: skip
     assert plain_lines([event(40, "loss_divergence"), event(50, "loss_trend"), trial, event(70, "loss_trend")]) == [
-        "1 suspicion tried against doing nothing on the same unseen batches (the loss settled far above its best): 1 "
-        "false alarm (the run went on untouched); the trials cost 20 extra steps of compute",
+        "1 suspicion tried against doing nothing on the same unseen batches (the loss rose far above its best and "
+        "stayed there): 1 false alarm (the run went on untouched); the trials cost 20 extra steps of compute",
         "loss_trend at 70; told only, nothing was done about it",
     ]
 

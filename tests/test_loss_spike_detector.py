@@ -356,7 +356,7 @@ def test_a_loss_that_went_down_and_settles_back_up_is_divergence() -> None:
     index, (kind, reason) = _first_finding(losses)
     assert (index, kind) == (48 + 3, "loss_divergence")
     assert reason.startswith(
-        "settled far above its best level: its level over about 4 healthy steps is 2.741, above 2 (")
+        "rose far above its best level and stayed there: its level over about 4 healthy steps is 2.741, above 2 (")
     assert "(2 times the lower of its best level 1 and its starting level 4, and at least 0.1x its starting level)" \
            in reason
 

@@ -652,10 +652,10 @@ class DivergenceEvidence:
         self._restart_level()
         within = f" ({level:.4g} once their usual scatter is allowed for)" if allowance > 0.0 else ""
         return "loss_divergence", (
-            f"settled far above its best level: its level over about {window} healthy steps is {self.judged:.4g}"
-            f"{within}, above {bound:.4g} ({factor:g} times the lower of its best level {best:.4g} and its starting "
-            f"level {anchor:.4g}, and at least {min_rise:g}x its starting level) for {confirm_steps} consecutive "
-            f"steps"
+            f"rose far above its best level and stayed there: its level over about {window} healthy steps is "
+            f"{self.judged:.4g}{within}, above {bound:.4g} ({factor:g} times the lower of its best level {best:.4g} and "
+            f"its starting level {anchor:.4g}, and at least {min_rise:g}x its starting level) for {confirm_steps} "
+            "consecutive steps"
         )
 
     def _stalled(self) -> bool:
