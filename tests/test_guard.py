@@ -1082,8 +1082,13 @@ def test_the_batches_handed_to_step_tell_a_data_fault_from_a_failing_state(tmp_p
     faults and leaves the state and the rate alone; not shown them, it cannot tell, and says so (it said the
     batches held no inf/NaN)."""
     events = _accumulating_loop(tmp_path / "shown", show=True).board.journal.events
-    assert [(e.step, e.details["batch"]) for e in events if e.kind == "data_fault"] == [(10, 10), (11, 11), (12, 12)]
+    faults = [e for e in events if e.kind == "data_fault"]
+    assert [(e.step, e.details["batch"]) for e in faults] == [(10, 10), (11, 11), (12, 12)]
     assert {e.kind for e in events} == {"data_fault", "skip"}
+    for fault in faults:  # said once (it was said twice, read with two all-reduces)
+        sentence = (f"Batch {fault.step} holds inf/NaN or values beyond 1e15 (a micro-batch accumulated into the step "
+                    "before its last): a data fault.")  # fmt: skip
+        assert fault.message.endswith(f"runs through. {sentence}") and fault.message.count(sentence) == 1
     unseen = _accumulating_loop(tmp_path / "unseen", show=False).board.journal.events
     (persistent,) = [e for e in unseen if e.kind == "backoff"]
     assert "on batches it was not shown (Guard.step(loss) sees no batch" in persistent.message

@@ -571,12 +571,19 @@ class NonFiniteDetector(SuiteCallback):
             "loss_scale": record.loss_scale,
             "optimizer": record.optimizer_index,
         }
-        if self._faulted is not None:  # the fit summary counts such steps
-            finding.details["faulted"] = f"{_step_code(trainer)} {self._faulted.brief}"
+        faulted = self._faulted
+        if faulted is not None:  # the fit summary counts such steps
+            finding.details["faulted"] = f"{_step_code(trainer)} {faulted.brief}"
+        replayed = diagnosis is not None and diagnosis.replayed
+        # Manual optimization has no replay, nor has a plain loop: the batch itself says whether it brought the
+        # inf/NaN (below). Without it, NaN rows in consecutive batches read as a state whose steps fail on clean
+        # batches, and were rolled back.
+        reads_the_batch = (not replayed and faulted is None and finding.kind in ("loss", "grad")
+                           and (self._shown or not trainer.lightning_module.automatic_optimization))  # fmt: skip
         if diagnosis is not None:
             finding.data_fault = _bad_batch(diagnosis)
             finding.details.update(_batch_details(diagnosis) if finding.data_fault else {})
-            if not finding.data_fault and diagnosis.verdict != "persistent" and self._window:
+            if not finding.data_fault and diagnosis.verdict != "persistent" and self._window and not reads_the_batch:
                 # The replay of the last micro-batch did not reproduce the fault: the earlier ones may hold its cause.
                 message = self._blame_an_earlier_batch(trainer, finding, message)
             # The sentence is the event's message already: written once.
@@ -589,17 +596,12 @@ class NonFiniteDetector(SuiteCallback):
             finding.details.update(where)
             if data:
                 message = finding.message = f"{message} The batch: {data}."
-        faulted = self._faulted
-        replayed = diagnosis is not None and diagnosis.replayed
         if not replayed and faulted is not None and faulted.batch is not None and record.world_size == 1:
             # Not replayed (manual optimization): the step that raised was answered for its batch's bad values.
             data, where = _batch_words(faulted.batch, self._batch_idx, int(trainer.global_rank))
             finding.data_fault = bool(data)
             finding.details.update(where)
-        elif (not replayed and faulted is None and finding.kind in ("loss", "grad")
-              and (self._shown or not trainer.lightning_module.automatic_optimization)):  # fmt: skip
-            # Manual optimization has no replay: the batch itself says whether it brought the inf/NaN. Without it,
-            # NaN rows in consecutive batches read as a state whose steps fail on clean batches, and were rolled back.
+        elif reads_the_batch:
             # Every rank's words (off the hot path: a fault step): the decision and the journal are every rank's.
             found = [w for w in objects_by_rank(_batch_words(batch_stats(self._batch), self._batch_idx,
                                                              int(trainer.global_rank))) if w[0]]  # fmt: skip
@@ -607,7 +609,7 @@ class NonFiniteDetector(SuiteCallback):
             if found:
                 finding.details.update({**found[0][1], "data_ranks": [r for w in found for r in w[1]["data_ranks"]]})
                 message = finding.message = _with_data_fault(message, found[0][0])
-            elif self._window:  # the batches the module accumulated into this step before this one
+            elif self._window:  # the batches accumulated into this step before this one
                 message = self._blame_an_earlier_batch(trainer, finding, message)
         kind = "data_fault" if finding.data_fault else "nonfinite"
         self._event(trainer, kind, message, rank=min(finding.ranks, default=0), **finding.details)
