@@ -1005,10 +1005,14 @@ class Guard:
             host.fit_loop.epoch_loop._batches_that_stepped += 1
             self._batch_idx += 1
         after = self._counts()
+        reason = record.skip_reason if skipped and record is not None else SCALER_SKIPPED if overflowed else ""
+        check = record.state_check if judged and record is not None else None
+        if overflowed and check is not None and not check.finite:  # no calibration: the state gave those gradients
+            reason = f"the {check.what} held inf/NaN, and so did the gradients: the GradScaler skipped the optimizer step"
         return StepOutcome(
             step=step,
             skipped=skipped or overflowed,
-            skip_reason=record.skip_reason if skipped and record is not None else SCALER_SKIPPED if overflowed else "",
+            skip_reason=reason,
             clipped=after[0] > counts[0],
             backed_off=after[1] > counts[1],
             rolled_back=after[2] > counts[2],

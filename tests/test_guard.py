@@ -695,6 +695,28 @@ def test_a_grad_scaler_skip_lowers_the_scale_and_leaves_the_weights(tmp_path: Pa
                 assert scaler.get_scale() == 2.0**9  # the scaler saw the inf/NaN gradients, as under the Trainer
 
 
+def test_nan_weights_under_a_grad_scaler_are_said_to_be_the_states_not_a_calibration(tmp_path: Path) -> None:
+    """A NaN weight gives NaN gradients, which the GradScaler skips: the outcome names the weights, restored by a
+    rollback (it said the scaler had lowered its scale as it calibrates; the rollback had restored the scale)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with Guard(model, optimizer, scaler=scaler, default_root_dir=tmp_path) as guard:
+        for step in range(8):
+            if step == 5:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            scaler.scale(loss).backward()
+            outcome = guard.step(loss)
+            assert outcome.skipped == outcome.rolled_back == (step == 5)
+            if step == 5:
+                assert outcome.skip_reason == ("the weights held inf/NaN, and so did the gradients: the GradScaler "
+                                               "skipped the optimizer step")  # fmt: skip
+                assert scaler.get_scale() == 2.0**16 and torch.isfinite(model[2].weight).all()
+
+
 def _amp_loop(tmp_path: Path | None, init_scale: float, steps: int = 30, nan_at: int | None = None,
               **guard_kwargs: Any) -> tuple[nn.Module, torch.amp.GradScaler, list[StepOutcome]]:  # fmt: skip
     """A plain fp16 loop under ``torch.autocast`` with a ``GradScaler``: guarded (``tmp_path``) or bare (``None``)."""
