@@ -253,11 +253,16 @@ class _LoopModule:
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """The loop's own clipping (``Guard(gradient_clip_val=...)``), as Lightning's precision plugin clips for
-        ``Trainer(gradient_clip_val=...)``."""
+        """The loop's own clipping (``Guard(gradient_clip_val=...)``), as a plain loop clips: the model's parameters
+        in the model's order (``clip_grad_norm_(model.parameters())``, ``fabric.clip_gradients``), which sets the
+        order the total norm is summed in; then any other parameter the optimizer holds."""
         if not gradient_clip_val:
             return
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        ids = {id(p) for p in held}
+        ordered = [p for p in self._module.parameters() if id(p) in ids]
+        known = {id(p) for p in ordered}
+        params = [p for p in ordered + [p for p in held if id(p) not in known] if p.grad is not None]
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             nn.utils.clip_grad_value_(params, gradient_clip_val)
         else:

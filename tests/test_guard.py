@@ -279,6 +279,37 @@ def test_the_loops_own_clipping_is_that_of_a_bare_loop_and_autoclip_leaves_the_g
     ]
 
 
+def test_the_loops_own_clipping_sums_the_norm_in_the_models_order_as_a_bare_loop_does(tmp_path: Path) -> None:
+    """An optimizer whose groups list the parameters in another order than the model (weight decay on the matrices
+    only, as nanoGPT's): the guard clips as ``clip_grad_norm_(model.parameters())`` does, bit for bit (it summed the
+    total norm in the groups' order: the weights differed after 20 steps)."""
+
+    def run(guarded: bool) -> nn.Module:
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()) for _ in range(6)]
+        model = nn.Sequential(*blocks, nn.Linear(64, 1))
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        optimizer = torch.optim.AdamW(groups, lr=1e-3)
+        guard = Guard(model, optimizer, gradient_clip_val=1.0, default_root_dir=tmp_path) if guarded else None
+        data = torch.Generator().manual_seed(1)
+        for _ in range(20):
+            x, y = torch.randn(32, 64, generator=data), torch.randn(32, 1, generator=data) * 10
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if guard is not None:
+                guard.step(loss)
+                continue
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if guard is not None:
+            guard.close()
+        return model
+
+    assert_bit_identical(weights(run(False)), weights(run(True)))
+
+
 def test_a_nan_loss_is_skipped_under_the_loops_own_clipping(tmp_path: Path) -> None:
     """The guard judges the step before it clips: a NaN loss is skipped as without the clipping, and the state after
     the step is bit for bit the state before it."""
