@@ -518,6 +518,16 @@ def _losses(loss: Any) -> list[Tensor]:
     return losses
 
 
+def _arguments_needed(method: Any) -> list[str]:
+    """The names of the arguments a call of ``method`` cannot leave out (none where its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind not in kinds]
+
+
 def _check_scheduler_optimizer(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     """A scheduler must schedule the guard's optimizer: a backoff scales the rates it sets, a rollback restores it."""
     own = getattr(scheduler, "optimizer", None)
@@ -711,6 +721,14 @@ class Guard:
                 "a ReduceLROnPlateau scheduler steps on the value it watches, which guard.step(loss) is not given "
                 f"(got scheduler_interval={scheduler_interval!r}): build the guard with scheduler_interval='epoch' and "
                 "call guard.end_epoch(metric) with that value (a validation loss) at the end of each epoch"
+            )
+        needed = _arguments_needed(scheduler.step) if scheduler is not None and not _on_plateau(scheduler) else []
+        if needed:
+            raise ValueError(
+                f"'scheduler' must step with no argument, as the guard steps it (got a {type(scheduler).__name__}, "
+                f"whose step() needs {', '.join(map(repr, needed))}): a schedule stepped with a count (timm's "
+                "step_update(num_updates)) stays the loop's; leave it out of the guard and step it yourself: the "
+                "guard holds the rates it writes at the backed-off scale"
             )
         log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=0)
         check_type("default_root_dir", default_root_dir, (str, os.PathLike), "a path", optional=True)

@@ -578,6 +578,17 @@ def test_the_guard_looks_through_wrappers_and_refuses_sharding() -> None:
         Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler_interval="batch")
 
 
+class _StepsWithACount:
+    """A scheduler stepped with the epoch or update count, as timm's are (``step(epoch)``, ``step_update(n)``): a
+    guard accepted it, and its first step raised ``TypeError`` after the optimizer had stepped."""
+
+    def step(self, epoch: int, metric: float | None = None) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -623,6 +634,10 @@ def test_the_guard_looks_through_wrappers_and_refuses_sharding() -> None:
         ({"scheduler": sched.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 2)}, (
             "'scheduler' schedules another optimizer (a SGD) than the guard's (a SGD): build it on the optimizer "
             "given to the guard")),
+        ({"scheduler": _StepsWithACount()}, (
+            "'scheduler' must step with no argument, as the guard steps it (got a _StepsWithACount, whose step() needs "
+            "'epoch'): a schedule stepped with a count (timm's step_update(num_updates)) stays the loop's; leave it "
+            "out of the guard and step it yourself: the guard holds the rates it writes at the backed-off scale")),
         ({"optimizer": torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)}, (
             "'optimizer' steps none of the model's parameters (2 tensors, none of the model's 2): build it on "
             "model.parameters() of the model given to the guard")),
