@@ -772,7 +772,10 @@ class HealthBoard:
             kept = f"kept the remedy ({start} at the learning rate x{outcome.remedy.factor:g})"
         else:
             kept = "kept the run as it was"
-        rung = " (a follow-up: the trial before it kept its remedy)" if trial.rung > 1 else ""
+        rung = ""
+        if trial.rung > 1:  # a follow-up goes back to a snapshot only when the remedy kept diverged too (REMEDY_RISE)
+            kept_one = "its remedy" if trial.snapshot_step is None else "a remedy whose loss rose over its trial"
+            rung = f" (a follow-up: the trial before it kept {kept_one})"
         message = (
             f"lightning_overflow: a trial opened {opened_because(trial.kind, trial.step)}{rung} tried {start} at the "
             f"learning rate {rates} against the run as it was, {len(trial.incumbent)} steps on the same batches; at "

@@ -112,6 +112,7 @@ __all__ = [
     "PERSIST_AFTER",
     "REGROWTH",
     "REMOVED_SETTINGS",
+    "REMEDY_RISE",
     "RESTART_ONCE",
     "RESTART_STEPS",
     "ROLLBACK_WINDOW",
@@ -193,6 +194,15 @@ rate, and a stall since is tried from the current state at a lower rate still. G
 away: a post-norm transformer at 40x its stable rate, restarted at step 163 and stalled again at 232, tried again
 from the fit's start ends at 2.2x its reference loss; tried from where it stood, at 1.6x (seeds 0-5 of every set of
 the rescue benchmark, 492 runs: no run crossed its reference either way)."""
+
+REMEDY_RISE = 2.0
+"""A kept remedy that started from a snapshot and whose loss level rose this many times over its own trial (the median
+of its last third of the trial's losses against that of its first third) diverged too, only less than the run it
+replaced: the next rung of the ladder restarts from the same snapshot at the lower rates, instead of going on from the
+state the remedy damaged. A deep ReLU net drawn at 1.7x Kaiming's scale ended at 3.26 and 3.24 (10x its reference)
+without it, 0.73 and 0.54 with it (the held-out set of the rescue benchmark; the other 414 runs of its four sets
+unchanged, bit for bit); SGD at 30x its rate over 48 steps, at 1.8e4 against 1.2. A remedy that learned falls over its
+trial."""
 
 NO_PROGRESS_STEPS = 50
 """Healthy steps without progress that make a run suspected of not learning: a run that learns makes a new low by the

@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
@@ -219,6 +220,23 @@ class Trial:
         stderr = math.sqrt(sum((s - mean) ** 2 for s in scores) / (n - 1) / n)
         wins = mean > max(self.config.sigmas * stderr, self.min_gain)
         return Comparison(mean, stderr, n, sum(s > 0 for s in scores), wins)
+
+    def rise(self, remedy: int) -> float:
+        """How many times its level at the trial's start remedy ``remedy``'s loss level at its end is: the median of
+        its finite losses on the last third of the trial's batches over that on the first third (``inf`` where the
+        last third has none finite; ``nan`` where the first has none, or with fewer than 3 batches)."""
+        scores = self.remedies[remedy]
+        third = len(scores) // 3
+        if third == 0:
+            return math.nan
+        first = [s for s in scores[:third] if math.isfinite(s)]
+        last = [s for s in scores[-third:] if math.isfinite(s)]
+        if not first:
+            return math.nan
+        if not last:
+            return math.inf
+        start, end = statistics.median(first), statistics.median(last)
+        return end / start if start > 0 else math.nan
 
     def verdict(self) -> TrialVerdict:
         """The remedy that did best among those that did better beyond the noise of the paired differences and by

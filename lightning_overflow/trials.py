@@ -44,6 +44,7 @@ from lightning_overflow.fit_summary import named
 from lightning_overflow.policy import (
     CERTAIN_SIGNALS,
     REGROWTH,
+    REMEDY_RISE,
     SCHEDULED,
     SUSPICION_SIGNALS,
     TAKEOVER_LOSSES,
@@ -342,7 +343,7 @@ class TrialRunner:
 
     def _open(
         self, trainer: pl.Trainer, board: _Board, kind: str, step: int, signal: Signal | None, rung: int = 1,
-        powers: tuple[int, ...] | None = None,
+        powers: tuple[int, ...] | None = None, restart: bool = False,
     ) -> None:
         """Build the remedies from the live state and set them beside it (see the module docstring). ``powers``: of
         the backoff factor, one remedy each (default ``1, 3, ...``, one per ``remedies``)."""
@@ -353,8 +354,9 @@ class TrialRunner:
         remedies: list[Remedy] = []
         sides: list[Candidate] = []
         # The first rung starts from the verified snapshot a rollback would go to; a lower rung, from the remedy just
-        # kept (the question is then only whether a lower rate does better still).
-        start = signal if rung == 1 else None
+        # kept (the question is then only whether a lower rate does better still), or from its snapshot again where
+        # it diverged too (``restart``).
+        start = signal if rung == 1 or restart else None
         for power in powers or range(1, 2 * self.config.remedy_count, 2):  # factor, factor**3, ...
             remedy = board.prepare_remedy(trainer, start, power)  # the live state is the remedy now
             if remedy is None or any(r.factor == remedy.factor for r in remedies):
@@ -513,8 +515,12 @@ class TrialRunner:
         if outcome.kept and not last and trial.kind not in (SCHEDULED, REGROWTH) and remedy.factor < 1.0:
             # A remedy was better; is a lower rate better still? The next rung: the remedy just kept at the next lower
             # rates against itself. The ladder stops at the first rung the run as it is wins.
-            follow = Signal(trial.kind, step, f"the remedy kept at step {step}, tried once more from there", trial.source)
-            self._open(trainer, board, trial.kind, step, follow, rung=trial.rung + 1)
+            rise = trial.rise(winner) if winner is not None and trial.snapshot_step is not None else math.nan
+            restart = rise >= REMEDY_RISE  # it diverged too: the lower rates start again from where it started
+            where = f"rose {rise:.3g}x over its trial, tried again from its snapshot" if restart else "tried once more"
+            follow = Signal(trial.kind, step, f"the remedy kept at step {step} {where}", trial.source,
+                            onset=trial.snapshot_step if restart else None)  # fmt: skip
+            self._open(trainer, board, trial.kind, step, follow, rung=trial.rung + 1, restart=restart)
 
     # ---- state ----------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

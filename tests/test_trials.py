@@ -17,7 +17,8 @@ import torch
 from conftest import assert_bit_identical, fit, make_trainer, weights
 
 from lightning_overflow import (
-    AutoClip, LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback, TrialConfig, read_journal, side_run,
+    AutoClip, LossSpikeDetector, LRBackoff, NonFiniteDetector, Rollback, TrialConfig, default_callbacks, read_journal,
+    side_run,
 )
 from lightning_overflow.callbacks._base import DETECTOR, SuiteCallback
 from lightning_overflow.health import StepHealth
@@ -353,6 +354,60 @@ def test_a_certain_fault_during_a_trial_hands_the_run_to_a_healthy_remedy(tmp_pa
     assert [(h["step"], h["snapshot_step"]) for h in suite[-1].history] == [(36, 30)]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert _lr(trainer) < model.lr
+
+
+def test_a_remedys_rise_is_its_loss_level_at_the_end_of_its_trial_over_that_at_the_start() -> None:
+    trial = Trial(kind="loss_divergence", step=4, config=TrialConfig(steps=9), lr_factors=[0.5, 0.125])
+    nan = math.nan
+    for losses in [(9, 7, 7), (9, 8, 7), (9, 9, nan), (9, 20, 6), (9, 30, 5), (9, 40, 4), (9, 70, 3), (9, nan, 2),
+                   (9, 90, 1)]:  # fmt: skip
+        trial.add(*losses)
+    assert trial.rise(0) == 80 / 8  # the medians of the finite losses: [70, 90] over [7, 8, 9]
+    assert trial.rise(1) == 2 / 7  # [3, 2, 1] over [7, 7]
+    short = Trial(kind="loss_divergence", step=4, config=TrialConfig(steps=9), lr_factors=[0.5])
+    short.add(1.0, 1.0)
+    short.add(1.0, 5.0)
+    assert math.isnan(short.rise(0))  # no thirds in 2 losses
+
+
+class _HighRate(pl.LightningModule):
+    """A small tanh regression under SGD with momentum at about 30 times its stable rate: every lower rate up to
+    x0.125 diverges too, only more slowly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(256, 8, generator=gen)
+        self.y = self.x @ torch.randn(8, 1, generator=gen) + 0.1 * torch.randn(256, 1, generator=gen)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1.5, momentum=0.9)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=16)
+
+    def mse(self) -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(self.net(self.x), self.y))
+
+
+def test_a_remedy_that_diverged_too_is_followed_by_lower_rates_from_its_snapshot(tmp_path: Path) -> None:
+    """The trial opened at step 4 keeps x0.125 from the fit's start, whose own loss rose over the trial: the next rung
+    tries the lower rates from that snapshot again, not from the state the remedy damaged (the fit ended at an MSE of
+    1.8e4 from there; its start is 7.1, gradient_clip_val=1.0 ends at 22.5)."""
+    model = _HighRate()
+    fit(model, default_callbacks(), max_steps=48, default_root_dir=str(tmp_path))
+    first, second = _trials(tmp_path)[:2]
+    assert (first["step"], first["details"]["kept_lr_factor"], first["details"]["snapshot_step"]) == (25, 0.125, 0)
+    assert (second["details"]["rung"], second["details"]["snapshot_step"]) == (2, 0)
+    assert ("(a follow-up: the trial before it kept a remedy whose loss rose over its trial) tried the snapshot of "
+            "step 0 at the learning rate x0.5 and x0.125") in second["message"]  # fmt: skip
+    assert model.mse() < 2.0
 
 
 class _LiveRunOverflows(TinyRegressor):
