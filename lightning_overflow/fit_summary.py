@@ -649,7 +649,7 @@ def _rollbacks(rollbacks: list[Event], by_kind: dict[str, list[Event]]) -> list[
                      + (f" after {_words(reason)}" if reason else ""))  # fmt: skip
     more = f"; +{len(rollbacks) - MAX_STEPS} more" if len(rollbacks) > MAX_STEPS else ""
     left = rollbacks[-1]["details"].get("budget_left")
-    budget = f" ({left} more allowed)" if left is not None else ""
+    budget = f" ({left} more allowed at this learning rate)" if left is not None else ""
     return [f"rolled back {_times(len(rollbacks))}{budget}: {'; '.join(parts)}{more}"]
 
 

@@ -89,7 +89,8 @@ def test_a_fit_that_ends_behind_its_last_rollback_says_so() -> None:
     assert behind_a_restore([_rollback(120, 100, fit_start=0)], last_step=150) is None  # it trained past it
     assert behind_a_restore([_rollback(120, 100, fit_start=0)], last_step=135) is not None
     assert plain_lines(events)[0].startswith(
-        "rolled back twice (2 more allowed): at step 100 to the snapshot of step 0 (where the fit started) after "
+        "rolled back twice (2 more allowed at this learning rate): at step 100 to the snapshot of step 0 (where the "
+        "fit started) after "
     )
 
 
