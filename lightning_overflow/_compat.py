@@ -52,6 +52,7 @@ __all__ = [
     "scaler_found_inf",
     "scaler_of",
     "scaler_scale",
+    "scaler_unscaled",
     "should_update_logs",
     "BATCH_HOOKS",
     "mute_hooks",
@@ -220,6 +221,13 @@ def scaler_found_inf(scaler: Any, optimizer: Any) -> bool:
     for flag in found.values():
         flag.fill_(1.0)
     return bool(found)
+
+
+def scaler_unscaled(scaler: Any, optimizer: Any) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` was called since the scaler's last ``update()`` (a second call raises):
+    ``_per_optimizer_states[id(optimizer)]["stage"]`` is ``OptState.UNSCALED`` then (torch 2.13.0)."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer)) or {}
+    return getattr(state.get("stage"), "name", "") == "UNSCALED"
 
 
 def scaler_scale(scaler: Any) -> Tensor | None:

@@ -982,6 +982,14 @@ class Guard:
                 "is nothing to judge or step. Call loss.backward() (fabric.backward(loss), scaler.scale(loss)"
                 ".backward()) before guard.step(loss), and zero_grad() nowhere else (the guard does it after the step)"
             )
+        if self.scaler is not None and _compat.scaler_unscaled(self.scaler, self.host.optimizers[0]):
+            raise RuntimeError(
+                f"Guard.step at step {self.host.global_step}: the GradScaler's unscale_() was already called on this "
+                "optimizer since its last update(), and the guard unscales the gradients itself, so that the suite "
+                "judges the true ones. Remove the loop's scaler.unscale_(optimizer) (and the clipping after it, "
+                "clip_grad_norm_ or fabric.clip_gradients): clip with Guard(gradient_clip_val=...), where the guard "
+                "clips after judging the step"
+            )
 
     def _judge_and_step(self, losses: list[Tensor]) -> StepOutcome:
         host, board = self.host, self.board

@@ -741,6 +741,28 @@ def test_a_grad_scaler_skip_lowers_the_scale_and_leaves_the_weights(tmp_path: Pa
                 assert scaler.get_scale() == 2.0**9  # the scaler saw the inf/NaN gradients, as under the Trainer
 
 
+def test_a_loop_that_unscales_its_gradients_itself_is_told_what_to_remove(tmp_path: Path) -> None:
+    """nanoGPT's ``scaler.unscale_(optimizer)`` and ``clip_grad_norm_`` kept above ``guard.step``: torch's own error
+    came from inside the step ("unscale_() has already been called...") and closed the guard."""
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    guard = Guard(model, optimizer, scaler=scaler, default_root_dir=tmp_path)
+    scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
+    scaler.unscale_(optimizer)
+    before = weights(model)
+    with pytest.raises(RuntimeError) as info:
+        guard.step(model(torch.randn(8, 4)).pow(2).mean())
+    assert str(info.value) == (
+        "Guard.step at step 0: the GradScaler's unscale_() was already called on this optimizer since its last "
+        "update(), and the guard unscales the gradients itself, so that the suite judges the true ones. Remove the "
+        "loop's scaler.unscale_(optimizer) (and the clipping after it, clip_grad_norm_ or fabric.clip_gradients): clip "
+        "with Guard(gradient_clip_val=...), where the guard clips after judging the step"
+    )
+    assert_bit_identical(before, weights(model))
+    guard.close()
+
+
 def test_nan_weights_under_a_grad_scaler_are_said_to_be_the_states_not_a_calibration(tmp_path: Path) -> None:
     """A NaN weight gives NaN gradients, which the GradScaler skips: the outcome names the weights, restored by a
     rollback (it said the scaler had lowered its scale as it calibrates; the rollback had restored the scale)."""
