@@ -96,6 +96,8 @@ class StepOutcome:
         backed_off: the learning rate was backed off at the end of this step (``LRBackoff``).
         rolled_back: the training state was restored to a verified snapshot (``Rollback``); the weights, optimizer
             and scheduler state are the snapshot's now.
+        restored_to: the step of that snapshot (``None`` where nothing was restored): what a loop's own counters
+            of the state (an EMA of the weights, an iteration count its schedule reads) go back to, if they should.
         lr: every param group's learning rate after the step, as the next step trains with it.
         events: what the suite journaled during the step (the same lines as the journal file).
     """
@@ -106,6 +108,7 @@ class StepOutcome:
     clipped: bool = False
     backed_off: bool = False
     rolled_back: bool = False
+    restored_to: int | None = None
     lr: list[float] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
 
@@ -1047,9 +1050,15 @@ class Guard:
             clipped=after[0] > counts[0],
             backed_off=after[1] > counts[1],
             rolled_back=after[2] > counts[2],
+            restored_to=self._restored_to() if after[2] > counts[2] else None,
             lr=[float(group["lr"]) for group in host.optimizers[0].param_groups],
             events=events[journaled:] if len(events) > journaled else [],
         )
+
+    def _restored_to(self) -> int | None:
+        """The snapshot step of the last rollback made (a ``Rollback``'s own, or a trial's kept remedy)."""
+        last = [rollback.history[-1] for rollback in self._rollbacks if rollback.history]
+        return int(max(last, key=lambda entry: entry["step"])["snapshot_step"]) if last else None
 
     def _counts(self) -> tuple[int, int, int]:
         """How many steps were clipped, backoffs made and rollbacks made so far (the callbacks' public counts)."""

@@ -197,7 +197,8 @@ def test_a_nan_weight_is_restored_to_the_last_verified_snapshot(tmp_path: Path) 
     rollback = next(cb for cb in callbacks if isinstance(cb, Rollback))
     at = 13
     run = loop(20, callbacks, tmp_path, fault="nan_weight", at=at, keep=lambda step: True)
-    assert [o.step for o in run.outcomes if o.rolled_back] == [at]
+    assert [(o.step, o.restored_to) for o in run.outcomes if o.rolled_back] == [(at, 10)]
+    assert {o.restored_to for o in run.outcomes if not o.rolled_back} == {None}
     target = rollback.history[0]["snapshot_step"]
     assert target == 10  # snapshots at 0, 5, 10: the last one verified finite before the fault
     restored = run.after[at]
@@ -739,6 +740,43 @@ def test_a_grad_scaler_skip_lowers_the_scale_and_leaves_the_weights(tmp_path: Pa
             if step == 5:
                 assert_bit_identical(before, weights(model))
                 assert scaler.get_scale() == 2.0**9  # the scaler saw the inf/NaN gradients, as under the Trainer
+
+
+def test_the_documented_ema_recipe_keeps_a_loops_ema_in_step_through_a_rollback(tmp_path: Path) -> None:
+    """docs/plain-loop.md: an EMA updated after each step that went ahead, reloaded from the model after a rollback.
+    An update writes inf into a weight at step 20; the guard finds it at step 21 and restores step 0's snapshot:
+    the EMA, which took the inf at step 20, starts again from the restored weights and stays finite."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    ema = copy.deepcopy(model).requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    at = {"step": 0}
+
+    def overflow(*_: Any) -> None:
+        if at["step"] == 20:
+            with torch.no_grad():
+                model[2].weight[0, 0] = math.inf
+
+    optimizer.register_step_post_hook(overflow)
+    data = torch.Generator().manual_seed(0)
+    rolled = []
+    with Guard(model, optimizer, default_root_dir=tmp_path) as guard:
+        for step in range(30):
+            at["step"] = step
+            x = torch.randn(32, 8, generator=data)
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            outcome = guard.step(loss, batch=x)
+            if outcome.rolled_back:
+                ema.load_state_dict(model.state_dict())
+                rolled.append((outcome.step, outcome.restored_to))
+                assert_bit_identical(weights(ema), weights(model))
+            elif not outcome.skipped:
+                with torch.no_grad():
+                    for average, live in zip(ema.parameters(), model.parameters()):
+                        average.mul_(0.99).add_(live, alpha=0.01)
+    assert rolled == [(21, 0)]
+    assert all(torch.isfinite(p).all() for p in [*ema.parameters(), *model.parameters()])
 
 
 def test_a_loop_that_unscales_its_gradients_itself_is_told_what_to_remove(tmp_path: Path) -> None:
