@@ -235,12 +235,29 @@ class Candidate:
         that cannot be swapped in."""
         live = {name: p.shape for name, p in module.named_parameters()}
         if live.keys() == self.params.keys() and all(live[n] == t.shape for n, t in self.params.items()):
-            return ""
+            repruned = self._repruned(module)
+            return f"pruned again ({', '.join(repruned[:3])}{' ...' if len(repruned) > 3 else ''})" if repruned else ""
         gone, new = sorted(self.params.keys() - live.keys()), sorted(live.keys() - self.params.keys())
         reshaped = sorted(n for n in live.keys() & self.params.keys() if live[n] != self.params[n].shape)
         parts = [f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
                  for label, names in (("without", gone), ("with", new), ("reshaped:", reshaped)) if names]  # fmt: skip
         return "; ".join(parts)
+
+    def _repruned(self, module: torch.nn.Module) -> list[str]:
+        """The pruning masks (``<name>_mask`` beside ``<name>_orig``) the module prunes with now and this candidate
+        does not: ``ModelPruning`` prunes again at each epoch's end in the same layout, and a candidate swapped in
+        would undo that pruning."""
+        changed = []
+        for prefix, owner in module.named_modules():
+            for name, param in owner._parameters.items():
+                if param is None or not name.endswith("_orig"):
+                    continue
+                key = name.removesuffix("_orig") + "_mask"
+                qualified = f"{prefix}.{key}" if prefix else key
+                live, side = owner._buffers.get(key), self.buffers.get(qualified)
+                if isinstance(live, Tensor) and isinstance(side, Tensor) and not torch.equal(live, side):
+                    changed.append(qualified)
+        return changed
 
     def _swap_buffers(self, module: torch.nn.Module) -> None:
         """Exchange the buffers: their ``.data`` where both branches hold a tensor, the slot's value where one holds

@@ -459,7 +459,8 @@ class TrialRunner:
 
     def _end_on_layout_change(self, trainer: pl.Trainer, board: _Board) -> bool:
         """A model whose layout changed during the trial (``ModelPruning`` at an epoch's or a validation's end, or
-        making its pruning permanent as the fit ends) has no place for the candidates on the side: the trial ends
+        making its pruning permanent as the fit ends) has no place for the candidates on the side, nor has one pruned
+        again (new masks, the same layout: a candidate swapped in would bring back what was pruned): the trial ends
         with the live state as it is (in ``"frozen"`` mode the remedy, since the incumbent cannot come back)."""
         if self.trial is None:
             return False
@@ -470,6 +471,8 @@ class TrialRunner:
         live = "the remedy, live, stays" if self._frozen else "the run goes on as it is"
         why = (f"the model's parameters changed during the trial (now {change}): the state on the side no longer "
                f"fits the model, and {live}")  # fmt: skip
+        if change.startswith("pruned again"):
+            why = f"the model was {change} during the trial: the state on the side prunes less, and {live}"
         self._finish(trainer, board, step, 0 if self._frozen else None, None, why, last=True, layout_change=change)
         return True
 

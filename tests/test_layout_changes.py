@@ -374,9 +374,11 @@ def test_a_healthy_pruned_run_is_neither_dead_nor_given_other_weights_at_its_end
 
 def test_a_trial_under_way_when_pruning_changes_the_layout_ends_with_the_run_as_it_is() -> None:
     """Scheduled trials (every 5 steps, 20 steps long) are under way when ModelPruning turns each weight into
-    weight_orig and weight_mask at the first epoch's end (step 8), and when it makes the pruning permanent as the fit
-    ends (step 24): swapping the candidates of the old layout in raised ``KeyError: 'net.0.weight_orig'``, then
-    ``'net.0.weight'``. Each trial ends there with the run as it is, which ends bit-identical to the bare run."""
+    weight_orig and weight_mask at the first epoch's end (step 8), and when it prunes again at the second's (step 16):
+    swapping the candidates of the old layout in raised ``KeyError: 'net.0.weight_orig'``; the candidate of the old
+    masks, kept, brought back what the second pruning removed. Each trial ends there with the run as it is; the one
+    under way at the fit's end is judged at its last batch (too few steps: the run as it is), before the pruning is
+    made permanent. The run ends bit-identical to the bare run."""
     runs = []
     for suite in ([], default_callbacks(trial=TrialConfig(every_n_steps=5))):
         torch.manual_seed(0)
@@ -388,7 +390,7 @@ def test_a_trial_under_way_when_pruning_changes_the_layout_ends_with_the_run_as_
     trials = [e for e in board_for(suite_run).journal.events if e.kind == "trial"]
     ended = [(e.step, e.details["layout_change"].split(";")[0]) for e in trials if "layout_change" in e.details]
     assert ended == [(8, "without net.0.bias, net.0.weight, net.2.bias ..."),
-                     (24, "without net.0.bias_orig, net.0.weight_orig, net.2.bias_orig ...")]  # fmt: skip
+                     (16, "pruned again (net.0.weight_mask, net.0.bias_mask, net.2.weight_mask ...)")]  # fmt: skip
     assert not any(e.details["kept"] for e in trials)
 
 
