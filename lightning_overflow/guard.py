@@ -205,6 +205,7 @@ class _LoopModule:
 
     automatic_optimization = True
     replay_step_code = "loss_fn"  # what a replay's message calls the code outside every module
+    clip_in_model_order = True  # a plain loop's clip_grad_norm_(model.parameters()); Fabric's clips by groups
 
     def __init__(self, module: nn.Module, host: LoopHost) -> None:
         object.__setattr__(self, "_module", module)
@@ -256,16 +257,19 @@ class _LoopModule:
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """The loop's own clipping (``Guard(gradient_clip_val=...)``), as a plain loop clips: the model's parameters
-        in the model's order (``clip_grad_norm_(model.parameters())``, ``fabric.clip_gradients``), which sets the
-        order the total norm is summed in; then any other parameter the optimizer holds."""
+        """The loop's own clipping (``Guard(gradient_clip_val=...)``), as the loop would clip, in the order that
+        sums the total norm: a plain loop's ``clip_grad_norm_(model.parameters())``, the model's parameters in the
+        model's order (then any other the optimizer holds); under Fabric ``fabric.clip_gradients``, the optimizer's
+        in its groups' order, as the Trainer's precision plugin does."""
         if not gradient_clip_val:
             return
         held = [p for group in optimizer.param_groups for p in group["params"]]
-        ids = {id(p) for p in held}
-        ordered = [p for p in self._module.parameters() if id(p) in ids]
-        known = {id(p) for p in ordered}
-        params = [p for p in ordered + [p for p in held if id(p) not in known] if p.grad is not None]
+        if self.clip_in_model_order:
+            ids = {id(p) for p in held}
+            ordered = [p for p in self._module.parameters() if id(p) in ids]
+            known = {id(p) for p in ordered}
+            held = ordered + [p for p in held if id(p) not in known]
+        params = [p for p in held if p.grad is not None]
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             nn.utils.clip_grad_value_(params, gradient_clip_val)
         else:
@@ -777,6 +781,7 @@ class Guard:
         if gradient_clip_val is not None and gradient_clip_val > 0:  # 0 clips nothing, as under the Trainer
             self.host.gradient_clip_val = gradient_clip_val
             self.host.gradient_clip_algorithm = GradClipAlgorithmType(gradient_clip_algorithm)
+            self.host.lightning_module.clip_in_model_order = _unwrap_optimizer(optimizer) is optimizer
         if loss_fn is not None:
             self.host.lightning_module.allow_side_runs(loss_fn, _side_run_model(model))
         self._batch_hooks: dict[str, list[Any]] = {}
@@ -1042,7 +1047,8 @@ class Guard:
         reason = record.skip_reason if skipped and record is not None else SCALER_SKIPPED if overflowed else ""
         check = record.state_check if judged and record is not None else None
         if overflowed and check is not None and not check.finite:  # no calibration: the state gave those gradients
-            reason = f"the {check.what} held inf/NaN, and so did the gradients: the GradScaler skipped the optimizer step"
+            reason = f"the {check.what} held inf/NaN, and so did the gradients: the GradScaler skipped the optimizer " \
+                     "step"
         return StepOutcome(
             step=step,
             skipped=skipped or overflowed,

@@ -280,35 +280,44 @@ def test_the_loops_own_clipping_is_that_of_a_bare_loop_and_autoclip_leaves_the_g
     ]
 
 
-def test_the_loops_own_clipping_sums_the_norm_in_the_models_order_as_a_bare_loop_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize("under", ["plain", "fabric"])
+def test_the_loops_own_clipping_sums_the_norm_in_the_order_the_loops_own_clip_does(tmp_path: Path, under: str) -> None:
     """An optimizer whose groups list the parameters in another order than the model (weight decay on the matrices
-    only, as nanoGPT's): the guard clips as ``clip_grad_norm_(model.parameters())`` does, bit for bit (it summed the
-    total norm in the groups' order: the weights differed after 20 steps)."""
+    only, as nanoGPT's): the guard clips bit for bit as the loop's own clip, ``clip_grad_norm_(model.parameters())``
+    in a plain loop (the model's order; it summed the total norm in the groups' order, and the weights differed after
+    20 steps), ``fabric.clip_gradients`` under Fabric (the groups' order)."""
+    from lightning.fabric import Fabric
 
-    def run(guarded: bool) -> nn.Module:
+    def run(guarded: bool) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
+        fabric = Fabric(accelerator="cpu", devices=1)
         blocks = [nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()) for _ in range(6)]
         model = nn.Sequential(*blocks, nn.Linear(64, 1))
         groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                   {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-        optimizer = torch.optim.AdamW(groups, lr=1e-3)
-        guard = Guard(model, optimizer, gradient_clip_val=1.0, default_root_dir=tmp_path) if guarded else None
+        net, optimizer = model, torch.optim.AdamW(groups, lr=1e-3)
+        if under == "fabric":
+            net, optimizer = fabric.setup(model, optimizer)
+        guard = Guard(net, optimizer, gradient_clip_val=1.0, default_root_dir=tmp_path) if guarded else None
         data = torch.Generator().manual_seed(1)
         for _ in range(20):
             x, y = torch.randn(32, 64, generator=data), torch.randn(32, 1, generator=data) * 10
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            loss = nn.functional.mse_loss(net(x), y)
+            fabric.backward(loss) if under == "fabric" else loss.backward()
             if guard is not None:
                 guard.step(loss)
                 continue
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if under == "fabric":
+                fabric.clip_gradients(net, optimizer, max_norm=1.0)
+            else:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if guard is not None:
             guard.close()
-        return model
+        return weights(model)
 
-    assert_bit_identical(weights(run(False)), weights(run(True)))
+    assert_bit_identical(run(False), run(True))
 
 
 def test_a_nan_loss_is_skipped_under_the_loops_own_clipping(tmp_path: Path) -> None:

@@ -653,8 +653,8 @@ class DivergenceEvidence:
         within = f" ({level:.4g} once their usual scatter is allowed for)" if allowance > 0.0 else ""
         return "loss_divergence", (
             f"rose far above its best level and stayed there: its level over about {window} healthy steps is "
-            f"{self.judged:.4g}{within}, above {bound:.4g} ({factor:g} times the lower of its best level {best:.4g} and "
-            f"its starting level {anchor:.4g}, and at least {min_rise:g}x its starting level) for {confirm_steps} "
+            f"{self.judged:.4g}{within}, above {bound:.4g} ({factor:g} times the lower of its best level {best:.4g} "
+            f"and its starting level {anchor:.4g}, and at least {min_rise:g}x its starting level) for {confirm_steps} "
             "consecutive steps"
         )
 
