@@ -252,6 +252,8 @@ class Signal:
         optimizer_index: the optimizer concerned.
         onset: the first step whose state the evidence implicates (``None``: the step of the signal); a rollback
             goes to a snapshot taken at or before it.
+        retry: a follow-up's remedy from the snapshot a kept remedy started from, at lower rates than that remedy's
+            (``REMEDY_RISE``): that snapshot again is no repeat of the last rollback.
     """
 
     kind: str
@@ -260,6 +262,7 @@ class Signal:
     source: str
     optimizer_index: int = 0
     onset: int | None = None
+    retry: bool = False
 
 
 @dataclass

@@ -522,7 +522,7 @@ class TrialRunner:
             restart = rise >= REMEDY_RISE  # it diverged too: the lower rates start again from where it started
             where = f"rose {rise:.3g}x over its trial, tried again from its snapshot" if restart else "tried once more"
             follow = Signal(trial.kind, step, f"the remedy kept at step {step} {where}", trial.source,
-                            onset=trial.snapshot_step if restart else None)  # fmt: skip
+                            onset=trial.snapshot_step if restart else None, retry=restart)  # fmt: skip
             self._open(trainer, board, trial.kind, step, follow, rung=trial.rung + 1, restart=restart)
 
     # ---- state ----------------------------------------------------------------------------------------------------

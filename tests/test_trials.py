@@ -410,6 +410,22 @@ def test_a_remedy_that_diverged_too_is_followed_by_lower_rates_from_its_snapshot
     assert model.mse() < 2.0
 
 
+def test_a_restarted_follow_up_starts_from_the_kept_remedys_own_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The remedy the trial opened at step 31 kept started from the snapshot of step 30 and its loss rose (forced
+    here): the follow-up starts from step 30 again, at lower rates. A rollback avoids the snapshot it last went to when
+    nothing changed; that rule took the follow-up one snapshot further back, to step 20."""
+    rise = Trial.rise
+    monkeypatch.setattr(Trial, "rise", lambda trial, remedy: 3.0 if trial.rung == 1 else rise(trial, remedy))
+    torch.manual_seed(0)
+    fit(Sabotaged(), [Suspect(31), LRBackoff(), Rollback(every_n_steps=10)], max_steps=80,
+        default_root_dir=str(tmp_path))  # fmt: skip
+    first, second = _trials(tmp_path)[:2]
+    assert (first["details"]["rung"], first["details"]["snapshot_step"], first["details"]["kept"]) == (1, 30, True)
+    assert (second["details"]["rung"], second["details"]["snapshot_step"]) == (2, 30)
+
+
 class _LiveRunOverflows(TinyRegressor):
     """A NaN loss at exact steps of the run's own training, never in a trial's candidate (whose state did not reach
     the overflow)."""

@@ -630,20 +630,23 @@ class Rollback(SuiteCallback):
         """The candidates, then the state a resumed fit started from, held for when none of its files can be used."""
         return self._candidates() + ([self._restart] if self._restart is not None else [])
 
-    def _targets(self, settings: tuple[float, ...], onset: int | None) -> tuple[list[Snapshot], Snapshot | None]:
+    def _targets(
+        self, settings: tuple[float, ...], onset: int | None, retry: bool = False
+    ) -> tuple[list[Snapshot], Snapshot | None]:
         """The candidates in the order to try, and the one avoided. Never the same snapshot twice with the same
         settings: having diverged again from the last target (no newer snapshot since) with nothing changed (no
         backoff since), go one snapshot further back and keep that one only as a last resort. With a new LR scale,
         the newest snapshot is the best place to try again, once: diverging from it again after that, go further
         back too. When the evidence names the step the state began to degrade (``onset``), the snapshots from
-        before it come first, newest first, then the later ones nearest the onset first."""
+        before it come first, newest first, then the later ones nearest the onset first. A ``retry`` (a follow-up
+        trial's remedy at lower rates from the snapshot the last one started from) is no repeat."""
         candidates = self._candidates()
         if onset is not None:
             later = [c for c in candidates if c.step > onset]
             candidates = [c for c in candidates if c.step <= onset] + later[::-1]
         # A snapshot that diverged again after a retry at a new LR scale holds the fault itself: go further back.
         again = settings == self._last_settings or self._retries >= 1
-        repeat = candidates and candidates[0].step == self._last_target and again
+        repeat = candidates and candidates[0].step == self._last_target and again and not retry
         if len(candidates) > 1 and repeat:
             return candidates[1:] + candidates[:1], candidates[0]
         return candidates, None
@@ -657,7 +660,7 @@ class Rollback(SuiteCallback):
         settings = self.board(trainer).settings()
         if not self._budget_left(int(trainer.global_step), settings) or not self._candidates():
             return None
-        candidates, _ = self._targets(settings, signal.onset)
+        candidates, _ = self._targets(settings, signal.onset, signal.retry)
         if signal.kind in RESTART_ONCE and self.history and candidates[0].step <= self.history[-1]["snapshot_step"]:
             return None  # back to or past the last restart: the remedy is a lower rate from where the run stands
         restored = self._restore_first(trainer, candidates, notify=False)
