@@ -96,8 +96,9 @@ class StepOutcome:
         backed_off: the learning rate was backed off at the end of this step (``LRBackoff``).
         rolled_back: the training state was restored to a verified snapshot (``Rollback``); the weights, optimizer
             and scheduler state are the snapshot's now.
-        restored_to: the step of that snapshot (``None`` where nothing was restored): what a loop's own counters
-            of the state (an EMA of the weights, an iteration count its schedule reads) go back to, if they should.
+        restored_to: the step whose state the model holds now (``None`` where nothing was restored): that
+            snapshot's, or after a trial's kept remedy, its snapshot's and the steps the remedy trained since. What a
+            loop's own counters of the state (an iteration count its schedule reads) go back to, if they should.
         lr: every param group's learning rate after the step, as the next step trains with it.
         events: what the suite journaled during the step (the same lines as the journal file).
     """
@@ -1056,15 +1057,23 @@ class Guard:
             clipped=after[0] > counts[0],
             backed_off=after[1] > counts[1],
             rolled_back=after[2] > counts[2],
-            restored_to=self._restored_to() if after[2] > counts[2] else None,
+            restored_to=self._restored_to(events[journaled:]) if after[2] > counts[2] else None,
             lr=[float(group["lr"]) for group in host.optimizers[0].param_groups],
             events=events[journaled:] if len(events) > journaled else [],
         )
 
-    def _restored_to(self) -> int | None:
-        """The snapshot step of the last rollback made (a ``Rollback``'s own, or a trial's kept remedy)."""
+    def _restored_to(self, events: list[Event]) -> int | None:
+        """The step whose state the last rollback made (during the step that journaled ``events``) left: its
+        snapshot's, and for a trial's kept remedy the steps that remedy trained from there."""
         last = [rollback.history[-1] for rollback in self._rollbacks if rollback.history]
-        return int(max(last, key=lambda entry: entry["step"])["snapshot_step"]) if last else None
+        if not last:
+            return None
+        entry = max(last, key=lambda entry: entry["step"])
+        trained = 0
+        if entry["source"] == "trial":
+            kept = [e for e in events if e.kind == "trial" and e.details.get("kept")]
+            trained = int(kept[-1].details.get("steps", 0)) if kept else 0
+        return int(entry["snapshot_step"]) + trained
 
     def _counts(self) -> tuple[int, int, int]:
         """How many steps were clipped, backoffs made and rollbacks made so far (the callbacks' public counts)."""

@@ -751,6 +751,34 @@ def test_a_grad_scaler_skip_lowers_the_scale_and_leaves_the_weights(tmp_path: Pa
                 assert scaler.get_scale() == 2.0**9  # the scaler saw the inf/NaN gradients, as under the Trainer
 
 
+def test_restored_to_after_a_trials_kept_remedy_counts_the_steps_it_trained(tmp_path: Path) -> None:
+    """Under ``guard.train_step`` trials run: a remedy kept from the snapshot of step 30 trained 20 steps since, and
+    its scheduler stands at step 50. ``restored_to`` says 50 (it said 30: a loop that set its count back to it ended
+    20 steps behind the guard's own schedule)."""
+    from test_trials import Suspect
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    schedule = sched.LambdaLR(optimizer, lambda n: 1.0)
+    data = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=data)
+    y = x @ torch.randn(4, 1, generator=data)
+    rolled = []
+    with Guard(model, optimizer, schedule, callbacks=[Suspect(31), LRBackoff(), Rollback(every_n_steps=10)],
+               loss_fn=lambda net, batch: nn.functional.mse_loss(net(batch[0]), batch[1]),
+               default_root_dir=tmp_path) as guard:  # fmt: skip
+        for step in range(70):
+            if guard.global_step == 30:
+                with torch.no_grad():
+                    model[0].weight.mul_(30.0)
+            i = (step * 8) % 64
+            outcome = guard.train_step((x[i : i + 8], y[i : i + 8]))
+            if outcome.rolled_back:
+                rolled.append((outcome.step, outcome.restored_to, schedule.last_epoch))
+    assert rolled == [(51, 50, 50)]
+
+
 def test_the_documented_ema_recipe_keeps_a_loops_ema_in_step_through_a_rollback(tmp_path: Path) -> None:
     """docs/plain-loop.md: an EMA updated after each step that went ahead, reloaded from the model after a rollback.
     An update writes inf into a weight at step 20; the guard finds it at step 21 and restores step 0's snapshot:
