@@ -720,7 +720,8 @@ class NonFiniteDetector(SuiteCallback):
         # A batch that itself holds inf/NaN or absurd values is a data fault: skipped, never held against the state.
         self._persistent = 0 if finding.data_fault else self._persistent + 1
         if self._persistent == self.persist_after:
-            batches = "on batches that hold no inf/NaN" if self._batch is not None else (
+            batches = "on batches whose inf/NaN, if any, were not the cause (set to 0, the step failed all the same)" \
+                if self._batch is not None else (
                 "on batches it was not shown (Guard.step(loss) sees no batch: guard.step(loss, batch=batch) "
                 "tells bad data apart)")  # fmt: skip
             persistent = f"{self._persistent} consecutive optimizer steps were non-finite {batches} ({message})"

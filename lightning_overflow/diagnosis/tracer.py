@@ -414,10 +414,13 @@ def _nonfinite_number(value: Any, depth: int = 0) -> bool:
 
 
 def _members(value: Any) -> list[Any]:
-    """The items of a collection a batch is made of, and of a record that gives itself as a dict (``to_dict()``: a
-    PyTorch Geometric ``Data``/``Batch``); empty for anything else: no object is walked blindly."""
+    """The items of a collection a batch is made of, of a record that gives itself as a dict (``to_dict()``: a
+    PyTorch Geometric ``Data``/``Batch``), and the buffers and parameters of a module the batch carries (tsl's
+    scaler, with which the model un-scales its output); empty for anything else: no object is walked blindly."""
     if isinstance(value, (list, tuple)):
         return list(value)
+    if isinstance(value, nn.Module):
+        return [*value.buffers(), *value.parameters()]
     if isinstance(value, Mapping):
         return list(value.values())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
