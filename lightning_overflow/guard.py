@@ -64,6 +64,7 @@ from lightning_overflow.faulted_steps import FaultedStep
 from lightning_overflow.health import HealthBoard, board_for
 from lightning_overflow.numerics.norms import any_sharded
 from lightning_overflow.training_state import own_optimizer_state
+from lightning_overflow.training_step import signature_parameters
 
 __all__ = ["Guard", "LoopHost", "PlainLoopStrategy", "StepOutcome"]
 
@@ -469,10 +470,7 @@ def _fabric_scaler(wrapped: Any) -> Any | None:
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` requires a closure (``LBFGS``): it evaluates the loss itself, several times a step."""
-    try:
-        closure = inspect.signature(optimizer.step).parameters.get("closure")
-    except (TypeError, ValueError):
-        return False
+    closure = signature_parameters(optimizer.step).get("closure")
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
@@ -528,12 +526,9 @@ def _losses(loss: Any) -> list[Tensor]:
 
 def _arguments_needed(method: Any) -> list[str]:
     """The names of the arguments a call of ``method`` cannot leave out (none where its signature cannot be read)."""
-    try:
-        parameters = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):
-        return []
     kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    return [p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind not in kinds]
+    return [p.name for p in signature_parameters(method).values()
+            if p.default is inspect.Parameter.empty and p.kind not in kinds]  # fmt: skip
 
 
 def _check_scheduler_optimizer(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
