@@ -146,6 +146,9 @@ def test_a_burst_of_nonfinite_steps_backs_off_once(tmp_path: Path) -> None:
     assert [(h["step"], h["action"], h["kinds"]) for h in backoff.history] == [(22, "backoff", "nonfinite_burst")]
     assert backed_off[:23] == reference[:23]
     assert all(b[0] == pytest.approx(0.5 * r[0], rel=1e-6) for b, r in zip(backed_off[23:], reference[23:]))
+    (event,) = [e for e in read_journal(tmp_path / "overflow_events.jsonl") if e["kind"] == "backoff"]
+    rate = event["details"]["lrs"][0]  # the number in the journal, to 4 digits in the message
+    assert rate != float(f"{rate:.4g}") and f"(was 1 x; group LRs [{rate:.4g}])" in event["message"]
 
 
 @pytest.mark.parametrize(("second", "expected"), [(25, [0.5]), (31, [0.5, 0.25])])

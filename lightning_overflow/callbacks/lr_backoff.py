@@ -259,7 +259,7 @@ class LRBackoff(SuiteCallback):
             entry = self._remember("backoff", first.step, index, _kinds(signals), first.reason, new)
             message = (
                 f"LRBackoff: {entry['kinds']} at step {first.step}: the learning rate of optimizer {index} is now "
-                f"{new:.4g} x its schedule (was {old:.4g} x; group LRs {_lrs(trainer, index)}). "
+                f"{new:.4g} x its schedule (was {old:.4g} x; group LRs {_shown_lrs(trainer, index)}). "
                 f"Cause: {first.reason}"
             )
             self._event(
@@ -278,7 +278,7 @@ class LRBackoff(SuiteCallback):
         message = (
             f"LRBackoff: AutoClip bounds every update of optimizer {index} from step {bound.step}: the backoffs since "
             f"the snapshot just restored are taken back, and its learning rate is {scale:.4g} x its schedule again "
-            f"(was {old:.4g} x; group LRs {_lrs(trainer, index)})."
+            f"(was {old:.4g} x; group LRs {_shown_lrs(trainer, index)})."
         )
         self._journal_undo(trainer, index, bound, old, message)
 
@@ -324,7 +324,7 @@ class LRBackoff(SuiteCallback):
         entry = self._remember("regrowth", step, index, "", reason, new)
         message = (
             f"LRBackoff: {self._windows[index]} stable steps up to step {step}: the learning rate of optimizer "
-            f"{index} grows back to {new:.4g} x its schedule (was {old:.4g} x; group LRs {_lrs(trainer, index)})."
+            f"{index} grows back to {new:.4g} x its schedule (was {old:.4g} x; group LRs {_shown_lrs(trainer, index)})."
         )
         self._event(
             trainer, "regrowth", message, step=step, **_details(entry), previous_scale=old, lrs=_lrs(trainer, index)
@@ -521,7 +521,7 @@ class LRBackoff(SuiteCallback):
             entry = self._remember("regrowth" if new > old else "backoff", step, index, trial.kind, reason, new)
             message = (
                 f"LRBackoff: the learning rate of optimizer {index} is now {new:.4g} x its schedule (was {old:.4g} x; "
-                f"group LRs {_lrs(trainer, index)}): {reason}."
+                f"group LRs {_shown_lrs(trainer, index)}): {reason}."
             )
             self._event(trainer, entry["action"], message, step=step, **_details(entry), previous_scale=old,
                         lrs=_lrs(trainer, index), trial=True, floor=self.min_scale)  # fmt: skip
@@ -674,3 +674,8 @@ def _kinds(signals: Sequence[Signal]) -> str:
 
 def _lrs(trainer: pl.Trainer, index: int) -> list[float]:
     return group_rates(trainer.optimizers[index])
+
+
+def _shown_lrs(trainer: pl.Trainer, index: int) -> str:
+    """The param groups' rates for a message, to 4 significant digits (``[0.004455, 0.0005]``)."""
+    return f"[{', '.join(f'{rate:.4g}' for rate in _lrs(trainer, index))}]"
