@@ -469,8 +469,9 @@ def replicated_strategy(strategy: Any) -> bool:
 def fit_ends_after_batch(trainer: pl.Trainer) -> bool:
     """Whether Lightning's loops end the fit after the current training batch, asked at its ``on_train_batch_end``:
     ``max_steps`` reached, or the last batch of the last of ``max_epochs`` (2.6.6: ``FitLoop.done`` and the epoch
-    loop's ``_num_ready_batches_reached``). A stop asked for (``should_stop``) does not count: the ranks agree on it
-    only as the epoch ends. ``False`` in a loop that is not Lightning's (a plain loop ends where it ends)."""
+    loop's ``_num_ready_batches_reached``). A stop asked for (``should_stop``) does not count: the callbacks that ask
+    for it (``Timer``, ``EarlyStopping``) do so after this hook, and a module's own may be one rank's. ``False`` in a
+    loop that is not Lightning's (a plain loop ends where it ends)."""
     loop = trainer.fit_loop
     max_steps = getattr(loop, "max_steps", None)
     if max_steps is None:

@@ -520,8 +520,9 @@ class TrialRunner:
             # rates against itself. The ladder stops at the first rung the run as it is wins.
             rise = trial.rise(winner) if winner is not None and trial.snapshot_step is not None else math.nan
             restart = rise >= REMEDY_RISE  # it diverged too: the lower rates start again from where it started
-            where = f"rose {rise:.3g}x over its trial, tried again from its snapshot" if restart else "tried once more"
-            follow = Signal(trial.kind, step, f"the remedy kept at step {step} {where}", trial.source,
+            where = f" rose {rise:.3g}x over its trial, tried again from its snapshot" if restart else \
+                ", tried once more from there"
+            follow = Signal(trial.kind, step, f"the remedy kept at step {step}{where}", trial.source,
                             onset=trial.snapshot_step if restart else None, retry=restart)  # fmt: skip
             self._open(trainer, board, trial.kind, step, follow, rung=trial.rung + 1, restart=restart)
 
