@@ -71,6 +71,7 @@ from lightning_overflow.preserve import (
     running_aside,
 )
 from lightning_overflow.skip import repeats_closure
+from lightning_overflow.training_state import pruned_pairs
 from lightning_overflow.training_step import loss_of, signature_parameters, silenced_logging, takes_batch_idx
 
 if TYPE_CHECKING:
@@ -248,15 +249,10 @@ class Candidate:
         does not: ``ModelPruning`` prunes again at each epoch's end in the same layout, and a candidate swapped in
         would undo that pruning."""
         changed = []
-        for prefix, owner in module.named_modules():
-            for name, param in owner._parameters.items():
-                if param is None or not name.endswith("_orig"):
-                    continue
-                key = name.removesuffix("_orig") + "_mask"
-                qualified = f"{prefix}.{key}" if prefix else key
-                live, side = owner._buffers.get(key), self.buffers.get(qualified)
-                if isinstance(live, Tensor) and isinstance(side, Tensor) and not torch.equal(live, side):
-                    changed.append(qualified)
+        for name, (_, live) in pruned_pairs(module).items():
+            side = self.buffers.get(name)
+            if isinstance(side, Tensor) and not torch.equal(live, side):
+                changed.append(name)
         return changed
 
     def _swap_buffers(self, module: torch.nn.Module) -> None:

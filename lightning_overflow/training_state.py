@@ -103,6 +103,7 @@ __all__ = [
     "own_optimizer_state",
     "parameter_names",
     "pruned_away",
+    "pruned_pairs",
     "pruned_since",
     "restorable",
     "restore_",
@@ -303,7 +304,7 @@ def pruned_away(module: Any) -> set[int]:
         >>> pruned_away(layer) == {id(layer.bias_orig)}
         True
     """
-    masked = [(id(orig), mask) for orig, mask in _pruned(module)]
+    masked = [(id(orig), mask) for orig, mask in pruned_pairs(module).values()]
     if not masked:
         return set()
     device = masked[0][1].device
@@ -433,17 +434,25 @@ def restore_(trainer: pl.Trainer, state: Mapping[str, Any], owners: Mapping[str,
 def _pruning_masks(module: torch.nn.Module) -> list[tuple[Tensor, Tensor]]:
     """``(live mask, a copy of it)`` of every weight ``torch.nn.utils.prune`` masks: ``ModelPruning`` prunes again at
     each epoch's end with the same layout, and a snapshot from before would otherwise bring back what it pruned."""
-    return [(mask, mask.detach().clone()) for _, mask in _pruned(module)]
+    return [(mask, mask.detach().clone()) for _, mask in pruned_pairs(module).values()]
 
 
-def _pruned(module: torch.nn.Module) -> list[tuple[Tensor, Tensor]]:
-    """``(<name>_orig, <name>_mask)`` of every weight ``torch.nn.utils.prune`` masks: a parameter beside a buffer."""
-    return [
-        (p, m._buffers[name.removesuffix("_orig") + "_mask"])
-        for m in module.modules()
-        for name, p in m._parameters.items()
-        if p is not None and name.endswith("_orig") and m._buffers.get(name.removesuffix("_orig") + "_mask") is not None
-    ]
+def pruned_pairs(module: torch.nn.Module) -> dict[str, tuple[Tensor, Tensor]]:
+    """``(<name>_orig, <name>_mask)`` of every weight ``torch.nn.utils.prune`` masks (a parameter beside a buffer),
+    by the mask's name in ``module``'s state.
+
+    Example:
+        >>> layer = torch.nn.utils.prune.l1_unstructured(torch.nn.Linear(2, 1), "weight", amount=0.5)
+        >>> list(pruned_pairs(torch.nn.Sequential(layer)))
+        ['0.weight_mask']
+    """
+    pairs = {}
+    for prefix, m in module.named_modules():
+        for name, p in m._parameters.items():
+            key = name.removesuffix("_orig") + "_mask"
+            if p is not None and name.endswith("_orig") and m._buffers.get(key) is not None:
+                pairs[f"{prefix}.{key}" if prefix else key] = (p, m._buffers[key])
+    return pairs
 
 
 def restore_module_(module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
