@@ -434,15 +434,11 @@ def _silent(record: StepHealth, module: Any) -> tuple[tuple[int, int] | None, li
     if zeros < DEAD_SHARE * len(norms):
         return (zeros, len(norms)), []
     pruned = pruned_away(module)
-    if pruned:
-        kept = [(n, v) for n, v, p in zip(record.names, norms, record.params) if v != 0.0 or id(p) not in pruned]
-        norms, names = [v for _, v in kept], [n for n, _ in kept]
-        zeros = norms.count(0.0)
-        if zeros < DEAD_SHARE * len(norms):
-            return (zeros, len(norms)), []
-    else:
-        names = list(record.names)
-    return (zeros, len(norms)), [n for n, v in zip(names, norms) if v == 0.0][:MAX_NAMES]
+    kept = [(n, v) for n, v, p in zip(record.names, norms, record.params) if v != 0.0 or id(p) not in pruned]
+    zeros = sum(v == 0.0 for _, v in kept)
+    if zeros < DEAD_SHARE * len(kept):
+        return (zeros, len(kept)), []
+    return (zeros, len(kept)), [n for n, v in kept if v == 0.0][:MAX_NAMES]
 
 
 def metric_key(key: str, optimizer_index: int, n_optimizers: int) -> str:
